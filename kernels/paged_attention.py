@@ -1,0 +1,87 @@
+"""Attention over the paged KV cache.
+
+Cache layout, per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
+A sequence's token at position p lives in block `block_tables[s, p // block_size]`
+at offset `p % block_size`. The KV of every token a call attends to, the new ones
+included, is already stored (store_kv runs first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    # -> [n, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    nb = (n + block_size - 1) // block_size
+    return cache[table[:nb].long()].flatten(0, 1)[:n]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] context length, the current token included
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    lens = seq_lens.tolist()
+    max_len = max(lens)
+    block_size = k_cache.shape[1]
+    nb = (max_len + block_size - 1) // block_size
+    # Gather every sequence's blocks at once, padded to the longest: [S, L, Hk, D].
+    idx = block_tables[:, :nb].long()
+    k = k_cache[idx].flatten(1, 2)[:, :max_len]
+    v = v_cache[idx].flatten(1, 2)[:, :max_len]
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    # scores: [S, Hk, G, L]
+    scores = torch.einsum("shgd,slhd->shgl", qf, k.float()) * scale
+    mask = torch.arange(max_len, device=q.device)[None, :] >= seq_lens.to(q.device)[:, None].long()
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgl,slhd->shgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed, no padding
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] context length after this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] offsets of each sequence's queries in q
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention for new tokens whose earlier context is already cached.
+
+    A sequence's queries are the last `q_len` positions of its context, so the
+    same call serves plain prefill, chunked prefill, prefix-cache hits and decode.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        a, b = starts[s], starts[s + 1]
+        q_len = b - a
+        if q_len == 0:
+            continue
+        k = _gather(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]
+        v = _gather(v_cache, block_tables[s], ctx).float()
+        qs = q[a:b].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale  # [Hk, G, q, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)
+        out[a:b] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out

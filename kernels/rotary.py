@@ -1,0 +1,59 @@
+"""Rotary position embedding (NeoX / HF Llama layout: rotate the two halves)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, smoothed, scaled)
+
+
+def compute_cos_sin_cache(
+    head_dim: int, base: float, max_pos: int, rope_scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """-> [max_pos, head_dim] fp32: cos in the first half, sin in the second."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
+    if kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+    elif kind == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]  # type: ignore[index]
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported")
+    t = torch.arange(max_pos, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]
+) -> None:
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+    for x in (q, k):
+        x1 = x[..., :half].float()
+        x2 = x[..., half:].float()
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        x[..., :half] = o1.to(x.dtype)
+        x[..., half:] = o2.to(x.dtype)
