@@ -1,0 +1,112 @@
+"""Session-wide fixtures: the real SmolLM2 (converted once, cached), and tiny
+random-weight models built from configs in the test, sharing SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct as a cached HF directory."""
+    from wsllm.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+def make_tiny_model(
+    path: Path, tokenizer_dir: Path, kind: str = "llama", **overrides: Any
+) -> Path:
+    """Save a random-weight HF model of `kind` (llama | llama3 | qwen2 | mistral)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    if kind == "llama3":
+        model_type = "llama"
+        base.update(
+            rope_theta=500000.0, tie_word_embeddings=False, num_key_value_heads=1,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        )
+    elif kind == "qwen2":
+        model_type = "qwen2"
+        base.update(rope_theta=1000000.0, num_key_value_heads=4, tie_word_embeddings=False)
+    else:
+        model_type = kind
+    base.update(overrides)
+    cfg = AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init give peaked, varied logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists():
+            shutil.copy(src, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), smollm_dir, "llama3")
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_dir: Path) -> Any:
+    """One SmolLM2 LLM per session (loading is the slow part)."""
+    from wsllm import LLM
+
+    return LLM(model=str(smollm_dir), max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf(smollm_dir: Path) -> Any:
+    """The Hugging Face transformers model: the correctness oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()

@@ -1,0 +1,232 @@
+"""Block manager: maps each sequence to fixed-size KV blocks.
+
+Plain Python, no torch, so it is tested on a CPU in milliseconds. It owns a free
+pool, one block table per sequence and a reference count per block. With prefix
+caching on, every full block is keyed by a hash chain (SHA-256 over the parent's
+key and the block's token ids); a block whose count drops to zero keeps its key
+and sits in an LRU of reusable blocks until its memory is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent or b"root")
+    h.update(b"|".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        # Prefix cache: key -> block, block -> key, and the evictable LRU (ref 0, key kept).
+        self._cached: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.block_tables: dict[int, list[int]] = {}
+        # How many leading blocks of each table have a registered key.
+        self._num_hashed: dict[int, int] = {}
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+        self.num_cow = 0
+
+    # -- capacity ---------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)  # least recently used
+            del self._cached[self._key_of.pop(b)]
+        else:
+            raise NoFreeBlocksError("no free KV block")
+        assert self.ref_counts[b] == 0, f"block {b} handed out with ref {self.ref_counts[b]}"
+        self.ref_counts[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        if self.ref_counts[b] <= 0:
+            raise AssertionError(f"double free of block {b}")
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            if b in self._key_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+
+    # -- prefix cache -------------------------------------------------------
+    def _match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks that hold a prefix of `token_ids`. At least one token is
+        left to compute so the model produces logits for the last one."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_full = (len(token_ids) - 1) // bs
+        parent: bytes | None = None
+        hits: list[int] = []
+        for i in range(max_full):
+            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            b = self._cached.get(parent)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Give keys to the sequence's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq_id]
+        bs = self.block_size
+        done = self._num_hashed.get(seq_id, 0)
+        full = min(num_computed // bs, len(table))
+        if full <= done:
+            return
+        parent: bytes | None = None
+        for i in range(done):  # rebuild the chain: a block may hold no key of its own
+            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+        for i in range(done, full):
+            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            b = table[i]
+            if key not in self._cached and b not in self._key_of:
+                self._cached[key] = b
+                self._key_of[b] = key
+            parent = key
+        self._num_hashed[seq_id] = full
+
+    # -- sequences ---------------------------------------------------------
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None) -> bool:
+        """Can a new sequence get blocks for its first `num_tokens` tokens (default all)?
+        Keeps the watermark free for running decodes."""
+        n = len(token_ids) if num_tokens is None else num_tokens
+        hits = self._match_prefix(token_ids)
+        needed = self.blocks_for(max(n, len(hits) * self.block_size + 1)) - len(hits)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return self.num_free_blocks - revived - needed >= self.watermark_blocks
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None) -> int:
+        """Create the block table of a new sequence. Returns how many leading tokens
+        are already in the cache (prefix hits), which the engine need not compute."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        hits = self._match_prefix(token_ids)
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                self._evictable.pop(b)
+            self.ref_counts[b] += 1
+        self.block_tables[seq_id] = list(hits)
+        self._num_hashed[seq_id] = len(hits)
+        cached = len(hits) * self.block_size
+        self.queried_tokens += len(token_ids)
+        self.hit_tokens += cached
+        n = len(token_ids) if num_tokens is None else num_tokens
+        if not self.ensure_slots(seq_id, max(n, cached + 1)):
+            self.free(seq_id)
+            raise NoFreeBlocksError("not enough free KV blocks for the prompt")
+        return cached
+
+    def ensure_slots(self, seq_id: int, total_tokens: int) -> bool:
+        """Grow the table to hold `total_tokens`. All or nothing: False if short."""
+        table = self.block_tables[seq_id]
+        need = self.blocks_for(total_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.num_free_blocks:
+            return False
+        table.extend(self._take() for _ in range(need))
+        return True
+
+    def copy_on_write(self, seq_id: int, first_pos: int) -> list[tuple[int, int]]:
+        """Before a sequence writes positions >= first_pos, give it private copies of
+        shared blocks there. Returns (src, dst) block copies for the cache engine."""
+        table = self.block_tables[seq_id]
+        copies = []
+        for i in range(first_pos // self.block_size, len(table)):
+            b = table[i]
+            if self.ref_counts[b] > 1:
+                nb = self._take()
+                self._release(b)
+                table[i] = nb
+                copies.append((b, nb))
+                self.num_cow += 1
+        self._num_hashed[seq_id] = min(self._num_hashed.get(seq_id, 0), first_pos // self.block_size)
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (reference counted)."""
+        table = self.block_tables[parent_id]
+        for b in table:
+            self.ref_counts[b] += 1
+        self.block_tables[child_id] = list(table)
+        self._num_hashed[child_id] = self._num_hashed.get(parent_id, 0)
+
+    def free(self, seq_id: int) -> None:
+        table = self.block_tables.pop(seq_id, None)
+        self._num_hashed.pop(seq_id, None)
+        if table is None:
+            return
+        # Release tail first so the LRU evicts a chain's leaves before its root.
+        for b in reversed(table):
+            self._release(b)
+
+    def take_blocks(self, n: int) -> list[int]:
+        """Raw blocks for the caller (swap-in); all or nothing."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
+        return [self._take() for _ in range(n)]
+
+    def set_table(self, seq_id: int, table: list[int]) -> None:
+        self.block_tables[seq_id] = table
+        self._num_hashed[seq_id] = 0
+
+    def check_invariants(self) -> None:
+        """Reference counts equal the number of tables holding each block; every
+        block is in exactly one of: used, free, evictable."""
+        counts = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref_counts, "reference counts do not match block tables"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        ev = set(self._evictable)
+        used = {b for b in range(self.num_blocks) if counts[b] > 0}
+        assert not (free & ev) and not (free & used) and not (ev & used), "block in two pools"
+        assert len(free) + len(ev) + len(used) == self.num_blocks, "a block is lost"
+        assert set(self._cached.values()) == set(self._key_of), "cache maps disagree"
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -1,0 +1,305 @@
+"""LLMEngine: one step = schedule -> run the model -> postprocess.
+
+Contract: `add_request`, `abort`, `step() -> list[RequestOutput]`,
+`has_unfinished()`, `free_capacity()`. Queues, blocks and tensors stay private.
+The engine is not thread-safe: one thread (the worker) drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wsllm import kernels
+from wsllm.config import EngineConfig
+from wsllm.engine.block_manager import BlockManager
+from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
+from wsllm.engine.model_runner import ModelRunner
+from wsllm.engine.sampler import Sampler
+from wsllm.engine.scheduler import Scheduler
+from wsllm.engine.sequence import Sequence, SeqStatus
+from wsllm.models import loader
+from wsllm.models.llama import LlamaForCausalLM
+from wsllm.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # produced in this step
+    finish_reason: str | None = None
+    new_logprobs: list[Any] | None = None  # per new token: [chosen_logprob, [[tok, lp], ...]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    queue_time: float | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    reported_queue_time: bool = False
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, model_name: str,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.config = config
+        self.model_dir = str(model_dir)
+        self.model_name = model_name
+        self.eos_token_ids = eos_token_ids
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        bs = config.block_size
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            num_blocks = num_blocks_for_budget(mc, bs, dtype, free * config.gpu_memory_utilization)
+        else:
+            num_blocks = num_blocks_for_budget(mc, bs, dtype, config.kv_cache_gb * 2**30)
+        num_cpu = (
+            num_blocks_for_budget(mc, bs, dtype, config.swap_space_gb * 2**30)
+            if config.preemption_mode == "swap" else 0
+        )
+        self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
+        self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
+        swapper = None
+        if num_cpu:
+            from wsllm.engine.swap import CpuSwapSpace
+
+            swapper = CpuSwapSpace(num_cpu)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, swapper
+        )
+        self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
+        self.runner = ModelRunner(model, self.cache.kv_caches, bs, self.sampler, device)
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[_Request] = []
+        self.num_aborted_total = 0
+        self.num_steps = 0
+        self.step_log: list[dict[str, int]] = []  # {request_id: num_tokens} per step, when enabled
+        self.record_steps = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if config.attention_backend != "auto":
+            kernels.use_backend(config.attention_backend)
+        model_dir = loader.resolve_model_dir(config.model)
+        device = _pick_device(config.device)
+        dtype = _pick_dtype(config.dtype, device)
+        t = time.time()
+        model = loader.load_model(model_dir, device, dtype)
+        log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
+        hf_cfg = loader.read_hf_config(model_dir)
+        return cls(config, model, model_dir, loader.model_name_for(config.model), loader.eos_token_ids(model_dir, hf_cfg))
+
+    # -- contract -----------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError, leaving the engine as it was, on bad input."""
+        self._validate(request_id, prompt_token_ids, params)
+        now = arrival_time if arrival_time is not None else time.time()
+        req = _Request(request_id, list(prompt_token_ids), params)
+        for i in range(params.n):
+            seq = Sequence(request_id, i, req.prompt_token_ids, params, now)
+            req.seqs.append(seq)
+        self._requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
+                f"beyond the model's context of {self.max_model_len} tokens"
+            )
+        bm = self.block_manager
+        if bm.blocks_for(total) > bm.num_blocks - bm.watermark_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens ({total} tokens) needs more KV blocks than the cache has "
+                f"({bm.num_blocks} blocks of {bm.block_size})"
+            )
+        if params.use_beam_search:
+            raise ValueError("use_beam_search is not supported yet")
+        if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
+            raise ValueError("the engine is full; retry later")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now. Its blocks are freed before this returns; the next
+        step() reports it with finish_reason 'abort'."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = FINISH_ABORT
+        self._aborted.append(req)
+        self.num_aborted_total += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def free_capacity(self) -> int:
+        """How many more requests to admit now: room in the running batch plus what
+        the free KV blocks could start, minus what already waits."""
+        s = self.scheduler
+        waiting = len(s.waiting) + len(s.swapped)
+        room = self.config.max_num_seqs - len(s.running) - waiting
+        bm = self.block_manager
+        avg = max(1, bm.blocks_for(256))
+        kv_room = (bm.num_free_blocks - bm.watermark_blocks) // avg - waiting
+        return max(0, min(room, max(kv_room, 1 if not s.running and not waiting else 0)))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._flush_aborted()
+        sched = self.scheduler.schedule()
+        if sched.swap_out:
+            self.cache.swap_out(sched.swap_out)
+        if sched.swap_in:
+            self.cache.swap_in(sched.swap_in)
+        self.cache.copy(sched.copies)
+        if sched.scheduled:
+            if self.record_steps:
+                self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
+            sampled, result = self.runner.run(sched.scheduled, self.block_manager.block_tables)
+            if result is not None:
+                for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
+                    self._append_token(seq, tok, lp)
+            self.scheduler.finish_step(sched.scheduled)
+            outputs.extend(self._collect(sched.scheduled))
+        self.num_steps += 1
+        return outputs
+
+    # -- internals ----------------------------------------------------------
+    def _append_token(self, seq: Sequence, tok: int, lp: Any) -> None:
+        seq.output_token_ids.append(tok)
+        seq.new_token_ids.append(tok)
+        if lp is not None:
+            seq.new_logprobs.append(lp)
+            seq.cumulative_logprob += lp[0]
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens and (
+            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+        ):
+            seq.finish_reason = FINISH_STOP
+        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FINISH_LENGTH
+        if seq.finish_reason is not None:
+            seq.status = SeqStatus.FINISHED
+
+    def _collect(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        touched: dict[str, _Request] = {}
+        for seq, _ in scheduled:
+            if seq.new_token_ids and seq.request_id in self._requests:
+                touched[seq.request_id] = self._requests[seq.request_id]
+        outs = []
+        for rid, req in touched.items():
+            outs.append(self._output(req))
+            if all(s.finished for s in req.seqs):
+                del self._requests[rid]
+        return outs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        comps = []
+        for s in req.seqs:
+            comps.append(CompletionOutput(
+                s.index, list(s.output_token_ids), s.new_token_ids, s.finish_reason,
+                s.new_logprobs if s.params.logprobs is not None else None,
+            ))
+            s.new_token_ids = []
+            s.new_logprobs = []
+        qt = None
+        first = req.seqs[0]
+        if not req.reported_queue_time and first.first_scheduled_time is not None:
+            qt = max(0.0, first.first_scheduled_time - first.arrival_time)
+            req.reported_queue_time = True
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, comps, all(s.finished for s in req.seqs),
+            first.num_cached_tokens, qt,
+        )
+
+    def _flush_aborted(self) -> list[RequestOutput]:
+        outs = [self._output(r) for r in self._aborted]
+        self._aborted.clear()
+        return outs
+
+    def stats(self) -> dict[str, Any]:
+        s, bm = self.scheduler, self.block_manager
+        return {
+            "num_running": len({q.request_id for q in s.running}),
+            "num_waiting": len({q.request_id for q in s.waiting}),
+            "num_swapped": len({q.request_id for q in s.swapped}),
+            "kv_usage": bm.usage(),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_swaps": s.num_swaps,
+            "num_cow": bm.num_cow,
+            "num_aborted_total": self.num_aborted_total,
+            "prefix_hit_rate": bm.hit_rate,
+            "prefix_hit_tokens": bm.hit_tokens,
+            "num_steps": self.num_steps,
+        }
+
+
+__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput"]

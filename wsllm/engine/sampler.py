@@ -1,0 +1,136 @@
+"""Batched sampler: one pass over a [batch, vocab] logits tensor, no Python loop
+over the vocabulary.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which is
+the same as drawing from p. A seeded row draws its noise from a generator keyed
+by (seed, choice index, output position), so its tokens do not depend on what
+else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wsllm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    # per row: (chosen logprob, [(token, logprob), ... top-N]) or None
+    logprobs: list[Any]
+
+
+def _penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+    dev = logits.device
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
+    out_counts = torch.zeros(len(seqs), vocab, device=dev)
+    seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+    for i, s in enumerate(seqs):
+        if s.output_token_ids:
+            ids = torch.tensor(s.output_token_ids, device=dev)
+            out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
+        if s.params.repetition_penalty != 1.0:
+            seen[i, torch.tensor(s.token_ids, device=dev)] = True
+    # Repetition penalty (HF / CTRL): over prompt and output tokens.
+    r = rep[:, None]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, penalized, logits)
+    # Presence and frequency penalties (OpenAI): over output tokens only.
+    logits = logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+    return logits
+
+
+def _mask_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+    """min_tokens: a sequence may not stop before it has that many tokens."""
+    for i, s in enumerate(seqs):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else eos_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    dev = logits.device
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # top_p: keep the smallest prefix whose mass reaches p (the first token always stays).
+    cum = probs.cumsum(dim=-1) - probs
+    drop |= cum >= top_p[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+def _noise(seqs: list[Sequence], probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
+    if unseeded:
+        rows = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+        rows.exponential_(generator=generator)
+        q[unseeded] = rows
+    for i, s in enumerate(seqs):
+        if s.params.seed is not None:
+            g = torch.Generator(device=probs.device)
+            g.manual_seed((s.params.seed * 1_000_003 + s.index * 7_919 + len(s.output_token_ids)) % 2**63)
+            q[i].exponential_(generator=g)
+    return q
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        # logits: [num_seqs, vocab] fp32 (the model may pad vocab; cut it)
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        if any(
+            s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+            for s in seqs
+        ):
+            logits = _penalties(logits, seqs, self.vocab_size)
+        if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
+            logits = _mask_stops(logits.clone(), seqs, self.eos_token_ids)
+        greedy = torch.tensor([s.params.greedy for s in seqs])
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+            scaled = logits / temps[:, None]
+            if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0 for s in seqs):
+                scaled = _top_k_top_p_min_p(scaled, seqs)
+            probs = scaled.softmax(dim=-1)
+            q = _noise(seqs, probs, self.generator)
+            sampled = (probs / q).argmax(dim=-1)
+            chosen = torch.where(greedy, chosen, sampled)
+        token_ids = chosen.tolist()
+        logprobs: list[Any] = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.use_beam_search]
+        if want:
+            lp = raw[want].log_softmax(dim=-1)
+            k = max(seqs[i].params.logprobs or 0 for i in want)
+            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+            for j, i in enumerate(want):
+                n = seqs[i].params.logprobs or 0
+                top = []
+                if n and top_v is not None and top_i is not None:
+                    top = [[t, v] for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)]
+                logprobs[i] = [float(lp[j, token_ids[i]]), top]
+        return SampleResult(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,58 @@
+"""A sequence is one choice of one request: its tokens and how far the KV cache
+has caught up with them."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsllm.types import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice number within the request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache. Prefill, chunked prefill, prefix hits and
+    # decode are all this counter catching up with len(token_ids).
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    new_token_ids: list[int] = field(default_factory=list)  # produced in this step
+    new_logprobs: list[Any] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

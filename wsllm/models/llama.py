@@ -1,0 +1,226 @@
+"""The Llama family over a paged KV cache: Llama 2/3 (llama3 rope scaling),
+Mistral, Qwen2 (qkv bias) and SmolLM2. Grouped-query attention, RMSNorm, SwiGLU,
+tied embeddings. Attention metadata is passed explicitly, never through a global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsllm import kernels
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    arch: str = "llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        model_type = cfg.get("model_type", "llama")
+        if archs[0] not in SUPPORTED_ARCHS and model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {model_type!r})")
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            arch=model_type,
+        )
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What attention needs to find each token's KV. Built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot for each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's tokens
+    max_query_len: int
+    is_decode: bool  # every sequence has exactly one new token
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.scale = c.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        kernels.rotary_embedding(positions, q, k, cos_sin)
+        k_cache, v_cache = kv
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+        else:
+            o = kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.scale, meta.max_query_len,
+            )
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, residual, positions, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, kv, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cs = kernels.compute_cos_sin_cache(c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling)
+        self.register_buffer("cos_sin_cache", cs, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden states [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        cos_sin = self.cos_sin_cache
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up projections."""
+        params = dict(self.named_parameters())
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
+            "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
+        }
+        loaded: set[str] = set()
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, start, size = name, None, None
+            for i, p in enumerate(parts):
+                if p in fused:
+                    dst, start, size = fused[p]
+                    parts[i] = dst
+                    target = ".".join(parts)
+                    break
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r}")
+            with torch.no_grad():
+                param = params[target]
+                if start is None:
+                    param.copy_(w)
+                else:
+                    param.narrow(0, start, size).copy_(w)
+            loaded.add(target)
+        missing = set(params) - loaded - ({"lm_head.weight"} if c.tie_word_embeddings else set())
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
