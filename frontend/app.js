@@ -1,0 +1,278 @@
+// Entry point: wires the socket, the stored conversations and the views together.
+
+import { Chat, describeError } from "./chat.js";
+import { icon, setIcon } from "./icons.js";
+import { MessageView } from "./messages.js";
+import { fetchModels, SettingsPanel } from "./settings.js";
+import { Sidebar } from "./sidebar.js";
+import { Store } from "./store.js";
+import { ConnState, defaultWsUrl, WsClient } from "./ws.js";
+
+const $ = (id) => document.getElementById(id);
+const THEMES = ["auto", "light", "dark"];
+const THEME_LABEL = { auto: "automatic", light: "light", dark: "dark" };
+const TOAST_MS = 6000;
+
+export function toast(text, kind = "info") {
+  const box = document.createElement("div");
+  box.className = `toast ${kind}`;
+  box.setAttribute("role", kind === "error" ? "alert" : "status");
+  const span = document.createElement("span");
+  span.textContent = text;
+  const close = document.createElement("button");
+  close.type = "button";
+  close.className = "icon-btn small";
+  close.setAttribute("aria-label", "Dismiss");
+  close.appendChild(icon("close"));
+  close.addEventListener("click", () => box.remove());
+  box.append(span, close);
+  $("toasts").appendChild(box);
+  setTimeout(() => box.remove(), TOAST_MS);
+}
+
+function main() {
+  const store = new Store();
+  store.onError = () => toast("Could not save to this browser's storage (full or disabled).", "error");
+  const ws = new WsClient(defaultWsUrl());
+  const settings = new SettingsPanel($("settings-dialog"), store, (s) => {
+    applyTheme(s.theme);
+    showSummary();
+  });
+  const chat = new Chat(store, ws, () => settings.get());
+  let activeId = null;
+
+  const view = new MessageView($("messages"), {
+    regenerate: (msg) => chat.regenerate(activeId, msg.id),
+    edit: (msg, text) => chat.editAndResend(activeId, msg.id, text),
+    connected: () => ws.state === ConnState.CONNECTED,
+  });
+  const sidebar = new Sidebar($("conv-list"), {
+    select: (id) => {
+      select(id);
+      closeSidebar();
+      $("prompt").focus();
+    },
+    rename: (id, title) => chat.rename(id, title),
+    remove: (id) => {
+      chat.remove(id);
+      if (id === activeId) select(chat.list()[0]?.id ?? chat.create().id);
+    },
+    generating: (id) => chat.generating(id),
+    rerender: () => renderList(),
+  });
+
+  // ---- drawing ------------------------------------------------------------------
+
+  function renderList() {
+    sidebar.render(chat.list(), activeId);
+  }
+
+  function renderChrome() {
+    const conv = chat.get(activeId);
+    $("conv-title").textContent = conv?.title || "New chat";
+    document.title = conv && conv.messages.length ? `${conv.title} · wsllm` : "wsllm chat";
+    const busy = chat.generating(activeId);
+    $("send").hidden = busy;
+    $("stop").hidden = !busy;
+    $("empty").hidden = !!conv && conv.messages.length > 0;
+  }
+
+  function select(id) {
+    const conv = chat.get(id);
+    if (!conv) return;
+    activeId = id;
+    store.activeId = id;
+    $("system-prompt").value = conv.system;
+    $("system-box").open = !!conv.system;
+    view.show(conv);
+    renderList();
+    renderChrome();
+  }
+
+  function showSummary() {
+    const s = settings.get();
+    const model = s.model || ws.hello?.model || "";
+    const parts = [model, `temp ${s.temperature}`, `max ${s.max_tokens}`];
+    if (s.seed !== null) parts.push(`seed ${s.seed}`);
+    $("settings-summary").textContent = parts.filter(Boolean).join(" · ");
+  }
+
+  function applyTheme(theme) {
+    if (theme === "auto") delete document.documentElement.dataset.theme;
+    else document.documentElement.dataset.theme = theme;
+    const b = $("theme-toggle");
+    setIcon(b, theme === "auto" ? "auto" : theme === "light" ? "sun" : "moon");
+    const label = `Theme: ${THEME_LABEL[theme]} (click to change)`;
+    b.setAttribute("aria-label", label);
+    b.title = label;
+  }
+
+  function renderConn() {
+    const el = $("conn-status");
+    const { state, retryAt } = ws;
+    el.dataset.state = state;
+    if (state === ConnState.CONNECTED) el.textContent = "Connected";
+    else if (state === ConnState.CONNECTING) el.textContent = "Connecting…";
+    else if (retryAt) el.textContent = `Disconnected · retry in ${Math.max(1, Math.ceil((retryAt - Date.now()) / 1000))}s`;
+    else el.textContent = "Disconnected · reconnecting…";
+    $("reconnect").hidden = state !== ConnState.DISCONNECTED;
+  }
+
+  // ---- chat events --------------------------------------------------------------
+
+  chat.addEventListener("list", () => {
+    renderList();
+    renderChrome();
+  });
+  chat.addEventListener("conversation", (ev) => {
+    if (ev.detail.id === activeId) view.sync();
+    renderChrome();
+  });
+  chat.addEventListener("message", (ev) => {
+    if (ev.detail.convId === activeId) view.update(ev.detail.msgId);
+  });
+
+  // ---- socket events ------------------------------------------------------------
+
+  let countdown = 0;
+  ws.addEventListener("state", () => {
+    renderConn();
+    clearInterval(countdown);
+    if (ws.state === ConnState.DISCONNECTED) countdown = setInterval(renderConn, 1000);
+    view.refresh();
+  });
+  ws.addEventListener("hello", () => {
+    showSummary();
+    loadModels();
+  });
+  ws.addEventListener("message-error", (ev) => {
+    const e = ev.detail;
+    toast(describeError(e.code, e.message, e.param), "error");
+  });
+
+  let modelsLoaded = false;
+  async function loadModels(quiet = false) {
+    if (modelsLoaded) return;
+    try {
+      settings.setModels(await fetchModels(), ws.hello?.model);
+      modelsLoaded = true;
+    } catch (err) {
+      settings.setModels([settings.get().model].filter(Boolean), ws.hello?.model);
+      if (!quiet) toast(`Could not load the model list: ${err.message}`, "error");
+    }
+  }
+
+  // ---- controls -----------------------------------------------------------------
+
+  const prompt = $("prompt");
+  function autosize() {
+    prompt.style.height = "auto";
+    prompt.style.height = `${Math.min(prompt.scrollHeight, Math.round(window.innerHeight * 0.4))}px`;
+  }
+
+  function send() {
+    const text = prompt.value;
+    if (!text.trim() || chat.generating(activeId)) return;
+    if (chat.send(activeId, text)) {
+      prompt.value = "";
+      autosize();
+    }
+  }
+
+  $("composer").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    send();
+  });
+  prompt.addEventListener("input", autosize);
+  prompt.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && !ev.altKey && !ev.ctrlKey && !ev.metaKey) {
+      ev.preventDefault();
+      send();
+    }
+  });
+  $("stop").addEventListener("click", () => {
+    chat.stop(activeId);
+    prompt.focus();
+  });
+  document.addEventListener("keydown", (ev) => {
+    if (ev.defaultPrevented) return;
+    if (ev.key === "Escape" && !$("settings-dialog").open) {
+      if (chat.stop(activeId)) ev.preventDefault();
+      else if (document.body.classList.contains("sidebar-open")) closeSidebar();
+    } else if (ev.key.toLowerCase() === "n" && ev.altKey && !ev.ctrlKey && !ev.metaKey) {
+      ev.preventDefault();
+      newChat();
+    }
+  });
+
+  function newChat() {
+    const current = chat.get(activeId);
+    // Reuse an untouched empty chat instead of piling up blank ones.
+    const conv = current && current.messages.length === 0 && !current.system ? current : chat.create();
+    select(conv.id);
+    closeSidebar();
+    prompt.focus();
+  }
+  $("new-chat").prepend(icon("plus"));
+  $("new-chat").addEventListener("click", newChat);
+
+  $("system-prompt").addEventListener("input", (ev) => chat.setSystem(activeId, ev.target.value));
+
+  function openSidebar() {
+    document.body.classList.add("sidebar-open");
+    $("scrim").hidden = false;
+    $("open-sidebar").setAttribute("aria-expanded", "true");
+    ($("conv-list").querySelector("[aria-current]") || $("new-chat")).focus();
+  }
+  function closeSidebar() {
+    if (!document.body.classList.contains("sidebar-open")) return;
+    document.body.classList.remove("sidebar-open");
+    $("scrim").hidden = true;
+    $("open-sidebar").setAttribute("aria-expanded", "false");
+  }
+  $("open-sidebar").appendChild(icon("menu"));
+  $("open-sidebar").addEventListener("click", openSidebar);
+  $("close-sidebar").appendChild(icon("close"));
+  $("close-sidebar").addEventListener("click", () => {
+    closeSidebar();
+    $("open-sidebar").focus();
+  });
+  $("scrim").addEventListener("click", closeSidebar);
+
+  $("open-settings").appendChild(icon("settings"));
+  $("open-settings").addEventListener("click", () => settings.open());
+  $("settings-close").appendChild(icon("close"));
+  $("theme-toggle").addEventListener("click", () => {
+    const next = THEMES[(THEMES.indexOf(settings.get().theme) + 1) % THEMES.length];
+    settings.set({ theme: next });
+  });
+  $("reconnect").appendChild(icon("retry"));
+  $("reconnect").addEventListener("click", () => ws.retryNow());
+  $("send").appendChild(icon("send"));
+  $("stop").appendChild(icon("stop"));
+
+  window.addEventListener("online", () => ws.retryNow());
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) ws.retryNow();
+  });
+  window.addEventListener("storage", (ev) => {
+    // Another tab changed settings: follow its theme.
+    if (ev.key === "wsllm.v1.settings") applyTheme(store.loadSettings().theme);
+  });
+
+  // ---- start --------------------------------------------------------------------
+
+  applyTheme(settings.get().theme);
+  const first = chat.get(store.activeId) || chat.list()[0] || chat.create();
+  select(first.id);
+  renderConn();
+  showSummary();
+  chat.resumeStored();
+  ws.start();
+  loadModels(true); // quiet: if the server is down, the hello after reconnect retries
+  prompt.focus();
+  // Handles for tests and debugging in the console.
+  window.wsllm = { chat, ws, store, settings, view };
+}
+
+main();

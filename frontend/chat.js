@@ -1,0 +1,296 @@
+// Conversations and the requests that answer them: the state the UI draws.
+//
+// Each conversation has at most one answer in flight; several conversations can stream
+// at once over the same socket. Events: "list" (titles, order or streaming marks
+// changed), "conversation" {id} (messages added/removed), "message" {convId, msgId}
+// (one message's text, status or figures changed).
+
+import { newConversation, newMessage } from "./store.js";
+
+const LIVE = new Set(["waiting", "queued", "streaming"]);
+const TITLE_LEN = 48;
+
+/** Readable text for the protocol's error codes. */
+export function describeError(code, message, param) {
+  const detail = message ? ` (${message})` : "";
+  switch (code) {
+    case "too_many_requests":
+      return `Too many requests at once on this connection. Wait for one to finish.${detail}`;
+    case "queue_full":
+      return `The server is busy right now (its queue is full). Try again in a moment.${detail}`;
+    case "model_not_ready":
+      return `The model is not ready yet (still loading?). Try again in a moment.${detail}`;
+    case "invalid_request":
+      return `The server rejected the request${param ? `: check "${param}"` : ""}.${detail}`;
+    case "worker_lost":
+      return `The engine serving this answer went away.${detail}`;
+    case "unknown_id":
+      return "The connection dropped and the server could not resume this answer.";
+    case "internal_error":
+      return `The server hit an internal error.${detail}`;
+    default:
+      return message || `Error: ${code}`;
+  }
+}
+
+export function isLive(msg) {
+  return msg.role === "assistant" && LIVE.has(msg.status);
+}
+
+export class Chat extends EventTarget {
+  constructor(store, ws, getSettings) {
+    super();
+    this.store = store;
+    this.ws = ws;
+    this.getSettings = getSettings;
+    this.convs = new Map();
+    for (const c of store.loadConversations()) this.convs.set(c.id, c);
+    this._runtime = new Map(); // message id -> {sentAt, firstAt, deltas}
+  }
+
+  _emit(type, detail = {}) {
+    this.dispatchEvent(new CustomEvent(type, { detail }));
+  }
+
+  list() {
+    return [...this.convs.values()].sort((a, b) => b.updatedAt - a.updatedAt);
+  }
+
+  get(id) {
+    return this.convs.get(id) || null;
+  }
+
+  create() {
+    const conv = newConversation();
+    this.convs.set(conv.id, conv);
+    this.store.saveConversation(conv);
+    this._emit("list");
+    return conv;
+  }
+
+  rename(id, title) {
+    const conv = this.get(id);
+    const t = String(title).trim().slice(0, 200);
+    if (!conv || !t) return;
+    conv.title = t;
+    conv.renamed = true;
+    this._touch(conv);
+  }
+
+  remove(id) {
+    this.stop(id);
+    this.convs.delete(id);
+    this.store.deleteConversation(id);
+    this._emit("list");
+  }
+
+  setSystem(id, text) {
+    const conv = this.get(id);
+    if (!conv) return;
+    conv.system = String(text);
+    this.store.saveConversation(conv, 300);
+  }
+
+  generating(id) {
+    const conv = this.get(id);
+    return !!conv && conv.messages.some(isLive);
+  }
+
+  send(id, text) {
+    const conv = this.get(id);
+    if (!conv || !text.trim() || this.generating(id)) return false;
+    conv.messages.push(newMessage("user", text));
+    if (!conv.renamed && conv.messages.filter((m) => m.role === "user").length === 1) {
+      const t = text.trim().replace(/\s+/g, " ");
+      conv.title = t.length > TITLE_LEN ? `${t.slice(0, TITLE_LEN - 1)}…` : t;
+    }
+    this._answer(conv);
+    return true;
+  }
+
+  regenerate(id, msgId) {
+    const conv = this.get(id);
+    if (!conv) return;
+    this.stop(id);
+    const k = conv.messages.findIndex((m) => m.id === msgId);
+    if (k < 0 || conv.messages[k].role !== "assistant") return;
+    conv.messages.splice(k);
+    this._answer(conv);
+  }
+
+  editAndResend(id, msgId, text) {
+    const conv = this.get(id);
+    if (!conv || !text.trim()) return;
+    this.stop(id);
+    const k = conv.messages.findIndex((m) => m.id === msgId);
+    if (k < 0 || conv.messages[k].role !== "user") return;
+    conv.messages[k].content = text;
+    conv.messages.splice(k + 1);
+    this._answer(conv);
+  }
+
+  /** Stop the conversation's answer now; the text so far stays. */
+  stop(id) {
+    const conv = this.get(id);
+    if (!conv) return false;
+    let stopped = false;
+    for (const msg of conv.messages) {
+      if (!isLive(msg)) continue;
+      if (msg.requestId) this.ws.cancel(msg.requestId);
+      this._finish(conv, msg, "stopped", "abort");
+      stopped = true;
+    }
+    return stopped;
+  }
+
+  /** After a page reload: pick up answers that were streaming (if the server can). */
+  resumeStored() {
+    for (const conv of this.convs.values()) {
+      for (const msg of conv.messages) {
+        if (!isLive(msg)) continue;
+        if (!msg.requestId) {
+          this._fail(conv, msg, "unknown_id", "");
+          continue;
+        }
+        const rt = { sentAt: null, firstAt: null, deltas: 0 };
+        this._runtime.set(msg.id, rt);
+        const after = Number.isInteger(msg.lastSeq) ? msg.lastSeq : -1;
+        this.ws.resume(msg.requestId, after, this._handlers(conv, msg, rt));
+      }
+    }
+  }
+
+  // ---- one answer ---------------------------------------------------------------
+
+  _history(conv) {
+    const out = [];
+    if (conv.system.trim()) out.push({ role: "system", content: conv.system });
+    for (const m of conv.messages) {
+      if (m.role === "user" || (m.role === "assistant" && m.content && m.status !== "error")) {
+        out.push({ role: m.role, content: m.content });
+      }
+    }
+    return out;
+  }
+
+  _payload(conv) {
+    const s = this.getSettings();
+    const p = {
+      type: "chat",
+      messages: this._history(conv),
+      temperature: s.temperature,
+      top_p: s.top_p,
+      max_tokens: s.max_tokens,
+    };
+    if (s.model) p.model = s.model;
+    if (s.seed !== null) p.seed = s.seed;
+    return p;
+  }
+
+  _answer(conv) {
+    const payload = this._payload(conv);
+    const msg = newMessage("assistant");
+    msg.status = "waiting";
+    msg.stats = {};
+    msg.model = payload.model || this.ws.hello?.model || "";
+    conv.messages.push(msg);
+    const rt = { sentAt: performance.now(), firstAt: null, deltas: 0 };
+    this._runtime.set(msg.id, rt);
+    msg.requestId = this.ws.newId();
+    msg.lastSeq = -1;
+    this._touch(conv);
+    this._emit("conversation", { id: conv.id });
+    this.ws.request(payload, this._handlers(conv, msg, rt), msg.requestId);
+  }
+
+  _handlers(conv, msg, rt) {
+    const changed = () => {
+      this._emit("message", { convId: conv.id, msgId: msg.id });
+      this.store.saveConversation(conv, 1000);
+    };
+    return {
+      sent: () => {
+        rt.sentAt = performance.now();
+      },
+      queued: (position) => {
+        if (!isLive(msg)) return;
+        msg.status = "queued";
+        msg.queuePosition = position;
+        changed();
+      },
+      interrupted: () => {
+        if (!isLive(msg)) return;
+        msg.reconnecting = true;
+        changed();
+      },
+      delta: (text, seq) => {
+        if (!isLive(msg)) return;
+        const now = performance.now();
+        if (rt.firstAt === null) {
+          rt.firstAt = now;
+          if (rt.sentAt !== null && msg.stats.ttftMs === undefined) msg.stats.ttftMs = now - rt.sentAt;
+        }
+        rt.deltas += 1;
+        msg.status = "streaming";
+        msg.reconnecting = false;
+        msg.content += text;
+        msg.lastSeq = seq;
+        msg.stats.tokens = rt.deltas; // an estimate until `done` brings usage
+        msg.stats.tps = rate(rt.deltas, rt.firstAt, now);
+        changed();
+      },
+      done: (m) => {
+        const tokens = m.usage?.completion_tokens;
+        if (isLive(msg)) {
+          const status = m.finish_reason === "abort" ? "stopped" : "done";
+          this._finish(conv, msg, status, m.finish_reason || "stop", tokens);
+        } else if (Number.isInteger(tokens)) {
+          msg.stats.tokens = tokens; // the server's count for an answer stopped here
+          this._emit("message", { convId: conv.id, msgId: msg.id });
+          this.store.saveConversation(conv);
+        }
+      },
+      error: (e) => {
+        if (!isLive(msg)) return;
+        if (e.resumed && e.code === "unknown_id") this._fail(conv, msg, "unknown_id", "", "interrupted");
+        else this._fail(conv, msg, e.code, e.message, "error", e.param);
+      },
+    };
+  }
+
+  _finish(conv, msg, status, finishReason, tokens) {
+    const rt = this._runtime.get(msg.id);
+    this._runtime.delete(msg.id);
+    msg.status = status;
+    msg.finishReason = finishReason;
+    msg.reconnecting = false;
+    if (Number.isInteger(tokens)) msg.stats.tokens = tokens;
+    if (rt && rt.firstAt !== null) {
+      const n = Number.isInteger(tokens) ? tokens : rt.deltas;
+      msg.stats.tps = rate(n, rt.firstAt, performance.now());
+    }
+    delete msg.requestId;
+    delete msg.lastSeq;
+    delete msg.queuePosition;
+    this._touch(conv);
+    this._emit("message", { convId: conv.id, msgId: msg.id });
+  }
+
+  _fail(conv, msg, code, message, status = "error", param = null) {
+    msg.error = { code, message: describeError(code, message, param) };
+    this._finish(conv, msg, status, status);
+  }
+
+  _touch(conv) {
+    conv.updatedAt = Date.now();
+    this.store.saveConversation(conv);
+    this._emit("list");
+  }
+}
+
+/** Decode speed: tokens after the first over the time since the first. */
+function rate(tokens, firstAt, now) {
+  const secs = (now - firstAt) / 1000;
+  if (tokens < 2 || secs <= 0) return null;
+  return (tokens - 1) / secs;
+}

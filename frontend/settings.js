@@ -1,0 +1,110 @@
+// The settings dialog: model (from GET /v1/models), temperature, top_p, max tokens,
+// seed. Every change is normalized and saved at once.
+
+import { normalizeSettings } from "./store.js";
+
+export async function fetchModels(signal) {
+  const res = await fetch("/v1/models", { signal, headers: { Accept: "application/json" } });
+  if (!res.ok) throw new Error(`GET /v1/models: HTTP ${res.status}`);
+  const body = await res.json();
+  return (Array.isArray(body?.data) ? body.data : [])
+    .map((m) => (m && typeof m.id === "string" ? m.id : null))
+    .filter(Boolean);
+}
+
+export class SettingsPanel {
+  /** `onChange(settings)` runs after every saved change. */
+  constructor(dialog, store, onChange) {
+    this.dialog = dialog;
+    this.store = store;
+    this.onChange = onChange;
+    this.settings = store.loadSettings();
+    this.models = [];
+    const $ = (id) => dialog.querySelector(`#${id}`);
+    this.inputs = {
+      model: $("set-model"),
+      temperature: $("set-temperature"),
+      top_p: $("set-top-p"),
+      max_tokens: $("set-max-tokens"),
+      seed: $("set-seed"),
+    };
+    this.outputs = { temperature: $("out-temperature"), top_p: $("out-top-p") };
+    this._fill();
+    for (const [key, input] of Object.entries(this.inputs)) {
+      input.addEventListener("input", () => this._read(key, false));
+      input.addEventListener("change", () => this._read(key, true));
+    }
+    dialog.querySelector("#settings-reset").addEventListener("click", () => {
+      this.settings = normalizeSettings({ theme: this.settings.theme, model: this.settings.model });
+      this._save();
+      this._fill();
+    });
+    // A click on the backdrop (outside the panel) closes the dialog.
+    dialog.addEventListener("click", (ev) => {
+      if (ev.target === dialog) dialog.close();
+    });
+  }
+
+  open() {
+    this._fill();
+    this.dialog.showModal();
+  }
+
+  get() {
+    return this.settings;
+  }
+
+  set(partial) {
+    this.settings = normalizeSettings({ ...this.settings, ...partial });
+    this._save();
+  }
+
+  /** Fill the model list; keep the stored choice when the server still has it. */
+  setModels(ids, serverDefault) {
+    this.models = ids;
+    const sel = this.inputs.model;
+    const opts = [];
+    const auto = document.createElement("option");
+    auto.value = "";
+    auto.textContent = serverDefault ? `Server default (${serverDefault})` : "Server default";
+    opts.push(auto);
+    for (const id of ids) {
+      const o = document.createElement("option");
+      o.value = id;
+      o.textContent = id;
+      opts.push(o);
+    }
+    sel.replaceChildren(...opts);
+    if (this.settings.model && !ids.includes(this.settings.model)) {
+      this.settings.model = ""; // that model is gone; fall back to the server's
+      this._save();
+    }
+    sel.value = this.settings.model;
+  }
+
+  _fill() {
+    const s = this.settings;
+    this.inputs.model.value = s.model;
+    this.inputs.temperature.value = String(s.temperature);
+    this.inputs.top_p.value = String(s.top_p);
+    this.inputs.max_tokens.value = String(s.max_tokens);
+    this.inputs.seed.value = s.seed === null ? "" : String(s.seed);
+    this.outputs.temperature.textContent = s.temperature.toFixed(2);
+    this.outputs.top_p.textContent = s.top_p.toFixed(2);
+  }
+
+  _read(key, final) {
+    const raw = this.inputs[key].value;
+    // While typing, an empty or half-typed number is left alone until `change`.
+    if (!final && (key === "max_tokens" || key === "seed") && raw.trim() === "") return;
+    this.settings = normalizeSettings({ ...this.settings, [key]: raw });
+    this._save();
+    if (key in this.outputs) this.outputs[key].textContent = this.settings[key].toFixed(2);
+    if (final) this._fill(); // show the clamped value
+  }
+
+  _save() {
+    this.store.saveSettings(this.settings);
+    this.onChange(this.settings);
+  }
+}

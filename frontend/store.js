@@ -1,0 +1,149 @@
+// Conversations and settings in localStorage.
+//
+// Layout (documented in docs/ui.md, and seeded that way by the browser tests):
+//   wsllm.v1.conv.<id>   one conversation as JSON (see newConversation / newMessage)
+//   wsllm.v1.active      the id of the conversation on screen
+//   wsllm.v1.settings    the settings panel's values and the theme
+// One key per conversation, so a streaming answer rewrites only its own conversation.
+
+const PREFIX = "wsllm.v1.";
+const CONV = `${PREFIX}conv.`;
+
+export const DEFAULT_SETTINGS = Object.freeze({
+  model: "",
+  temperature: 0.7,
+  top_p: 1.0,
+  max_tokens: 512,
+  seed: null,
+  theme: "auto", // auto | light | dark
+});
+
+export function uid(prefix = "") {
+  const rnd = crypto.getRandomValues(new Uint32Array(2));
+  return `${prefix}${Date.now().toString(36)}${rnd[0].toString(36)}${rnd[1].toString(36)}`.slice(0, 24);
+}
+
+export function newConversation() {
+  const now = Date.now();
+  return { id: uid("c"), title: "New chat", system: "", messages: [], createdAt: now, updatedAt: now };
+}
+
+/** role: "user" | "assistant". Assistant messages also carry `status` (streaming, done,
+ * stopped, error, interrupted, waiting), `stats` ({ttftMs, tokens, tps}), `error`
+ * ({code, message}), and while streaming `requestId` and `lastSeq` for resume. */
+export function newMessage(role, content = "") {
+  return { id: uid("m"), role, content, createdAt: Date.now() };
+}
+
+function clampNum(v, lo, hi, dflt, int = false) {
+  const n = typeof v === "string" && v.trim() === "" ? NaN : Number(v);
+  if (!Number.isFinite(n)) return dflt;
+  const x = Math.min(hi, Math.max(lo, n));
+  return int ? Math.round(x) : x;
+}
+
+/** Coerce stored or typed values into valid settings, never throwing. */
+export function normalizeSettings(raw) {
+  const s = { ...DEFAULT_SETTINGS, ...(raw && typeof raw === "object" ? raw : {}) };
+  const seed = s.seed === null || s.seed === "" || s.seed === undefined ? null : clampNum(s.seed, 0, 2 ** 31 - 1, null, true);
+  return {
+    model: typeof s.model === "string" ? s.model : "",
+    temperature: clampNum(s.temperature, 0, 2, DEFAULT_SETTINGS.temperature),
+    top_p: clampNum(s.top_p, 0.01, 1, DEFAULT_SETTINGS.top_p),
+    max_tokens: clampNum(s.max_tokens, 1, 1_000_000, DEFAULT_SETTINGS.max_tokens, true),
+    seed,
+    theme: ["auto", "light", "dark"].includes(s.theme) ? s.theme : "auto",
+  };
+}
+
+function isConversation(c) {
+  return c && typeof c.id === "string" && Array.isArray(c.messages);
+}
+
+export class Store {
+  constructor(storage = window.localStorage) {
+    this.storage = storage;
+    this.onError = () => {};
+    this._pending = new Map(); // conversation id -> timer of a throttled save
+  }
+
+  _get(key) {
+    try {
+      const raw = this.storage.getItem(key);
+      return raw === null ? null : JSON.parse(raw);
+    } catch {
+      return null; // unreadable entries are skipped, never fatal
+    }
+  }
+
+  _set(key, value) {
+    try {
+      this.storage.setItem(key, JSON.stringify(value));
+      return true;
+    } catch (err) {
+      this.onError(err);
+      return false;
+    }
+  }
+
+  /** All stored conversations, most recently updated first. */
+  loadConversations() {
+    const out = [];
+    for (let k = 0; k < this.storage.length; k++) {
+      const key = this.storage.key(k);
+      if (!key || !key.startsWith(CONV)) continue;
+      const c = this._get(key);
+      if (!isConversation(c)) continue;
+      c.title = typeof c.title === "string" && c.title ? c.title : "Untitled";
+      c.system = typeof c.system === "string" ? c.system : "";
+      c.messages = c.messages.filter((m) => m && (m.role === "user" || m.role === "assistant"));
+      for (const m of c.messages) m.content = typeof m.content === "string" ? m.content : String(m.content ?? "");
+      c.updatedAt = Number(c.updatedAt) || 0;
+      out.push(c);
+    }
+    return out.sort((a, b) => b.updatedAt - a.updatedAt);
+  }
+
+  /** Save now, or at most every `throttleMs` (used while an answer streams). */
+  saveConversation(conv, throttleMs = 0) {
+    const pending = this._pending.get(conv.id);
+    if (throttleMs > 0) {
+      if (pending) return;
+      this._pending.set(
+        conv.id,
+        setTimeout(() => {
+          this._pending.delete(conv.id);
+          this._set(CONV + conv.id, conv);
+        }, throttleMs),
+      );
+      return;
+    }
+    if (pending) {
+      clearTimeout(pending);
+      this._pending.delete(conv.id);
+    }
+    this._set(CONV + conv.id, conv);
+  }
+
+  deleteConversation(id) {
+    clearTimeout(this._pending.get(id));
+    this._pending.delete(id);
+    this.storage.removeItem(CONV + id);
+  }
+
+  get activeId() {
+    return this._get(`${PREFIX}active`);
+  }
+
+  set activeId(id) {
+    this._set(`${PREFIX}active`, id);
+  }
+
+  loadSettings() {
+    return normalizeSettings(this._get(`${PREFIX}settings`));
+  }
+
+  saveSettings(settings) {
+    this._set(`${PREFIX}settings`, normalizeSettings(settings));
+  }
+}
