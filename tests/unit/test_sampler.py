@@ -1,0 +1,59 @@
+"""The batched sampler's rules, on hand-made logits."""
+
+from __future__ import annotations
+
+import torch
+
+from wsllm.engine.sampler import Sampler
+from wsllm.engine.sequence import Sequence
+from wsllm.types import SamplingParams
+
+
+def seq(**kw: object) -> Sequence:
+    return Sequence("r", 0, [1, 2, 3], SamplingParams(**kw), 0.0)  # type: ignore[arg-type]
+
+
+def test_greedy_top_k_top_p_min_p_restrict_the_choice() -> None:
+    s = Sampler(vocab_size=8, eos_token_ids=[0])
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0, 1.0, 1.0, 1.0, 1.0]]).repeat(4, 1)
+    rows = [
+        seq(temperature=0.0),
+        seq(temperature=1.0, top_k=1),
+        seq(temperature=1.0, top_p=0.3),
+        seq(temperature=1.0, min_p=0.95),
+    ]
+    for _ in range(20):
+        assert s(logits, rows).token_ids == [1, 1, 1, 1]
+    # top_k=2 only ever picks the two best
+    picks = {s(logits[:1], [seq(temperature=5.0, top_k=2)]).token_ids[0] for _ in range(60)}
+    assert picks == {1, 2}
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    s = Sampler(vocab_size=4, eos_token_ids=[0])
+    logits = torch.tensor([[9.0, 1.0, 8.0, 0.0]])
+    r = seq(temperature=0.0, min_tokens=2, max_tokens=4, stop_token_ids=[2])
+    assert s(logits, [r]).token_ids == [1]
+    r.output_token_ids = [1, 1]
+    assert s(logits, [r]).token_ids == [0]
+
+
+def test_penalties_push_away_repeated_tokens() -> None:
+    s = Sampler(vocab_size=4, eos_token_ids=[])
+    logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
+    r = seq(temperature=0.0, frequency_penalty=1.0)
+    r.output_token_ids = [1]
+    assert s(logits, [r]).token_ids == [2]
+    r2 = seq(temperature=0.0, repetition_penalty=1.5)
+    r2.prompt_token_ids = [1]
+    assert s(logits, [r2]).token_ids == [2]
+
+
+def test_logprobs_are_normalised_and_sorted() -> None:
+    s = Sampler(vocab_size=5, eos_token_ids=[])
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
+    res = s(logits, [seq(temperature=0.0, logprobs=3)])
+    chosen, top = res.logprobs[0]
+    assert [t for t, _ in top] == [1, 2, 0]
+    assert abs(chosen - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6
+    assert abs(sum(torch.tensor([v for _, v in top]).exp().tolist()) - 0.9) < 0.1
