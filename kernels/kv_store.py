@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ._lazy import triton_op
 
 
 def store_kv_ref(
@@ -16,3 +20,10 @@ def store_kv_ref(
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def __getattr__(name: str) -> Any:
+    # The Triton version is in elementwise.py, imported on first use; see _lazy.py.
+    if name in ("store_kv_triton",):
+        return triton_op(__package__, "elementwise", name, globals())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,23 @@ included, is already stored (store_kv runs first).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ._lazy import triton_op
+
+# The Triton versions live beside, in modules that import triton; see _lazy.py.
+_TRITON = {
+    "paged_decode_attention_triton": "paged_decode",
+    "paged_prefill_attention_triton": "paged_prefill",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRITON:
+        return triton_op(__package__, _TRITON[name], name, globals())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:

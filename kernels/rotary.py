@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ._lazy import triton_op
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -57,3 +59,10 @@ def rotary_embedding_ref(
         o2 = x2 * cos + x1 * sin
         x[..., :half] = o1.to(x.dtype)
         x[..., half:] = o2.to(x.dtype)
+
+
+def __getattr__(name: str) -> Any:
+    # The Triton version is in elementwise.py, imported on first use; see _lazy.py.
+    if name in ("rotary_embedding_triton",):
+        return triton_op(__package__, "elementwise", name, globals())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,183 @@
+"""Triton attention kernels against their torch references, on the CPU.
+
+The kernels run in Triton's interpreter: TRITON_INTERPRET must be set before the
+first kernel is defined, which is when a `*_triton` name is first looked up (see
+kernels/_lazy.py). The half type here is fp16: the interpreter truncates fp32 ->
+bf16 rather than rounding, so bf16 gets one smoke test with a looser tolerance and
+its full grid runs in tests/gpu. Tolerances: wsllm.kernels.testing.tolerance().
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from wsllm.kernels import paged_attention as pa  # noqa: E402
+from wsllm.kernels.paged_decode import plan_splits  # noqa: E402
+from wsllm.kernels.testing import (  # noqa: E402
+    BLOCK_SIZES,
+    GQA_RATIOS,
+    HEAD_DIMS,
+    PREFILL_PAIRWISE,
+    edge_lens,
+    kv_heads_for,
+    make_paged_case,
+    prefill_batch,
+    tolerance,
+)
+
+from wsllm import kernels  # noqa: E402
+
+HALF = torch.float16
+DTYPES = {"fp32": torch.float32, "half": HALF}
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1"
+)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, **tolerance(dtype, interpreted=True))
+
+
+# ------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("group", GQA_RATIOS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_matches_reference(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    case = make_paged_case(
+        edge_lens(block_size), None, block_size, kv_heads_for(group), group, head_dim, dtype
+    )
+    out = pa.paged_decode_attention_triton(*case.decode_args())
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_decode_split_count_does_not_change_the_result(num_splits: int) -> None:
+    # 1: the direct path without a merge; 7: more splits than the 300-token context
+    # fills, so whole splits are empty and must weigh nothing in the merge.
+    case = make_paged_case(edge_lens(16), None, 16, 2, 3, 64, torch.float32, seed=1)
+    out = pa.paged_decode_attention_triton(*case.decode_args(), num_splits=num_splits)
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), torch.float32)
+
+
+def test_decode_plan_depends_on_shapes_only() -> None:
+    # CUDA graphs replay one launch plan: it may not read seq_lens.
+    cpu = torch.device("cpu")
+    assert plan_splits(5, 2, 304, cpu) == 2
+    assert plan_splits(5, 2, 128, cpu) == 1  # short contexts are not split
+    assert plan_splits(256, 8, 4096, cpu) == 1  # a full batch needs no split
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_decode_pads_head_dim_to_a_power_of_two(head_dim: int) -> None:
+    case = make_paged_case(edge_lens(16), None, 16, 2, 3, head_dim, HALF, seed=2)
+    out = pa.paged_decode_attention_triton(*case.decode_args())
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), HALF)
+
+
+def test_decode_bf16_smoke() -> None:
+    case = make_paged_case(edge_lens(16), None, 16, 1, 8, 64, torch.bfloat16, seed=3)
+    out = pa.paged_decode_attention_triton(*case.decode_args())
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), torch.bfloat16)
+
+
+def test_decode_reads_a_strided_query() -> None:
+    # The model hands over q as a view into the fused qkv projection.
+    case = make_paged_case([5, 40], None, 8, 2, 3, 64, torch.float32, seed=4)
+    qkv = torch.randn(2, case.q.shape[1] + 4, 64)
+    qkv[:, :6] = case.q
+    args = list(case.decode_args())
+    args[0] = qkv[:, :6]
+    out = pa.paged_decode_attention_triton(*args)
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), torch.float32)
+
+
+# ------------------------------------------------------------------ prefill
+
+
+@pytest.mark.parametrize(("block_size", "group", "scenario", "head_dim", "precision"), PREFILL_PAIRWISE)
+def test_prefill_matches_reference(
+    block_size: int, group: int, scenario: str, head_dim: int, precision: str
+) -> None:
+    dtype = DTYPES[precision]
+    lens, q_lens = prefill_batch(scenario, block_size)
+    case = make_paged_case(lens, q_lens, block_size, kv_heads_for(group), group, head_dim, dtype)
+    out = pa.paged_prefill_attention_triton(*case.prefill_args())
+    _close(out, pa.paged_prefill_attention_ref(*case.prefill_args()), dtype)
+
+
+@pytest.mark.parametrize("max_query_len", [None, 40])
+def test_prefill_max_query_len_is_only_a_grid_bound(max_query_len: int | None) -> None:
+    # None reads the longest query run from query_start_loc; any upper bound gives
+    # the same result (extra query tiles exit at once).
+    lens, q_lens = prefill_batch("chunked", 8)
+    case = make_paged_case(lens, q_lens, 8, 2, 3, 80, torch.float32, seed=5)
+    args = list(case.prefill_args())
+    args[-1] = max_query_len
+    out = pa.paged_prefill_attention_triton(*args)
+    _close(out, pa.paged_prefill_attention_ref(*case.prefill_args()), torch.float32)
+
+
+def test_prefill_with_one_query_per_sequence_equals_decode() -> None:
+    case = make_paged_case(edge_lens(8), [1] * 5, 8, 2, 3, 64, torch.float32, seed=6)
+    prefill = pa.paged_prefill_attention_triton(*case.prefill_args())
+    decode = pa.paged_decode_attention_triton(*case.decode_args())
+    _close(prefill, decode, torch.float32)
+
+
+def test_prefill_bf16_smoke() -> None:
+    lens, q_lens = prefill_batch("chunked", 16)
+    case = make_paged_case(lens, q_lens, 16, 2, 3, 64, torch.bfloat16, seed=7)
+    out = pa.paged_prefill_attention_triton(*case.prefill_args())
+    _close(out, pa.paged_prefill_attention_ref(*case.prefill_args()), torch.bfloat16)
+
+
+# ----------------------------------------------------------------- dispatch
+
+
+def test_backend_triton_dispatches_to_the_kernels() -> None:
+    case = make_paged_case([3, 20], None, 8, 2, 1, 64, torch.float32, seed=8)
+    try:
+        kernels.use_backend("triton")
+        out = kernels.paged_decode_attention(*case.decode_args())
+        assert kernels._impl("paged_decode_attention", case.q.device) is pa.paged_decode_attention_triton
+    finally:
+        kernels.use_backend("auto")
+    assert kernels._impl("paged_decode_attention", case.q.device) is pa.paged_decode_attention_ref
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args()), torch.float32)
+
+
+def test_import_is_lazy_and_falls_back_without_triton() -> None:
+    # Importing wsllm.kernels does not import triton; with triton missing the
+    # *_triton names are absent and the dispatcher uses the reference.
+    code = (
+        "import sys\n"
+        "from wsllm import kernels\n"
+        "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
+        "sys.modules['triton'] = None\n"
+        "from wsllm.kernels import norms, paged_attention\n"
+        "assert getattr(paged_attention, 'paged_decode_attention_triton', None) is None\n"
+        "assert getattr(norms, 'rms_norm_triton', None) is None\n"
+        "try:\n"
+        "    kernels.use_backend('triton')\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('use_backend(triton) accepted without triton')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
