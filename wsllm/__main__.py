@@ -1,0 +1,5 @@
+import sys
+
+from wsllm.cli import main
+
+sys.exit(main())

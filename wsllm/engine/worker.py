@@ -1,0 +1,229 @@
+"""The loop between a broker and an engine. No asyncio: in memory mode it runs in its
+own thread, in a deployment it is the engine process's main loop.
+
+One iteration:
+  1. pull as many requests as the engine can admit now (`free_capacity()`), and add
+     them; a request the engine refuses becomes an error event, never a crash;
+  2. apply aborts (after the adds, so an abort that raced a pull still lands);
+  3. step the engine and publish one batch of TokenEvents for the whole step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from wsllm.broker.base import Broker, EngineInfo
+from wsllm.types import FINISH_ERROR, GenerateRequest, SamplingParams, TokenEvent, Usage
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """The part of LLMEngine the worker uses."""
+
+    model_name: str
+    max_model_len: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished(self) -> bool: ...
+    def free_capacity(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the worker remembers of a request the engine holds."""
+
+    next_seq: dict[int, int] = field(default_factory=dict)  # choice index -> seq of its next event
+    finished: set[int] = field(default_factory=set)  # choice indexes already ended
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        broker: Broker,
+        *,
+        engine_id: str | None = None,
+        idle_wait_s: float = 0.05,
+        heartbeat_s: float = 0.5,
+    ) -> None:
+        self.engine = engine
+        self.broker = broker
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.idle_wait_s = idle_wait_s
+        self.heartbeat_s = heartbeat_s
+        self.steps = 0  # engine steps taken; tests wait on it instead of sleeping
+        self._live: dict[str, _Live] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stepped = threading.Condition()
+        self._last_heartbeat = 0.0
+        #: called with each published batch (tests, metrics); runs on the worker thread
+        self.on_publish: Callable[[list[TokenEvent]], None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> threading.Thread:
+        """Run the loop in a daemon thread (memory mode)."""
+        if self._thread is not None:
+            raise RuntimeError("the worker is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=f"wsllm-{self.engine_id}", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop, aborting what the engine still holds, and leave the engine empty."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"worker {self.engine_id} did not stop within {timeout}s")
+            self._thread = None
+
+    def run(self) -> None:
+        log.info("worker %s serving %s", self.engine_id, self.engine.model_name)
+        try:
+            while not self._stop.is_set():
+                self.run_once()
+        finally:
+            self._drain()
+            self.broker.deregister(self.engine_id)
+
+    def wait_steps(self, n: int, timeout: float = 30.0) -> int:
+        """Block until the engine has taken `n` more steps; returns the step count."""
+        with self._stepped:
+            target = self.steps + n
+            if not self._stepped.wait_for(lambda: self.steps >= target, timeout):
+                raise TimeoutError(f"the engine took {self.steps - target + n} of {n} steps in {timeout}s")
+            return self.steps
+
+    # -- one iteration -------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """Pull, abort, step, publish. Returns the number of events published."""
+        busy = self.engine.has_unfinished()
+        events = self._admit(self.broker.pull(self.engine.free_capacity(), 0.0 if busy else self.idle_wait_s))
+        for rid in self.broker.aborts():
+            self.engine.abort(rid)  # False when it finished already: nothing to free
+        if self.engine.has_unfinished():
+            events += self._step()
+        if events:
+            self.broker.publish(events)
+            if self.on_publish is not None:
+                self.on_publish(events)
+        self._maybe_heartbeat()
+        return len(events)
+
+    def _admit(self, requests: list[GenerateRequest]) -> list[TokenEvent]:
+        errors: list[TokenEvent] = []
+        for r in requests:
+            try:
+                # The gateway's arrival time: queue time then counts the broker's queue too.
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None)
+            except ValueError as e:
+                errors.append(_error_event(r.request_id, "invalid_request", str(e)))
+                continue
+            self._live[r.request_id] = _Live()
+        return errors
+
+    def _step(self) -> list[TokenEvent]:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # keep serving: fail what the engine held, not the process
+            log.exception("engine step failed; failing %d requests", len(self._live))
+            return self._fail_all("internal_error", "the engine failed while serving this request")
+        with self._stepped:
+            self.steps += 1
+            self._stepped.notify_all()
+        events: list[TokenEvent] = []
+        for out in outputs:
+            events.extend(self._events_of(out))
+        return events
+
+    def _events_of(self, out: Any) -> list[TokenEvent]:
+        live = self._live.get(out.request_id)
+        if live is None:  # not ours (added before this worker ran): nothing to route
+            return []
+        events = []
+        for c in out.outputs:
+            if c.index in live.finished or (not c.new_token_ids and c.finish_reason is None):
+                continue
+            seq = live.next_seq.get(c.index, 0)
+            live.next_seq[c.index] = seq + 1
+            ev = TokenEvent(
+                request_id=out.request_id,
+                seq=seq,
+                token_ids=list(c.new_token_ids),
+                index=c.index,
+                finish_reason=c.finish_reason,
+                logprobs=c.new_logprobs,
+            )
+            if seq == 0:
+                ev.queue_time = out.queue_time
+            if c.finish_reason is not None:
+                live.finished.add(c.index)
+                ev.usage = Usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
+            events.append(ev)
+        if out.finished:
+            del self._live[out.request_id]
+        return events
+
+    def _fail_all(self, code: str, message: str) -> list[TokenEvent]:
+        events = []
+        for rid, live in self._live.items():
+            self.engine.abort(rid)
+            events.append(_error_event(rid, code, message, seq=live.next_seq.get(0, 0)))
+        self._live.clear()
+        return events
+
+    def _drain(self) -> None:
+        """Abort everything and step until the engine holds nothing (blocks freed)."""
+        events = self._fail_all("worker_lost", "the engine worker stopped")
+        for _ in range(1000):
+            if not self.engine.has_unfinished():
+                break
+            self.engine.step()
+        if events:
+            self.broker.publish(events)
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat < self.heartbeat_s:
+            return
+        self._last_heartbeat = now
+        self.broker.heartbeat(self.info())
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            engine_id=self.engine_id,
+            model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            stats=dict(self.engine.stats()),
+        )
+
+
+def _error_event(request_id: str, code: str, message: str, seq: int = 0) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        seq=seq,
+        token_ids=[],
+        finish_reason=FINISH_ERROR,
+        error=message,
+        error_code=code,
+    )

@@ -1,0 +1,139 @@
+"""The gateway app: `create_app(cfg, broker, tokenizer_dir)`.
+
+The lifespan owns the one reader task that routes TokenEvents to requests. The
+gateway process needs only a tokenizer directory and a broker: no torch, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from wsllm.broker.base import Broker
+from wsllm.config import GatewayConfig
+from wsllm.server import openai_api
+from wsllm.server.errors import APIError
+from wsllm.server.gateway import Gateway
+from wsllm.server.metrics import Metrics
+from wsllm.server.middleware import ApiKeyMiddleware
+from wsllm.server.text import TextCodec
+from wsllm.server.ws import ws_endpoint
+
+log = logging.getLogger(__name__)
+
+
+def _gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    gw = _gateway(request)
+    task: asyncio.Task[None] | None = getattr(request.app.state, "router_task", None)
+    engines = await gw.engines()
+    if task is None or task.done() or not engines:
+        why = "the event reader is not running" if task is None or task.done() else "no engine is serving yet"
+        return JSONResponse({"status": "not_ready", "reason": why}, 503, {"retry-after": "1"})
+    return JSONResponse({"status": "ready", "model": gw.model_name, "engines": len(engines)})
+
+
+async def metrics(request: Request) -> Response:
+    gw = _gateway(request)
+    await gw.refresh_gauges()
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    _gateway(request).metrics.error(exc.code)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return APIError(exc.status_code, code, str(exc.detail)).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    _gateway(request).metrics.error("internal_error")
+    return APIError(500, "internal_error", "internal error; see the server log").response()
+
+
+def default_frontend_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "frontend"
+
+
+def create_app(
+    cfg: GatewayConfig,
+    broker: Broker,
+    tokenizer_dir: str | Path,
+    model_name: str | None = None,
+    frontend_dir: str | Path | None = None,
+) -> Starlette:
+    name = cfg.model_name or model_name or Path(tokenizer_dir).name
+    gw = Gateway(cfg, broker, TextCodec(str(tokenizer_dir)), name, Metrics(name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(gw.router.run(), name="wsllm-event-router")
+        app.state.router_task = task
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    routes: list[BaseRoute] = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/v1/models", openai_api.models),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", ws_endpoint),
+    ]
+    static = Path(frontend_dir) if frontend_dir is not None else default_frontend_dir()
+    if cfg.frontend and (static / "index.html").is_file():
+        routes.append(Mount("/", StaticFiles(directory=static, html=True), name="frontend"))
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(ApiKeyMiddleware, api_key=cfg.api_key)],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    return app
+
+
+def uvicorn_config(app: Starlette, cfg: GatewayConfig, **overrides: object) -> uvicorn.Config:
+    """uvicorn settings that follow GatewayConfig (WS frame limit, keepalive pings)."""
+    kwargs: dict[str, object] = dict(
+        host=cfg.host,
+        port=cfg.port,
+        ws_max_size=cfg.max_ws_message_bytes,  # larger frames close the socket with 1009
+        ws_ping_interval=cfg.heartbeat_s,
+        ws_ping_timeout=max(cfg.heartbeat_s * 2, 5.0),
+        timeout_graceful_shutdown=5,
+        log_level="info",
+    )
+    kwargs.update(overrides)
+    return uvicorn.Config(app, **kwargs)  # type: ignore[arg-type]

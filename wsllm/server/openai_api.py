@@ -1,0 +1,197 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from wsllm.server.errors import APIError
+from wsllm.server.gateway import Delta, Gateway, Generation, GenerationError, TokenLogprob
+from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
+from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
+from wsllm.types import Usage
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (before reading it all)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, "body_too_large", f"the body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, "body_too_large", f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {
+        "content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*x) for x in t.top]} for t in lps]
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in lps],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [dict(t.top) for t in lps],
+        "text_offset": offsets,
+    }
+
+
+class _Api:
+    """Renders one request's deltas in the shape of its API (chat or completions)."""
+
+    def __init__(self, gen: Generation, model: str, chat: bool) -> None:
+        self.gen = gen
+        self.chat = chat
+        self.head = {
+            "id": gen.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
+        self.started: set[int] = set()  # chat: choices whose role was sent
+
+    def chunk_choice(self, d: Delta) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": d.text} if d.text or not d.finish_reason else {}
+            if d.index not in self.started:
+                self.started.add(d.index)
+                delta = {"role": "assistant", "content": d.text}
+            out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
+        else:
+            out = {
+                "index": d.index,
+                "text": d.text,
+                "logprobs": _completion_logprobs(d.logprobs, self.offsets[d.index]),
+            }
+        self.offsets[d.index] += len(d.text)
+        out["finish_reason"] = d.finish_reason
+        return out
+
+
+async def sse_frames(gw: Gateway, api: _Api, include_usage: bool) -> AsyncIterator[bytes]:
+    n = 0
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        while not api.gen.finished:
+            deltas = await api.gen.next(timeout=gw.cfg.heartbeat_s)
+            if not deltas:
+                yield KEEPALIVE
+                continue
+            choices = [api.chunk_choice(d) for d in deltas if d.text or d.finish_reason or d.logprobs]
+            if choices:
+                n += 1
+                yield frame(n, orjson.dumps(api.head | {"choices": choices} | usage_field))
+    except GenerationError as e:
+        gw.metrics.error(e.code)
+        err = APIError(500, e.code, e.message).body()
+        yield frame(n + 1, orjson.dumps(err))
+        yield DONE
+        return
+    if include_usage:
+        n += 1
+        yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.gen.usage)}))
+    yield DONE
+
+
+async def _collect(gen: Generation) -> list[list[Delta]]:
+    per_choice: list[list[Delta]] = [[] for _ in gen.choices]
+    while not gen.finished:
+        for d in await gen.next():
+            per_choice[d.index].append(d)
+    return per_choice
+
+
+async def _full_response(request: Request, api: _Api) -> Response:
+    gen = api.gen
+    try:
+        done, per_choice = await until_disconnect(request.receive, _collect(gen))
+    except GenerationError as e:
+        raise APIError(500, e.code, e.message) from None
+    finally:
+        await gen.cancel()  # no-op when it finished; frees the engine request otherwise
+    if not done or per_choice is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = []
+    for i, deltas in enumerate(per_choice):
+        text = "".join(d.text for d in deltas)
+        lps = [lp for d in deltas for lp in (d.logprobs or [])] if gen.want_logprobs else None
+        finish = deltas[-1].finish_reason if deltas else None
+        if api.chat:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": _chat_logprobs(lps),
+                    "finish_reason": finish,
+                }
+            )
+        else:
+            choices.append(
+                {"index": i, "text": text, "logprobs": _completion_logprobs(lps, 0), "finish_reason": finish}
+            )
+    obj = "chat.completion" if api.chat else "text_completion"
+    body = api.head | {"object": obj, "choices": choices, "usage": usage_json(gen.usage)}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    gw: Gateway = request.app.state.gateway
+    raw = await read_body(request, gw.cfg.max_body_bytes)
+    req = validate_http(ChatRequest if chat else CompletionRequest, raw, gw.cfg)
+    gen = await gw.start(req, "chat" if chat else "completions")
+    api = _Api(gen, gw.model_name, chat)
+    if req.stream:
+        return EventStream(sse_frames(gw, api, req.include_usage), on_close=gen.cancel)
+    return await _full_response(request, api)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    card = {
+        "id": gw.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "wsllm",
+        "max_model_len": await gw.max_model_len(),
+    }
+    return JSONResponse({"object": "list", "data": [card]})

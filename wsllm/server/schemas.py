@@ -1,0 +1,246 @@
+"""Request schemas and the one validator that HTTP, SSE and the WebSocket share.
+
+Pydantic does the schema work in strict mode (no "0.5" for a number, no 1.0 for an
+integer, no NaN); `check_limits` applies the operator's limits from GatewayConfig;
+`sampling_params` turns a valid request into engine SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from wsllm.config import GatewayConfig
+from wsllm.server.errors import APIError, from_validation
+from wsllm.types import SamplingParams
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """The parameters every generate request accepts (OpenAI names, vLLM extensions).
+    None means "the default"."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    n: int | None = Field(None, ge=1)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    user: str | None = Field(None, max_length=256)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Top logprobs per token; 0 = only the chosen token's; None = no logprobs."""
+        return None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=256)
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # Templates know "system"; OpenAI's newer "developer" role means the same.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    # A string, or token ids. (Batches of prompts are not supported: use n or more requests.)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    )
+    logprobs: int | None = Field(None, ge=0)
+    echo: Literal[False] | None = None
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+# -- WebSocket messages (docs/protocol.md) ------------------------------------------------
+
+WsId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class WsChat(ChatRequest):
+    type: Literal["chat"]
+    id: WsId
+
+
+class WsCompletion(CompletionRequest):
+    type: Literal["completion"]
+    id: WsId
+
+
+class WsCancel(_Strict):
+    type: Literal["cancel"]
+    id: WsId
+
+
+class WsPing(_Strict):
+    type: Literal["ping"]
+
+
+WsMessage = Annotated[WsChat | WsCompletion | WsCancel | WsPing, Field(discriminator="type")]
+_ws_adapter: TypeAdapter[WsChat | WsCompletion | WsCancel | WsPing] = TypeAdapter(WsMessage)
+
+GenerateBody = ChatRequest | CompletionRequest
+
+
+# -- the one validator --------------------------------------------------------------------
+
+
+def parse_json(raw: bytes | str) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, "invalid_json", f"the body is not valid JSON: {e}") from e
+
+
+def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
+    """Parse and check a /v1/chat/completions or /v1/completions body."""
+    obj = parse_json(raw)
+    if not isinstance(obj, dict):
+        raise APIError(400, "invalid_request", "the body must be a JSON object")
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation(e) from None
+    check_limits(req, cfg)
+    return req
+
+
+def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCancel | WsPing:
+    """Check one parsed WebSocket message."""
+    if not isinstance(obj, dict):
+        raise APIError(400, "invalid_request", "a message must be a JSON object")
+    try:
+        msg = _ws_adapter.validate_python(obj)
+    except ValidationError as e:
+        raise from_validation(e) from None
+    if isinstance(msg, ChatRequest | CompletionRequest):
+        check_limits(msg, cfg)
+    return msg
+
+
+def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
+    """The operator's limits (GatewayConfig), beyond what the schema says."""
+
+    def bad(param: str, message: str) -> APIError:
+        return APIError(400, "invalid_request", f"{param}: {message}", param=param)
+
+    if req.n is not None and req.n > cfg.max_n:
+        raise bad("n", f"at most {cfg.max_n} (got {req.n})")
+    mt = req.requested_max_tokens
+    if mt is not None and mt > cfg.max_tokens_limit:
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        raise bad(name, f"at most {cfg.max_tokens_limit} (got {mt})")
+    stops = req.stops
+    if len(stops) > cfg.max_stop:
+        raise bad("stop", f"at most {cfg.max_stop} stop strings (got {len(stops)})")
+    for s in stops:
+        if not s or len(s) > cfg.max_stop_len:
+            raise bad("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
+    top = req.num_top_logprobs
+    if top is not None and top > cfg.max_top_logprobs:
+        param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+        raise bad(param, f"at most {cfg.max_top_logprobs} (got {top})")
+    if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
+        raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
+
+
+def sampling_params(
+    req: ChatRequest | CompletionRequest, prompt_len: int, max_model_len: int | None, cfg: GatewayConfig
+) -> SamplingParams:
+    """Engine parameters for a checked request whose prompt has `prompt_len` tokens."""
+    room = None if max_model_len is None else max_model_len - prompt_len
+    param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    if room is not None and room < 1:
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"{param}: the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+            param=param,
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = cfg.default_max_tokens if room is None else min(cfg.default_max_tokens, room)
+    elif room is not None and max_tokens > room:
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed this model's "
+            f"context of {max_model_len}",
+            param="max_tokens",
+        )
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            max_tokens=max_tokens,
+            min_tokens=min(req.min_tokens or 0, max_tokens),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if not req.top_k else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=req.num_top_logprobs,
+        )
+    except ValueError as e:  # SamplingParams' own checks: its message names the field
+        raise APIError(400, "invalid_request", str(e)) from None

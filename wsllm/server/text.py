@@ -1,0 +1,130 @@
+"""Text work in the gateway: chat templates, tokenization, incremental detokenization
+and stop strings. The engine only ever sees token ids.
+
+Incremental detokenization uses `tokenizers.decoders.DecodeStream`, which keeps a
+window of context tokens: a token that ends in the middle of a multi-byte UTF-8
+character yields nothing until the character is complete (so no U+FFFD is ever sent
+for valid output), and SentencePiece-style tokenizers get their leading spaces right
+because the window starts inside the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens given to each detokenizer as context (leading spaces, merges).
+_CONTEXT_TOKENS = 5
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (e.g. roles that must alternate)."""
+
+
+class TextCodec:
+    """A model's tokenizer, loaded from an HF-style directory (tokenizer.json,
+    tokenizer_config.json and its chat template)."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        # Not AutoTokenizer: it imports torch, and the gateway must stay light.
+        from transformers import PreTrainedTokenizerFast
+
+        self.hf: Any = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            raise ValueError(f"{tokenizer_dir}: a fast tokenizer (tokenizer.json) is needed for streaming")
+        self.backend: Tokenizer = backend
+        self.vocab_size: int = len(self.hf)
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self._token_text: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
+        return list(self.backend.encode(text, add_special_tokens=True).ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if self.hf is None or not getattr(self.hf, "chat_template", None):
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 raises TemplateError or anything the template raises
+            raise TemplateError(f"the chat template refused these messages: {e}") from e
+        return str(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template writes the special tokens itself; don't add a second BOS.
+        return list(self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids)
+
+    def detokenizer(self, prompt_token_ids: list[int]) -> Detokenizer:
+        return Detokenizer(self.backend, prompt_token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (cached: the same few ids come back often)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 65536:
+                self._token_text[token_id] = text
+        return text
+
+
+class Detokenizer:
+    """Token ids in, text deltas out, for one choice of one request."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: Tokenizer, prompt_token_ids: list[int]) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=True)
+
+    def feed(self, token_ids: list[int]) -> str:
+        """Text completed by these tokens; "" while a character is still partial."""
+        if not token_ids:
+            return ""
+        try:
+            return self._stream.step(self._backend, list(token_ids)) or ""
+        except Exception:  # an id out of the vocabulary: the engine and tokenizer disagree
+            log.exception("cannot decode token ids %s", token_ids)
+            raise
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that could still be the start of a
+    stop string is held back until the next delta settles it."""
+
+    __slots__ = ("_stops", "_firsts", "_held", "_longest")
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._firsts = {s[0] for s in self._stops}
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to send now, whether a stop string matched). After a
+        match, the text before the stop string is returned and the rest dropped."""
+        buf = self._held + text
+        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self._held = ""
+            return buf[:hit], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held text, once the stream ended without a match."""
+        out, self._held = self._held, ""
+        return out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        for pos in range(max(0, len(buf) - self._longest + 1), len(buf)):
+            if buf[pos] in self._firsts and any(s.startswith(buf[pos:]) for s in self._stops):
+                return len(buf) - pos  # the earliest start is the longest suffix
+        return 0

@@ -1,0 +1,199 @@
+"""The WebSocket API, `/v1/ws`: many requests on one socket (docs/protocol.md).
+
+One task reads client messages in order, one task writes (so that sends never
+interleave), and one task per live request turns its deltas into messages. When
+the socket closes, every live request is cancelled and its engine request aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from starlette.datastructures import Headers
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from wsllm.config import GatewayConfig
+from wsllm.server.errors import APIError
+from wsllm.server.gateway import Delta, Gateway, Generation, GenerationError
+from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, parse_json, validate_ws
+
+log = logging.getLogger(__name__)
+
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+
+
+def origin_allowed(headers: Headers, cfg: GatewayConfig) -> bool:
+    """Browsers send Origin; other clients don't, and are let through (the API key,
+    if set, still applies). The default allows only the page's own origin."""
+    origin = headers.get("origin")
+    if origin is None:
+        return True
+    allowed = [o.strip().rstrip("/") for o in cfg.allowed_origins.split(",") if o.strip()]
+    if "*" in allowed:
+        return True
+    if allowed:
+        return origin.rstrip("/") in allowed
+    return urlsplit(origin).netloc == headers.get("host")
+
+
+async def ws_endpoint(websocket: WebSocket) -> None:
+    gw: Gateway = websocket.app.state.gateway
+    if not origin_allowed(websocket.headers, gw.cfg):
+        await websocket.close(CLOSE_POLICY)  # before accept: the handshake gets 403
+        return
+    await websocket.accept()
+    await WsSession(websocket, gw).run()
+
+
+class WsSession:
+    def __init__(self, ws: WebSocket, gw: Gateway) -> None:
+        self.ws = ws
+        self.gw = gw
+        self.cfg = gw.cfg
+        # Bounded: a client that stops reading slows its own requests, nobody else's.
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(maxsize=256)
+        self.gens: dict[str, Generation] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write())
+        try:
+            await self.send({"type": "hello", "model": self.gw.model_name, "limits": await self._limits()})
+            await self._read()
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for gen in list(self.gens.values()):
+                await gen.cancel()
+            for t in [*self.tasks.values(), writer]:
+                t.cancel()
+            await asyncio.gather(*self.tasks.values(), writer, return_exceptions=True)
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        await self.outbox.put(orjson.dumps(msg))
+
+    async def _write(self) -> None:
+        while True:
+            data = await self.outbox.get()
+            await self.ws.send_text(data.decode())
+
+    async def _read(self) -> None:
+        limit = self.cfg.max_ws_message_bytes
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            raw = message.get("text")
+            size = len(raw.encode()) if raw is not None else len(message.get("bytes") or b"")
+            if size > limit:
+                await self.ws.close(CLOSE_TOO_BIG, f"message over {limit} bytes")
+                return
+            await self._handle(raw if raw is not None else message.get("bytes") or b"")
+
+    async def _handle(self, raw: str | bytes) -> None:
+        msg_id = None
+        try:
+            obj = parse_json(raw)
+            if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+                msg_id = obj["id"]
+            msg = validate_ws(obj, self.cfg)
+            if isinstance(msg, WsCancel):
+                await self._cancel(msg.id)
+            elif isinstance(msg, WsChat | WsCompletion):
+                await self._start(msg)
+            else:
+                await self.send({"type": "pong"})
+        except APIError as e:
+            await self.error(msg_id, e.code, e.message, e.param)
+
+    async def error(self, msg_id: str | None, code: str, message: str, param: str | None = None) -> None:
+        self.gw.metrics.error(code)
+        await self.send({"type": "error", "id": msg_id, "code": code, "message": message, "param": param})
+
+    async def _start(self, msg: WsChat | WsCompletion) -> None:
+        if msg.id in self.gens:
+            raise APIError(400, "duplicate_id", f"id {msg.id!r} is already running on this socket", "id")
+        if len(self.gens) >= self.cfg.max_requests_per_socket:
+            raise APIError(
+                429,
+                "too_many_requests",
+                f"at most {self.cfg.max_requests_per_socket} requests at once per socket",
+            )
+        gen = await self.gw.start(msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion")
+        self.gens[msg.id] = gen
+        self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen))
+
+    async def _cancel(self, msg_id: str) -> None:
+        gen = self.gens.get(msg_id)
+        if gen is None:
+            raise APIError(400, "unknown_id", f"no request {msg_id!r} runs on this socket", "id")
+        await gen.cancel()  # its task sends `done` with finish_reason "abort"
+
+    async def _stream(self, msg_id: str, gen: Generation) -> None:
+        seq = 0
+        open_choices = len(gen.choices)
+        try:
+            while open_choices:
+                for d in await gen.next():
+                    if d.text:
+                        await self.send(self._delta(msg_id, seq, d))
+                        seq += 1
+                    if d.finish_reason is not None:
+                        open_choices -= 1
+                        await self.send(self._done(msg_id, gen, d, last=open_choices == 0))
+        except GenerationError as e:
+            await self.error(msg_id, e.code, e.message)
+        finally:
+            self.gens.pop(msg_id, None)
+            self.tasks.pop(msg_id, None)
+            with contextlib.suppress(Exception):
+                await gen.cancel()
+
+    @staticmethod
+    def _delta(msg_id: str, seq: int, d: Delta) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "delta", "id": msg_id, "seq": seq, "index": d.index, "text": d.text}
+        if d.logprobs is not None:
+            out["logprobs"] = [
+                {
+                    "token": t.token,
+                    "logprob": t.logprob,
+                    "top_logprobs": [{"token": x, "logprob": y} for x, y in t.top],
+                }
+                for t in d.logprobs
+            ]
+        return out
+
+    @staticmethod
+    def _done(msg_id: str, gen: Generation, d: Delta, last: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": "done",
+            "id": msg_id,
+            "index": d.index,
+            "finish_reason": d.finish_reason,
+            "request_id": gen.request_id,
+        }
+        if last:
+            u = gen.usage
+            out["usage"] = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "total_tokens": u.total_tokens,
+                "cached_tokens": u.cached_tokens,
+            }
+        return out
+
+    async def _limits(self) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "max_requests_per_socket": c.max_requests_per_socket,
+            "max_message_bytes": c.max_ws_message_bytes,
+            "max_tokens": c.max_tokens_limit,
+            "max_n": c.max_n,
+            "max_stop": c.max_stop,
+            "max_context": await self.gw.max_model_len(),
+        }
