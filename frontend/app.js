@@ -150,12 +150,15 @@ function main() {
     toast(describeError(e.code, e.message, e.param), "error");
   });
 
-  let modelsLoaded = false;
+  let models = null; // ids from GET /v1/models, once loaded
   async function loadModels(quiet = false) {
-    if (modelsLoaded) return;
+    if (models) {
+      settings.setModels(models, ws.hello?.model); // the hello names the default
+      return;
+    }
     try {
-      settings.setModels(await fetchModels(), ws.hello?.model);
-      modelsLoaded = true;
+      models = await fetchModels();
+      settings.setModels(models, ws.hello?.model);
     } catch (err) {
       settings.setModels([settings.get().model].filter(Boolean), ws.hello?.model);
       if (!quiet) toast(`Could not load the model list: ${err.message}`, "error");

@@ -196,15 +196,17 @@ export class MessageView {
     const actions = document.createElement("div");
     actions.className = "msg-actions";
     if (!live && this.editing !== msg.id) {
-      const copy = iconButton("copy", msg.role === "user" ? "Copy your message" : "Copy answer");
-      copy.dataset.action = "copy";
-      actions.appendChild(copy);
+      if (msg.content) {
+        const copy = iconButton("copy", msg.role === "user" ? "Copy your message" : "Copy answer");
+        copy.dataset.action = "copy";
+        actions.appendChild(copy);
+      }
       if (msg.role === "user") {
         const edit = iconButton("edit", "Edit and resend");
         edit.dataset.action = "edit";
         actions.appendChild(edit);
       } else if (last) {
-        const regen = iconButton("regenerate", "Regenerate answer");
+        const regen = iconButton("regenerate", msg.error ? "Try again" : "Regenerate answer");
         regen.dataset.action = "regenerate";
         actions.appendChild(regen);
       }
