@@ -1,0 +1,161 @@
+"""A real gateway on a free port: uvicorn in a background thread, the engine worker
+in another, joined by the memory broker, exactly as `wsllm serve` runs them.
+
+    with live_server(engine, api_key="k") as srv:
+        srv.base_url, srv.ws_url, srv.engine, srv.worker, srv.gateway
+
+Engines are loaded once per session. One engine serves one live server at a time
+(the engine is not thread-safe); servers are module-scoped, so modules take turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from wsllm.broker.memory import MemoryBroker
+from wsllm.config import EngineConfig, GatewayConfig
+from wsllm.engine.worker import EngineWorker
+from wsllm.server.app import create_app, uvicorn_config
+from wsllm.server.gateway import Gateway
+
+_busy: set[int] = set()  # id() of engines serving right now
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    ws_url: str
+    engine: Any
+    worker: EngineWorker
+    broker: MemoryBroker
+    gateway: Gateway
+    cfg: GatewayConfig
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics (0 when absent)."""
+        headers = {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        text = httpx.get(f"{self.base_url}/metrics", headers=headers).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                sample, value = line.rsplit(" ", 1)
+                got = sample[len(name) :].strip("{}")
+                if all(part in got.split(",") for part in want.split(",") if part):
+                    total += float(value)
+        return total
+
+    def wait_gateway_idle(self, timeout: float = 10.0) -> None:
+        """Until the gateway follows no request (every abort is with the broker)."""
+        deadline = time.monotonic() + timeout
+        while len(self.gateway.router) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not len(self.gateway.router), "the gateway still follows requests"
+
+    def assert_engine_forgot(self, request_id: str) -> None:
+        """After the gateway sent the abort, the engine drops the request within one
+        step: the step in flight may finish, the next one starts without it."""
+        self.wait_gateway_idle()
+        self.worker.wait_steps(2)
+        assert not self.engine.is_known(request_id)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's stats from its latest heartbeat (taken on the worker thread)."""
+        (info,) = asyncio.run(self.broker.engines())
+        return info.stats
+
+    def assert_no_blocks_held(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine_stats()
+            idle = s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0
+            if idle and s["num_free_blocks"] == s["num_total_blocks"]:
+                return
+            assert time.monotonic() < deadline, f"the engine still holds blocks: {s}"
+            time.sleep(0.02)
+
+
+def _serve_on(engine: Any, cfg: GatewayConfig) -> Iterator[LiveServer]:
+    if id(engine) in _busy:
+        raise RuntimeError("this engine already serves another live server; use module-scoped servers")
+    _busy.add(id(engine))
+    broker = MemoryBroker(max_pending=cfg.max_queue_depth)
+    worker = EngineWorker(engine, broker, heartbeat_s=0.1)
+    worker.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    cfg = dataclasses.replace(cfg, host="127.0.0.1", port=port)
+    app = create_app(cfg, broker, engine.model_dir, engine.model_name)
+    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, cfg.api_key)
+        yield LiveServer(base, f"ws://127.0.0.1:{port}/v1/ws", engine, worker, broker, app.state.gateway, cfg)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        worker.stop()
+        broker.close()
+        sock.close()
+        _busy.discard(id(engine))
+    stats = engine.stats()
+    assert not engine.has_unfinished()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"KV blocks leaked: {stats}"
+
+
+def _wait_ready(base: str, api_key: str | None, timeout: float = 30.0) -> None:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ready", headers=headers, timeout=2).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{base} did not become ready in {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
+    """`live_server(engine, **GatewayConfig overrides)`: a context manager."""
+
+    @contextlib.contextmanager
+    def serve(engine: Any, **overrides: Any) -> Iterator[LiveServer]:
+        yield from _serve_on(engine, GatewayConfig(**overrides))
+
+    return serve
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Any:
+    from wsllm.engine.engine import LLMEngine
+
+    # 2048 tokens of KV per sequence for 64 sequences is plenty for these tests.
+    return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2048, max_num_seqs=64))
+
+
+@pytest.fixture(scope="session")
+def smollm_engine(smollm_llm: Any) -> Any:
+    """The session's SmolLM2 engine (shared with the LLM fixture: load it once)."""
+    return smollm_llm.engine
+
+
+@pytest.fixture(scope="module")
+def tiny_server(live_server: Any, tiny_engine: Any) -> Iterator[LiveServer]:
+    with live_server(tiny_engine) as srv:
+        yield srv
