@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ._lazy import triton_op
 
@@ -53,13 +54,13 @@ def paged_decode_attention_ref(
     idx = block_tables[:, :nb].long()
     k = k_cache[idx].flatten(1, 2)[:, :max_len]
     v = v_cache[idx].flatten(1, 2)[:, :max_len]
+    # The G query heads of a KV head act as G queries of one SDPA "sequence":
+    # q [S, Hk, G, D] against k, v [S, Hk, L, D], with the padding masked out.
     qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    # scores: [S, Hk, G, L]
-    scores = torch.einsum("shgd,slhd->shgl", qf, k.float()) * scale
-    mask = torch.arange(max_len, device=q.device)[None, :] >= seq_lens.to(q.device)[:, None].long()
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgl,slhd->shgd", probs, v.float())
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
+    out = F.scaled_dot_product_attention(
+        qf, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+    )
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -91,13 +92,15 @@ def paged_prefill_attention_ref(
             continue
         k = _gather(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]
         v = _gather(v_cache, block_tables[s], ctx).float()
-        qs = q[a:b].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale  # [Hk, G, q, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)
-        mask = k_pos[None, :] > q_pos[:, None]
-        scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hgqk,khd->qhgd", probs, v)
+        qs = q[a:b].float().transpose(0, 1)  # [H, q, D]
+        kt = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ctx, D]
+        vt = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale)
+        else:  # queries are the last q_len positions: query i sees keys <= ctx - q_len + i
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
+        o = o.transpose(0, 1)  # [q, H, D]
         out[a:b] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out

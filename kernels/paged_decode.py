@@ -3,7 +3,7 @@
 One program serves (sequence, KV head, split): it loads the queries of every head
 in that KV head's group as one [G_PAD, D_PAD] tile, so each K/V byte is read once
 per step however large the GQA ratio is. A sequence's context is cut into splits
-of PARTITION tokens; each split writes an unnormalised-then-normalised partial
+of `partition` tokens; each split writes its normalised partial
 output and its log-sum-exp, and a second kernel merges the splits. With a single
 split the first kernel writes the output directly and the merge is skipped.
 
@@ -36,6 +36,7 @@ def _decode_split_kernel(
     part_ptr,
     lse_ptr,
     qk_scale,
+    partition,  # tokens per split, a multiple of BLOCK_N (runtime: no recompile per width)
     s_qs,
     s_qh,
     s_kb,
@@ -58,7 +59,6 @@ def _decode_split_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PARTITION: tl.constexpr,
     SINGLE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -67,8 +67,8 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    start = split * partition
+    end = tl.minimum(start + partition, seq_len)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -133,7 +133,7 @@ def _decode_merge_kernel(
     s_lh,
     s_os,
     s_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     P_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -142,7 +142,7 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     sp = tl.arange(0, P_PAD)
     d = tl.arange(0, D_PAD)
-    sp_mask = sp < NUM_SPLITS
+    sp_mask = sp < num_splits
     # lse: [P_PAD], base 2
     lse_row = lse_ptr + seq.to(tl.int64) * s_ls + head * s_lh
     lse = tl.load(lse_row + sp, mask=sp_mask, other=float("-inf"))
@@ -212,6 +212,7 @@ def paged_decode_attention_triton(
         part,
         lse,
         scale * _LOG2E,
+        partition,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -226,7 +227,6 @@ def paged_decode_attention_triton(
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=_BLOCK_N,
-        PARTITION=partition,
         SINGLE=single,
         UPCAST=upcast,
         PRECISION=precision,
@@ -240,7 +240,7 @@ def paged_decode_attention_triton(
             *part_strides,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=splits,
+            splits,
             P_PAD=next_pow2(splits),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
