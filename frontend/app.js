@@ -3,7 +3,7 @@
 import { Chat, describeError } from "./chat.js";
 import { icon, setIcon } from "./icons.js";
 import { MessageView } from "./messages.js";
-import { fetchModels, SettingsPanel } from "./settings.js";
+import { AuthError, fetchModels, SettingsPanel } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { Store } from "./store.js";
 import { ConnState, defaultWsUrl, WsClient } from "./ws.js";
@@ -33,10 +33,20 @@ export function toast(text, kind = "info") {
 function main() {
   const store = new Store();
   store.onError = () => toast("Could not save to this browser's storage (full or disabled).", "error");
-  const ws = new WsClient(defaultWsUrl());
+  let apiKey = store.loadSettings().api_key;
+  let needsKey = false; // GET /v1/models said 401
+  let models = null; // ids from GET /v1/models, once loaded
+  const ws = new WsClient(defaultWsUrl(apiKey));
   const settings = new SettingsPanel($("settings-dialog"), store, (s) => {
     applyTheme(s.theme);
     showSummary();
+    if (s.api_key !== apiKey) {
+      apiKey = s.api_key;
+      ws.url = defaultWsUrl(apiKey);
+      ws.reconnect();
+      models = null;
+      loadModels();
+    }
   });
   const chat = new Chat(store, ws, () => settings.get());
   let activeId = null;
@@ -113,6 +123,7 @@ function main() {
     el.dataset.state = state;
     if (state === ConnState.CONNECTED) el.textContent = "Connected";
     else if (state === ConnState.CONNECTING) el.textContent = "Connecting…";
+    else if (needsKey) el.textContent = "Disconnected · API key needed";
     else if (retryAt) el.textContent = `Disconnected · retry in ${Math.max(1, Math.ceil((retryAt - Date.now()) / 1000))}s`;
     else el.textContent = "Disconnected · reconnecting…";
     $("reconnect").hidden = state !== ConnState.DISCONNECTED;
@@ -142,6 +153,7 @@ function main() {
     view.refresh();
   });
   ws.addEventListener("hello", () => {
+    settings.setLimits(ws.hello?.limits);
     showSummary();
     loadModels();
   });
@@ -150,18 +162,25 @@ function main() {
     toast(describeError(e.code, e.message, e.param), "error");
   });
 
-  let models = null; // ids from GET /v1/models, once loaded
   async function loadModels(quiet = false) {
     if (models) {
       settings.setModels(models, ws.hello?.model); // the hello names the default
       return;
     }
     try {
-      models = await fetchModels();
+      models = await fetchModels(apiKey);
+      needsKey = false;
       settings.setModels(models, ws.hello?.model);
     } catch (err) {
       settings.setModels([settings.get().model].filter(Boolean), ws.hello?.model);
-      if (!quiet) toast(`Could not load the model list: ${err.message}`, "error");
+      if (err instanceof AuthError) {
+        needsKey = true;
+        renderConn();
+        toast(`Could not connect: ${err.message}.`, "error");
+        settings.open("set-api-key");
+      } else if (!quiet) {
+        toast(`Could not load the model list: ${err.message}`, "error");
+      }
     }
   }
 

@@ -231,6 +231,7 @@ export class Chat extends EventTarget {
           if (rt.sentAt !== null && msg.stats.ttftMs === undefined) msg.stats.ttftMs = now - rt.sentAt;
         }
         rt.deltas += 1;
+        rt.lastAt = now;
         msg.status = "streaming";
         msg.reconnecting = false;
         msg.content += text;
@@ -252,7 +253,9 @@ export class Chat extends EventTarget {
       },
       error: (e) => {
         if (!isLive(msg)) return;
-        if (e.resumed && e.code === "unknown_id") this._fail(conv, msg, "unknown_id", "", "interrupted");
+        // Any refusal of a resume (unknown_id, or a server without resume) means the
+        // rest of this answer is lost: keep the text so far, marked interrupted.
+        if (e.resumed) this._fail(conv, msg, "unknown_id", "", "interrupted");
         else this._fail(conv, msg, e.code, e.message, "error", e.param);
       },
     };
@@ -266,8 +269,10 @@ export class Chat extends EventTarget {
     msg.reconnecting = false;
     if (Number.isInteger(tokens)) msg.stats.tokens = tokens;
     if (rt && rt.firstAt !== null) {
+      // Speed over the time tokens actually arrived (not the wait on a lost socket).
       const n = Number.isInteger(tokens) ? tokens : rt.deltas;
-      msg.stats.tps = rate(n, rt.firstAt, performance.now());
+      const end = status === "done" ? performance.now() : rt.lastAt;
+      msg.stats.tps = rate(n, rt.firstAt, end);
     }
     delete msg.requestId;
     delete msg.lastSeq;

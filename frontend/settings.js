@@ -3,8 +3,13 @@
 
 import { normalizeSettings } from "./store.js";
 
-export async function fetchModels(signal) {
-  const res = await fetch("/v1/models", { signal, headers: { Accept: "application/json" } });
+export class AuthError extends Error {}
+
+export async function fetchModels(apiKey = "") {
+  const headers = { Accept: "application/json" };
+  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
+  const res = await fetch("/v1/models", { headers });
+  if (res.status === 401) throw new AuthError("this server needs an API key (Settings → API key)");
   if (!res.ok) throw new Error(`GET /v1/models: HTTP ${res.status}`);
   const body = await res.json();
   return (Array.isArray(body?.data) ? body.data : [])
@@ -27,6 +32,7 @@ export class SettingsPanel {
       top_p: $("set-top-p"),
       max_tokens: $("set-max-tokens"),
       seed: $("set-seed"),
+      api_key: $("set-api-key"),
     };
     this.outputs = { temperature: $("out-temperature"), top_p: $("out-top-p") };
     this._fill();
@@ -35,7 +41,8 @@ export class SettingsPanel {
       input.addEventListener("change", () => this._read(key, true));
     }
     dialog.querySelector("#settings-reset").addEventListener("click", () => {
-      this.settings = normalizeSettings({ theme: this.settings.theme, model: this.settings.model });
+      const { theme, model, api_key } = this.settings; // not sampling: kept
+      this.settings = normalizeSettings({ theme, model, api_key });
       this._save();
       this._fill();
     });
@@ -45,9 +52,20 @@ export class SettingsPanel {
     });
   }
 
-  open() {
+  open(focusId = null) {
     this._fill();
-    this.dialog.showModal();
+    if (!this.dialog.open) this.dialog.showModal();
+    if (focusId) this.dialog.querySelector(`#${focusId}`)?.focus();
+  }
+
+  /** Show the server's limits from its hello (a hint; the server still validates). */
+  setLimits(limits) {
+    const max = Number(limits?.max_tokens);
+    const hint = this.dialog.querySelector("#max-tokens-limit");
+    if (Number.isInteger(max) && max > 0) {
+      this.inputs.max_tokens.max = String(max);
+      hint.textContent = `(server max ${max})`;
+    }
   }
 
   get() {
@@ -89,6 +107,7 @@ export class SettingsPanel {
     this.inputs.top_p.value = String(s.top_p);
     this.inputs.max_tokens.value = String(s.max_tokens);
     this.inputs.seed.value = s.seed === null ? "" : String(s.seed);
+    this.inputs.api_key.value = s.api_key;
     this.outputs.temperature.textContent = s.temperature.toFixed(2);
     this.outputs.top_p.textContent = s.top_p.toFixed(2);
   }
@@ -97,6 +116,7 @@ export class SettingsPanel {
     const raw = this.inputs[key].value;
     // While typing, an empty or half-typed number is left alone until `change`.
     if (!final && (key === "max_tokens" || key === "seed") && raw.trim() === "") return;
+    if (!final && key === "api_key") return; // reconnect once, when the field is left
     this.settings = normalizeSettings({ ...this.settings, [key]: raw });
     this._save();
     if (key in this.outputs) this.outputs[key].textContent = this.settings[key].toFixed(2);

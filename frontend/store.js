@@ -16,6 +16,7 @@ export const DEFAULT_SETTINGS = Object.freeze({
   max_tokens: 512,
   seed: null,
   theme: "auto", // auto | light | dark
+  api_key: "", // only for a server started with --api-key
 });
 
 export function uid(prefix = "") {
@@ -53,6 +54,7 @@ export function normalizeSettings(raw) {
     max_tokens: clampNum(s.max_tokens, 1, 1_000_000, DEFAULT_SETTINGS.max_tokens, true),
     seed,
     theme: ["auto", "light", "dark"].includes(s.theme) ? s.theme : "auto",
+    api_key: typeof s.api_key === "string" ? s.api_key.trim().slice(0, 512) : "",
   };
 }
 

@@ -55,6 +55,18 @@ export class WsClient extends EventTarget {
     this._teardown();
   }
 
+  /** Open a fresh socket now, e.g. after the URL changed (a new API key). */
+  reconnect() {
+    clearTimeout(this._retryTimer);
+    if (this._ws) {
+      this._teardown();
+      for (const entry of this._live.values()) entry.handlers.interrupted?.();
+    }
+    this._attempt = 0;
+    this._setState(ConnState.CONNECTING);
+    this._open();
+  }
+
   /** Try now instead of waiting out the backoff (button click, `online` event). */
   retryNow() {
     if (this.state === ConnState.CONNECTED || this._stopped) return;
@@ -271,7 +283,9 @@ export class WsClient extends EventTarget {
   }
 }
 
-/** The gateway's socket URL for this page. */
-export function defaultWsUrl(loc = window.location) {
-  return `${loc.protocol === "https:" ? "wss:" : "ws:"}//${loc.host}/v1/ws`;
+/** The gateway's socket URL for this page. Browsers cannot set headers on a
+ * WebSocket, so an API key travels as `?api_key=` (the gateway accepts it there). */
+export function defaultWsUrl(apiKey = "", loc = window.location) {
+  const url = `${loc.protocol === "https:" ? "wss:" : "ws:"}//${loc.host}/v1/ws`;
+  return apiKey ? `${url}?api_key=${encodeURIComponent(apiKey)}` : url;
 }
