@@ -58,18 +58,29 @@ class LiveServer:
                     total += float(value)
         return total
 
-    def wait_gateway_idle(self, timeout: float = 10.0) -> None:
-        """Until the gateway follows no request (every abort is with the broker)."""
+    def wait_gateway_forgot(self, request_id: str | None = None, timeout: float = 10.0) -> None:
+        """Until the gateway follows `request_id` (or any request) no more. It drops a
+        request only after its abort is with the broker."""
+
+        def following() -> bool:
+            ids = self.gateway.router.request_ids()
+            return bool(ids) if request_id is None else request_id in ids
+
         deadline = time.monotonic() + timeout
-        while len(self.gateway.router) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not len(self.gateway.router), "the gateway still follows requests"
+        while following():
+            assert time.monotonic() < deadline, "the gateway still follows the request"
+            time.sleep(0.002)
 
     def assert_engine_forgot(self, request_id: str) -> None:
-        """After the gateway sent the abort, the engine drops the request within one
-        step: the step in flight may finish, the next one starts without it."""
-        self.wait_gateway_idle()
-        self.worker.wait_steps(2)
+        """Once the gateway sent the abort, the engine drops the request within one
+        step: the step in flight may finish; the next one starts without it."""
+        self.wait_gateway_forgot(request_id)
+        start = self.worker.steps
+        deadline = time.monotonic() + 30
+        # An idle engine takes no steps, and holds nothing either.
+        while self.worker.steps < start + 2 and self.engine.has_unfinished():
+            assert time.monotonic() < deadline, "the engine took no step in 30 s"
+            time.sleep(0.001)
         assert not self.engine.is_known(request_id)
 
     def engine_stats(self) -> dict[str, Any]:

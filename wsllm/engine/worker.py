@@ -106,7 +106,8 @@ class EngineWorker:
             self.broker.deregister(self.engine_id)
 
     def wait_steps(self, n: int, timeout: float = 30.0) -> int:
-        """Block until the engine has taken `n` more steps; returns the step count."""
+        """Block until the engine has taken `n` more steps; returns the step count.
+        Tests wait on this instead of sleeping."""
         with self._stepped:
             target = self.steps + n
             if not self._stepped.wait_for(lambda: self.steps >= target, timeout):

@@ -54,6 +54,10 @@ class Router:
     def __len__(self) -> int:
         return len(self._queues)
 
+    def request_ids(self) -> list[str]:
+        """The requests followed now (tests, debugging)."""
+        return list(self._queues)
+
     async def run(self) -> None:
         try:
             async for batch in self.broker.events():
@@ -216,10 +220,10 @@ class Generation:
 
     async def _end(self) -> None:
         self.finished = True
-        self.gw.router.close(self.request_id)
         if not all(c.engine_done for c in self.choices):
             # A stop string or the client ended it while the engine still runs it.
             await self.gw.broker.abort(self.request_id)
+        self.gw.router.close(self.request_id)
         m = self.gw.metrics
         m.e2e.observe(time.monotonic() - self._timing.arrival)
         m.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
