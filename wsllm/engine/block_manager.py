@@ -168,6 +168,10 @@ class BlockManager:
         table.extend(self._take() for _ in range(need))
         return True
 
+    def cow_blocks_needed(self, seq_id: int, first_pos: int) -> int:
+        table = self.block_tables[seq_id]
+        return sum(1 for b in table[first_pos // self.block_size :] if self.ref_counts[b] > 1)
+
     def copy_on_write(self, seq_id: int, first_pos: int) -> list[tuple[int, int]]:
         """Before a sequence writes positions >= first_pos, give it private copies of
         shared blocks there. Returns (src, dst) block copies for the cache engine."""

@@ -55,6 +55,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    pending: list[Sequence] = field(default_factory=list)  # choices not forked yet
     reported_queue_time: bool = False
 
 
@@ -107,7 +108,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, swapper
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
-        self.runner = ModelRunner(model, self.cache.kv_caches, bs, self.sampler, device)
+        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
         self.num_aborted_total = 0
@@ -144,8 +145,9 @@ class LLMEngine:
             seq = Sequence(request_id, i, req.prompt_token_ids, params, now)
             req.seqs.append(seq)
         self._requests[request_id] = req
-        for seq in req.seqs:
-            self.scheduler.add(seq)
+        # Choices 1..n-1 fork from choice 0 once its prompt is computed.
+        req.pending = req.seqs[1:]
+        self.scheduler.add(req.seqs[0])
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -172,6 +174,8 @@ class LLMEngine:
                 f"prompt plus max_tokens ({total} tokens) needs more KV blocks than the cache has "
                 f"({bm.num_blocks} blocks of {bm.block_size})"
             )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
         if params.use_beam_search:
             raise ValueError("use_beam_search is not supported yet")
         if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
@@ -220,8 +224,10 @@ class LLMEngine:
         if sched.scheduled:
             if self.record_steps:
                 self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
-            sampled, result = self.runner.run(sched.scheduled, self.block_manager.block_tables)
-            if result is not None:
+            sampled, logits = self.runner.run(sched.scheduled, self.block_manager.block_tables)
+            if logits is not None:
+                sampled, logits = self._fork_children(sampled, logits)
+                result = self.sampler(logits, sampled)
                 for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
                     self._append_token(seq, tok, lp)
             self.scheduler.finish_step(sched.scheduled)
@@ -230,6 +236,31 @@ class LLMEngine:
         return outputs
 
     # -- internals ----------------------------------------------------------
+    def _fork_children(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """n > 1: when the first choice finishes its prompt, the other choices fork
+        from it, sharing its blocks, and sample their first token from its logits."""
+        rows: list[int] = []
+        out: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            rows.append(i)
+            out.append(seq)
+            req = self._requests.get(seq.request_id)
+            if req is None or not req.pending or seq is not req.seqs[0]:
+                continue
+            for child in req.pending:
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                child.num_computed_tokens = seq.num_tokens
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.first_scheduled_time = seq.first_scheduled_time
+                child.status = SeqStatus.RUNNING
+                self.scheduler.running.append(child)
+                rows.append(i)
+                out.append(child)
+            req.pending = []
+        if len(out) == len(seqs):
+            return seqs, logits
+        return out, logits[torch.tensor(rows)]
+
     def _append_token(self, seq: Sequence, tok: int, lp: Any) -> None:
         seq.output_token_ids.append(tok)
         seq.new_token_ids.append(tok)

@@ -1,12 +1,11 @@
 """Model runner: turns the scheduler's `{seq: num_new_tokens}` into packed tensors,
-runs the model once over every token of the step, and samples where a sequence
-has caught up with its tokens."""
+runs the model once over every token of the step, and returns next-token logits
+where a sequence has caught up with its tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from wsllm.engine.sampler import Sampler, SampleResult
 from wsllm.engine.sequence import Sequence
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
@@ -14,12 +13,11 @@ from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int, sampler: Sampler, device: torch.device,
+        block_size: int, device: torch.device,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sampler = sampler
         self.device = device
 
     def _prepare(
@@ -66,15 +64,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
-    ) -> tuple[list[Sequence], SampleResult | None]:
-        """Forward every scheduled token; sample for sequences that caught up.
-        Returns the sampled sequences and their result."""
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Forward every scheduled token. Returns the sequences that caught up with
+        their tokens and their next-token logits [num_sampled, vocab] (fp32, CPU)."""
         ids, pos, meta, last_index = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         rows = [i for i, (seq, n) in enumerate(scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         if not rows:
             return [], None
-        sample_seqs = [scheduled[i][0] for i in rows]
         idx = torch.tensor([last_index[i] for i in rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden[idx])  # [num_sampled, vocab]
-        return sample_seqs, self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, sample_seqs)
+        logits = self.model.compute_logits(hidden[idx])
+        return [scheduled[i][0] for i in rows], logits.cpu()

@@ -95,23 +95,36 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Decodes first, then unfinished prompt chunks, so a long prompt being
+        # prefilled in chunks never takes a running stream's token for a step.
+        queue = [q for q in self.running if q.num_uncomputed <= 1]
+        queue += [q for q in self.running if q.num_uncomputed > 1]
+        taken: set[int] = set()
+        for seq in queue:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed, budget)
-            while not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+            while not self._reserve(seq, n):
+                victim = next((q for q in reversed(self.running) if q.seq_id not in taken), seq)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 out.copies.extend(self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens))
                 out.scheduled.append((seq, n))
+                taken.add(seq.seq_id)
                 budget -= n
-                i += 1
-                continue
-            break  # seq itself was preempted; it was the last one
         return budget
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Blocks for n more tokens, plus private copies of shared blocks it writes."""
+        cow = self.bm.cow_blocks_needed(seq.seq_id, seq.num_computed_tokens)
+        grow = self.bm.blocks_for(seq.num_computed_tokens + n) - len(self.bm.block_tables[seq.seq_id])
+        if cow and self.bm.num_free_blocks < cow + max(0, grow):
+            return False
+        return self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
