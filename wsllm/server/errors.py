@@ -22,6 +22,9 @@ _TYPES = {
 }
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 class APIError(Exception):
     """An error to answer with; raise it anywhere below a route."""
 
@@ -55,24 +58,30 @@ class APIError(Exception):
         return Response(orjson.dumps(self.body()), self.status, headers, media_type="application/json")
 
 
-def from_validation(e: ValidationError) -> APIError:
-    """The first problem pydantic found, named by its field path."""
-    err = e.errors(include_url=False)[0]
-    loc = [str(p) for p in err["loc"]]
-    # Drop union-branch tags pydantic puts in paths (e.g. "str", "list[int]", "chat").
-    param = ".".join(p for p in loc if not _is_tag(p)) or None
-    msg = err["msg"]
-    if err["type"] not in ("missing", "extra_forbidden") and "input" in err:
-        msg = f"{msg} (got {_short(err['input'])})"
-    return APIError(400, "invalid_request", f"{param}: {msg}" if param else msg, param=param)
+def from_validation(e: ValidationError, skip: int = 0) -> APIError:
+    """The first problem pydantic found, named by its field path. `skip` drops leading
+    path parts (a discriminated union's tag). A union field fails once per branch;
+    those messages are joined."""
+    errors = e.errors(include_url=False)
+    param = _param(errors[0]["loc"][skip:])
+    msgs = []
+    for err in errors:
+        if _param(err["loc"][skip:]) != param:
+            continue
+        msg = err["msg"]
+        if err["type"] != "missing" and "input" in err:
+            msg = f"{msg} (got {_short(err['input'])})"
+        if msg not in msgs:
+            msgs.append(msg)
+    text = "; or ".join(msgs)
+    return APIError(400, "invalid_request", f"{param}: {text}" if param else text, param=param)
 
 
-def _is_tag(part: str) -> bool:
-    return (
-        part in ("str", "int", "float", "bool", "function-after")
-        or "[" in part
-        or part.startswith("function")
-    )
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    # Keep field names and list indexes; drop the branch tags pydantic adds for unions
+    # ("constrained-str", "list[int]", "function-after[...]").
+    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
 
 
 def _short(value: Any) -> str:

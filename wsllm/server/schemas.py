@@ -169,7 +169,9 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
     try:
         msg = _ws_adapter.validate_python(obj)
     except ValidationError as e:
-        raise from_validation(e) from None
+        # Paths start with the message type (the union's tag) unless the type was bad.
+        tagged = obj.get("type") in ("chat", "completion", "cancel", "ping")
+        raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
         check_limits(msg, cfg)
     return msg
