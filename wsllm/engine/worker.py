@@ -102,7 +102,7 @@ class EngineWorker:
             while not self._stop.is_set():
                 self.run_once()
         finally:
-            self._drain()
+            self.drain()
             self.broker.deregister(self.engine_id)
 
     def wait_steps(self, n: int, timeout: float = 30.0) -> int:
@@ -193,7 +193,7 @@ class EngineWorker:
         self._live.clear()
         return events
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Abort everything and step until the engine holds nothing (blocks freed)."""
         events = self._fail_all("worker_lost", "the engine worker stopped")
         for _ in range(1000):

@@ -1,0 +1,129 @@
+"""The engine worker between a memory broker and a real (tiny, random) engine, stepped
+by hand with run_once() so that every assertion is about one iteration."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wsllm.broker.memory import MemoryBroker
+from wsllm.config import EngineConfig
+from wsllm.engine.worker import EngineWorker
+from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Any:
+    from wsllm.engine.engine import LLMEngine
+
+    return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_seqs=4))
+
+
+@pytest.fixture
+def rig(engine: Any) -> Iterator[tuple[EngineWorker, MemoryBroker, list[TokenEvent]]]:
+    broker = MemoryBroker(max_pending=64)
+    worker = EngineWorker(engine, broker, idle_wait_s=0.0)
+    published: list[TokenEvent] = []
+    worker.on_publish = published.extend
+    yield worker, broker, published
+    worker.drain()
+    broker.close()
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def submit(broker: MemoryBroker, rid: str, prompt: list[int] | None = None, **params: Any) -> None:
+    p = SamplingParams(**({"temperature": 0.0, "max_tokens": 4, "ignore_eos": True} | params))
+    asyncio.run(broker.submit(GenerateRequest(rid, prompt or [5, 6, 7], p, arrival_time=time.time())))
+
+
+def run_until_done(worker: EngineWorker, limit: int = 200) -> None:
+    for _ in range(limit):
+        worker.run_once()
+        if not worker.engine.has_unfinished() and not asyncio.run(worker.broker.pending()):
+            return
+    raise AssertionError("the engine did not finish")
+
+
+def test_events_have_seq_usage_and_queue_time(rig: Any) -> None:
+    worker, broker, events = rig
+    submit(broker, "a", max_tokens=5)
+    submit(broker, "b", n=2, max_tokens=3, temperature=1.0, seed=1)
+    run_until_done(worker)
+    for rid, index, n_tokens in [("a", 0, 5), ("b", 0, 3), ("b", 1, 3)]:
+        evs = [e for e in events if e.request_id == rid and e.index == index]
+        assert [e.seq for e in evs] == list(range(len(evs)))
+        assert sum(len(e.token_ids) for e in evs) == n_tokens
+        assert [e.finish_reason for e in evs][-1] == "length" and all(e.finish_reason is None for e in evs[:-1])
+        assert evs[-1].usage is not None and evs[-1].usage.completion_tokens == n_tokens
+        assert evs[-1].usage.prompt_tokens == 3
+        assert evs[0].queue_time is not None and evs[0].queue_time >= 0
+    # The broker saw the same events, one batch per step.
+    assert worker.steps >= 5
+
+
+def test_a_refused_request_becomes_an_error_event(rig: Any) -> None:
+    worker, broker, events = rig
+    submit(broker, "bad", prompt=[10**8])  # outside the vocabulary
+    submit(broker, "good")
+    run_until_done(worker)
+    (err,) = [e for e in events if e.request_id == "bad"]
+    assert err.finish_reason == "error" and err.error_code == "invalid_request" and "prompt" in (err.error or "")
+    assert [e.finish_reason for e in events if e.request_id == "good"][-1] == "length"
+
+
+def test_pull_only_what_the_engine_can_admit(rig: Any) -> None:
+    worker, broker, _ = rig
+    for i in range(10):
+        submit(broker, f"r{i}", max_tokens=50)
+    worker.run_once()
+    assert asyncio.run(broker.pending()) == 10 - worker.engine.stats()["num_running"]
+    assert asyncio.run(broker.pending()) >= 6  # max_num_seqs is 4
+
+
+def test_abort_of_a_running_request_frees_it_in_the_next_iteration(rig: Any) -> None:
+    worker, broker, events = rig
+    submit(broker, "long", max_tokens=100)
+    worker.run_once()
+    assert worker.engine.is_known("long")
+    asyncio.run(broker.abort("long"))
+    worker.run_once()
+    assert not worker.engine.is_known("long")
+    assert [e.finish_reason for e in events if e.request_id == "long"][-1] == "abort"
+
+
+def test_abort_before_the_pull_never_reaches_the_engine(rig: Any) -> None:
+    worker, broker, events = rig
+    submit(broker, "gone")
+    asyncio.run(broker.abort("gone"))
+    worker.run_once()
+    assert not worker.engine.is_known("gone") and not events
+
+
+def test_the_thread_stops_cleanly_and_empties_the_engine(engine: Any) -> None:
+    broker = MemoryBroker()
+    worker = EngineWorker(engine, broker)
+    worker.start()
+    submit(broker, "x", max_tokens=1000)
+    worker.wait_steps(2)
+    assert asyncio.run(broker.engines())[0].stats["num_running"] in (0, 1)
+    worker.stop()
+    assert not engine.has_unfinished()
+    assert asyncio.run(broker.engines()) == []  # deregistered
+
+    async def last_event() -> TokenEvent:
+        last = None
+        async for batch in broker.events():
+            last = batch[-1]
+            if last.finish_reason:
+                return last
+        raise AssertionError("no final event")
+
+    ev = asyncio.run(asyncio.wait_for(last_event(), 5))
+    assert (ev.request_id, ev.finish_reason, ev.error_code) == ("x", "error", "worker_lost")
+    broker.close()
