@@ -1,0 +1,243 @@
+"""Browser tests of the chat UI (frontend/): Debian's chromium driven by Playwright,
+against a live `wsllm serve` with a tiny random-weight model.
+
+The server is a real `wsllm serve` child process on a free port, shared by the
+session, so that the reconnect test can stop it and start it again on the same port.
+Set WSLLM_UI_SERVER_CMD (a command with {port} and {model} placeholders) to run the
+UI tests against another server, e.g. one on the Redis broker.
+
+    def test_x(ui):              # ui.server, ui.page(...), ui.send(page, text), ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"  # git-ignored
+
+# Short, deterministic answers: greedy decoding of the tiny random model.
+FAST = {"max_tokens": 24, "temperature": 0, "top_p": 1}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    missing = not Path(CHROMIUM).exists()
+    for item in items:
+        if Path(str(item.fspath)).parent == here:
+            item.add_marker(pytest.mark.slow)
+            if missing:
+                item.add_marker(pytest.mark.skip(reason=f"needs Debian's chromium at {CHROMIUM}"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (a local test server)
+        return r.status, r.read()
+
+
+class ServerProcess:
+    """`wsllm serve` as a child process that can be stopped and started on one port."""
+
+    def __init__(self, model: Path, port: int, log: Path) -> None:
+        self.model, self.port, self.log = model, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        custom = os.environ.get("WSLLM_UI_SERVER_CMD")
+        if custom:
+            return shlex.split(custom.format(port=self.port, model=self.model))
+        exe = shutil.which("wsllm", path=str(Path(sys.executable).parent)) or "wsllm"
+        return [exe, "serve", "--model", str(self.model), "--port", str(self.port),
+                "--kv-cache-gb", "0.05", "--threads", "1"]  # fmt: skip
+
+    def start(self, timeout: float = 120.0) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                if http_get(f"{self.url}/v1/models")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def metric(self, prefix: str) -> float:
+        """Sum of the Prometheus samples whose line starts with `prefix`."""
+        body = http_get(f"{self.url}/metrics")[1].decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
+
+
+def seed_script(settings: dict[str, Any], convs: list[dict[str, Any]] | None = None) -> str:
+    """An init script that fills localStorage once per tab (not again on reload)."""
+    items: dict[str, Any] = {"wsllm.v1.settings": settings}
+    for c in convs or []:
+        items[f"wsllm.v1.conv.{c['id']}"] = c
+    if convs:
+        items["wsllm.v1.active"] = convs[0]["id"]
+    return (
+        "if (!sessionStorage.getItem('seeded')) { sessionStorage.setItem('seeded', '1');"
+        f" for (const [k, v] of Object.entries({json.dumps(items)})) localStorage.setItem(k, JSON.stringify(v)); }}"
+    )
+
+
+def conversation(cid: str, title: str, messages: list[tuple[str, str]], system: str = "") -> dict[str, Any]:
+    """A stored conversation in the UI's localStorage format (docs/ui.md)."""
+    now = int(time.time() * 1000)
+    return {
+        "id": cid,
+        "title": title,
+        "system": system,
+        "createdAt": now,
+        "updatedAt": now,
+        "messages": [
+            {"id": f"{cid}-m{k}", "role": role, "content": text, "status": "done"}
+            for k, (role, text) in enumerate(messages)
+        ],
+    }
+
+
+def wait_until(fn: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Ui:
+    """Opens pages on the live server and drives the common gestures."""
+
+    FAST = FAST
+    ARTIFACTS = ARTIFACTS
+    conversation = staticmethod(conversation)
+    wait_until = staticmethod(wait_until)
+    http_get = staticmethod(http_get)
+
+    def __init__(self, browser: Any, server: ServerProcess) -> None:
+        self.browser, self.server = browser, server
+
+    def page(
+        self,
+        size: tuple[int, int] = (1280, 800),
+        scheme: str = "light",
+        settings: dict[str, Any] | None = None,
+        convs: list[dict[str, Any]] | None = None,
+        connected: bool = True,
+        requests: list[str] | None = None,
+    ) -> Any:
+        """A new tab with seeded localStorage; `requests` collects every URL it asks for."""
+        from playwright.sync_api import expect
+
+        ctx = self.browser.new_context(viewport={"width": size[0], "height": size[1]}, color_scheme=scheme)
+        if requests is not None:
+            ctx.on("request", lambda r: requests.append(r.url))
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.errors = errors
+        page.add_init_script(seed_script(FAST if settings is None else settings, convs))
+        page.goto(self.server.url + "/")
+        if connected:
+            expect(page.locator("#conn-status")).to_have_attribute("data-state", "connected", timeout=15_000)
+        return page
+
+    @staticmethod
+    def send(page: Any, text: str) -> None:
+        page.fill("#prompt", text)
+        page.press("#prompt", "Enter")
+
+    @staticmethod
+    def last_answer(page: Any) -> Any:
+        return page.locator(".msg.assistant").last
+
+    def wait_finished(self, page: Any, timeout: float = 30_000) -> None:
+        from playwright.sync_api import expect
+
+        expect(self.last_answer(page)).to_have_attribute(
+            "data-status", re.compile("done|stopped"), timeout=timeout
+        )
+
+    @staticmethod
+    def set_settings(page: Any, **values: str) -> None:
+        from playwright.sync_api import expect
+
+        page.click("#open-settings")
+        for key, value in values.items():
+            page.fill(f"#set-{key.replace('_', '-')}", value)
+        page.click("#settings-dialog button.primary")
+        expect(page.locator("#settings-dialog")).to_be_hidden()
+
+    @staticmethod
+    def assert_no_errors(page: Any, allow: str = "favicon") -> None:
+        errors = [e for e in page.errors if not re.search(allow, e)]
+        assert not errors, errors
+
+
+@pytest.fixture(scope="session")
+def ui_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tiny_model_dir, free_port(), tmp_path_factory.mktemp("ui-server") / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def ui(browser: Any, ui_server: ServerProcess) -> Iterator[Ui]:
+    helper = Ui(browser, ui_server)
+    yield helper
+    for ctx in list(browser.contexts):  # every page a test opened
+        ctx.close()
