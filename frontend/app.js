@@ -121,11 +121,22 @@ function main() {
     const el = $("conn-status");
     const { state, retryAt } = ws;
     el.dataset.state = state;
-    if (state === ConnState.CONNECTED) el.textContent = "Connected";
-    else if (state === ConnState.CONNECTING) el.textContent = "Connecting…";
-    else if (needsKey) el.textContent = "Disconnected · API key needed";
-    else if (retryAt) el.textContent = `Disconnected · retry in ${Math.max(1, Math.ceil((retryAt - Date.now()) / 1000))}s`;
-    else el.textContent = "Disconnected · reconnecting…";
+    let text = "Disconnected";
+    let detail = ""; // changes every second: kept out of the live region's announcements
+    if (state === ConnState.CONNECTED) text = "Connected";
+    else if (state === ConnState.CONNECTING) text = "Connecting…";
+    else if (needsKey) text = "Disconnected · API key needed";
+    else if (retryAt) detail = ` · retry in ${Math.max(1, Math.ceil((retryAt - Date.now()) / 1000))}s`;
+    else detail = " · reconnecting…";
+    if (el.firstChild?.textContent !== text) el.replaceChildren(document.createTextNode(text));
+    let span = el.querySelector(".conn-detail");
+    if (detail && !span) {
+      span = document.createElement("span");
+      span.className = "conn-detail";
+      span.setAttribute("aria-hidden", "true");
+      el.appendChild(span);
+    }
+    if (span) span.textContent = detail;
     $("reconnect").hidden = state !== ConnState.DISCONNECTED;
   }
 
