@@ -176,7 +176,7 @@ def paged_prefill_attention_triton(
         HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=_BLOCK_N if q.element_size() < 4 else _BLOCK_N // 2,  # fp32: under 100 KB shared
         UPCAST=upcast,
         PRECISION=precision,
         num_warps=4,
