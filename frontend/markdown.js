@@ -257,7 +257,6 @@ function paragraph(parent, lines, i) {
 // ---- inline --------------------------------------------------------------------
 
 const ESCAPABLE = "\\`*_{}[]()#+-.!|~<>";
-const URL_RE = /^https?:\/\/[^\s<>"'`]+/i;
 
 /** Only absolute http(s) URLs become links; anything else stays text. */
 export function safeUrl(raw) {
@@ -289,20 +288,34 @@ function appendText(parent, text) {
 }
 
 // Finds `[text](url)` starting at src[i] === "["; returns [text, url, end] or null.
+// The scans are bounded so that a paragraph full of "[" stays linear-ish.
+const MAX_LINK_TEXT = 1000;
+const MAX_LINK_URL = 2048;
+
 function matchLink(src, i) {
   let depth = 0;
   let j = i;
-  for (; j < src.length; j++) {
+  const stop = Math.min(src.length, i + MAX_LINK_TEXT);
+  for (; j < stop; j++) {
     const c = src[j];
     if (c === "\\") j++;
     else if (c === "[") depth++;
     else if (c === "]" && --depth === 0) break;
   }
-  if (j >= src.length || src[j + 1] !== "(") return null;
+  if (j >= stop || src[j + 1] !== "(") return null;
   const close = src.indexOf(")", j + 2);
-  if (close < 0) return null;
+  if (close < 0 || close - j > MAX_LINK_URL) return null;
   const target = src.slice(j + 2, close).trim().split(/\s+/)[0] || "";
   return [src.slice(i + 1, j), target.replace(/^<|>$/g, ""), close + 1];
+}
+
+// A bare URL ends before trailing punctuation, and before a ")" it did not open.
+function trimUrl(url) {
+  let u = url.replace(/[.,;:!?\]*_'"]+$/, "");
+  while (u.endsWith(")") && (u.match(/\)/g) || []).length > (u.match(/\(/g) || []).length) {
+    u = u.slice(0, -1).replace(/[.,;:!?\]*_'"]+$/, "");
+  }
+  return u;
 }
 
 const EMPHASIS = [
@@ -313,11 +326,24 @@ const EMPHASIS = [
   ["_", "em"],
 ];
 
+// Sticky regexes match at one position without slicing the string.
+const BACKTICKS = /`+/y;
+const AUTOLINK = /<(https?:\/\/[^\s<>]+)>/iy;
+const BARE_URL = /https?:\/\/[^\s<>"'`]+/iy;
+
+function stickyAt(re, src, i) {
+  re.lastIndex = i;
+  return re.exec(src);
+}
+
 function appendInline(parent, src, depth, inLink = false) {
   if (depth > MAX_DEPTH) {
     appendText(parent, src);
     return;
   }
+  // Where a search for a closing delimiter already failed: any later opener of the
+  // same kind fails too, so each kind scans the text at most once (linear time).
+  const noClose = new Map();
   let text = "";
   const flush = () => {
     appendText(parent, text);
@@ -326,14 +352,16 @@ function appendInline(parent, src, depth, inLink = false) {
   let i = 0;
   while (i < src.length) {
     const c = src[i];
+    const prev = i > 0 ? src[i - 1] : "";
     if (c === "\\" && i + 1 < src.length && ESCAPABLE.includes(src[i + 1])) {
       text += src[i + 1];
       i += 2;
       continue;
     }
     if (c === "`") {
-      const run = /^`+/.exec(src.slice(i))[0];
-      const end = src.indexOf(run, i + run.length);
+      const run = stickyAt(BACKTICKS, src, i)[0];
+      const key = `\`${run.length}`;
+      const end = i >= (noClose.get(key) ?? Infinity) ? -1 : src.indexOf(run, i + run.length);
       if (end > 0) {
         flush();
         const code = h("code");
@@ -342,6 +370,7 @@ function appendInline(parent, src, depth, inLink = false) {
         i = end + run.length;
         continue;
       }
+      noClose.set(key, Math.min(i, noClose.get(key) ?? Infinity));
       text += run;
       i += run.length;
       continue;
@@ -360,7 +389,7 @@ function appendInline(parent, src, depth, inLink = false) {
       }
     }
     if (c === "<" && !inLink) {
-      const m = /^<(https?:\/\/[^\s<>]+)>/i.exec(src.slice(i));
+      const m = stickyAt(AUTOLINK, src, i);
       const href = m && safeUrl(m[1]);
       if (href) {
         flush();
@@ -369,10 +398,10 @@ function appendInline(parent, src, depth, inLink = false) {
         continue;
       }
     }
-    if ((c === "h" || c === "H") && !inLink && !/[\w/]$/.test(text)) {
-      const m = URL_RE.exec(src.slice(i));
+    if ((c === "h" || c === "H") && !inLink && !/[\w/]/.test(prev)) {
+      const m = stickyAt(BARE_URL, src, i);
       if (m) {
-        const url = m[0].replace(/[.,;:!?)\]*_]+$/, "");
+        const url = trimUrl(m[0]);
         const href = safeUrl(url);
         if (href) {
           flush();
@@ -382,7 +411,7 @@ function appendInline(parent, src, depth, inLink = false) {
         }
       }
     }
-    const em = emphasisAt(src, i, text);
+    const em = emphasisAt(src, i, prev, noClose);
     if (em) {
       flush();
       const el = h(em.tag);
@@ -397,28 +426,36 @@ function appendInline(parent, src, depth, inLink = false) {
   flush();
 }
 
-function emphasisAt(src, i, before) {
+function emphasisAt(src, i, prev, noClose) {
   for (const [delim, tag] of EMPHASIS) {
     if (!src.startsWith(delim, i)) continue;
     const after = src[i + delim.length];
     if (!after || /\s/.test(after)) continue; // must open against text
-    if (delim[0] === "_" && /\w$/.test(before)) continue; // snake_case stays text
-    let end = src.indexOf(delim, i + delim.length + 1);
-    while (end > 0) {
-      if (delim.length === 1 && src[end + 1] === delim) {
-        // A single * never closes on part of a ** run: skip the whole run.
-        while (src[end] === delim) end++;
-        end = src.indexOf(delim, end);
-        continue;
-      }
-      // Close on the last delimiter of a run: ***x*** is <strong><em>x</em></strong>.
-      while (src[end + delim.length] === delim[0]) end++;
-      const prev = src[end - 1];
-      const next = src[end + delim.length];
-      const closes = !/\s/.test(prev) && prev !== "\\" && !(delim[0] === "_" && next && /\w/.test(next));
-      if (closes) return { delim, tag, end };
-      end = src.indexOf(delim, end + delim.length);
-    }
+    if (delim[0] === "_" && /\w/.test(prev)) continue; // snake_case stays text
+    if (i >= (noClose.get(delim) ?? Infinity)) continue;
+    const end = closingDelimiter(src, i, delim);
+    if (end > 0) return { delim, tag, end };
+    noClose.set(delim, i);
   }
   return null;
+}
+
+function closingDelimiter(src, i, delim) {
+  let end = src.indexOf(delim, i + delim.length + 1);
+  while (end > 0) {
+    if (delim.length === 1 && src[end + 1] === delim) {
+      // A single * never closes on part of a ** run: skip the whole run.
+      while (src[end] === delim) end++;
+      end = src.indexOf(delim, end);
+      continue;
+    }
+    // Close on the last delimiter of a run: ***x*** is <strong><em>x</em></strong>.
+    while (src[end + delim.length] === delim[0]) end++;
+    const before = src[end - 1];
+    const next = src[end + delim.length];
+    const closes = !/\s/.test(before) && before !== "\\" && !(delim[0] === "_" && next && /\w/.test(next));
+    if (closes) return end;
+    end = src.indexOf(delim, end + delim.length);
+  }
+  return -1;
 }

@@ -57,6 +57,7 @@ export class MessageView {
     this.dirty = new Set();
     this.editing = null; // id of the user message being edited
     this._frame = 0;
+    this._cost = 0; // milliseconds the last repaint took
     container.addEventListener("click", (ev) => this._onClick(ev));
   }
 
@@ -106,10 +107,16 @@ export class MessageView {
     if (this._frame) return;
     const run = () => {
       this._frame = 0;
+      const t0 = performance.now();
       this._flush();
+      this._cost = performance.now() - t0;
     };
-    // Hidden tabs get no animation frames; a timer still drains the work.
-    this._frame = document.hidden ? setTimeout(run, 100) : requestAnimationFrame(run);
+    // Hidden tabs get no animation frames; a timer still drains the work. A long
+    // answer whose re-render costs more than half a frame is repainted less often,
+    // so rendering never takes more than about a third of the time.
+    if (document.hidden) this._frame = setTimeout(run, 100);
+    else if (this._cost > 8) this._frame = setTimeout(run, Math.min(this._cost * 2, 500));
+    else this._frame = requestAnimationFrame(run);
   }
 
   _flush() {
