@@ -112,3 +112,40 @@ def test_server_errors_show_as_readable_messages(ui) -> None:
     ui.wait_finished(page)
     expect(page.locator(".msg.assistant")).to_have_count(1)
     expect(page.locator(".msg-error:visible")).to_have_count(0)
+
+
+def test_edit_and_resend_regenerate_and_copy(ui) -> None:
+    page = ui.page(settings={**ui.FAST, "max_tokens": 8})
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    ui.send(page, "First question.")
+    ui.wait_finished(page)
+    ui.send(page, "Second question.")
+    ui.wait_finished(page)
+    expect(page.locator(".msg")).to_have_count(4)
+
+    # Regenerate replaces the last answer only.
+    first_answer = page.locator(".msg.assistant").first.get_attribute("data-id")
+    last_id = ui.last_answer(page).get_attribute("data-id")
+    ui.last_answer(page).get_by_role("button", name="Regenerate answer").click()
+    ui.wait_finished(page)
+    expect(page.locator(".msg")).to_have_count(4)
+    assert ui.last_answer(page).get_attribute("data-id") != last_id
+    assert page.locator(".msg.assistant").first.get_attribute("data-id") == first_answer
+
+    # Editing the first message cuts the conversation there and asks again.
+    page.locator(".msg.user").first.get_by_role("button", name="Edit and resend").click()
+    box = page.locator("textarea.edit-box")
+    expect(box).to_be_focused()
+    box.fill("The first question, edited.")
+    box.press("Enter")
+    expect(page.locator(".msg")).to_have_count(2)
+    expect(page.locator(".msg.user .msg-body")).to_have_text("The first question, edited.")
+    ui.wait_finished(page)
+
+    # Copy puts the message's text on the clipboard.
+    page.locator(".msg.user").first.get_by_role("button", name="Copy your message").click()
+    assert page.evaluate("navigator.clipboard.readText()") == "The first question, edited."
+    ui.last_answer(page).get_by_role("button", name="Copy answer").click()
+    stored = page.evaluate("wsllm.chat.get(wsllm.store.activeId).messages[1].content")
+    assert page.evaluate("navigator.clipboard.readText()") == stored
+    ui.assert_no_errors(page)
