@@ -53,6 +53,8 @@ def test_preemption_gives_the_same_outputs_and_frees_every_block(tiny_model_dir:
     assert stats["num_preemptions"] > 0
     if mode == "swap":
         assert stats["num_swaps"] > 0
+        swap = small.scheduler.swapper
+        assert swap is not None and swap.num_free_blocks == swap.num_blocks, "CPU swap blocks leaked"
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     small.block_manager.check_invariants()
 

@@ -17,6 +17,7 @@ import torch
 
 from wsllm import kernels
 from wsllm.config import EngineConfig
+from wsllm.engine.beam import BeamState
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
 from wsllm.engine.model_runner import ModelRunner
@@ -56,6 +57,8 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     pending: list[Sequence] = field(default_factory=list)  # choices not forked yet
+    beam: BeamState | None = None
+    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> row, this round
     reported_queue_time: bool = False
 
 
@@ -145,8 +148,12 @@ class LLMEngine:
             seq = Sequence(request_id, i, req.prompt_token_ids, params, now)
             req.seqs.append(seq)
         self._requests[request_id] = req
-        # Choices 1..n-1 fork from choice 0 once its prompt is computed.
-        req.pending = req.seqs[1:]
+        if params.use_beam_search:
+            req.seqs = req.seqs[:1]
+            req.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
+                                 params.max_tokens, [] if params.ignore_eos else self.eos_token_ids)
+        else:  # choices 1..n-1 fork from choice 0 once its prompt is computed
+            req.pending = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -176,8 +183,10 @@ class LLMEngine:
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
-        if params.use_beam_search:
-            raise ValueError("use_beam_search is not supported yet")
+        if params.use_beam_search and params.n > params.beam_width:
+            raise ValueError(f"n ({params.n}) must be <= beam_width ({params.beam_width}) with beam search")
+        if params.use_beam_search and params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width must be <= max_num_seqs ({self.config.max_num_seqs})")
         if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
             raise ValueError("the engine is full; retry later")
 
@@ -226,6 +235,9 @@ class LLMEngine:
                 self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
             sampled, logits = self.runner.run(sched.scheduled, self.block_manager.block_tables)
             if logits is not None:
+                sampled, logits, beam_outs = self._beam_rows(sampled, logits)
+                outputs.extend(beam_outs)
+            if logits is not None and sampled:
                 sampled, logits = self._fork_children(sampled, logits)
                 result = self.sampler(logits, sampled)
                 for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
@@ -236,6 +248,70 @@ class LLMEngine:
         return outputs
 
     # -- internals ----------------------------------------------------------
+    def _beam_rows(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[RequestOutput]]:
+        """Take beam-search rows out of the batch; advance a request's search once
+        every one of its running beams has its logits."""
+        keep: list[int] = []
+        outs: list[RequestOutput] = []
+        for i, seq in enumerate(seqs):
+            req = self._requests.get(seq.request_id)
+            if req is None or req.beam is None:
+                keep.append(i)
+                continue
+            req.beam_logits[seq.seq_id] = logits[i]
+            if len(req.beam_logits) == len(req.seqs):
+                out = self._beam_step(req)
+                if out is not None:
+                    outs.append(out)
+        if len(keep) == len(seqs):
+            return seqs, logits, outs
+        return [seqs[i] for i in keep], (logits[torch.tensor(keep, dtype=torch.long)] if keep else None), outs
+
+    def _beam_step(self, req: _Request) -> RequestOutput | None:
+        assert req.beam is not None
+        beams = req.seqs
+        rows = torch.stack([req.beam_logits[s.seq_id] for s in beams])
+        req.beam_logits.clear()
+        chosen = req.beam.step(rows[:, : self.vocab_size], [s.output_token_ids for s in beams])
+        used: set[int] = set()
+        new_beams: list[Sequence] = []
+        for c in chosen:  # fork first, from the parents' current state
+            parent = beams[c.beam]
+            if c.beam in used:
+                child = Sequence(req.request_id, 0, req.prompt_token_ids, parent.params, parent.arrival_time)
+                child.output_token_ids = list(parent.output_token_ids)
+                child.num_computed_tokens = parent.num_tokens  # the parent caught up this step
+                child.first_scheduled_time = parent.first_scheduled_time
+                child.status = SeqStatus.RUNNING
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                self.scheduler.running.append(child)
+                new_beams.append(child)
+            else:
+                used.add(c.beam)
+                new_beams.append(parent)
+        for i, seq in enumerate(beams):
+            if i not in used:
+                self.scheduler.remove(seq)
+                seq.status = SeqStatus.FINISHED
+        for seq, c in zip(new_beams, chosen, strict=True):
+            seq.output_token_ids.append(c.token)
+        req.seqs = new_beams
+        if not req.beam.done:
+            return None
+        for seq in new_beams:
+            self.scheduler.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        del self._requests[req.request_id]
+        comps = [
+            CompletionOutput(i, h.token_ids, list(h.token_ids), FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH)
+            for i, h in enumerate(req.beam.best(req.params.n))
+        ]
+        first = beams[0]
+        qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)
+        return RequestOutput(req.request_id, req.prompt_token_ids, comps, True, first.num_cached_tokens, qt)
+
     def _fork_children(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """n > 1: when the first choice finishes its prompt, the other choices fork
         from it, sharing its blocks, and sample their first token from its logits."""

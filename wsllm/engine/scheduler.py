@@ -106,6 +106,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                continue  # a beam waiting for the rest of its group
             while not self._reserve(seq, n):
                 victim = next((q for q in reversed(self.running) if q.seq_id not in taken), seq)
                 self._preempt(victim, out)
