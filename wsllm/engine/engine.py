@@ -124,8 +124,7 @@ class LLMEngine:
         config = config or EngineConfig()
         if config.threads:
             torch.set_num_threads(config.threads)
-        if config.attention_backend != "auto":
-            kernels.use_backend(config.attention_backend)
+        kernels.use_backend(config.attention_backend)  # process-wide: one engine per process
         model_dir = loader.resolve_model_dir(config.model)
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
