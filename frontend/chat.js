@@ -24,6 +24,8 @@ export function describeError(code, message, param) {
       return `The server rejected the request${param ? `: check "${param}"` : ""}.${detail}`;
     case "worker_lost":
       return `The engine serving this answer went away.${detail}`;
+    case "too_large":
+      return `This conversation is too long to send (${message}). Start a new chat or shorten it.`;
     case "unknown_id":
       return "The connection dropped and the server could not resume this answer.";
     case "internal_error":

@@ -10,7 +10,16 @@ export async function fetchModels(apiKey = "") {
   if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
   const res = await fetch("/v1/models", { headers });
   if (res.status === 401) throw new AuthError("this server needs an API key (Settings → API key)");
-  if (!res.ok) throw new Error(`GET /v1/models: HTTP ${res.status}`);
+  if (!res.ok) {
+    let detail = "";
+    try {
+      detail = (await res.json())?.error?.message || "";
+    } catch {
+      /* not the OpenAI error shape */
+    }
+    const busy = res.status === 429 || res.status === 503 ? "the server is busy; " : "";
+    throw new Error(`${busy}GET /v1/models answered HTTP ${res.status}${detail ? `: ${detail}` : ""}`);
+  }
   const body = await res.json();
   return (Array.isArray(body?.data) ? body.data : [])
     .map((m) => (m && typeof m.id === "string" ? m.id : null))

@@ -85,6 +85,14 @@ export class WsClient extends EventTarget {
    * sent(). Returns the request id. */
   request(payload, handlers, id = this.newId()) {
     const entry = { payload: { ...payload, id }, handlers, lastSeq: -1, sent: false, resuming: false };
+    // A frame over the server's limit would close the whole socket (1009): refuse it here.
+    const limit = Number(this.hello?.limits?.max_message_bytes);
+    const size = new TextEncoder().encode(JSON.stringify(entry.payload)).length;
+    if (limit > 0 && size > limit) {
+      const message = `${Math.ceil(size / 1024)} KB; the server takes up to ${Math.floor(limit / 1024)} KB`;
+      queueMicrotask(() => handlers.error?.({ code: "too_large", message, param: null, resumed: false }));
+      return id;
+    }
     this._live.set(id, entry);
     if (this.state === ConnState.CONNECTED) this._sendStart(id, entry);
     return id;
