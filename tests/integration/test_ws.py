@@ -116,10 +116,11 @@ def test_errors_keep_the_socket_open(srv: Any) -> None:
             await send(ws, type="chat", id="x", messages=[])
             await send(ws, type="warp", id="y")
             await send(ws, type="cancel", id="nobody")
+            await send(ws, type="resume", id="old", after_seq=3)
             await send(ws, **completion("d", max_tokens=2000))
             await send(ws, **completion("d", max_tokens=2))
             await send(ws, type="ping")
-            got = [await recv(ws) for _ in range(6)]
+            got = [await recv(ws) for _ in range(7)]
             await send(ws, type="cancel", id="d")
             while (m := await recv(ws))["type"] != "done":
                 pass
@@ -135,6 +136,7 @@ def test_errors_keep_the_socket_open(srv: Any) -> None:
         ("x", "invalid_request"),
         ("y", "invalid_request"),
         ("nobody", "unknown_id"),
+        ("old", "unknown_id"),  # the memory broker can't resume: the request ended with its socket
         ("d", "duplicate_id"),
     ]
     assert {"type": "pong"} in msgs

@@ -129,12 +129,18 @@ class WsCancel(_Strict):
     id: WsId
 
 
+class WsResume(_Strict):
+    type: Literal["resume"]
+    id: WsId
+    after_seq: int = Field(ge=-1)
+
+
 class WsPing(_Strict):
     type: Literal["ping"]
 
 
-WsMessage = Annotated[WsChat | WsCompletion | WsCancel | WsPing, Field(discriminator="type")]
-_ws_adapter: TypeAdapter[WsChat | WsCompletion | WsCancel | WsPing] = TypeAdapter(WsMessage)
+WsMessage = Annotated[WsChat | WsCompletion | WsCancel | WsResume | WsPing, Field(discriminator="type")]
+_ws_adapter: TypeAdapter[WsChat | WsCompletion | WsCancel | WsResume | WsPing] = TypeAdapter(WsMessage)
 
 GenerateBody = ChatRequest | CompletionRequest
 
@@ -162,7 +168,7 @@ def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes
     return req
 
 
-def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCancel | WsPing:
+def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCancel | WsResume | WsPing:
     """Check one parsed WebSocket message."""
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "a message must be a JSON object")
@@ -170,7 +176,7 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
         msg = _ws_adapter.validate_python(obj)
     except ValidationError as e:
         # Paths start with the message type (the union's tag) unless the type was bad.
-        tagged = obj.get("type") in ("chat", "completion", "cancel", "ping")
+        tagged = obj.get("type") in ("chat", "completion", "cancel", "resume", "ping")
         raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
         check_limits(msg, cfg)

@@ -19,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Delta, Gateway, Generation, GenerationError
-from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, parse_json, validate_ws
+from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,9 @@ class WsSession:
                 await self._cancel(msg.id)
             elif isinstance(msg, WsChat | WsCompletion):
                 await self._start(msg)
+            elif isinstance(msg, WsResume):
+                # With the memory broker a request ends with its socket: nothing to resume.
+                raise APIError(400, "unknown_id", f"request {msg.id!r} ended when its socket closed", "id")
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
