@@ -161,11 +161,14 @@ class Generation:
         if self._final or self.finished:
             out, self._final = self._final, []
             return out
-        try:
-            ev = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return []
-        events = [ev]
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    events = [await self._queue.get()]
+            except TimeoutError:
+                return []
+        else:
+            events = []
         while not self._queue.empty():
             events.append(self._queue.get_nowait())
         deltas: list[Delta] = []
