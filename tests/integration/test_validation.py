@@ -89,6 +89,14 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
         "invalid_request",
         "prompt",
     ),
+    (
+        "stop id outside the vocabulary",
+        "chat",
+        chat(stop_token_ids=[10**9]),
+        400,
+        "invalid_request",
+        "stop_token_ids",
+    ),
     ("empty messages", "chat", {"messages": []}, 400, "invalid_request", "messages"),
     ("no messages", "chat", {"max_tokens": 3}, 400, "invalid_request", "messages"),
     (

@@ -48,7 +48,9 @@ def chunkings(n: int, rng: random.Random) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_text_equals_full_decode_and_never_has_replacement_chars(codec: TextCodec, text: str) -> None:
+def test_streamed_text_equals_full_decode_and_never_has_replacement_chars(
+    codec: TextCodec, text: str
+) -> None:
     ids = codec.backend.encode(text, add_special_tokens=False).ids
     prompt = codec.encode("Say it:")
     full = codec.backend.decode(ids, skip_special_tokens=True)

@@ -59,7 +59,9 @@ def test_events_have_seq_usage_and_queue_time(rig: Any) -> None:
         evs = [e for e in events if e.request_id == rid and e.index == index]
         assert [e.seq for e in evs] == list(range(len(evs)))
         assert sum(len(e.token_ids) for e in evs) == n_tokens
-        assert [e.finish_reason for e in evs][-1] == "length" and all(e.finish_reason is None for e in evs[:-1])
+        assert [e.finish_reason for e in evs][-1] == "length" and all(
+            e.finish_reason is None for e in evs[:-1]
+        )
         assert evs[-1].usage is not None and evs[-1].usage.completion_tokens == n_tokens
         assert evs[-1].usage.prompt_tokens == 3
         assert evs[0].queue_time is not None and evs[0].queue_time >= 0
@@ -73,7 +75,9 @@ def test_a_refused_request_becomes_an_error_event(rig: Any) -> None:
     submit(broker, "good")
     run_until_done(worker)
     (err,) = [e for e in events if e.request_id == "bad"]
-    assert err.finish_reason == "error" and err.error_code == "invalid_request" and "prompt" in (err.error or "")
+    assert (
+        err.finish_reason == "error" and err.error_code == "invalid_request" and "prompt" in (err.error or "")
+    )
     assert [e.finish_reason for e in events if e.request_id == "good"][-1] == "length"
 
 

@@ -309,17 +309,21 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return gen
 
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= self.codec.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                "invalid_request",
+                f"{param}: token id {bad[0]} is not in the vocabulary (size {self.codec.vocab_size})",
+                param=param,
+            )
+
     async def _prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        self._check_vocab(req.stop_token_ids or [], "stop_token_ids")
         if isinstance(req, CompletionRequest):
             if isinstance(req.prompt, list):
-                bad = [t for t in req.prompt if t >= self.codec.vocab_size]
-                if bad:
-                    raise APIError(
-                        400,
-                        "invalid_request",
-                        f"prompt: token id {bad[0]} is not in the vocabulary (size {self.codec.vocab_size})",
-                        param="prompt",
-                    )
+                self._check_vocab(req.prompt, "prompt")
                 return list(req.prompt)
             return await self._run_text(self.codec.encode, req.prompt, len(req.prompt))
         messages = [m.as_template_input() for m in req.messages]

@@ -138,7 +138,9 @@ async def _full_response(request: Request, api: _Api) -> Response:
     try:
         done, per_choice = await until_disconnect(request.receive, _collect(gen))
     except GenerationError as e:
-        raise APIError(500, e.code, e.message) from None
+        # The engine refused the request (400) or lost it (503); anything else is ours.
+        status = {"invalid_request": 400, "worker_lost": 503}.get(e.code, 500)
+        raise APIError(status, e.code, e.message) from None
     finally:
         await gen.cancel()  # no-op when it finished; frees the engine request otherwise
     if not done or per_choice is None:
