@@ -7,6 +7,7 @@ deployment adds `gateway` and `engine` here."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -43,7 +44,8 @@ def serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn_config(app, gcfg))
         host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
         print(f"wsllm: serving {engine.model_name} at http://{host}:{gcfg.port}/", flush=True)
-        server.run()
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
+            server.run()
     finally:
         worker.stop()
         broker.close()
