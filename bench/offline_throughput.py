@@ -43,12 +43,12 @@ def make_workload(n: int, seed: int, tok) -> tuple[list[list[int]], list[int]]: 
     return prompts, outs
 
 
-def run_wsllm(model_dir: str, prompts: list[list[int]], outs: list[int], max_num_seqs: int) -> float:
+def run_wsllm(model_dir: str, prompts: list[list[int]], outs: list[int], max_num_seqs: int, dtype: str) -> float:
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.types import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, kv_cache_gb=2.0))
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, kv_cache_gb=2.0, dtype=dtype))
     # warm-up
     engine.add_request("w", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
@@ -64,10 +64,10 @@ def run_wsllm(model_dir: str, prompts: list[list[int]], outs: list[int], max_num
     return sum(outs) / (time.perf_counter() - t)
 
 
-def run_hf(model_dir: str, prompts: list[list[int]], outs: list[int], batch: int) -> float:
+def run_hf(model_dir: str, prompts: list[list[int]], outs: list[int], batch: int, dtype: str) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     order = sorted(range(len(prompts)), key=lambda i: outs[i])
     pad = 0
     t = time.perf_counter()
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16, for both sides")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -105,15 +106,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, outs = make_workload(args.num_requests, args.seed, tok)
     print(f"{len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, output tokens {sum(outs)}")
-    ours = run_wsllm(model_dir, prompts, outs, args.max_num_seqs)
-    hf = {b: run_hf(model_dir, prompts, outs, b) for b in map(int, args.hf_batch_sizes.split(","))}
+    ours = run_wsllm(model_dir, prompts, outs, args.max_num_seqs, args.dtype)
+    hf = {b: run_hf(model_dir, prompts, outs, b, args.dtype) for b in map(int, args.hf_batch_sizes.split(","))}
     best_b = max(hf, key=lambda b: hf[b])
     rows = [("wsllm (continuous batching)", ours)] + [(f"HF generate, batch {b}", v) for b, v in hf.items()]
     print(f"\n| system | output tokens/s |\n| --- | ---: |")
     for name, v in rows:
         print(f"| {name} | {v:.1f} |")
     print(f"\nratio wsllm / best HF (batch {best_b}): {ours / hf[best_b]:.2f}x")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"dtype {args.dtype}; machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {date.today()}")
 
 
