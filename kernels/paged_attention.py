@@ -50,16 +50,18 @@ def paged_decode_attention_ref(
     max_len = max(lens)
     block_size = k_cache.shape[1]
     nb = (max_len + block_size - 1) // block_size
-    # Gather every sequence's blocks at once, padded to the longest: [S, L, Hk, D].
-    idx = block_tables[:, :nb].long()
-    k = k_cache[idx].flatten(1, 2)[:, :max_len]
-    v = v_cache[idx].flatten(1, 2)[:, :max_len]
+    # Gather every sequence's blocks at once, padded to whole blocks: [S, nb * bs, Hk, D].
+    idx = block_tables[:, :nb].reshape(-1).long()
+    k = k_cache.index_select(0, idx).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, idx).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    # fp32 and bf16 run natively (SDPA accumulates in fp32); fp16 on the CPU is upcast.
+    dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
     # The G query heads of a KV head act as G queries of one SDPA "sequence":
     # q [S, Hk, G, D] against k, v [S, Hk, L, D], with the padding masked out.
-    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
+    qf = q.to(dt).view(num_seqs, num_kv_heads, group, head_dim)
+    mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
     out = F.scaled_dot_product_attention(
-        qf, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+        qf, k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
     )
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
@@ -80,8 +82,7 @@ def paged_prefill_attention_ref(
     same call serves plain prefill, chunked prefill, prefix-cache hits and decode.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -90,17 +91,16 @@ def paged_prefill_attention_ref(
         q_len = b - a
         if q_len == 0:
             continue
-        k = _gather(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]
-        v = _gather(v_cache, block_tables[s], ctx).float()
-        qs = q[a:b].float().transpose(0, 1)  # [H, q, D]
-        kt = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ctx, D]
-        vt = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        k = _gather(k_cache, block_tables[s], ctx).to(dt)  # [ctx, Hk, D]
+        v = _gather(v_cache, block_tables[s], ctx).to(dt)
+        qs = q[a:b].to(dt).transpose(0, 1)  # [H, q, D]
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, ctx, D]; SDPA maps head h to h // group
         if q_len == ctx:
-            o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:  # queries are the last q_len positions: query i sees keys <= ctx - q_len + i
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o.transpose(0, 1)  # [q, H, D]
         out[a:b] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
