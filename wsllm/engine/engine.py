@@ -404,6 +404,7 @@ class LLMEngine:
             "num_aborted_total": self.num_aborted_total,
             "prefix_hit_rate": bm.hit_rate,
             "prefix_hit_tokens": bm.hit_tokens,
+            "prefix_queried_tokens": bm.queried_tokens,
             "num_steps": self.num_steps,
         }
 

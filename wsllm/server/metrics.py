@@ -67,6 +67,16 @@ class Metrics:
         self.kv_usage = Gauge(
             "wsllm_kv_cache_usage_ratio", "KV cache in use (0..1)", labels, registry=r
         ).labels(model_name)
+        # Engine-side figures, from the heartbeats (summed over engines).
+        self.prefix_hit_rate = Gauge(
+            "wsllm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1)", labels, registry=r
+        ).labels(model_name)
+        self.engine_preemptions = Gauge(
+            "wsllm_engine_preemptions", "Sequences preempted since the engines started", labels, registry=r
+        ).labels(model_name)
+        self.engine_aborts = Gauge(
+            "wsllm_engine_aborted_requests", "Requests the engines aborted since they started", labels, registry=r
+        ).labels(model_name)
         self.model_name = model_name
 
     def finished(self, api: str, finish_reason: str) -> None:
@@ -80,6 +90,11 @@ class Metrics:
         self.running.set(sum(s.get("num_running", 0) for s in stats))
         self.waiting.set(pending + sum(s.get("num_waiting", 0) + s.get("num_swapped", 0) for s in stats))
         self.kv_usage.set(sum(s.get("kv_usage", 0.0) for s in stats) / len(stats) if stats else 0.0)
+        hits = sum(s.get("prefix_hit_tokens", 0) for s in stats)
+        queried = sum(s.get("prefix_queried_tokens", 0) for s in stats)
+        self.prefix_hit_rate.set(hits / queried if queried else 0.0)
+        self.engine_preemptions.set(sum(s.get("num_preemptions", 0) for s in stats))
+        self.engine_aborts.set(sum(s.get("num_aborted_total", 0) for s in stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
