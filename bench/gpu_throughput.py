@@ -102,7 +102,7 @@ def main() -> None:
     cfg = AutoConfig.for_model("llama", **LLAMA_1B)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(tmp))
     models = {"SmolLM2-135M": str(resolve_model_dir(None)), "Llama-3.2-1B shape (random)": str(tmp)}
-    print(f"| model | wsllm tok/s | HF generate tok/s | ratio | batch-1 step (ms) | MBU |")
+    print("| model | wsllm tok/s | HF generate tok/s | ratio | batch-1 step (ms) | MBU |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, d in models.items():
         vocab = AutoConfig.from_pretrained(d).vocab_size

@@ -110,7 +110,7 @@ def main() -> None:
     hf = {b: run_hf(model_dir, prompts, outs, b, args.dtype) for b in map(int, args.hf_batch_sizes.split(","))}
     best_b = max(hf, key=lambda b: hf[b])
     rows = [("wsllm (continuous batching)", ours)] + [(f"HF generate, batch {b}", v) for b, v in hf.items()]
-    print(f"\n| system | output tokens/s |\n| --- | ---: |")
+    print("\n| system | output tokens/s |\n| --- | ---: |")
     for name, v in rows:
         print(f"| {name} | {v:.1f} |")
     print(f"\nratio wsllm / best HF (batch {best_b}): {ours / hf[best_b]:.2f}x")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,10 +40,8 @@ def run_ops(bm: BlockManager, seq_ops: list[tuple[str, int, list[int]]]) -> None
                 bm.fork(sid, child)
                 lengths[child] = list(lengths[sid])
         elif op == "cow" and sid in lengths:
-            try:
+            with contextlib.suppress(NoFreeBlocksError):
                 bm.copy_on_write(sid, max(0, len(lengths[sid]) - 1))
-            except NoFreeBlocksError:
-                pass
         elif op == "free" and sid in lengths:
             bm.free(sid)
             del lengths[sid]

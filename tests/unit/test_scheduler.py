@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.scheduler import Scheduler
-from wsllm.engine.sequence import Sequence, SeqStatus
+from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.types import SamplingParams
 
 workload = st.lists(st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 6)), min_size=1, max_size=12)

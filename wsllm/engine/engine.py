@@ -23,7 +23,7 @@ from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
 from wsllm.engine.model_runner import ModelRunner
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
-from wsllm.engine.sequence import Sequence, SeqStatus
+from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.models import loader
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams

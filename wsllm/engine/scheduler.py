@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.sequence import Sequence, SeqStatus
+from wsllm.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
