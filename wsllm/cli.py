@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from wsllm import loadgen
 from wsllm.config import EngineConfig, GatewayConfig, add_arguments, from_args
 
 log = logging.getLogger("wsllm")
@@ -61,6 +62,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the engine and the gateway in one process", (EngineConfig, GatewayConfig), serve),
+    "bench": Command("load-test a server (OpenAI SSE or wsllm WS)", (loadgen.BenchConfig,), loadgen.run),
 }
 
 
