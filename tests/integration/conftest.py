@@ -99,6 +99,29 @@ class LiveServer:
             time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def run_uvicorn(app_for: Callable[[GatewayConfig], Any], cfg: GatewayConfig) -> Iterator[tuple[str, Any]]:
+    """uvicorn in a thread on a free port; `app_for(cfg)` builds the app once the port is
+    known. Yields (base_url, app)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    cfg = dataclasses.replace(cfg, host="127.0.0.1", port=port)
+    app = app_for(cfg)
+    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
 def _serve_on(engine: Any, cfg: GatewayConfig) -> Iterator[LiveServer]:
     if id(engine) in _busy:
         raise RuntimeError("this engine already serves another live server; use module-scoped servers")
@@ -106,24 +129,17 @@ def _serve_on(engine: Any, cfg: GatewayConfig) -> Iterator[LiveServer]:
     broker = MemoryBroker(max_pending=cfg.max_queue_depth)
     worker = EngineWorker(engine, broker, heartbeat_s=0.1)
     worker.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    cfg = dataclasses.replace(cfg, host="127.0.0.1", port=port)
-    app = create_app(cfg, broker, engine.model_dir, engine.model_name)
-    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, cfg.api_key)
-        yield LiveServer(base, f"ws://127.0.0.1:{port}/v1/ws", engine, worker, broker, app.state.gateway, cfg)
+        with run_uvicorn(lambda c: create_app(c, broker, engine.model_dir, engine.model_name), cfg) as (
+            base,
+            app,
+        ):
+            _wait_ready(base, cfg.api_key)
+            gw = app.state.gateway
+            yield LiveServer(base, base.replace("http", "ws") + "/v1/ws", engine, worker, broker, gw, gw.cfg)
     finally:
-        server.should_exit = True
-        thread.join(15)
         worker.stop()
         broker.close()
-        sock.close()
         _busy.discard(id(engine))
     stats = engine.stats()
     assert not engine.has_unfinished()
@@ -170,3 +186,9 @@ def smollm_engine(smollm_llm: Any) -> Any:
 def tiny_server(live_server: Any, tiny_engine: Any) -> Iterator[LiveServer]:
     with live_server(tiny_engine) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def uvicorn_thread() -> Callable[..., contextlib.AbstractContextManager[tuple[str, Any]]]:
+    """`run_uvicorn` for tests that build their own app (no engine behind it)."""
+    return run_uvicorn

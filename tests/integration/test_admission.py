@@ -1,0 +1,53 @@
+"""Admission: 503 while no engine serves, 429 with Retry-After when the queue is full.
+No worker runs here, so requests stay queued in the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from wsllm.broker.base import EngineInfo
+from wsllm.broker.memory import MemoryBroker
+from wsllm.config import GatewayConfig
+from wsllm.server.app import create_app
+
+BODY = {"prompt": "hi", "max_tokens": 4, "stream": True}
+
+
+def test_not_ready_then_queue_full(tiny_model_dir: Path, uvicorn_thread: Any) -> None:
+    broker = MemoryBroker(max_pending=1)
+    cfg = GatewayConfig(max_queue_depth=1, heartbeat_s=0.05)
+    with uvicorn_thread(lambda c: create_app(c, broker, tiny_model_dir, "tiny"), cfg) as (base, _):
+        r = httpx.get(f"{base}/ready")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        r = httpx.post(f"{base}/v1/completions", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+
+        broker.heartbeat(EngineInfo("e1", "tiny", 2048))  # an engine appears (and never pulls)
+        assert httpx.get(f"{base}/ready").status_code == 200
+
+        async def fill_then_overflow() -> tuple[bytes, httpx.Response]:
+            async with (
+                httpx.AsyncClient(base_url=base) as http,
+                http.stream("POST", "/v1/completions", json=BODY) as first,
+            ):
+                assert first.status_code == 200
+                chunks = first.aiter_raw()  # keep a reference: a dropped iterator closes the stream
+                keepalive = await chunks.__anext__()  # it waits in the queue
+                second = await http.post("/v1/completions", json=BODY | {"stream": False}, timeout=10)
+                await chunks.aclose()
+                return keepalive, second
+
+        keepalive, second = asyncio.run(fill_then_overflow())
+        assert keepalive.startswith(b": keepalive")
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+        assert second.json()["error"]["code"] == "queue_full"
+        deadline = time.monotonic() + 10  # the first client left: its request leaves the queue
+        while asyncio.run(broker.pending()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    broker.close()
