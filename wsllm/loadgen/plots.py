@@ -32,14 +32,21 @@ def _values(run: dict[str, Any], metric: str) -> list[float]:
 
 def _latency_cdf(runs: list[dict[str, Any]], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, metric in zip(axes.flat, METRICS, strict=True):
         for run in runs:
-            v = np.sort(np.asarray(_values(run, metric)))
-            if v.size:
-                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=level_name(run))
-        ax.set_xlabel(f"{NAMES[metric]} (ms)")
+            v = _values(run, metric)
+            if v:
+                ax.ecdf(v, label=level_name(run))
+        ax.set_xscale("log")  # latencies span decades: one stall next to steady decode steps
+        lo, hi = ax.get_xlim()
+        narrow = hi / lo < 10**2.5  # few decades: label 1, 2 and 5 of each
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if narrow else (1.0,)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"{NAMES[metric]} (ms, log scale)")
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
