@@ -180,7 +180,7 @@ class Generation:
                 await self._end()
         deltas.extend(self._final)
         self._final = []
-        return deltas
+        return _merge(deltas)
 
     async def cancel(self) -> None:
         """The client went away or asked to stop: free the engine request now. The
@@ -253,6 +253,23 @@ class Generation:
             TokenLogprob(text(tid), float(lp), [(text(int(t)), float(tlp)) for t, tlp in top])
             for tid, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)
         ]
+
+
+def _merge(deltas: list[Delta]) -> list[Delta]:
+    """One delta per choice: events that queued up while the client was slow go out
+    together (clients expect a choice at most once per chunk)."""
+    by_index: dict[int, Delta] = {}
+    for d in deltas:
+        m = by_index.get(d.index)
+        if m is None:
+            by_index[d.index] = d
+            continue
+        m.text += d.text
+        m.num_tokens += d.num_tokens
+        m.finish_reason = d.finish_reason or m.finish_reason
+        if d.logprobs:
+            m.logprobs = (m.logprobs or []) + d.logprobs
+    return list(by_index.values())
 
 
 @dataclass
