@@ -247,7 +247,9 @@ def test_bench_chat_with_jsonl_prompts_against_a_third_party_server(
     assert run["usage_reported"] and run["total_output_tokens"] == 16 and run["total_input_tokens"] == 4 * 7
     # TTFT waits for the first text, not the role-only chunk; the clock only adds time.
     assert run["ttft_ms"]["min"] >= FIRST_S * 1000
-    assert run["itl_ms"]["min"] >= GAP_S * 1000 * 0.9
+    # (a single gap can look shorter than the server's: the client may read the earlier chunk late)
+    for q in run["requests"]:
+        assert q["e2el_ms"] >= (FIRST_S + (q["output_tokens"] - 1) * GAP_S) * 1000
     assert all(q["chunks"] == q["output_tokens"] for q in run["requests"])
 
 
@@ -263,7 +265,7 @@ def test_bench_counts_chunks_when_the_server_sends_no_usage(
     check_consistent(run, max_tokens=4)
     assert not run["usage_reported"]
     assert run["total_output_tokens"] == 6 * 4 and run["total_input_tokens"] == 6 * 10  # words, no tokenizer
-    assert run["e2el_ms"]["min"] >= (FIRST_S + 3 * GAP_S) * 1000 * 0.9
+    assert run["e2el_ms"]["min"] >= (FIRST_S + 3 * GAP_S) * 1000
 
 
 def test_bench_fails_clearly_on_a_wrong_key(
