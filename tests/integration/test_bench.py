@@ -236,7 +236,7 @@ def test_bench_chat_with_jsonl_prompts_against_a_third_party_server(
     out = bench(tmp_path, capsys, from_args(BenchConfig, args))
     (run,) = out["runs"]
     check_consistent(run, max_tokens=5)
-    assert out["model"] == "acme-1"
+    assert out["model"] == "acme-1" and out["config"]["api_key"] == "***"  # the key stays out of the file
     bodies = seen[1:]  # after the warm-up
     assert [b["messages"] for b in bodies] == [
         lines[0]["messages"],

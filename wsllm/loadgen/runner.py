@@ -80,7 +80,7 @@ async def run_all(cfg: BenchConfig) -> dict[str, Any]:
         finally:
             await client.close()
     return {
-        "config": dataclasses.asdict(cfg),
+        "config": dataclasses.asdict(dataclasses.replace(cfg, api_key="***" if cfg.api_key else None)),
         "model": model,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "runs": runs,
