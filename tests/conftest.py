@@ -110,3 +110,71 @@ def smollm_hf(smollm_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+
+
+class RedisServer:
+    """A real `redis-server` on a free port with its own temp dir, no persistence.
+    `stop()` and `start()` restart it on the same port (an outage, and a Redis that
+    comes back empty)."""
+
+    def __init__(self, workdir: Path) -> None:
+        import socket
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail(
+                "redis-server is not installed: `make test` installs it "
+                "(or: sudo apt-get install -y redis-server)",
+                pytrace=False,
+            )
+        self.exe = exe
+        self.workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: Any = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]  # fmt: skip
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert self.proc.poll() is None, f"redis-server exited; see {self.workdir / 'redis.log'}"
+                assert time.monotonic() < deadline, "redis-server did not answer PING"
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's redis-server (started on first use, stopped at the end)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

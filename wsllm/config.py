@@ -72,6 +72,65 @@ class GatewayConfig:
     frontend: bool = field(default=True, metadata={"help": "serve the chat UI at /"})
 
 
+@dataclass(slots=True)
+class ModelRefConfig:
+    """What a gateway process needs of the model the engines serve: its tokenizer and
+    its name (the request stream it writes to). No weights are loaded."""
+
+    model: str | None = field(default=None, metadata={"help": "the engines' --model (HF dir, .gguf or hub id): tokenizer and name; default SmolLM2"})
+
+
+@dataclass(slots=True)
+class EngineBrokerConfig:
+    """Where a `wsllm engine` process takes its work (the gateway's `broker` and
+    `model_name`, for the engine side)."""
+
+    broker: str = field(default="redis://localhost:6379/0", metadata={"help": "redis://host:port/db (or --redis-url)"})
+    model_name: str | None = field(default=None, metadata={"help": "serve under this model id (the gateways' --model-name); default from the model"})
+
+
+@dataclass(slots=True)
+class RedisConfig:
+    """The Redis Streams broker, shared by `wsllm gateway`, `wsllm engine` and
+    `wsllm serve --redis-url`. Times are seconds. The key layout is in
+    docs/architecture.md (the broker section)."""
+
+    redis_url: str | None = field(default=None, metadata={"help": "redis://host:port/db; default: --broker when it is one, else redis://localhost:6379/0"})
+    redis_prefix: str = field(default="wsllm", metadata={"help": "prefix of every key this deployment uses"})
+    engine_id: str | None = field(default=None, metadata={"help": "this engine's consumer name; a stable one picks up its own pending work after a restart"})
+    lease_s: float = field(default=20.0, metadata={"help": "a request whose engine stopped heartbeating this long is reclaimed"})
+    engine_ttl_s: float = field(default=10.0, metadata={"help": "an engine not heard from this long is not counted as live"})
+    engine_heartbeat_s: float = field(default=0.5, metadata={"help": "engine heartbeat (registry, lease refresh) interval"})
+    max_deliveries: int = field(default=3, metadata={"help": "deliveries before a request goes to the dead-letter stream"})
+    stream_retention_s: float = field(default=300.0, metadata={"help": "how long a finished request's events stay resumable"})
+    request_ttl_s: float = field(default=3600.0, metadata={"help": "upper bound on a live request's keys (they shrink to the retention when it ends)"})
+    resume_grace_s: float = field(default=30.0, metadata={"help": "a request whose client left runs this long for a resume, then is aborted"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, an engine finishes its requests for this long, then hands the rest back"})
+    queue_poll_s: float = field(default=0.5, metadata={"help": "how often waiting WS requests get a `queued` position"})
+    aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
+    dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
+
+    def __post_init__(self) -> None:
+        if self.engine_heartbeat_s <= 0 or self.lease_s < 2 * self.engine_heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must be at least twice engine_heartbeat_s ({self.engine_heartbeat_s})"
+            )
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if min(self.stream_retention_s, self.request_ttl_s, self.engine_ttl_s) <= 0:
+            raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
+        if self.request_ttl_s < self.stream_retention_s:
+            raise ValueError("request_ttl_s must be >= stream_retention_s")
+
+    def url(self, broker: str = "memory") -> str:
+        """The Redis URL: --redis-url, else --broker when it names Redis, else localhost."""
+        if self.redis_url:
+            return self.redis_url
+        if broker.startswith(("redis://", "rediss://", "unix://")):
+            return broker
+        return "redis://localhost:6379/0"
+
+
 def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
     hints = typing.get_type_hints(cls)
     t = hints[f.name]

@@ -36,6 +36,20 @@ class BrokerClosed(BrokerError):
     """The broker was closed; nothing more goes through it."""
 
 
+class BrokerUnavailable(BrokerError):
+    """The broker's backing store (Redis) cannot be reached now; the gateway answers
+    503 with Retry-After, and things resume by themselves when it is back."""
+
+
+@dataclass(slots=True)
+class Resumable:
+    """What a gateway needs to pick up a request that another connection (or another
+    gateway process) started: stored with the request by `submit(..., context=)`."""
+
+    request_id: str
+    context: dict[str, Any]
+
+
 @dataclass(slots=True)
 class EngineInfo:
     """What an engine worker tells the gateways about itself, refreshed by heartbeats."""
@@ -63,10 +77,28 @@ class Broker(abc.ABC):
 
     # -- gateway side (call from the asyncio loop) ---------------------------------
 
+    #: True when a request outlives its client's connection: its events stay readable
+    #: (`lookup`, `follow`) for a retention time, from any gateway of the deployment.
+    resumable: bool = False
+    #: how long a request whose client left keeps running, waiting for a resume
+    resume_grace_s: float = 0.0
+    #: how often a gateway tells a waiting WebSocket request its `position`
+    queue_poll_s: float = 0.5
+
     @abc.abstractmethod
-    async def submit(self, request: GenerateRequest) -> None:
-        """Queue `request` for an engine. Raises QueueFull when too many wait, and
-        BrokerClosed after close(). Never waits for an engine to take it."""
+    async def submit(
+        self,
+        request: GenerateRequest,
+        *,
+        max_waiting: int | None = None,
+        context: dict[str, Any] | None = None,
+        alias: str | None = None,
+    ) -> None:
+        """Queue `request` for an engine; this gateway receives its events. Raises
+        QueueFull when `max_waiting` (default: the broker's own cap) requests already
+        wait, BrokerClosed after close(), BrokerUnavailable while the store is down.
+        Never waits for an engine to take it. A resumable broker keeps `context`
+        (JSON) with the request, findable by its id or by `alias`."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -75,8 +107,32 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def events(self) -> AsyncIterator[list[TokenEvent]]:
-        """Batches of TokenEvents meant for this gateway, in publish order. One
-        consumer per gateway: the app's reader task. Ends when the broker closes."""
+        """Batches of TokenEvents of the requests this gateway submitted or follows,
+        in publish order per request. One consumer per gateway: the app's reader
+        task. Ends when the broker closes."""
+
+    def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """This gateway stops receiving `request_id`'s events; the request goes on."""
+
+    async def lookup(self, key: str) -> Resumable | None:
+        """A resumable request by its id or alias; None when unknown or expired."""
+        return None
+
+    async def follow(self, request_id: str) -> None:
+        """Receive `request_id`'s events from its first one (a resume); the caller
+        skips what its client already has."""
+        raise BrokerError(f"{type(self).__name__} cannot resume requests")
+
+    async def abort_unless_resumed(self, request_id: str) -> bool:
+        """Abort a request whose client left, unless a client resumed it since.
+        Returns True when it aborted."""
+        await self.abort(request_id)
+        return True
+
+    async def position(self, request_id: str) -> int | None:
+        """1-based place of a submitted request in its queue; 0 once an engine took
+        it; None when the broker cannot tell."""
+        return None
 
     @abc.abstractmethod
     async def engines(self) -> list[EngineInfo]:
@@ -108,6 +164,12 @@ class Broker(abc.ABC):
 
     def deregister(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """The engine leaves cleanly; gateways stop counting it at once."""
+
+    def release(self, request_ids: list[str]) -> list[str]:
+        """Hand requests this engine pulled back to the queue, for another engine to
+        finish (graceful shutdown). Returns those it could not hand back; the worker
+        fails them with `worker_lost`."""
+        return list(request_ids)
 
     # -- both ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from threading import Condition, Lock
+from typing import Any
 
 from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull
 from wsllm.types import GenerateRequest, TokenEvent
@@ -50,11 +51,20 @@ class MemoryBroker(Broker):
 
     # -- gateway side ----------------------------------------------------------------
 
-    async def submit(self, request: GenerateRequest) -> None:
+    async def submit(
+        self,
+        request: GenerateRequest,
+        *,
+        max_waiting: int | None = None,
+        context: dict[str, Any] | None = None,
+        alias: str | None = None,
+    ) -> None:
+        # context and alias serve resuming, which this broker does not do.
+        cap = self.max_pending if max_waiting is None else min(max_waiting, self.max_pending)
         with self._lock:
             if self._closed:
                 raise BrokerClosed("the broker is closed")
-            if len(self._pending) >= self.max_pending:
+            if len(self._pending) >= cap:
                 raise QueueFull(f"{len(self._pending)} requests are already waiting for an engine")
             if request.request_id in self._pending:
                 raise ValueError(f"request id {request.request_id!r} is already queued")

@@ -6,6 +6,10 @@ One iteration:
      them; a request the engine refuses becomes an error event, never a crash;
   2. apply aborts (after the adds, so an abort that raced a pull still lands);
   3. step the engine and publish one batch of TokenEvents for the whole step.
+
+`drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
+what it holds for a while, then hands the rest back to the broker for another engine
+(`Broker.release`); what the broker cannot take back ends with `worker_lost`.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class EngineWorker:
         self.steps = 0  # engine steps taken; tests wait on it instead of sleeping
         self._live: dict[str, _Live] = {}
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._drain_deadline = 0.0
         self._thread: threading.Thread | None = None
         self._stepped = threading.Condition()
         self._last_heartbeat = 0.0
@@ -96,10 +102,24 @@ class EngineWorker:
                 raise RuntimeError(f"worker {self.engine_id} did not stop within {timeout}s")
             self._thread = None
 
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def drain_gracefully(self, timeout: float) -> None:
+        """Stop pulling; `run()` returns once the engine is empty, or after `timeout`
+        seconds, handing what is left back to the broker. Safe from a signal handler."""
+        self._drain_deadline = time.monotonic() + timeout
+        self._draining.set()
+
     def run(self) -> None:
         log.info("worker %s serving %s", self.engine_id, self.engine.model_name)
         try:
             while not self._stop.is_set():
+                if self._draining.is_set() and (
+                    not self.engine.has_unfinished() or time.monotonic() >= self._drain_deadline
+                ):
+                    break
                 self.run_once()
         finally:
             self.drain()
@@ -119,7 +139,8 @@ class EngineWorker:
     def run_once(self) -> int:
         """Pull, abort, step, publish. Returns the number of events published."""
         busy = self.engine.has_unfinished()
-        events = self._admit(self.broker.pull(self.engine.free_capacity(), 0.0 if busy else self.idle_wait_s))
+        room = 0 if self._draining.is_set() else self.engine.free_capacity()
+        events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s))
         for rid in self.broker.aborts():
             self.engine.abort(rid)  # False when it finished already: nothing to free
         if self.engine.has_unfinished():
@@ -194,7 +215,14 @@ class EngineWorker:
         return events
 
     def drain(self) -> None:
-        """Abort everything and step until the engine holds nothing (blocks freed)."""
+        """Hand what the engine still holds back to the broker (or fail it with
+        worker_lost when the broker cannot take it), then step until the engine holds
+        nothing (blocks freed)."""
+        if self._live:
+            kept = set(self.broker.release(list(self._live)))
+            for rid in [r for r in self._live if r not in kept]:
+                self.engine.abort(rid)
+                del self._live[rid]
         events = self._fail_all("worker_lost", "the engine worker stopped")
         for _ in range(1000):
             if not self.engine.has_unfinished():

@@ -1,0 +1,250 @@
+"""What the Redis broker does beyond the shared contract, on a real redis-server and
+without a model: leases and crash recovery (XAUTOCLAIM, replay without duplicates,
+worker_lost, dead letters), hand-back, aborts from another gateway, resume on another
+gateway, queue positions, and that a finished request leaves nothing but expiring keys.
+
+Engines here are broker objects driven by hand: `pull` and `publish` stand for the
+worker, and an engine "dies" by no longer calling `heartbeat`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from wsllm.broker.base import EngineInfo
+from wsllm.broker.redis import RedisBroker
+from wsllm.broker.resume import History, Replay
+from wsllm.config import RedisConfig
+from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
+
+LEASE = RedisConfig(lease_s=0.6, engine_heartbeat_s=0.1, stream_retention_s=5.0, max_deliveries=2)
+
+
+@pytest.fixture
+def url(redis_server: Any) -> str:
+    redis_server.client().flushall()
+    return str(redis_server.url)
+
+
+@pytest.fixture
+def brokers(url: str) -> Iterator[Any]:
+    made: list[RedisBroker] = []
+
+    def make(engine_id: str | None = None, cfg: RedisConfig = LEASE) -> RedisBroker:
+        b = RedisBroker(url, model="m", cfg=cfg, engine_id=engine_id)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def req(rid: str, **params: Any) -> GenerateRequest:
+    p = SamplingParams(**({"max_tokens": 8, "temperature": 0.0} | params))
+    return GenerateRequest(rid, [1, 2, 3], p, model="m", arrival_time=time.time())
+
+
+def tokens_event(rid: str, seq: int, toks: list[int], finish: str | None = None) -> TokenEvent:
+    return TokenEvent(rid, seq, toks, finish_reason=finish, usage=Usage(3, seq + 1) if finish else None)
+
+
+async def read(gw: RedisBroker, rid: str, timeout: float = 10.0) -> list[TokenEvent]:
+    """Events of `rid` until it ends."""
+    got: list[TokenEvent] = []
+
+    async def go() -> None:
+        async for batch in gw.events():
+            got.extend(e for e in batch if e.request_id == rid)
+            if got and got[-1].finish_reason is not None:
+                return
+
+    await asyncio.wait_for(go(), timeout)
+    return got
+
+
+def pull_until(engine: RedisBroker, n: int = 1, timeout: float = 10.0) -> list[GenerateRequest]:
+    deadline = time.monotonic() + timeout
+    out: list[GenerateRequest] = []
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"pulled {len(out)} of {n}"
+        out += engine.pull(n - len(out), timeout=0.1)
+        engine.heartbeat(EngineInfo(engine.consumer, "m", 2048))
+    return out
+
+
+def pull_for(engine: RedisBroker, seconds: float) -> list[GenerateRequest]:
+    """Pull as a live, idle worker would (short waits, heartbeats) for `seconds`."""
+    deadline = time.monotonic() + seconds
+    out: list[GenerateRequest] = []
+    while time.monotonic() < deadline:
+        out += engine.pull(4, timeout=0.05)
+        engine.heartbeat(EngineInfo(engine.consumer, "m", 2048))
+    return out
+
+
+def text_of(events: list[TokenEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+# -- replay (plain Python) ------------------------------------------------------------------
+
+
+def test_replay_skips_what_was_sent_and_numbers_the_rest_after_it() -> None:
+    history = History.of([[tokens_event("r", 0, [5]), tokens_event("r", 1, [6, 7])]])
+    replay = Replay("r", history)
+    out = replay.filter([tokens_event("r", 0, [5, 6])]) + replay.filter(
+        [tokens_event("r", 1, [7, 8]), tokens_event("r", 2, [9], "length")]
+    )
+    assert [(e.seq, e.token_ids) for e in out] == [(2, [8]), (3, [9])]
+    assert out[-1].finish_reason == "length" and not replay.failed
+
+
+def test_replay_that_diverges_ends_with_worker_lost() -> None:
+    replay = Replay("r", History.of([[tokens_event("r", 0, [5, 6])]]))
+    (err,) = replay.filter([tokens_event("r", 0, [5, 9]), tokens_event("r", 1, [10])])
+    assert err.finish_reason == "error" and err.error_code == "worker_lost" and replay.failed
+
+
+# -- crash recovery -------------------------------------------------------------------------
+
+
+def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_duplicate(brokers) -> None:
+    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    asyncio.run(gw.submit(req("r1")))
+    (r,) = pull_until(a)
+    a.publish([tokens_event("r1", 0, [11]), tokens_event("r1", 1, [12])])
+    # engine-a dies here: no heartbeat, no more events. engine-b is alive and idle.
+    t0 = time.monotonic()
+    (again,) = pull_until(b)
+    assert LEASE.lease_s <= time.monotonic() - t0 < LEASE.lease_s + 3
+    assert again.request_id == "r1" and again.skip_tokens == 2
+    # It regenerates from the start (greedy: the same tokens); the client's two are skipped.
+    b.publish([tokens_event("r1", 0, [11, 12])])
+    b.publish([tokens_event("r1", 1, [13]), tokens_event("r1", 2, [14], "length")])
+    events = asyncio.run(read(gw, "r1"))
+    assert [e.seq for e in events] == [0, 1, 2, 3] and text_of(events) == [11, 12, 13, 14]
+    assert events[-1].usage is not None
+    # Done: its entry is acked and deleted, and its result stream expires.
+    r_ = a._sync
+    assert r_.xlen(a.keys.queue("m")) == 0
+    assert 0 < r_.pttl(a.keys.out("r1")) <= LEASE.stream_retention_s * 1000
+
+
+def test_an_unseeded_sampled_request_that_streamed_ends_with_worker_lost(brokers) -> None:
+    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    asyncio.run(gw.submit(req("r2", temperature=0.8)))
+    pull_until(a)
+    a.publish([tokens_event("r2", 0, [11])])
+    assert pull_for(b, LEASE.lease_s + 1.0) == []  # reclaimed, and ended there
+    (got_first, err) = asyncio.run(read(gw, "r2"))
+    assert got_first.token_ids == [11]
+    assert err.finish_reason == "error" and err.error_code == "worker_lost" and "seeded" in (err.error or "")
+
+
+def test_a_request_that_streamed_nothing_is_run_again_and_dead_lettered_after_max_deliveries(brokers) -> None:
+    gw = brokers()
+    asyncio.run(gw.submit(req("r3", temperature=0.8)))
+    for i in range(LEASE.max_deliveries):  # each engine takes it and dies silently
+        assert pull_until(brokers(f"engine-{i}"))[0].request_id == "r3"
+    last = brokers("engine-last")
+    assert pull_for(last, LEASE.lease_s + 1.0) == []
+    (err,) = asyncio.run(read(gw, "r3"))
+    assert err.error_code == "worker_lost" and "dead-letter" in (err.error or "")
+    (dead,) = last._sync.xrange(last.keys.dead("m"))
+    assert dead[1][b"reason"].startswith(b"delivered 3 times")
+    assert last._sync.xlen(last.keys.queue("m")) == 0
+
+
+def test_a_live_engine_keeps_its_requests_past_the_lease(brokers) -> None:
+    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    asyncio.run(gw.submit(req("r4")))
+    pull_until(a)
+    deadline = time.monotonic() + LEASE.lease_s * 3
+    while time.monotonic() < deadline:
+        a.heartbeat(EngineInfo("engine-a", "m", 2048))  # the lease is refreshed with it
+        assert b.pull(1, timeout=0.05) == []
+
+
+def test_an_engine_hands_its_requests_back_and_another_resumes_them(brokers) -> None:
+    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    asyncio.run(gw.submit(req("r5", temperature=0.7, seed=3)))
+    pull_until(a)
+    a.publish([tokens_event("r5", 0, [21])])
+    assert a.release(["r5"]) == []
+    a.publish([TokenEvent("r5", 1, [], finish_reason="abort")])  # the worker's abort: not sent
+    t0 = time.monotonic()
+    (again,) = pull_until(b)
+    assert time.monotonic() - t0 < 2.0, "a hand-back needs no lease to pass"
+    assert again.skip_tokens == 1
+    b.publish([tokens_event("r5", 0, [21]), tokens_event("r5", 1, [22], "stop")])
+    events = asyncio.run(read(gw, "r5"))
+    assert [(e.seq, e.token_ids) for e in events] == [(0, [21]), (1, [22])]
+
+
+# -- aborts, resume, queue --------------------------------------------------------------------
+
+
+def test_an_abort_from_another_gateway_reaches_the_engine_holding_the_request(brokers) -> None:
+    gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
+    asyncio.run(gw1.submit(req("r6")))
+    pull_until(engine)
+    asyncio.run(gw2.abort("r6"))
+    assert engine.aborts() == ["r6"]
+    assert engine.aborts() == []
+
+
+def test_a_request_resumes_on_another_gateway_by_its_alias(brokers) -> None:
+    gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
+    ctx = {"api": "ws_chat", "stops": ["\n"], "prompt_len": 3}
+    asyncio.run(gw1.submit(req("r7"), context=ctx, alias="client-7"))
+    pull_until(engine)
+    engine.publish([tokens_event("r7", 0, [31])])
+    found = asyncio.run(gw2.lookup("client-7"))
+    assert found is not None and found.request_id == "r7" and found.context == ctx
+    assert asyncio.run(gw2.lookup("nobody")) is None
+
+    async def resume() -> list[TokenEvent]:
+        await gw2.follow("r7")
+        reader = asyncio.create_task(read(gw2, "r7"))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(engine.publish, [tokens_event("r7", 1, [32], "stop")])
+        return await reader
+
+    events = asyncio.run(resume())
+    assert [(e.seq, e.token_ids) for e in events] == [(0, [31]), (1, [32])]
+    # The resumed request is no longer aborted when its first client's grace time ends.
+    assert asyncio.run(gw1.abort_unless_resumed("r7")) is False
+
+
+def test_queued_requests_know_their_place(brokers) -> None:
+    gw, engine = brokers(), brokers("engine-a")
+
+    async def go() -> list[int | None]:
+        for i in range(3):
+            await gw.submit(req(f"q{i}"))
+        return [await gw.position(f"q{i}") for i in range(3)]
+
+    assert asyncio.run(go()) == [1, 2, 3]
+    pull_until(engine)
+    gw.gateway._positions_at = 0.0  # no cached answer
+
+    async def after() -> list[int | None]:
+        return [await gw.position(f"q{i}") for i in range(1, 3)]
+
+    assert asyncio.run(after()) == [1, 2]
+
+
+def test_a_gap_in_a_stream_ends_the_request_instead_of_skipping_text(brokers) -> None:
+    gw, engine = brokers(), brokers("engine-a")
+    asyncio.run(gw.submit(req("r8")))
+    pull_until(engine)
+    engine.publish([tokens_event("r8", 0, [1])])
+    engine.publish([tokens_event("r8", 0, [1])])  # a retried publish: dropped
+    engine.publish([tokens_event("r8", 2, [3])])  # seq 1 never came
+    first, err = asyncio.run(read(gw, "r8"))
+    assert first.token_ids == [1] and err.error_code == "worker_lost"

@@ -1,0 +1,40 @@
+"""`python -m wsllm.broker.health`: exit 0 when this host's engine is registered in
+Redis and alive (its heartbeat key has not expired), 1 otherwise. A container
+healthcheck: it reads the same WSLLM_* settings as `wsllm engine`.
+
+With `WSLLM_ENGINE_ID` set, it checks that engine; otherwise any engine whose id
+starts with this host's name (`wsllm engine` names itself `<hostname>-<pid>`).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import redis
+
+from wsllm.broker.redis_keys import Keys
+from wsllm.config import EngineBrokerConfig, RedisConfig, from_args
+
+
+def main() -> int:
+    rcfg = from_args(RedisConfig)
+    keys = Keys(rcfg.redis_prefix)
+    r = redis.Redis.from_url(rcfg.url(from_args(EngineBrokerConfig).broker), socket_timeout=3)
+    try:
+        if rcfg.engine_id:
+            alive = bool(r.exists(keys.engine(rcfg.engine_id)))
+        else:
+            host = socket.gethostname() + "-"
+            ids = [m.decode() for m in r.smembers(keys.engines)]  # type: ignore[union-attr]
+            alive = any(r.exists(keys.engine(i)) for i in ids if i.startswith(host))
+    except redis.exceptions.RedisError as e:
+        print(f"unhealthy: redis: {e}", file=sys.stderr)
+        return 1
+    if not alive:
+        print("unhealthy: no live engine of this host is registered", file=sys.stderr)
+    return 0 if alive else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The Redis Streams broker: engines on any machine pull requests from a per-model
+stream, results come back through one stream per request, and any gateway can pick
+a request up again (resume) within the retention time.
+
+One object per process side, like the memory broker: a gateway uses the asyncio
+half (`redis_gateway.GatewaySide`), an engine worker the blocking half
+(`redis_engine.EngineSide`). The key layout is in `redis_keys.py`; recovery of a
+crashed engine's requests is in `resume.py`; the reasons for the layout are in
+docs/architecture.md.
+
+    broker = RedisBroker("redis://localhost:6379/0", model="SmolLM2-135M-Instruct")
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+
+from wsllm.broker.base import Broker, EngineInfo, Resumable
+from wsllm.broker.redis_engine import EngineSide
+from wsllm.broker.redis_gateway import GatewaySide
+from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.config import RedisConfig
+from wsllm.types import GenerateRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class RedisBroker(Broker):
+    resumable = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        cfg: RedisConfig | None = None,
+        max_pending: int = 256,
+        engine_id: str | None = None,
+    ) -> None:
+        self.cfg = cfg or RedisConfig()
+        self.url = url
+        self.model = model
+        self.keys = Keys(self.cfg.redis_prefix)
+        self.engine_ttl_s = self.cfg.engine_ttl_s
+        self.queue_poll_s = self.cfg.queue_poll_s
+        self.resume_grace_s = self.cfg.resume_grace_s
+        # Blocking reads wait at most 0.25 s at a time, so this socket timeout never cuts one.
+        self._sync = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=2)
+        consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_pending)
+        self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
+
+    @property
+    def consumer(self) -> str:
+        return self.engine.consumer
+
+    # -- gateway side ------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request: GenerateRequest,
+        *,
+        max_waiting: int | None = None,
+        context: dict[str, Any] | None = None,
+        alias: str | None = None,
+    ) -> None:
+        await self.gateway.submit(request, max_waiting, context, alias)
+
+    async def abort(self, request_id: str) -> None:
+        await self.gateway.abort(request_id)
+
+    async def abort_unless_resumed(self, request_id: str) -> bool:
+        return await self.gateway.abort(request_id, unless_resumed=True)
+
+    def events(self) -> AsyncIterator[list[TokenEvent]]:
+        return self.gateway.events()
+
+    def forget(self, request_id: str) -> None:
+        self.gateway.forget(request_id)
+
+    async def lookup(self, key: str) -> Resumable | None:
+        return await self.gateway.lookup(key)
+
+    async def follow(self, request_id: str) -> None:
+        await self.gateway.follow(request_id)
+
+    async def engines(self) -> list[EngineInfo]:
+        return self._alive(await self.gateway.engines())
+
+    async def pending(self) -> int:
+        return await self.gateway.pending()
+
+    async def position(self, request_id: str) -> int | None:
+        return await self.gateway.position(request_id)
+
+    # -- engine side -------------------------------------------------------------------
+
+    def pull(self, max_n: int, timeout: float = 0.0) -> list[GenerateRequest]:
+        return self.engine.pull(max_n, timeout)
+
+    def aborts(self) -> list[str]:
+        return self.engine.aborts()
+
+    def publish(self, events: list[TokenEvent]) -> None:
+        if events and not self.engine.closed.is_set():
+            self.engine.publish(events)
+
+    def heartbeat(self, info: EngineInfo) -> None:
+        self.engine.heartbeat(info)
+        self.gateway.invalidate_engines()
+
+    def deregister(self, engine_id: str) -> None:
+        self.engine.deregister(engine_id)
+        self.gateway.invalidate_engines()
+
+    def release(self, request_ids: list[str]) -> list[str]:
+        return self.engine.release(request_ids)
+
+    # -- both ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.gateway.closed:
+            return
+        self.gateway.closed = True
+        self.engine.closed.set()
+        try:  # wake the reader so that events() ends now, not at its next timeout
+            self._sync.xadd(self.gateway.wake_key, {"x": "1"}, maxlen=1, approximate=False)
+            self._sync.expire(self.gateway.wake_key, 60)
+        except UNAVAILABLE:
+            pass
+        self._sync.close()

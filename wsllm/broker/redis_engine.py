@@ -1,0 +1,442 @@
+"""The engine side of the Redis broker: plain blocking redis-py, called from the
+worker loop (no asyncio).
+
+- `pull` reads the model's request stream as one consumer of the `engines` group,
+  `COUNT` = the engine's free capacity. On its first call it drains its own pending
+  entries (a restart under the same `--engine-id`), and every few seconds it takes
+  entries whose engine stopped refreshing its lease (`XAUTOCLAIM`).
+- `publish` sends one engine step in one pipelined round trip: one `XADD` per request
+  to its result stream, plus `XACK` + `XDEL` (+ expiry) for the requests that ended.
+- `heartbeat` refreshes the registry and the lease on every entry this engine holds.
+- A Redis outage pauses the engine: `publish` retries until Redis is back (or the
+  broker closes); `pull` returns nothing meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+import redis.exceptions
+
+from wsllm.broker.base import EngineInfo
+from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
+from wsllm.broker.resume import History, Plan, Replay, error_event, plan
+from wsllm.config import RedisConfig
+from wsllm.types import FINISH_ERROR, GenerateRequest, TokenEvent, decode, encode
+
+log = logging.getLogger(__name__)
+
+_BLOCK_SLICE_S = 0.25  # a blocked pull re-checks close() this often
+_RETRY_S = 0.5  # pause between tries while Redis is down
+
+
+@dataclass(slots=True)
+class _Held:
+    """A request this engine pulled and has not finished."""
+
+    entry_id: str
+    n: int
+    alias: str
+    request: GenerateRequest
+    done: set[int]
+    replay: Replay | None = None
+    dropped: bool = False  # not ours any more (lost lease, handed back): publish nothing
+    aborted: bool = False  # the worker was told to abort it
+
+
+class EngineSide:
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
+        self.r: Any = r  # redis-py's reply types are too loose to be useful here
+        self.keys = keys
+        self.cfg = cfg
+        self.queue = keys.queue(model)
+        self.model = model
+        self.consumer = consumer
+        self.closed = threading.Event()
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()  # _held is touched by pull/publish/heartbeat (one thread) and release
+        self._started = False
+        self._aborts_cursor: str | None = None
+        self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
+        self._claim_cursor = "0-0"
+        self._next_reclaim = 0.0
+        self._next_cleanup = 0.0
+        self._refresh = r.register_script(REFRESH)
+
+    # -- pull ------------------------------------------------------------------------
+
+    def pull(self, max_n: int, timeout: float) -> list[GenerateRequest]:
+        if max_n <= 0 or self.closed.is_set():
+            return []
+        try:
+            out = self._start(max_n) if not self._started else []
+            if len(out) < max_n and time.monotonic() >= self._next_reclaim:
+                out += self._reclaim(max_n - len(out))
+            if len(out) < max_n:
+                out += self._read_new(max_n - len(out), 0.0 if out else timeout)
+            return out
+        except UNAVAILABLE as e:
+            log.warning("redis unavailable while pulling (%s); retrying", e)
+            self.closed.wait(min(max(timeout, 0.05), _RETRY_S))
+            return []
+
+    def _start(self, max_n: int) -> list[GenerateRequest]:
+        self._ensure_group()
+        last = self.r.xrevrange(self.keys.aborts, count=1)
+        self._aborts_cursor = last[0][0].decode() if last else "0-0"
+        # Our own pending entries first: a restart under the same consumer name.
+        resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: "0"}, count=max(max_n, 1000))
+        entries = resp[0][1] if resp else []
+        self._started = True
+        if entries:
+            log.info("%s: picking up %d of its own pending requests", self.consumer, len(entries))
+        return self._recover([(i.decode(), f) for i, f in entries if f])
+
+    def _ensure_group(self) -> None:
+        try:
+            self.r.xgroup_create(self.queue, GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _read_new(self, count: int, timeout: float) -> list[GenerateRequest]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            block = int(min(left, _BLOCK_SLICE_S) * 1000) if left > 0.001 else None
+            try:
+                resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: ">"}, count=count, block=block)
+            except redis.exceptions.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.warning("the consumer group of %s is gone (redis restarted?); creating it", self.queue)
+                self._ensure_group()
+                continue
+            got = self._admit([(i.decode(), f) for i, f in (resp[0][1] if resp else [])])
+            if got or block is None or self.closed.is_set():
+                return got
+
+    def _admit(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[GenerateRequest]:
+        """New entries; those handed back by another engine carry `h` and go through
+        recovery (their result stream may hold tokens already)."""
+        fresh, seen = [], []
+        for entry_id, fields in entries:
+            if fields.get(b"h"):
+                seen.append((entry_id, fields))
+                continue
+            req = self._hold(entry_id, fields)
+            if req is not None:
+                fresh.append(req)
+        return fresh + (self._recover(seen) if seen else [])
+
+    def _hold(
+        self,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        replay: Replay | None = None,
+        req: GenerateRequest | None = None,
+    ) -> GenerateRequest | None:
+        if req is None:
+            try:
+                req = decode(fields[b"r"])  # type: ignore[assignment]
+                assert isinstance(req, GenerateRequest)
+            except Exception:  # a message nobody can serve: out of the queue, into the dead letters
+                log.exception("undecodable request entry %s; dead-lettering it", entry_id)
+                self._dead_letter(entry_id, fields, "undecodable")
+                return None
+        with self._lock:
+            self._held[req.request_id] = _Held(
+                entry_id, req.params.n, (fields.get(b"a") or b"").decode(), req, set(), replay
+            )
+        return req
+
+    # -- recovery --------------------------------------------------------------------
+
+    def _reclaim(self, count: int) -> list[GenerateRequest]:
+        interval = min(self.cfg.lease_s / 4, 2.0)
+        self._next_reclaim = time.monotonic() + interval
+        lease_ms = int(self.cfg.lease_s * 1000)
+        resp = self.r.xautoclaim(self.queue, GROUP, self.consumer, lease_ms, self._claim_cursor, count=count)
+        cursor, claimed = resp[0], resp[1]
+        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        with self._lock:
+            mine = {h.entry_id for h in self._held.values()}
+        entries = [(i.decode(), f) for i, f in claimed if f and i.decode() not in mine]
+        if time.monotonic() >= self._next_cleanup:
+            self._next_cleanup = time.monotonic() + self.cfg.lease_s
+            self._remove_dead_consumers()
+        if not entries:
+            return []
+        log.warning("%s: reclaimed %d requests from engines that stopped", self.consumer, len(entries))
+        return self._recover(entries)
+
+    def _recover(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[GenerateRequest]:
+        """Decide, from each request's result stream, how to go on with it."""
+        if not entries:
+            return []
+        reqs: list[GenerateRequest | None] = []
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, fields in entries:
+            try:
+                req = decode(fields[b"r"])
+                assert isinstance(req, GenerateRequest)
+            except Exception:
+                req = None
+            reqs.append(req)
+            if req is not None:
+                pipe.xrange(self.keys.out(req.request_id))
+            pipe.xpending_range(self.queue, GROUP, entry_id, entry_id, 1)
+        results = iter(pipe.execute())
+        out = []
+        for (entry_id, fields), req in zip(entries, reqs, strict=True):
+            stream = next(results) if req is not None else None
+            pend = next(results)
+            deliveries = int(pend[0]["times_delivered"]) if pend else 1
+            if req is None or stream is None:
+                self._hold(entry_id, fields)  # dead-letters it
+                continue
+            got = self._recover_one(entry_id, fields, req, stream, deliveries)
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _recover_one(
+        self,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        req: GenerateRequest,
+        stream: list[Any],
+        deliveries: int,
+    ) -> GenerateRequest | None:
+        rid = req.request_id
+        if not stream:  # its result stream expired: nobody waits for it any more
+            self._ack([(entry_id, rid, "")])
+            return None
+        history = History.of([decode(f[b"e"]) for _, f in stream if b"e" in f])  # type: ignore[misc]
+        what = plan(req, history, deliveries, self.cfg.max_deliveries)
+        log.info("%s: request %s (delivery %d, %d events sent): %s", self.consumer, rid, deliveries,
+                 history.num_events, what.value)  # fmt: skip
+        alias = (fields.get(b"a") or b"").decode()
+        if what is Plan.FRESH:
+            return self._hold(entry_id, fields, req=req)
+        if what is Plan.REPLAY:
+            req.skip_tokens = max((len(t) for t in history.sent.values()), default=0)
+            return self._hold(entry_id, fields, Replay(rid, history), req)
+        if what is Plan.DEAD:
+            self._dead_letter(entry_id, fields, f"delivered {deliveries} times")
+            msg = f"the request failed on {deliveries - 1} engines and was moved to the dead-letter stream"
+            self._send_final(rid, error_event(rid, history, msg), entry_id, alias)
+        elif what is Plan.LOST:
+            msg = "the engine serving this request was lost mid-answer (not greedy or seeded: cannot resume)"
+            self._send_final(rid, error_event(rid, history, msg), entry_id, alias)
+        else:
+            self._ack([(entry_id, rid, alias)])
+        return None
+
+    def _send_final(self, rid: str, ev: TokenEvent, entry_id: str, alias: str) -> None:
+        self.r.xadd(self.keys.out(rid), {"e": encode([ev])}, nomkstream=True)
+        self._ack([(entry_id, rid, alias)])
+
+    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        dead = {k.decode(): v for k, v in fields.items()} | {
+            "reason": reason,
+            "entry": entry_id,
+            "model": self.model,
+        }
+        pipe.xadd(self.keys.dead(self.model), dead, maxlen=self.cfg.dead_letter_maxlen)
+        pipe.xack(self.queue, GROUP, entry_id)
+        pipe.xdel(self.queue, entry_id)
+        pipe.execute()
+        log.error("%s: dead-lettered %s (%s)", self.consumer, entry_id, reason)
+
+    def _remove_dead_consumers(self) -> None:
+        """Consumers of engines that are gone and hold nothing any more."""
+        idle_ms = int(self.cfg.lease_s * 2000)
+        for c in self.r.xinfo_consumers(self.queue, GROUP):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name == self.consumer or c["pending"] or c["idle"] < idle_ms:
+                continue
+            if not self.r.exists(self.keys.engine(name)):
+                self.r.xgroup_delconsumer(self.queue, GROUP, name)
+                log.info("%s: removed the consumer of gone engine %s", self.consumer, name)
+
+    # -- aborts ----------------------------------------------------------------------
+
+    def aborts(self) -> list[str]:
+        """Aborts of requests this engine holds. Read after `pull` in the worker's
+        iteration, so an abort that raced a pull still lands."""
+        if self._started and not self.closed.is_set():
+            with contextlib.suppress(*UNAVAILABLE):
+                self._take_aborts(self.r.xread({self.keys.aborts: self._aborts_cursor or "0-0"}, count=10000))
+        out, self._local_aborts = self._local_aborts, []
+        return list(dict.fromkeys(out))
+
+    def _take_aborts(self, resp: Any) -> None:
+        if not resp:
+            return
+        entries = resp[0][1]
+        self._aborts_cursor = entries[-1][0].decode()
+        with self._lock:
+            for _, f in entries:
+                rid = f[b"r"].decode()
+                held = self._held.get(rid)
+                if held is not None and not held.aborted:
+                    held.aborted = True
+                    self._local_aborts.append(rid)
+
+    # -- publish ---------------------------------------------------------------------
+
+    def publish(self, events: list[TokenEvent]) -> None:
+        by_request: dict[str, list[TokenEvent]] = {}
+        for ev in events:
+            by_request.setdefault(ev.request_id, []).append(ev)
+        pipe = self.r.pipeline(transaction=False)
+        sent: list[str] = []  # request ids, in the order of their XADD in the pipeline
+        ended: list[tuple[str, str, str]] = []
+        with self._lock:
+            for rid, evs in by_request.items():
+                held = self._held.get(rid)
+                if held is not None:
+                    evs = self._filter(held, evs)
+                    if self._ended(held, evs):
+                        del self._held[rid]
+                        if not held.dropped:
+                            ended.append((held.entry_id, rid, held.alias))
+                    if held.dropped:
+                        continue
+                if evs:
+                    pipe.xadd(self.keys.out(rid), {"e": encode(evs)}, nomkstream=True)
+                    sent.append(rid)
+        if not sent and not ended:
+            return
+        self._add_acks(pipe, ended)
+        results = self._execute(pipe)
+        if results is None:
+            return
+        for rid, res in zip(sent, results, strict=False):
+            if res is None:  # its result stream is gone (expired, or Redis lost it): stop it
+                self._drop(rid)
+
+    def _filter(self, held: _Held, evs: list[TokenEvent]) -> list[TokenEvent]:
+        if held.dropped or held.replay is None:
+            return evs
+        out = held.replay.filter(evs)
+        if held.replay.failed:
+            self._local_aborts.append(held.request.request_id)
+        return out
+
+    @staticmethod
+    def _ended(held: _Held, evs: list[TokenEvent]) -> bool:
+        for ev in evs:
+            if ev.finish_reason == FINISH_ERROR:
+                return True
+            if ev.finish_reason is not None:
+                held.done.add(ev.index)
+        return len(held.done) >= held.n or (held.replay is not None and held.replay.failed)
+
+    def _drop(self, rid: str) -> None:
+        with self._lock:
+            held = self._held.get(rid)
+            if held is not None and not held.dropped:
+                held.dropped = True
+                self._local_aborts.append(rid)
+
+    def _add_acks(self, pipe: Any, ended: list[tuple[str, str, str]]) -> None:
+        retention = int(self.cfg.stream_retention_s * 1000)
+        for entry_id, rid, alias in ended:
+            pipe.xack(self.queue, GROUP, entry_id)
+            pipe.xdel(self.queue, entry_id)
+            pipe.pexpire(self.keys.out(rid), retention)
+            if alias:
+                pipe.pexpire(alias, retention)
+
+    def _ack(self, ended: list[tuple[str, str, str]]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        self._add_acks(pipe, ended)
+        self._execute(pipe)
+
+    def _execute(self, pipe: Any) -> list[Any] | None:
+        """Run a pipeline, retrying while Redis is down; None when the broker closed.
+        A retry may repeat an XADD that went through: gateways drop duplicates by seq."""
+        while True:
+            try:
+                return list(pipe.execute(raise_on_error=False))
+            except UNAVAILABLE as e:
+                if self.closed.is_set():
+                    log.warning("redis unavailable and the broker closed; dropping a batch")
+                    return None
+                log.warning("redis unavailable while publishing (%s); retrying", e)
+                self.closed.wait(_RETRY_S)
+
+    # -- registry and leases -----------------------------------------------------------
+
+    def heartbeat(self, info: EngineInfo) -> None:
+        d = info.to_dict() | {"last_seen": time.time()}
+        ttl_ms = int(self.cfg.engine_ttl_s * 1000)
+        with self._lock:
+            owned = {h.entry_id: rid for rid, h in self._held.items() if not h.dropped}
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.set(self.keys.engine(info.engine_id), orjson.dumps(d), px=ttl_ms)
+            pipe.sadd(self.keys.engines, info.engine_id)
+            pipe.execute()
+            if owned and self._started:
+                lost = self._refresh(keys=[self.queue], args=[GROUP, self.consumer, *owned])
+                for entry_id in lost or []:
+                    rid = owned[entry_id.decode() if isinstance(entry_id, bytes) else entry_id]
+                    log.warning("%s: lost its lease on %s; stopping it here", self.consumer, rid)
+                    self._drop(rid)
+        except UNAVAILABLE as e:
+            log.warning("redis unavailable for the heartbeat (%s)", e)
+        except redis.exceptions.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            for rid in owned.values():  # the group (and our entries) are gone: Redis restarted
+                self._drop(rid)
+
+    def deregister(self, engine_id: str) -> None:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.delete(self.keys.engine(engine_id))
+            pipe.srem(self.keys.engines, engine_id)
+            pipe.execute()
+            if self._started and not self._held:
+                pending = self.r.xpending_range(self.queue, GROUP, "-", "+", 1, consumername=self.consumer)
+                if not pending:
+                    self.r.xgroup_delconsumer(self.queue, GROUP, self.consumer)
+        except UNAVAILABLE as e:
+            log.warning("redis unavailable while deregistering (%s)", e)
+        except redis.exceptions.ResponseError:
+            pass
+
+    def release(self, request_ids: list[str]) -> list[str]:
+        """Re-queue held requests (marked `h`: their result streams are checked when
+        they are pulled again) and ack the old entries, atomically per request."""
+        left = []
+        for rid in request_ids:
+            with self._lock:
+                held = self._held.get(rid)
+            if held is None or held.dropped:
+                left.append(rid)
+                continue
+            fields = {"r": encode(held.request), "a": held.alias, "h": "1"}
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.queue, fields)
+            pipe.xack(self.queue, GROUP, held.entry_id)
+            pipe.xdel(self.queue, held.entry_id)
+            try:
+                pipe.execute()
+            except UNAVAILABLE:
+                left.append(rid)
+                continue
+            held.dropped = True
+            log.info("%s: handed %s back to the queue", self.consumer, rid)
+        return left

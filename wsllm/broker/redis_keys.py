@@ -1,0 +1,166 @@
+"""The Redis key layout and the Lua scripts that keep multi-key steps atomic.
+
+Every key starts with the deployment's prefix (`wsllm` by default):
+
+    {p}:q:{model}       request stream; consumer group `engines`, one consumer per engine
+    {p}:o:{request_id}  result stream of one request: a `meta` entry (the gateway's context,
+                        the request entry's id), then one entry per engine step with that
+                        step's TokenEvents for the request
+    {p}:ws:{alias}      a WebSocket client's id -> request id (resume on any gateway)
+    {p}:att:{rid}       set when a client resumed the request (its grace abort is off)
+    {p}:w:{gateway}     a gateway's wake-up stream (a new request to read)
+    {p}:aborts          broadcast abort stream, read by every engine
+    {p}:dead:{model}    dead-letter stream
+    {p}:engines         set of engine ids; {p}:engine:{id} its heartbeat, with a TTL
+
+docs/architecture.md (the broker section) explains the choice of one result stream
+per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.exceptions
+
+GROUP = "engines"
+
+#: errors that mean "Redis cannot be reached now" (retry later), not "a bad command"
+UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str
+
+    def queue(self, model: str) -> str:
+        return f"{self.prefix}:q:{model}"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}:o:{request_id}"
+
+    def alias(self, alias: str) -> str:
+        return f"{self.prefix}:ws:{alias}"
+
+    def resumed(self, request_id: str) -> str:
+        return f"{self.prefix}:att:{request_id}"
+
+    def wake(self, gateway_id: str) -> str:
+        return f"{self.prefix}:w:{gateway_id}"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
+
+    def dead(self, model: str) -> str:
+        return f"{self.prefix}:dead:{model}"
+
+    @property
+    def engines(self) -> str:
+        return f"{self.prefix}:engines"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{engine_id}"
+
+    def request_id_of(self, out_key: str) -> str:
+        return out_key[len(self.prefix) + 3 :]
+
+
+# Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
+# the stream minus those delivered and not yet acked), else queue the request, open its
+# result stream with the meta entry, map the alias and wake the submitting gateway.
+# KEYS: queue, out, wake, [alias]   ARGV: group, max_waiting, request, meta, ttl_ms, rid
+SUBMIT = """
+local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
+if not ok then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+  pend = {0}
+end
+local waiting = redis.call('XLEN', KEYS[1]) - pend[1]
+if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
+local alias = KEYS[4] or ''
+local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'a', alias)
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id)
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+if KEYS[4] then redis.call('SET', KEYS[4], ARGV[6], 'PX', ARGV[5]) end
+redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+return {1, id}
+"""
+
+# Abort from any gateway: drop the entry if it still waits, tell every engine, and end
+# the result stream with a whole-request abort marker (a resumed client sees the end).
+# With ARGV[5] == '1' it does nothing when a client resumed the request meanwhile.
+# KEYS: out, aborts, resumed   ARGV: rid, retention_ms, marker, aborts_maxlen, unless_resumed
+ABORT = """
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #first == 0 then return -1 end
+local f = first[1][2]
+local q, e
+for i = 1, #f, 2 do
+  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] end
+end
+if q and e then redis.call('XDEL', q, e) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'r', ARGV[1])
+redis.call('XADD', KEYS[1], '*', 'e', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Places of waiting entries: those after the group's last delivered id, in order.
+# KEYS: queue   ARGV: group, scan_limit, entry ids...   -> 1-based place, or 0 (taken)
+POSITIONS = """
+local last = '0-0'
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if ok then
+  for _, g in ipairs(groups) do
+    local name, ld
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then ld = g[i + 1] end
+    end
+    if name == ARGV[1] then last = ld end
+  end
+end
+local place = {}
+for i, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
+  place[e[1]] = i
+end
+local out = {}
+for i = 3, #ARGV do out[#out + 1] = place[ARGV[i]] or 0 end
+return out
+"""
+
+# Live engines: the ids whose heartbeat key still exists, with its payload and the
+# milliseconds it has left; ids whose key expired leave the set.
+# KEYS: engines set   ARGV: engine key prefix
+ENGINES = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local k = ARGV[1] .. id
+  local v = redis.call('GET', k)
+  if v then
+    out[#out + 1] = v
+    out[#out + 1] = redis.call('PTTL', k)
+  else
+    redis.call('SREM', KEYS[1], id)
+  end
+end
+return out
+"""
+
+# Lease refresh: reset the idle time of the entries this engine still owns (so that
+# XAUTOCLAIM leaves them alone), and report those it does not own any more.
+# KEYS: queue   ARGV: group, consumer, entry ids...   -> ids no longer ours
+REFRESH = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
