@@ -1,20 +1,42 @@
-"""`wsllm serve`: the engine, the memory broker and the gateway in one process.
+"""The `wsllm` command.
+
+- `serve`: the engine, the memory broker and the gateway in one process; with
+  `--redis-url` (or `--broker redis://...`), an engine child process and the gateway,
+  joined by Redis.
+- `gateway`: a gateway on Redis. It needs the model's tokenizer and name, not its
+  weights (a model directory is read as is; other sources go through the loader).
+- `engine`: an engine worker on Redis. SIGTERM drains it: it stops pulling, finishes
+  its requests for up to `--drain-timeout-s`, hands the rest back, and exits.
 
 Subcommands are data: each names the config dataclasses its flags come from (one
-flag per field, `WSLLM_*` env vars as fallback) and a function to run. The Redis
-deployment adds `gateway` and `engine` here."""
+flag per field, `WSLLM_*` env vars as fallback) and a function to run."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
+import os
+import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from wsllm import loadgen
-from wsllm.config import EngineConfig, GatewayConfig, add_arguments, from_args
+from wsllm.config import (
+    EngineBrokerConfig,
+    EngineConfig,
+    GatewayConfig,
+    ModelRefConfig,
+    RedisConfig,
+    add_arguments,
+    from_args,
+)
 
 log = logging.getLogger("wsllm")
 
@@ -29,13 +51,9 @@ def serve(args: argparse.Namespace) -> int:
 
     ecfg = from_args(EngineConfig, args)
     gcfg = from_args(GatewayConfig, args)
-    if gcfg.broker != "memory":
-        print(
-            "wsllm serve runs everything in one process with the memory broker; "
-            f"--broker {gcfg.broker} is for separate gateway and engine processes",
-            file=sys.stderr,
-        )
-        return 2
+    rcfg = from_args(RedisConfig, args)
+    if rcfg.redis_url or gcfg.broker != "memory":
+        return _serve_redis(args, ecfg, gcfg, rcfg)
     engine = LLMEngine.from_config(ecfg)
     broker = MemoryBroker(max_pending=gcfg.max_queue_depth)
     worker = EngineWorker(engine, broker)
@@ -53,6 +71,124 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_gateway(app: Any, gcfg: GatewayConfig, model_name: str) -> None:
+    import uvicorn
+
+    from wsllm.server.app import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(app, gcfg))
+    host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
+    print(f"wsllm: serving {model_name} at http://{host}:{gcfg.port}/", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
+        server.run()
+
+
+def _tokenizer_and_name(model: str | None, name: str | None) -> tuple[Path, str]:
+    """The model's tokenizer directory and served name, as the engine names it. A
+    local directory is used as it is (no torch in the gateway process)."""
+    if model and Path(model).expanduser().is_dir():
+        path = Path(model).expanduser()
+        return path, name or path.name
+    from wsllm.models.loader import model_name_for, resolve_model_dir
+
+    return resolve_model_dir(model), name or model_name_for(model)
+
+
+def gateway(args: argparse.Namespace) -> int:
+    from wsllm.broker.redis import RedisBroker
+    from wsllm.server.app import create_app
+
+    gcfg = from_args(GatewayConfig, args)
+    rcfg = from_args(RedisConfig, args)
+    tokenizer_dir, name = _tokenizer_and_name(from_args(ModelRefConfig, args).model, gcfg.model_name)
+    broker = RedisBroker(rcfg.url(gcfg.broker), model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
+    try:
+        _run_gateway(create_app(gcfg, broker, tokenizer_dir, name), gcfg, name)
+    finally:
+        broker.close()
+    return 0
+
+
+def engine(args: argparse.Namespace) -> int:
+    from wsllm.broker.redis import RedisBroker
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.engine.worker import EngineWorker
+
+    ecfg = from_args(EngineConfig, args)
+    bcfg = from_args(EngineBrokerConfig, args)
+    rcfg = from_args(RedisConfig, args)
+    llm = LLMEngine.from_config(ecfg)
+    if bcfg.model_name:
+        llm.model_name = bcfg.model_name
+    engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+    url = rcfg.url(bcfg.broker)
+    broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
+    worker = EngineWorker(llm, broker, engine_id=engine_id, heartbeat_s=rcfg.engine_heartbeat_s)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if worker.draining:  # a second signal: hand everything back now
+            worker.drain_gracefully(0.0)
+            return
+        log.info("signal %d: draining (up to %.0fs), then exiting", signum, rcfg.drain_timeout_s)
+        worker.drain_gracefully(rcfg.drain_timeout_s)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"wsllm: engine {engine_id} serving {llm.model_name} from {_redacted(url)}", flush=True)
+    try:
+        worker.run()
+    finally:
+        broker.close()
+    return 0
+
+
+def _redacted(url: str) -> str:
+    head, at, tail = url.rpartition("@")
+    return f"{head.split('://')[0]}://***@{tail}" if at else url
+
+
+def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConfig, rcfg: RedisConfig) -> int:
+    """`wsllm serve --redis-url ...`: one engine child process and the gateway here."""
+    from wsllm.broker.redis import RedisBroker
+    from wsllm.server.app import create_app
+
+    url = rcfg.url(gcfg.broker)
+    flags = _flags(ecfg) + _flags(rcfg) + ["--broker", url]
+    if gcfg.model_name:
+        flags += ["--model-name", gcfg.model_name]
+    cmd = [sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags]
+    child = subprocess.Popen(cmd)
+    try:
+        tokenizer_dir, name = _tokenizer_and_name(ecfg.model, gcfg.model_name)
+        broker = RedisBroker(url, model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
+        try:
+            _run_gateway(create_app(gcfg, broker, tokenizer_dir, name), gcfg, name)
+        finally:
+            broker.close()
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(rcfg.drain_timeout_s + 10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return 0
+
+
+def _flags(cfg: Any) -> list[str]:
+    """CLI flags that rebuild `cfg` (fields left at their defaults are left out)."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 @dataclass(frozen=True)
 class Command:
     help: str
@@ -61,7 +197,15 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("run the engine and the gateway in one process", (EngineConfig, GatewayConfig), serve),
+    "serve": Command(
+        "run the engine and the gateway in one process (--redis-url: an engine child process)",
+        (EngineConfig, GatewayConfig, RedisConfig),
+        serve,
+    ),
+    "gateway": Command(
+        "a gateway on Redis (no model weights)", (GatewayConfig, RedisConfig, ModelRefConfig), gateway
+    ),
+    "engine": Command("an engine worker on Redis", (EngineConfig, EngineBrokerConfig, RedisConfig), engine),
     "bench": Command("load-test a server (OpenAI SSE or wsllm WS)", (loadgen.BenchConfig,), loadgen.run),
 }
 

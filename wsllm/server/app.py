@@ -98,6 +98,7 @@ def create_app(
         try:
             yield
         finally:
+            await gw.aclose()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -109,6 +110,7 @@ def create_app(
         Route("/v1/models", openai_api.models),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/streams/{request_id}", openai_api.resume_stream),
         WebSocketRoute("/v1/ws", ws_endpoint),
     ]
     static = Path(frontend_dir) if frontend_dir is not None else default_frontend_dir()

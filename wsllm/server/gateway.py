@@ -1,7 +1,13 @@
 """The gateway's core, shared by the OpenAI routes and the WebSocket: admission,
 the reader task that fans TokenEvents out by request_id, and `Generation`, which
 turns one request's events into text deltas (detokenization, stop strings, usage,
-metrics) and aborts the engine request when the client or a stop string ends it."""
+metrics) and aborts the engine request when the client or a stop string ends it.
+
+With a resumable broker (Redis) a request outlives its connection: a client that
+leaves detaches (`Generation.detach`), the request runs on for `resume_grace_s`, and
+`Gateway.resume` rebuilds its Generation on any gateway by replaying its events
+from the first one. Replaying the same events gives the same deltas, so a client
+that says how many it has gets exactly the rest."""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
-from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull
+from wsllm.broker.base import Broker, BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.metrics import Metrics
@@ -31,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
+# Prompt tokens kept with a resumable request: the detokenizer's context on replay.
+_CONTEXT_TAIL = 8
 
 
 class Router:
@@ -50,6 +59,7 @@ class Router:
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self.broker.forget(request_id)
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -135,21 +145,53 @@ class Generation:
         params: SamplingParams,
         stops: list[str],
         api: str,
+        prompt_len: int | None = None,
     ) -> None:
         self.gw = gw
         self.request_id = request_id
         self.api = api
-        self.prompt_len = len(prompt_ids)
+        self.prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         self.want_logprobs = params.logprobs is not None
         self.choices = [
             _Choice(i, gw.codec.detokenizer(prompt_ids), StopMatcher(stops) if stops else None)
             for i in range(params.n)
         ]
+        #: what another gateway needs to rebuild this Generation (resumable brokers)
+        self.context: dict[str, Any] = {
+            "api": api,
+            "n": params.n,
+            "logprobs": params.logprobs,
+            "stops": stops,
+            "prompt_len": self.prompt_len,
+            "prompt_tail": prompt_ids[-_CONTEXT_TAIL:],
+            "created": int(time.time()),
+        }
         self.cached_tokens = 0
         self.finished = False
         self._final: list[Delta] = []  # deltas produced by cancel(), handed out by next()
         self._timing = _Timing(time.monotonic())
         self._queue = gw.router.open(request_id)
+
+    @classmethod
+    def from_context(cls, gw: Gateway, request_id: str, ctx: dict[str, Any]) -> Generation:
+        """A Generation for a request started elsewhere, from its stored context."""
+        params = SamplingParams(n=int(ctx.get("n", 1)), logprobs=ctx.get("logprobs"))
+        gen = cls(
+            gw,
+            request_id,
+            list(ctx.get("prompt_tail", [])),
+            params,
+            list(ctx.get("stops", [])),
+            str(ctx.get("api", "")),
+            prompt_len=int(ctx.get("prompt_len", 0)),
+        )
+        gen.context = dict(ctx)
+        return gen
+
+    @property
+    def started(self) -> bool:
+        """An event came (the request left the queue)."""
+        return self._timing.last_event is not None or self._timing.queue_time is not None
 
     @property
     def usage(self) -> Usage:
@@ -180,7 +222,9 @@ class Generation:
                 await self._end()
         deltas.extend(self._final)
         self._final = []
-        return _merge(deltas)
+        # Resumable: one delta per event, so that a replay on any gateway numbers them
+        # the same way (the transports then send one message per delta).
+        return deltas if self.gw.broker.resumable else _merge(deltas)
 
     async def cancel(self) -> None:
         """The client went away or asked to stop: free the engine request now. The
@@ -194,7 +238,20 @@ class Generation:
         await self._end()
         self._queue.put_nowait(None)
 
+    def detach(self) -> None:
+        """The client left, and the broker keeps the request for a resume: stop
+        following it here and abort it after `resume_grace_s` unless a client resumed
+        it by then (on any gateway)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.gw.router.close(self.request_id)
+        self._queue.put_nowait(None)
+        self.gw.abort_later(self.request_id)
+
     def _on_event(self, ev: TokenEvent) -> list[Delta]:
+        if ev.index < 0 and ev.finish_reason == FINISH_ABORT:  # the whole request was cancelled
+            return [self._abort_choice(c) for c in self.choices if c.finish_reason is None]
         if ev.finish_reason == FINISH_ERROR or not 0 <= ev.index < len(self.choices):
             self.finished = True
             self.gw.router.close(self.request_id)
@@ -220,6 +277,12 @@ class Generation:
             c.engine_done = True
             c.finish_reason = c.finish_reason or ev.finish_reason
         return [Delta(c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids))]
+
+    @staticmethod
+    def _abort_choice(c: _Choice) -> Delta:
+        c.finish_reason = FINISH_ABORT
+        c.engine_done = True
+        return Delta(c.index, "", FINISH_ABORT)
 
     async def _end(self) -> None:
         self.finished = True
@@ -280,12 +343,18 @@ class Gateway:
     model_name: str
     metrics: Metrics
     router: Router = field(init=False)
+    _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker)
 
     async def engines(self) -> list[EngineInfo]:
-        return [e for e in await self.broker.engines() if e.model == self.model_name or not e.model]
+        """Live engines serving this model; none while the broker is unreachable."""
+        try:
+            infos = await self.broker.engines()
+        except BrokerUnavailable:
+            return []
+        return [e for e in infos if e.model == self.model_name or not e.model]
 
     async def max_model_len(self) -> int | None:
         lens = [e.max_model_len for e in await self.engines() if e.max_model_len]
@@ -295,9 +364,14 @@ class Gateway:
         self.metrics.set_engine_stats([e.stats for e in await self.engines()], await self.broker.pending())
 
     async def start(
-        self, req: ChatRequest | CompletionRequest, api: str, request_id: str | None = None
+        self,
+        req: ChatRequest | CompletionRequest,
+        api: str,
+        request_id: str | None = None,
+        alias: str | None = None,
     ) -> Generation:
-        """Admit, tokenize and submit a checked request. Raises APIError."""
+        """Admit, tokenize and submit a checked request. Raises APIError. `alias` (a
+        WebSocket id) finds the request again for a resume on a resumable broker."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(
                 404,
@@ -313,9 +387,13 @@ class Gateway:
         params = sampling_params(req, len(prompt_ids), max_len, self.cfg)
         rid = request_id or f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self, rid, prompt_ids, params, req.stops, api)
+        gen.context["include_usage"] = bool(getattr(req, "include_usage", False))
         try:
             await self.broker.submit(
-                GenerateRequest(rid, prompt_ids, params, model=self.model_name, arrival_time=time.time())
+                GenerateRequest(rid, prompt_ids, params, model=self.model_name, arrival_time=time.time()),
+                max_waiting=self.cfg.max_queue_depth,
+                context=gen.context if self.broker.resumable else None,
+                alias=alias,
             )
         except QueueFull as e:
             self.router.close(rid)
@@ -323,8 +401,51 @@ class Gateway:
         except BrokerClosed:
             self.router.close(rid)
             raise APIError(503, "model_not_ready", "the server is shutting down", retry_after=1) from None
+        except BrokerUnavailable:
+            self.router.close(rid)
+            raise APIError(
+                503, "model_not_ready", "the broker is unreachable; retry", retry_after=1
+            ) from None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return gen
+
+    async def resume(self, key: str) -> Generation | None:
+        """The Generation of a request started on any gateway (`key`: its id or its
+        WebSocket alias), replaying its events from the first; None when the broker
+        does not know it (or cannot resume at all)."""
+        if not self.broker.resumable:
+            return None
+        try:
+            found = await self.broker.lookup(key)
+            if found is None:
+                return None
+            gen = Generation.from_context(self, found.request_id, found.context)
+            await self.broker.follow(found.request_id)
+        except BrokerUnavailable:
+            raise APIError(
+                503, "model_not_ready", "the broker is unreachable; retry", retry_after=1
+            ) from None
+        return gen
+
+    def abort_later(self, request_id: str) -> None:
+        """Abort a detached request after the grace time, unless it was resumed."""
+
+        async def later() -> None:
+            await asyncio.sleep(self.broker.resume_grace_s)
+            try:
+                if await self.broker.abort_unless_resumed(request_id):
+                    self.metrics.aborts.inc()
+            except BrokerUnavailable:
+                log.warning("could not abort detached request %s: the broker is unreachable", request_id)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def aclose(self) -> None:
+        """Cancel pending grace-time aborts (the app is stopping)."""
+        for t in list(self._later):
+            t.cancel()
 
     def _check_vocab(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if t >= self.codec.vocab_size]

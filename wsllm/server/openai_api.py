@@ -1,9 +1,14 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, and
+`GET /v1/streams/{id}` to resume a cut SSE stream (resumable brokers).
+
+A resumable stream must number its events the same way on every gateway, so with
+such a broker each delta is its own event (the `id:` of an event is a pure function
+of the request's engine events); otherwise a slow reader gets fewer, larger chunks."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -76,7 +81,7 @@ class _Api:
         self.head = {
             "id": gen.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
+            "created": int(gen.context.get("created") or time.time()),
             "model": model,
         }
         self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
@@ -100,9 +105,12 @@ class _Api:
         return out
 
 
-async def sse_frames(gw: Gateway, api: _Api, include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_frames(gw: Gateway, api: _Api, include_usage: bool, after: int = 0) -> AsyncIterator[bytes]:
+    """The SSE events of a request; those numbered <= `after` (a resume's
+    Last-Event-ID) are computed, to rebuild the text state, but not sent."""
     n = 0
     usage_field = {"usage": None} if include_usage else {}
+    one_per_delta = gw.broker.resumable
     try:
         while not api.gen.finished:
             deltas = await api.gen.next(timeout=gw.cfg.heartbeat_s)
@@ -110,9 +118,10 @@ async def sse_frames(gw: Gateway, api: _Api, include_usage: bool) -> AsyncIterat
                 yield KEEPALIVE
                 continue
             choices = [api.chunk_choice(d) for d in deltas if d.text or d.finish_reason or d.logprobs]
-            if choices:
+            for group in [[c] for c in choices] if one_per_delta else [choices] if choices else []:
                 n += 1
-                yield frame(n, orjson.dumps(api.head | {"choices": choices} | usage_field))
+                if n > after:
+                    yield frame(n, orjson.dumps(api.head | {"choices": group} | usage_field))
     except GenerationError as e:
         gw.metrics.error(e.code)
         err = APIError(500, e.code, e.message).body()
@@ -121,7 +130,8 @@ async def sse_frames(gw: Gateway, api: _Api, include_usage: bool) -> AsyncIterat
         return
     if include_usage:
         n += 1
-        yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.gen.usage)}))
+        if n > after:
+            yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.gen.usage)}))
     yield DONE
 
 
@@ -175,8 +185,41 @@ async def _generate(request: Request, chat: bool) -> Response:
     gen = await gw.start(req, "chat" if chat else "completions")
     api = _Api(gen, gw.model_name, chat)
     if req.stream:
-        return EventStream(sse_frames(gw, api, req.include_usage), on_close=gen.cancel)
+        return EventStream(sse_frames(gw, api, req.include_usage), on_close=_on_close(gw, gen))
     return await _full_response(request, api)
+
+
+def _on_close(gw: Gateway, gen: Generation) -> Callable[[], Awaitable[None]]:
+    """When an SSE stream ends: nothing if the request finished; if the client left,
+    detach it for a resume (resumable broker) or cancel it (the engine frees it)."""
+
+    async def close() -> None:
+        if gw.broker.resumable and not gen.finished:
+            gen.detach()
+        else:
+            await gen.cancel()
+
+    return close
+
+
+async def resume_stream(request: Request) -> Response:
+    """`GET /v1/streams/{request_id}` with `Last-Event-ID` (or `?last_event_id=`): the
+    rest of a streamed completion, from this or any other gateway of the deployment."""
+    gw: Gateway = request.app.state.gateway
+    rid = request.path_params["request_id"]
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    if not raw.isdigit():
+        raise APIError(
+            400, "invalid_request", "Last-Event-ID must be a non-negative integer", "Last-Event-ID"
+        )
+    gen = await gw.resume(rid)
+    if gen is None:
+        raise APIError(
+            404, "unknown_id", f"no stream {rid!r} to resume (unknown, or past its retention)", "id"
+        )
+    api = _Api(gen, gw.model_name, chat="chat" in gen.api)
+    frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
+    return EventStream(frames, on_close=_on_close(gw, gen))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -188,7 +231,10 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """The model this gateway serves, while at least one live engine serves it."""
     gw: Gateway = request.app.state.gateway
+    if not await gw.engines():
+        return JSONResponse({"object": "list", "data": []})
     card = {
         "id": gw.model_name,
         "object": "model",

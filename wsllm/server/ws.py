@@ -2,7 +2,10 @@
 
 One task reads client messages in order, one task writes (so that sends never
 interleave), and one task per live request turns its deltas into messages. When
-the socket closes, every live request is cancelled and its engine request aborted."""
+the socket closes, every live request is cancelled and its engine request aborted;
+with a resumable broker (Redis) it is detached instead, so that `resume` on a new
+socket, to any gateway, continues it. While a request waits for an engine, its task
+sends `queued` with its place in the queue."""
 
 from __future__ import annotations
 
@@ -69,7 +72,10 @@ class WsSession:
             pass
         finally:
             for gen in list(self.gens.values()):
-                await gen.cancel()
+                if self.gw.broker.resumable:
+                    gen.detach()  # runs on for a while: the client may resume it
+                else:
+                    await gen.cancel()
             for t in [*self.tasks.values(), writer]:
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), writer, return_exceptions=True)
@@ -107,8 +113,7 @@ class WsSession:
             elif isinstance(msg, WsChat | WsCompletion):
                 await self._start(msg)
             elif isinstance(msg, WsResume):
-                # With the memory broker a request ends with its socket: nothing to resume.
-                raise APIError(400, "unknown_id", f"request {msg.id!r} ended when its socket closed", "id")
+                await self._resume(msg)
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
@@ -127,9 +132,22 @@ class WsSession:
                 "too_many_requests",
                 f"at most {self.cfg.max_requests_per_socket} requests at once per socket",
             )
-        gen = await self.gw.start(msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion")
+        gen = await self.gw.start(
+            msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion", alias=msg.id
+        )
         self.gens[msg.id] = gen
         self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen))
+
+    async def _resume(self, msg: WsResume) -> None:
+        """Continue a request cut by a disconnect: replay it and send the deltas after
+        `after_seq`. With the memory broker a request ends with its socket: unknown_id."""
+        if msg.id in self.gens:
+            raise APIError(400, "duplicate_id", f"id {msg.id!r} is already running on this socket", "id")
+        gen = await self.gw.resume(msg.id)
+        if gen is None:
+            raise APIError(400, "unknown_id", f"request {msg.id!r} ended when its socket closed", "id")
+        self.gens[msg.id] = gen
+        self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen, after_seq=msg.after_seq))
 
     async def _cancel(self, msg_id: str) -> None:
         gen = self.gens.get(msg_id)
@@ -137,14 +155,21 @@ class WsSession:
             raise APIError(400, "unknown_id", f"no request {msg_id!r} runs on this socket", "id")
         await gen.cancel()  # its task sends `done` with finish_reason "abort"
 
-    async def _stream(self, msg_id: str, gen: Generation) -> None:
+    async def _stream(self, msg_id: str, gen: Generation, after_seq: int = -1) -> None:
+        """Send a request's deltas (those numbered after `after_seq`) and dones."""
         seq = 0
         open_choices = len(gen.choices)
+        queued = QueuedNotice(self, msg_id, gen)
         try:
             while open_choices:
-                for d in await gen.next():
+                deltas = await gen.next(timeout=queued.wait_s())
+                if not deltas:
+                    await queued.tell()
+                    continue
+                for d in deltas:
                     if d.text:
-                        await self.send(self._delta(msg_id, seq, d))
+                        if seq > after_seq:
+                            await self.send(self._delta(msg_id, seq, d))
                         seq += 1
                     if d.finish_reason is not None:
                         open_choices -= 1
@@ -200,3 +225,32 @@ class WsSession:
             "max_stop": c.max_stop,
             "max_context": await self.gw.max_model_len(),
         }
+
+
+class QueuedNotice:
+    """`queued` messages for a request that waits for an engine: its place in the
+    queue, sent when it changes, every `queue_poll_s` (brokers that can tell)."""
+
+    def __init__(self, session: WsSession, msg_id: str, gen: Generation) -> None:
+        self.session = session
+        self.msg_id = msg_id
+        self.gen = gen
+        self.broker = session.gw.broker
+        self.last: int | None = None
+
+    def wait_s(self) -> float | None:
+        """How long the next read may wait: the poll interval until the request starts."""
+        waiting = self.broker.resumable and not self.gen.started and not self.gen.finished
+        return self.broker.queue_poll_s if waiting else None
+
+    async def tell(self) -> None:
+        if self.gen.started or self.gen.finished:
+            return
+        try:
+            place = await self.broker.position(self.gen.request_id)
+        except Exception:  # a position is a courtesy: never fail the request over it
+            log.debug("no queue position for %s", self.gen.request_id, exc_info=True)
+            return
+        if place and place != self.last:
+            self.last = place
+            await self.session.send({"type": "queued", "id": self.msg_id, "position": place})
