@@ -98,8 +98,8 @@ def feed_all(m: StopMatcher, pieces: list[str]) -> tuple[str, bool, list[str]]:
         out.append(text)
         if hit:
             return "".join(out), True, sent
-    tail = m.flush()
-    return "".join(out) + tail, False, sent + [tail]
+    tail, hit = m.flush()
+    return "".join(out) + tail, hit, sent + [tail]
 
 
 def test_stop_split_across_pieces_is_caught_and_not_sent() -> None:
@@ -113,13 +113,25 @@ def test_a_partial_match_is_released_when_it_stops_matching() -> None:
     assert m.feed("a #") == ("a ", False)  # "#" might start the stop: held
     assert m.feed("#") == ("", False)
     assert m.feed("b") == ("##b", False)  # it didn't: released
-    assert m.flush() == ""
+    assert m.flush() == ("", False)
 
 
 def test_held_text_comes_out_at_the_end() -> None:
     m = StopMatcher(["<end>"])
     assert m.feed("done <en") == ("done ", False)
-    assert m.flush() == "<en"
+    assert m.flush() == ("<en", False)
+
+
+def test_a_complete_stop_waits_for_an_earlier_one_that_may_still_match() -> None:
+    m = StopMatcher([" ", "a a"])
+    assert m.feed("aa ") == ("a", False)  # " " matched, but "a a" may start earlier
+    assert m.feed("a") == ("", True)  # it did: "a" + "" is all of the text before "a a"
+    m = StopMatcher([" ", "a ab"])
+    assert m.feed("aa ") == ("a", False)
+    assert m.feed("x") == ("a", True)  # "a ab" failed: " " wins
+    m = StopMatcher([" ", "a ab"])
+    assert m.feed("aa ") == ("a", False)
+    assert m.flush() == ("a", True)  # the stream ended: " " wins
 
 
 def test_the_earliest_stop_wins_and_overlaps_are_handled() -> None:

@@ -269,10 +269,11 @@ class Generation:
         text = c.detok.feed(ev.token_ids)
         if c.stop is not None:
             text, matched = c.stop.feed(text)
+            if not matched and ev.finish_reason is not None:
+                tail, matched = c.stop.flush()
+                text += tail
             if matched:
                 c.finish_reason = FINISH_STOP
-            elif ev.finish_reason is not None:
-                text += c.stop.flush()
         if ev.finish_reason is not None:
             c.engine_done = True
             c.finish_reason = c.finish_reason or ev.finish_reason

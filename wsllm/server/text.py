@@ -107,20 +107,27 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to send now, whether a stop string matched). After a
-        match, the text before the stop string is returned and the rest dropped."""
+        match, the text before the stop string is returned and the rest dropped.
+        The earliest-starting stop string wins, however the text was split: a match
+        waits while an earlier-starting one could still complete."""
         buf = self._held + text
-        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if hit >= 0:
+        hit = self._first_match(buf)
+        start = len(buf) - self._partial_suffix(buf)  # where a still-open match begins
+        if 0 <= hit <= start:
             self._held = ""
             return buf[:hit], True
-        keep = self._partial_suffix(buf)
-        self._held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
+        self._held = buf[start:]
+        return buf[:start], False
 
-    def flush(self) -> str:
-        """The held text, once the stream ended without a match."""
-        out, self._held = self._held, ""
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """At the end of the stream: the held text, cut at a stop string that was
+        waiting on an earlier, longer one that never completed."""
+        buf, self._held = self._held, ""
+        hit = self._first_match(buf)
+        return (buf[:hit], True) if hit >= 0 else (buf, False)
+
+    def _first_match(self, buf: str) -> int:
+        return min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
