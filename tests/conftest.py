@@ -13,17 +13,26 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# Without a GPU, Triton kernels can only run in its interpreter. Triton reads this when
+# a kernel is decorated, so it must be set before any test module imports one.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if has_cuda:
+    if _cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
