@@ -69,13 +69,19 @@ class Metrics:
         ).labels(model_name)
         # Engine-side figures, from the heartbeats (summed over engines).
         self.prefix_hit_rate = Gauge(
-            "wsllm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1)", labels, registry=r
+            "wsllm_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache (0..1)",
+            labels,
+            registry=r,
         ).labels(model_name)
         self.engine_preemptions = Gauge(
             "wsllm_engine_preemptions", "Sequences preempted since the engines started", labels, registry=r
         ).labels(model_name)
         self.engine_aborts = Gauge(
-            "wsllm_engine_aborted_requests", "Requests the engines aborted since they started", labels, registry=r
+            "wsllm_engine_aborted_requests",
+            "Requests the engines aborted since they started",
+            labels,
+            registry=r,
         ).labels(model_name)
         self.model_name = model_name
 
