@@ -1,0 +1,230 @@
+"""A Redis deployment in child processes for the tests: `wsllm engine` and `wsllm
+gateway` on the session's redis-server (tests/conftest.py), with a tiny model and
+short leases, plus small SSE and WebSocket clients that keep everything a test
+checks (text, seq, finish reason, error code).
+
+    cluster = Cluster(redis_server.url, tiny_model_dir, tmp_path)
+    cluster.start(gateways=2, engines=2)
+    ...
+    cluster.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import redis
+import websockets
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Short times so that recovery happens within a test's patience.
+FAST_FLAGS = [
+    "--lease-s", "2", "--engine-heartbeat-s", "0.2", "--engine-ttl-s", "2",
+    "--stream-retention-s", "4", "--resume-grace-s", "20", "--queue-poll-s", "0.2",
+    "--drain-timeout-s", "0.5",
+]  # fmt: skip
+ENGINE_FLAGS = ["--threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
+LEASE_S = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process with its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(log, "ab") as out:
+            self.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@dataclass
+class Cluster:
+    redis_url: str
+    model_dir: Path
+    logs: Path
+    engines: dict[str, Proc] = field(default_factory=dict)
+    gateways: dict[str, Proc] = field(default_factory=dict)  # base URL -> process
+    _n: int = 0
+
+    def _wsllm(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "wsllm", "--log-level", "info", *args]
+
+    def start_engine(self, engine_id: str | None = None, *extra: str) -> str:
+        self._n += 1
+        engine_id = engine_id or f"engine-{self._n}"
+        cmd = self._wsllm(
+            "engine", "--model", str(self.model_dir), "--broker", self.redis_url,
+            "--engine-id", engine_id, *ENGINE_FLAGS, *FAST_FLAGS, *extra,
+        )  # fmt: skip
+        self.engines[engine_id] = Proc(engine_id, cmd, self.logs / f"{engine_id}.log")
+        return engine_id
+
+    def start_gateway(self, *extra: str) -> str:
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        cmd = self._wsllm(
+            "gateway", "--model", str(self.model_dir), "--broker", self.redis_url,
+            "--port", str(port), "--no-frontend", *FAST_FLAGS, *extra,
+        )  # fmt: skip
+        self.gateways[base] = Proc(f"gateway-{port}", cmd, self.logs / f"gateway-{port}.log")
+        return base
+
+    def start(self, gateways: int, engines: int) -> None:
+        for _ in range(engines):
+            self.start_engine()
+        for _ in range(gateways):
+            self.start_gateway()
+        self.wait_ready(engines)
+
+    def wait_ready(self, engines: int, timeout: float = 90.0) -> None:
+        """Until every gateway is ready and sees `engines` live engines."""
+        deadline = time.monotonic() + timeout
+        for base, proc in self.gateways.items():
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    r = httpx.get(f"{base}/ready", timeout=2)
+                    if r.status_code == 200 and r.json()["engines"] >= engines:
+                        break
+                for p in [proc, *self.engines.values()]:
+                    assert p.alive(), f"{p.name} exited:\n{p.tail()}"
+                assert time.monotonic() < deadline, f"{base} not ready with {engines} engines"
+                time.sleep(0.1)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.gateways)
+
+    def redis(self) -> Any:
+        return redis.Redis.from_url(self.redis_url)
+
+    def pending_by_engine(self, model: str) -> dict[str, int]:
+        """Requests each engine holds now (its pending entries)."""
+        info = self.redis().xpending(f"wsllm:q:{model}", "engines")
+        return {c["name"].decode(): int(c["pending"]) for c in info.get("consumers", [])}
+
+    def engine_stats(self) -> dict[str, dict[str, Any]]:
+        r = self.redis()
+        return {
+            i.decode(): orjson.loads(v)["stats"]
+            for i in r.smembers("wsllm:engines")
+            if (v := r.get(f"wsllm:engine:{i.decode()}"))
+        }
+
+    def stop(self) -> None:
+        for p in [*self.gateways.values(), *self.engines.values()]:
+            p.stop()
+
+
+# -- clients ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None  # error code
+    request_id: str | None = None
+    last_event_id: int = 0
+    seqs: list[int] = field(default_factory=list)
+    ended_at: float = 0.0
+
+
+async def sse_completion(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> Result:
+    res = Result()
+    async with http.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        await read_sse(r, res)
+    return res
+
+
+async def read_sse(r: httpx.Response, res: Result, stop_after: int | None = None) -> Result:
+    """Read SSE events into `res`; return after `stop_after` events (None: to the end)."""
+    n = 0
+    async for line in r.aiter_lines():
+        if line.startswith("id: "):
+            res.last_event_id = int(line[4:])
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            break
+        chunk = orjson.loads(line[6:])
+        if "error" in chunk:
+            res.error = chunk["error"]["code"]
+            continue
+        res.request_id = chunk["id"]
+        for c in chunk["choices"]:
+            res.text += c.get("text", "")
+            res.finish_reason = c["finish_reason"] or res.finish_reason
+        n += 1
+        if stop_after is not None and n >= stop_after:
+            return res
+    res.ended_at = time.monotonic()
+    return res
+
+
+async def ws_messages(ws: Any, until: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Messages until `until(msg)` is true (inclusive)."""
+    out = []
+    async with asyncio.timeout(timeout):
+        while True:
+            msg = orjson.loads(await ws.recv())
+            out.append(msg)
+            if until(msg):
+                return out
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http", "ws", 1) + "/v1/ws"
+
+
+async def ws_run(base: str, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One request on a fresh socket, to its done or error."""
+    async with websockets.connect(ws_url(base)) as ws:
+        await ws.recv()  # hello
+        await ws.send(orjson.dumps(msg).decode())
+        return await ws_messages(ws, lambda m: m["type"] in ("done", "error") and m.get("id") == msg["id"])
+
+
+def joined(msgs: list[dict[str, Any]]) -> str:
+    return "".join(m["text"] for m in msgs if m["type"] == "delta")
