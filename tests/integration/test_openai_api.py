@@ -33,8 +33,10 @@ def expected(smollm_llm: Any) -> dict[str, str]:
         tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False
     )
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    chat, completion = smollm_llm.generate([chat_ids, PROMPT], [params, params])
-    return {"chat": chat.text, "completion": completion.text}
+    beam = SamplingParams(temperature=0.0, max_tokens=12, use_beam_search=True, beam_width=4, n=2)
+    chat, completion, beams = smollm_llm.generate([chat_ids, PROMPT, PROMPT], [params, params, beam])
+    return {"chat": chat.text, "completion": completion.text, "beam0": beams.outputs[0].text,
+            "beam1": beams.outputs[1].text}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,16 @@ def test_greedy_completion_equals_llm_generate(smollm_server: Any, expected: dic
     assert r.choices[0].text == expected["completion"]
     stream = c.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == expected["completion"]
+
+
+def test_beam_search_completion_equals_llm_generate(smollm_server: Any, expected: dict[str, str]) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "use_beam_search": True, "beam_width": 4, "n": 2}
+    r = httpx.post(f"{smollm_server.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert texts == [expected["beam0"], expected["beam1"]]
+    bad = httpx.post(f"{smollm_server.base_url}/v1/completions", json={**body, "beam_width": 99}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "beam_width"
 
 
 # -- the tiny model: shapes, options, concurrency ---------------------------------------------

@@ -103,6 +103,11 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: int | None = Field(None, ge=0)
     echo: Literal[False] | None = None
+    # Beam search (vLLM's extension); the n best beams come back as the choices.
+    use_beam_search: bool | None = None
+    beam_width: int | None = Field(None, ge=1)
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
+    early_stopping: bool | None = None
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -205,6 +210,11 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
     if top is not None and top > cfg.max_top_logprobs:
         param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
         raise bad(param, f"at most {cfg.max_top_logprobs} (got {top})")
+    width = getattr(req, "beam_width", None)
+    if width is not None and width > cfg.max_n:
+        raise bad("beam_width", f"at most {cfg.max_n} (got {width})")
+    if getattr(req, "use_beam_search", None) and req.n is not None and req.n > (width or cfg.max_n):
+        raise bad("n", "must not exceed beam_width with use_beam_search")
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
         raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
 
@@ -249,6 +259,19 @@ def sampling_params(
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.num_top_logprobs,
+            **_beam_fields(req),
         )
     except ValueError as e:  # SamplingParams' own checks: its message names the field
         raise APIError(400, "invalid_request", str(e)) from None
+
+
+def _beam_fields(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    if not isinstance(req, CompletionRequest) or not req.use_beam_search:
+        return {}
+    n = req.n or 1
+    return {
+        "use_beam_search": True,
+        "beam_width": req.beam_width or max(4, n),
+        "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
+        "early_stopping": bool(req.early_stopping),
+    }
