@@ -205,13 +205,16 @@ async def read_sse(r: httpx.Response, res: Result, stop_after: int | None = None
 
 async def ws_messages(ws: Any, until: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
     """Messages until `until(msg)` is true (inclusive)."""
-    out = []
-    async with asyncio.timeout(timeout):
-        while True:
-            msg = orjson.loads(await ws.recv())
-            out.append(msg)
-            if until(msg):
-                return out
+    out: list[dict[str, Any]] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = orjson.loads(await ws.recv())
+                out.append(msg)
+                if until(msg):
+                    return out
+    except TimeoutError:
+        raise AssertionError(f"no end after {timeout}s; got {len(out)} messages, the last: {out[-3:]}") from None
 
 
 def ws_url(base: str) -> str:

@@ -42,6 +42,7 @@ def cluster(
 ) -> Iterator[Cluster]:
     redis_server.client().flushall()
     c = Cluster(redis_server.url, tiny_model_dir, tmp_path_factory.mktemp("cluster-logs"))
+    log.info("cluster logs: %s", c.logs)
     try:
         c.start(gateways=2, engines=2)
         yield c
@@ -106,6 +107,34 @@ def test_a_websocket_client_resumes_on_the_other_gateway(cluster: Cluster) -> No
     deltas = [m for m in first + rest if m["type"] == "delta"]
     assert [m["seq"] for m in deltas] == list(range(len(deltas))), "a gap or a duplicate"
     assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "length"
+    assert joined(first + rest) == whole
+
+
+def test_a_resume_while_the_old_socket_still_closes_keeps_the_new_one(cluster: Cluster) -> None:
+    """A client that reconnects to the same gateway before that gateway noticed its
+    old socket went: the old one's clean-up must not cut the resumed stream."""
+    gw1 = cluster.urls[0]
+    msg = {"type": "completion", "id": "twice", "prompt": PROMPTS[3], "max_tokens": 60, "temperature": 0,
+           "ignore_eos": True}  # fmt: skip
+    whole = joined(asyncio.run(ws_run(gw1, msg | {"id": "twice-whole"})))
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with websockets.connect(ws_url(gw1)) as old:
+            await old.recv()
+            await old.send(orjson.dumps(msg).decode())
+            first = await ws_messages(old, lambda m: m["type"] == "delta" and m["seq"] == 2)
+            async with websockets.connect(ws_url(gw1)) as new:
+                await new.recv()
+                await new.send(json.dumps({"type": "resume", "id": "twice", "after_seq": 2}))
+                rest = [orjson.loads(await new.recv())]  # the resumed stream runs...
+                await old.close()  # ...when the old socket's close reaches the gateway
+                rest += await ws_messages(new, lambda m: m["type"] in ("done", "error"))
+        return first, rest
+
+    first, rest = asyncio.run(go())
+    assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "length"
+    deltas = [m for m in first + rest if m["type"] == "delta"]
+    assert [m["seq"] for m in deltas] == list(range(len(deltas)))
     assert joined(first + rest) == whole
 
 

@@ -4,7 +4,7 @@ worker loop (no asyncio).
 - `pull` reads the model's request stream as one consumer of the `engines` group,
   `COUNT` = the engine's free capacity. On its first call it drains its own pending
   entries (a restart under the same `--engine-id`), and every few seconds it takes
-  entries whose engine stopped refreshing its lease (`XAUTOCLAIM`).
+  entries whose engine stopped refreshing its lease (`redis_recovery.py`).
 - `publish` sends one engine step in one pipelined round trip: one `XADD` per request
   to its result stream, plus `XACK` + `XDEL` (+ expiry) for the requests that ended.
 - `heartbeat` refreshes the registry and the lease on every entry this engine holds.
@@ -27,7 +27,8 @@ import redis.exceptions
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
-from wsllm.broker.resume import History, Plan, Replay, error_event, plan
+from wsllm.broker.redis_recovery import Recovery
+from wsllm.broker.resume import Replay
 from wsllm.config import RedisConfig
 from wsllm.types import FINISH_ERROR, GenerateRequest, TokenEvent, decode, encode
 
@@ -65,10 +66,10 @@ class EngineSide:
         self._started = False
         self._aborts_cursor: str | None = None
         self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
-        self._claim_cursor = "0-0"
         self._next_reclaim = 0.0
-        self._next_cleanup = 0.0
+        self._next_refresh = 0.0
         self._refresh = r.register_script(REFRESH)
+        self.recovery = Recovery(self)
 
     # -- pull ------------------------------------------------------------------------
 
@@ -78,7 +79,8 @@ class EngineSide:
         try:
             out = self._start(max_n) if not self._started else []
             if len(out) < max_n and time.monotonic() >= self._next_reclaim:
-                out += self._reclaim(max_n - len(out))
+                self._next_reclaim = time.monotonic() + min(self.cfg.lease_s / 4, 2.0)
+                out += self.recovery.reclaim(max_n - len(out))
             if len(out) < max_n:
                 out += self._read_new(max_n - len(out), 0.0 if out else timeout)
             return out
@@ -97,7 +99,7 @@ class EngineSide:
         self._started = True
         if entries:
             log.info("%s: picking up %d of its own pending requests", self.consumer, len(entries))
-        return self._recover([(i.decode(), f) for i, f in entries if f])
+        return self.recovery.recover([(i.decode(), f) for i, f in entries if f])
 
     def _ensure_group(self) -> None:
         try:
@@ -131,12 +133,12 @@ class EngineSide:
             if fields.get(b"h"):
                 seen.append((entry_id, fields))
                 continue
-            req = self._hold(entry_id, fields)
+            req = self.hold(entry_id, fields)
             if req is not None:
                 fresh.append(req)
-        return fresh + (self._recover(seen) if seen else [])
+        return fresh + (self.recovery.recover(seen) if seen else [])
 
-    def _hold(
+    def hold(
         self,
         entry_id: str,
         fields: dict[bytes, bytes],
@@ -149,7 +151,7 @@ class EngineSide:
                 assert isinstance(req, GenerateRequest)
             except Exception:  # a message nobody can serve: out of the queue, into the dead letters
                 log.exception("undecodable request entry %s; dead-lettering it", entry_id)
-                self._dead_letter(entry_id, fields, "undecodable")
+                self.recovery.dead_letter(entry_id, fields, "undecodable")
                 return None
         with self._lock:
             self._held[req.request_id] = _Held(
@@ -157,116 +159,9 @@ class EngineSide:
             )
         return req
 
-    # -- recovery --------------------------------------------------------------------
-
-    def _reclaim(self, count: int) -> list[GenerateRequest]:
-        interval = min(self.cfg.lease_s / 4, 2.0)
-        self._next_reclaim = time.monotonic() + interval
-        lease_ms = int(self.cfg.lease_s * 1000)
-        resp = self.r.xautoclaim(self.queue, GROUP, self.consumer, lease_ms, self._claim_cursor, count=count)
-        cursor, claimed = resp[0], resp[1]
-        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+    def held_entry_ids(self) -> set[str]:
         with self._lock:
-            mine = {h.entry_id for h in self._held.values()}
-        entries = [(i.decode(), f) for i, f in claimed if f and i.decode() not in mine]
-        if time.monotonic() >= self._next_cleanup:
-            self._next_cleanup = time.monotonic() + self.cfg.lease_s
-            self._remove_dead_consumers()
-        if not entries:
-            return []
-        log.warning("%s: reclaimed %d requests from engines that stopped", self.consumer, len(entries))
-        return self._recover(entries)
-
-    def _recover(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[GenerateRequest]:
-        """Decide, from each request's result stream, how to go on with it."""
-        if not entries:
-            return []
-        reqs: list[GenerateRequest | None] = []
-        pipe = self.r.pipeline(transaction=False)
-        for entry_id, fields in entries:
-            try:
-                req = decode(fields[b"r"])
-                assert isinstance(req, GenerateRequest)
-            except Exception:
-                req = None
-            reqs.append(req)
-            if req is not None:
-                pipe.xrange(self.keys.out(req.request_id))
-            pipe.xpending_range(self.queue, GROUP, entry_id, entry_id, 1)
-        results = iter(pipe.execute())
-        out = []
-        for (entry_id, fields), req in zip(entries, reqs, strict=True):
-            stream = next(results) if req is not None else None
-            pend = next(results)
-            deliveries = int(pend[0]["times_delivered"]) if pend else 1
-            if req is None or stream is None:
-                self._hold(entry_id, fields)  # dead-letters it
-                continue
-            got = self._recover_one(entry_id, fields, req, stream, deliveries)
-            if got is not None:
-                out.append(got)
-        return out
-
-    def _recover_one(
-        self,
-        entry_id: str,
-        fields: dict[bytes, bytes],
-        req: GenerateRequest,
-        stream: list[Any],
-        deliveries: int,
-    ) -> GenerateRequest | None:
-        rid = req.request_id
-        if not stream:  # its result stream expired: nobody waits for it any more
-            self._ack([(entry_id, rid, "")])
-            return None
-        history = History.of([decode(f[b"e"]) for _, f in stream if b"e" in f])  # type: ignore[misc]
-        what = plan(req, history, deliveries, self.cfg.max_deliveries)
-        log.info("%s: request %s (delivery %d, %d events sent): %s", self.consumer, rid, deliveries,
-                 history.num_events, what.value)  # fmt: skip
-        alias = (fields.get(b"a") or b"").decode()
-        if what is Plan.FRESH:
-            return self._hold(entry_id, fields, req=req)
-        if what is Plan.REPLAY:
-            req.skip_tokens = max((len(t) for t in history.sent.values()), default=0)
-            return self._hold(entry_id, fields, Replay(rid, history), req)
-        if what is Plan.DEAD:
-            self._dead_letter(entry_id, fields, f"delivered {deliveries} times")
-            msg = f"the request failed on {deliveries - 1} engines and was moved to the dead-letter stream"
-            self._send_final(rid, error_event(rid, history, msg), entry_id, alias)
-        elif what is Plan.LOST:
-            msg = "the engine serving this request was lost mid-answer (not greedy or seeded: cannot resume)"
-            self._send_final(rid, error_event(rid, history, msg), entry_id, alias)
-        else:
-            self._ack([(entry_id, rid, alias)])
-        return None
-
-    def _send_final(self, rid: str, ev: TokenEvent, entry_id: str, alias: str) -> None:
-        self.r.xadd(self.keys.out(rid), {"e": encode([ev])}, nomkstream=True)
-        self._ack([(entry_id, rid, alias)])
-
-    def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        dead = {k.decode(): v for k, v in fields.items()} | {
-            "reason": reason,
-            "entry": entry_id,
-            "model": self.model,
-        }
-        pipe.xadd(self.keys.dead(self.model), dead, maxlen=self.cfg.dead_letter_maxlen)
-        pipe.xack(self.queue, GROUP, entry_id)
-        pipe.xdel(self.queue, entry_id)
-        pipe.execute()
-        log.error("%s: dead-lettered %s (%s)", self.consumer, entry_id, reason)
-
-    def _remove_dead_consumers(self) -> None:
-        """Consumers of engines that are gone and hold nothing any more."""
-        idle_ms = int(self.cfg.lease_s * 2000)
-        for c in self.r.xinfo_consumers(self.queue, GROUP):
-            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-            if name == self.consumer or c["pending"] or c["idle"] < idle_ms:
-                continue
-            if not self.r.exists(self.keys.engine(name)):
-                self.r.xgroup_delconsumer(self.queue, GROUP, name)
-                log.info("%s: removed the consumer of gone engine %s", self.consumer, name)
+            return {h.entry_id for h in self._held.values()}
 
     # -- aborts ----------------------------------------------------------------------
 
@@ -358,7 +253,7 @@ class EngineSide:
             if alias:
                 pipe.pexpire(alias, retention)
 
-    def _ack(self, ended: list[tuple[str, str, str]]) -> None:
+    def ack(self, ended: list[tuple[str, str, str]]) -> None:
         pipe = self.r.pipeline(transaction=False)
         self._add_acks(pipe, ended)
         self._execute(pipe)
@@ -388,7 +283,9 @@ class EngineSide:
             pipe.set(self.keys.engine(info.engine_id), orjson.dumps(d), px=ttl_ms)
             pipe.sadd(self.keys.engines, info.engine_id)
             pipe.execute()
-            if owned and self._started:
+            # Refreshing the leases a few times per lease is enough (and cheap).
+            if owned and self._started and time.monotonic() >= self._next_refresh:
+                self._next_refresh = time.monotonic() + self.cfg.lease_s / 4
                 lost = self._refresh(keys=[self.queue], args=[GROUP, self.consumer, *owned])
                 for entry_id in lost or []:
                     rid = owned[entry_id.decode() if isinstance(entry_id, bytes) else entry_id]

@@ -57,7 +57,12 @@ class Router:
         self._queues[request_id] = q
         return q
 
-    def close(self, request_id: str) -> None:
+    def close(self, request_id: str, queue: asyncio.Queue[TokenEvent | None] | None = None) -> None:
+        """Stop routing `request_id`. With `queue`, only if that queue still receives
+        it: a request resumed on a new connection while its old one is still closing
+        belongs to the new one."""
+        if queue is not None and self._queues.get(request_id) is not queue:
+            return
         self._queues.pop(request_id, None)
         self.broker.forget(request_id)
 
@@ -245,7 +250,7 @@ class Generation:
         if self.finished:
             return
         self.finished = True
-        self.gw.router.close(self.request_id)
+        self.gw.router.close(self.request_id, self._queue)
         self._queue.put_nowait(None)
         self.gw.abort_later(self.request_id)
 
@@ -254,7 +259,7 @@ class Generation:
             return [self._abort_choice(c) for c in self.choices if c.finish_reason is None]
         if ev.finish_reason == FINISH_ERROR or not 0 <= ev.index < len(self.choices):
             self.finished = True
-            self.gw.router.close(self.request_id)
+            self.gw.router.close(self.request_id, self._queue)
             raise GenerationError(
                 ev.error_code or "internal_error", ev.error or f"bad event for choice {ev.index}"
             )
@@ -290,7 +295,7 @@ class Generation:
         if not all(c.engine_done for c in self.choices):
             # A stop string or the client ended it while the engine still runs it.
             await self.gw.broker.abort(self.request_id)
-        self.gw.router.close(self.request_id)
+        self.gw.router.close(self.request_id, self._queue)
         m = self.gw.metrics
         m.e2e.observe(time.monotonic() - self._timing.arrival)
         m.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
