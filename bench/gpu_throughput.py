@@ -20,11 +20,24 @@ from pathlib import Path
 import torch
 
 LLAMA_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-    tie_word_embeddings=True, rope_theta=500000.0, head_dim=64,
-    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    head_dim=64,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 )
 PEAKS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
 
@@ -40,8 +53,16 @@ def run_wsllm(model_dir: str, prompts: list[list[int]], outs: list[int]) -> tupl
     from wsllm.engine.engine import LLMEngine
     from wsllm.types import SamplingParams
 
-    eng = LLMEngine.from_config(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_num_seqs=256,
-                                             max_num_batched_tokens=8192, max_model_len=4096))
+    eng = LLMEngine.from_config(
+        EngineConfig(
+            model=model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=4096,
+        )
+    )
     # batch-1 decode step time, for MBU
     eng.add_request("b1", prompts[0][:128], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     torch.cuda.synchronize()
@@ -73,12 +94,18 @@ def run_hf(model_dir: str, prompts: list[list[int]], outs: list[int], batch: int
         ids = torch.zeros((len(idx), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
         new = max(outs[i] for i in idx)
         with torch.no_grad():
-            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids.cuda(),
+                attention_mask=mask.cuda(),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
     torch.cuda.synchronize()
     return sum(outs) / (time.perf_counter() - t)
 
@@ -109,8 +136,10 @@ def main() -> None:
         prompts, outs = workload(args.num_requests, vocab)
         ours, step = run_wsllm(d, prompts, outs)
         hf = run_hf(d, prompts, outs, args.hf_batch)
-        nbytes = sum(p.numel() * p.element_size() for p in
-                     AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).parameters())
+        nbytes = sum(
+            p.numel() * p.element_size()
+            for p in AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).parameters()
+        )
         mbu = f"{nbytes / step / 1e9 / peak:.0%}" if peak else "n/a"
         print(f"| {label} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step * 1e3:.2f} | {mbu} |")
     print(f"\ndevice: {name}, {date.today()}")

@@ -23,10 +23,22 @@ from tqdm import tqdm
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TOPICS = [
-    "the history of the printing press", "how rainbows form", "a recipe for bread", "the rules of chess",
-    "why cats purr", "the water cycle", "how to learn a language", "the life of bees", "volcanoes",
-    "the first computers", "a trip to the mountains", "how vaccines work", "the moon landing",
-    "black holes", "the Roman empire", "photosynthesis",
+    "the history of the printing press",
+    "how rainbows form",
+    "a recipe for bread",
+    "the rules of chess",
+    "why cats purr",
+    "the water cycle",
+    "how to learn a language",
+    "the life of bees",
+    "volcanoes",
+    "the first computers",
+    "a trip to the mountains",
+    "how vaccines work",
+    "the moon landing",
+    "black holes",
+    "the Roman empire",
+    "photosynthesis",
 ]
 
 
@@ -38,17 +50,23 @@ def make_workload(n: int, seed: int, tok) -> tuple[list[list[int]], list[int]]: 
         words = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(0, 6)))
         text = f"Write a short essay about {topic}. Mention {words}." if words else f"Tell me about {topic}."
         msgs = [{"role": "user", "content": text}]
-        prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        prompts.append(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         outs.append(rng.randint(16, 256))
     return prompts, outs
 
 
-def run_wsllm(model_dir: str, prompts: list[list[int]], outs: list[int], max_num_seqs: int, dtype: str) -> float:
+def run_wsllm(
+    model_dir: str, prompts: list[list[int]], outs: list[int], max_num_seqs: int, dtype: str
+) -> float:
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.types import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, kv_cache_gb=2.0, dtype=dtype))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, kv_cache_gb=2.0, dtype=dtype)
+    )
     # warm-up
     engine.add_request("w", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
@@ -82,8 +100,14 @@ def run_hf(model_dir: str, prompts: list[list[int]], outs: list[int], batch: int
             mask[r, width - len(prompts[i]) :] = 1
         new = max(outs[i] for i in idx)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         bar.update(sum(outs[i] for i in idx))
     bar.close()
     return sum(outs) / (time.perf_counter() - t)
@@ -107,15 +131,19 @@ def main() -> None:
     prompts, outs = make_workload(args.num_requests, args.seed, tok)
     print(f"{len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, output tokens {sum(outs)}")
     ours = run_wsllm(model_dir, prompts, outs, args.max_num_seqs, args.dtype)
-    hf = {b: run_hf(model_dir, prompts, outs, b, args.dtype) for b in map(int, args.hf_batch_sizes.split(","))}
+    hf = {
+        b: run_hf(model_dir, prompts, outs, b, args.dtype) for b in map(int, args.hf_batch_sizes.split(","))
+    }
     best_b = max(hf, key=lambda b: hf[b])
     rows = [("wsllm (continuous batching)", ours)] + [(f"HF generate, batch {b}", v) for b, v in hf.items()]
     print("\n| system | output tokens/s |\n| --- | ---: |")
     for name, v in rows:
         print(f"| {name} | {v:.1f} |")
     print(f"\nratio wsllm / best HF (batch {best_b}): {ours / hf[best_b]:.2f}x")
-    print(f"dtype {args.dtype}; machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {date.today()}")
+    print(
+        f"dtype {args.dtype}; machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {date.today()}"
+    )
 
 
 if __name__ == "__main__":

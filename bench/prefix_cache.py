@@ -28,9 +28,14 @@ SYSTEM = (
     "when you name a product, and never invent prices. "
 ) * 4
 QUESTIONS = [
-    "Which drill bit should I use for concrete?", "How do I fix a leaking tap?",
-    "What glue works on plastic?", "How do I hang a heavy mirror?", "Which paint suits a bathroom?",
-    "How do I unclog a drain?", "What saw cuts metal pipes?", "How do I patch a hole in drywall?",
+    "Which drill bit should I use for concrete?",
+    "How do I fix a leaking tap?",
+    "What glue works on plastic?",
+    "How do I hang a heavy mirror?",
+    "Which paint suits a bathroom?",
+    "How do I unclog a drain?",
+    "What saw cuts metal pipes?",
+    "How do I patch a hole in drywall?",
 ]
 
 
@@ -54,7 +59,9 @@ def run(model_dir: str, caching: bool, convs: int, turns: int, out_len: int) -> 
         starts: dict[str, float] = {}
         for c in range(convs):
             history[c].append({"role": "user", "content": QUESTIONS[(c + turn) % len(QUESTIONS)]})
-            ids = tok.apply_chat_template(history[c], add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(
+                history[c], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             rid = f"{turn}-{c}"
             starts[rid] = time.perf_counter()
             engine.add_request(rid, ids, params)
@@ -97,10 +104,14 @@ def main() -> None:
     print("\n| prefix caching | output tokens/s | TTFT mean (ms) | TTFT p90 (ms) | hit rate |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, r in (("off", off), ("on", on)):
-        print(f"| {name} | {r['tok_s']:.1f} | {r['ttft_mean'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} "
-              f"| {r['hit_rate']:.0%} |")
-    print(f"\nthroughput on/off: {on['tok_s'] / off['tok_s']:.2f}x; "
-          f"mean TTFT off/on: {off['ttft_mean'] / on['ttft_mean']:.2f}x")
+        print(
+            f"| {name} | {r['tok_s']:.1f} | {r['ttft_mean'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} "
+            f"| {r['hit_rate']:.0%} |"
+        )
+    print(
+        f"\nthroughput on/off: {on['tok_s'] / off['tok_s']:.2f}x; "
+        f"mean TTFT off/on: {off['ttft_mean'] / on['ttft_mean']:.2f}x"
+    )
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {date.today()}")
 
 

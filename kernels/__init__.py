@@ -17,8 +17,15 @@ from . import activation, kv_store, norms, paged_attention, rotary
 from .rotary import compute_cos_sin_cache
 
 _BACKEND = "auto"
-_OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
-        "add_rms_norm", "rotary_embedding", "silu_and_mul")
+_OPS = (
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "store_kv",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
 _MODULES = {
     "paged_decode_attention": paged_attention,
     "paged_prefill_attention": paged_attention,
@@ -65,7 +72,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale): 
     return _impl("paged_decode_attention", q.device)(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):  # type: ignore[no-untyped-def]
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None
+):  # type: ignore[no-untyped-def]
     return _impl("paged_prefill_attention", q.device)(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len
     )

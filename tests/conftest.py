@@ -28,7 +28,12 @@ def _cuda() -> bool:
 if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,24 +53,37 @@ def smollm_dir() -> Path:
     return resolve_model_dir(None)
 
 
-def make_tiny_model(
-    path: Path, tokenizer_dir: Path, kind: str = "llama", **overrides: Any
-) -> Path:
+def make_tiny_model(path: Path, tokenizer_dir: Path, kind: str = "llama", **overrides: Any) -> Path:
     """Save a random-weight HF model of `kind` (llama | llama3 | qwen2 | mistral)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base: dict[str, Any] = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     if kind == "llama3":
         model_type = "llama"
         base.update(
-            rope_theta=500000.0, tie_word_embeddings=False, num_key_value_heads=1,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            num_key_value_heads=1,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
         )
     elif kind == "qwen2":
         model_type = "qwen2"

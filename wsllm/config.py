@@ -17,16 +17,22 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = field(default=None, metadata={"help": "HF dir, .gguf file or hub id; default SmolLM2"})
+    model: str | None = field(
+        default=None, metadata={"help": "HF dir, .gguf file or hub id; default SmolLM2"}
+    )
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
-    dtype: str = field(default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (power of two >= 8)"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "KV cache size on the CPU, in GiB"})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "fraction of GPU memory to use"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "override the number of KV blocks"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step"})
-    max_model_len: int | None = field(default=None, metadata={"help": "context length cap; default: the model's"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length cap; default: the model's"}
+    )
     max_waiting: int = field(default=1024, metadata={"help": "most requests waiting in the engine"})
     watermark: float = field(default=0.01, metadata={"help": "fraction of blocks kept free for decodes"})
     preemption_mode: str = field(default="recompute", metadata={"help": "recompute | swap"})
@@ -47,7 +53,9 @@ class EngineConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -55,9 +63,13 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     broker: str = field(default="memory", metadata={"help": "memory | redis://host:port/db"})
-    model_name: str | None = field(default=None, metadata={"help": "the model id served; default from the model"})
+    model_name: str | None = field(
+        default=None, metadata={"help": "the model id served; default from the model"}
+    )
     api_key: str | None = field(default=None, metadata={"help": "require this bearer key on every route"})
-    allowed_origins: str = field(default="", metadata={"help": "comma list of WS origins; empty = same-origin"})
+    allowed_origins: str = field(
+        default="", metadata={"help": "comma list of WS origins; empty = same-origin"}
+    )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest HTTP body"})
     max_ws_message_bytes: int = field(default=1 << 20, metadata={"help": "largest WS message"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens accepted"})
@@ -77,7 +89,12 @@ class ModelRefConfig:
     """What a gateway process needs of the model the engines serve: its tokenizer and
     its name (the request stream it writes to). No weights are loaded."""
 
-    model: str | None = field(default=None, metadata={"help": "the engines' --model (HF dir, .gguf or hub id): tokenizer and name; default SmolLM2"})
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "the engines' --model (HF dir, .gguf or hub id): tokenizer and name; default SmolLM2"
+        },
+    )
 
 
 @dataclass(slots=True)
@@ -85,8 +102,13 @@ class EngineBrokerConfig:
     """Where a `wsllm engine` process takes its work (the gateway's `broker` and
     `model_name`, for the engine side)."""
 
-    broker: str = field(default="redis://localhost:6379/0", metadata={"help": "redis://host:port/db (or --redis-url)"})
-    model_name: str | None = field(default=None, metadata={"help": "serve under this model id (the gateways' --model-name); default from the model"})
+    broker: str = field(
+        default="redis://localhost:6379/0", metadata={"help": "redis://host:port/db (or --redis-url)"}
+    )
+    model_name: str | None = field(
+        default=None,
+        metadata={"help": "serve under this model id (the gateways' --model-name); default from the model"},
+    )
 
 
 @dataclass(slots=True)
@@ -95,18 +117,51 @@ class RedisConfig:
     `wsllm serve --redis-url`. Times are seconds. The key layout is in
     docs/architecture.md (the broker section)."""
 
-    redis_url: str | None = field(default=None, metadata={"help": "redis://host:port/db; default: --broker when it is one, else redis://localhost:6379/0"})
+    redis_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "redis://host:port/db; default: --broker when it is one, else redis://localhost:6379/0"
+        },
+    )
     redis_prefix: str = field(default="wsllm", metadata={"help": "prefix of every key this deployment uses"})
-    engine_id: str | None = field(default=None, metadata={"help": "this engine's consumer name; a stable one picks up its own pending work after a restart"})
-    lease_s: float = field(default=20.0, metadata={"help": "a request whose engine stopped heartbeating this long is reclaimed"})
-    engine_ttl_s: float = field(default=10.0, metadata={"help": "an engine not heard from this long is not counted as live"})
-    engine_heartbeat_s: float = field(default=0.5, metadata={"help": "engine heartbeat (registry, lease refresh) interval"})
-    max_deliveries: int = field(default=3, metadata={"help": "deliveries before a request goes to the dead-letter stream"})
-    stream_retention_s: float = field(default=300.0, metadata={"help": "how long a finished request's events stay resumable"})
-    request_ttl_s: float = field(default=3600.0, metadata={"help": "upper bound on a live request's keys (they shrink to the retention when it ends)"})
-    resume_grace_s: float = field(default=30.0, metadata={"help": "a request whose client left runs this long for a resume, then is aborted"})
-    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, an engine finishes its requests for this long, then hands the rest back"})
-    queue_poll_s: float = field(default=0.5, metadata={"help": "how often waiting WS requests get a `queued` position"})
+    engine_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "this engine's consumer name; a stable one picks up its own pending work after a restart"
+        },
+    )
+    lease_s: float = field(
+        default=20.0, metadata={"help": "a request whose engine stopped heartbeating this long is reclaimed"}
+    )
+    engine_ttl_s: float = field(
+        default=10.0, metadata={"help": "an engine not heard from this long is not counted as live"}
+    )
+    engine_heartbeat_s: float = field(
+        default=0.5, metadata={"help": "engine heartbeat (registry, lease refresh) interval"}
+    )
+    max_deliveries: int = field(
+        default=3, metadata={"help": "deliveries before a request goes to the dead-letter stream"}
+    )
+    stream_retention_s: float = field(
+        default=300.0, metadata={"help": "how long a finished request's events stay resumable"}
+    )
+    request_ttl_s: float = field(
+        default=3600.0,
+        metadata={"help": "upper bound on a live request's keys (they shrink to the retention when it ends)"},
+    )
+    resume_grace_s: float = field(
+        default=30.0,
+        metadata={"help": "a request whose client left runs this long for a resume, then is aborted"},
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM, an engine finishes its requests for this long, then hands the rest back"
+        },
+    )
+    queue_poll_s: float = field(
+        default=0.5, metadata={"help": "how often waiting WS requests get a `queued` position"}
+    )
     aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
 

@@ -58,7 +58,9 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[GenerationResult]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
@@ -89,8 +91,12 @@ class LLM:
                     r = results[out.request_id]
                     r.num_cached_tokens = out.num_cached_tokens
                     r.outputs = [
-                        Choice(c.index, c.token_ids, self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                               c.finish_reason)
+                        Choice(
+                            c.index,
+                            c.token_ids,
+                            self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                            c.finish_reason,
+                        )
                         for c in out.outputs
                     ]
                     pending.discard(out.request_id)

@@ -77,7 +77,9 @@ class SamplingParams:
         )
         _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1
+            isinstance(self.top_k, int)
+            and not isinstance(self.top_k, bool)
+            and self.top_k >= -1
             and self.top_k != 0,
             "top_k",
             "-1 (off) or an integer >= 1",

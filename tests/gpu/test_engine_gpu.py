@@ -37,9 +37,14 @@ def test_smollm2_greedy_on_cuda_matches_hf(smollm_dir: Path, dtype: str) -> None
                 got[o.request_id] = o.outputs[0].token_ids
     for i, p in enumerate(prompts):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
-                              eos_token_id=engine.eos_token_ids, pad_token_id=0)
-        want = out[0, len(p):].tolist()
+            out = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=engine.eos_token_ids,
+                pad_token_id=0,
+            )
+        want = out[0, len(p) :].tolist()
         if dtype == "float32":
             assert got[str(i)] == want
         else:  # bf16 rounding differs between kernels: the first tokens must agree

@@ -214,7 +214,9 @@ async def ws_messages(ws: Any, until: Any, timeout: float = 60.0) -> list[dict[s
                 if until(msg):
                     return out
     except TimeoutError:
-        raise AssertionError(f"no end after {timeout}s; got {len(out)} messages, the last: {out[-3:]}") from None
+        raise AssertionError(
+            f"no end after {timeout}s; got {len(out)} messages, the last: {out[-3:]}"
+        ) from None
 
 
 def ws_url(base: str) -> str:

@@ -35,8 +35,12 @@ def expected(smollm_llm: Any) -> dict[str, str]:
     params = SamplingParams(temperature=0.0, max_tokens=24)
     beam = SamplingParams(temperature=0.0, max_tokens=12, use_beam_search=True, beam_width=4, n=2)
     chat, completion, beams = smollm_llm.generate([chat_ids, PROMPT, PROMPT], [params, params, beam])
-    return {"chat": chat.text, "completion": completion.text, "beam0": beams.outputs[0].text,
-            "beam1": beams.outputs[1].text}
+    return {
+        "chat": chat.text,
+        "completion": completion.text,
+        "beam0": beams.outputs[0].text,
+        "beam1": beams.outputs[1].text,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,14 @@ def test_greedy_completion_equals_llm_generate(smollm_server: Any, expected: dic
 
 
 def test_beam_search_completion_equals_llm_generate(smollm_server: Any, expected: dict[str, str]) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "use_beam_search": True, "beam_width": 4, "n": 2}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "use_beam_search": True,
+        "beam_width": 4,
+        "n": 2,
+    }
     r = httpx.post(f"{smollm_server.base_url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]

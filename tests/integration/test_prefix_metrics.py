@@ -12,7 +12,8 @@ def test_second_turn_reports_cached_tokens_and_hit_rate(tiny_server: Any) -> Non
     system = "You are a patient assistant who explains things step by step. " * 12
     body = {
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}],
-        "max_tokens": 4, "temperature": 0,
+        "max_tokens": 4,
+        "temperature": 0,
     }
     with httpx.Client(base_url=tiny_server.base_url, timeout=60) as c:
         first = c.post("/v1/chat/completions", json=body).json()

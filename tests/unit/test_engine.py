@@ -16,7 +16,9 @@ def make_engine(path: Path, **kw: object) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(model=str(path), **kw))  # type: ignore[arg-type]
 
 
-def run_all(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+def run_all(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+) -> dict[str, list[int]]:
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", p, sp)
     out: dict[str, list[int]] = {}
@@ -45,8 +47,14 @@ def test_preemption_gives_the_same_outputs_and_frees_every_block(tiny_model_dir:
     expected = run_all(big, prompts, params)
     assert big.stats()["num_preemptions"] == 0
     # 24 blocks of 8 tokens: far fewer than the ~60 the batch needs at once.
-    small = make_engine(tiny_model_dir, num_kv_blocks=24, block_size=8, watermark=0.0,
-                        enable_prefix_caching=False, preemption_mode=mode)
+    small = make_engine(
+        tiny_model_dir,
+        num_kv_blocks=24,
+        block_size=8,
+        watermark=0.0,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+    )
     got = run_all(small, prompts, params)
     assert got == expected
     stats = small.stats()
@@ -68,7 +76,9 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(engine: LLMEngine) -> N
     batch = run_all(engine, others + [prompt], mixed + [seeded])
     assert batch["r16"] == alone
     # and the seed matters: another seed gives other tokens
-    other = run_all(engine, [prompt], [SamplingParams(temperature=0.9, seed=43, max_tokens=24, ignore_eos=True)])
+    other = run_all(
+        engine, [prompt], [SamplingParams(temperature=0.9, seed=43, max_tokens=24, ignore_eos=True)]
+    )
     assert other["r0"] != alone
 
 

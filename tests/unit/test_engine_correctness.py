@@ -26,10 +26,14 @@ PROMPTS = [
 def hf_greedy(hf: Any, ids: list[int], max_new: int, eos: list[int] | None) -> list[int]:
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_smollm2_greedy_matches_hf_in_one_batch(smollm_llm: LLM, smollm_hf: Any) -> None:

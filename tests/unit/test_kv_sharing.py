@@ -68,7 +68,9 @@ def test_n4_seeded_is_batch_invariant_shares_blocks_and_copies_on_write(tiny_mod
     assert e.stats()["num_cow"] > 0
     assert max(peak) < 4 * max(single_peak)
     for i in range(8):
-        e.add_request(f"o{i}", rand_tokens(10 + 7 * i, 20 + i), SamplingParams(temperature=0.8, max_tokens=12))
+        e.add_request(
+            f"o{i}", rand_tokens(10 + 7 * i, 20 + i), SamplingParams(temperature=0.8, max_tokens=12)
+        )
     e.add_request("x", prompt, p4)
     assert finish(e)["x"] == alone
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks

@@ -40,7 +40,10 @@ def test_imports_flow_one_way() -> None:
             rel = str(f.relative_to(ROOT))
             for name in imports(f):
                 for b in banned:
-                    if (name == b or name.startswith(b.rstrip(".") + ".") or (b.endswith(".") and name.startswith(b))) \
-                            and (rel, b) not in ALLOWED:
+                    if (
+                        name == b
+                        or name.startswith(b.rstrip(".") + ".")
+                        or (b.endswith(".") and name.startswith(b))
+                    ) and (rel, b) not in ALLOWED:
                         bad.append(f"{rel} imports {name}")
     assert not bad, "\n".join(bad)

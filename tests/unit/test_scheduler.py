@@ -11,12 +11,19 @@ from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.types import SamplingParams
 
-workload = st.lists(st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 6)), min_size=1, max_size=12)
+workload = st.lists(
+    st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 6)), min_size=1, max_size=12
+)
 
 
 @settings(max_examples=80, deadline=None)
-@given(reqs=workload, max_seqs=st.integers(1, 6), budget=st.integers(8, 64), blocks=st.integers(13, 40),
-       caching=st.booleans())
+@given(
+    reqs=workload,
+    max_seqs=st.integers(1, 6),
+    budget=st.integers(8, 64),
+    blocks=st.integers(13, 40),
+    caching=st.booleans(),
+)
 def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching) -> None:  # type: ignore[no-untyped-def]
     bm = BlockManager(blocks, 8, watermark=0.0, enable_prefix_caching=caching)
     sched = Scheduler(bm, max_seqs, budget)

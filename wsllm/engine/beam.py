@@ -65,9 +65,9 @@ class BeamState:
             beam, tok = divmod(i, vocab)
             cands.append(Candidate(beam, tok, v, tok in self.eos_ids or g >= self.max_tokens))
         self._update_finished(cands, outputs, g)
-        running = sorted(
-            (c for c in cands if not c.hits_stop), key=lambda c: c.logprob, reverse=True
-        )[: self.width]
+        running = sorted((c for c in cands if not c.hits_stop), key=lambda c: c.logprob, reverse=True)[
+            : self.width
+        ]
         self.generated = g
         self.scores = [c.logprob for c in running]
         self._check_done(cands, running)
@@ -80,8 +80,9 @@ class BeamState:
         for c in cands[: self.width]:  # only the top `width` may finish
             if not c.hits_stop:
                 continue
-            hyp = Hypothesis(outputs[c.beam] + [c.token], c.logprob / (g**self.length_penalty),
-                             c.token in self.eos_ids)
+            hyp = Hypothesis(
+                outputs[c.beam] + [c.token], c.logprob / (g**self.length_penalty), c.token in self.eos_ids
+            )
             self.finished.append(hyp)
         self.finished.sort(key=lambda h: h.score, reverse=True)
         del self.finished[self.width :]
@@ -93,7 +94,12 @@ class BeamState:
             best = running[0].logprob / (best_len**self.length_penalty)
             worst = min(h.score for h in self.finished)
             self.improvable = self.improvable and best > worst
-        if not self.improvable or (full and self.early_stopping) or all(c.hits_stop for c in cands) or not running:
+        if (
+            not self.improvable
+            or (full and self.early_stopping)
+            or all(c.hits_stop for c in cands)
+            or not running
+        ):
             self.done = True
 
     def best(self, n: int) -> list[Hypothesis]:

@@ -24,7 +24,12 @@ def num_blocks_for_budget(c: ModelConfig, block_size: int, dtype: torch.dtype, b
 
 class CacheEngine:
     def __init__(
-        self, c: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        self,
+        c: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
         num_cpu_blocks: int = 0,
     ) -> None:
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
@@ -34,11 +39,20 @@ class CacheEngine:
         ]
         cpu_shape = (num_cpu_blocks, block_size, c.num_kv_heads, c.head_dim)
         pin = device.type == "cuda"
-        self.cpu_caches = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(c.num_layers)
-        ] if num_cpu_blocks else []
-        log.info("KV cache: %d blocks of %d tokens (%d CPU swap blocks)", num_blocks, block_size, num_cpu_blocks)
+        self.cpu_caches = (
+            [
+                (
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                )
+                for _ in range(c.num_layers)
+            ]
+            if num_cpu_blocks
+            else []
+        )
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d CPU swap blocks)", num_blocks, block_size, num_cpu_blocks
+        )
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

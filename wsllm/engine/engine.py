@@ -76,7 +76,11 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, model_name: str,
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        model_dir: Path,
+        model_name: str,
         eos_token_ids: list[int],
     ) -> None:
         self.config = config
@@ -85,7 +89,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         mc = model.config
         self.vocab_size = mc.vocab_size
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         bs = config.block_size
@@ -98,7 +104,8 @@ class LLMEngine:
             num_blocks = num_blocks_for_budget(mc, bs, dtype, config.kv_cache_gb * 2**30)
         num_cpu = (
             num_blocks_for_budget(mc, bs, dtype, config.swap_space_gb * 2**30)
-            if config.preemption_mode == "swap" else 0
+            if config.preemption_mode == "swap"
+            else 0
         )
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
@@ -108,7 +115,11 @@ class LLMEngine:
 
             swapper = CpuSwapSpace(num_cpu)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, swapper
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.preemption_mode,
+            swapper,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
@@ -132,11 +143,20 @@ class LLMEngine:
         model = loader.load_model(model_dir, device, dtype)
         log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
         hf_cfg = loader.read_hf_config(model_dir)
-        return cls(config, model, model_dir, loader.model_name_for(config.model), loader.eos_token_ids(model_dir, hf_cfg))
+        return cls(
+            config,
+            model,
+            model_dir,
+            loader.model_name_for(config.model),
+            loader.eos_token_ids(model_dir, hf_cfg),
+        )
 
     # -- contract -----------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ValueError, leaving the engine as it was, on bad input."""
@@ -149,8 +169,13 @@ class LLMEngine:
         self._requests[request_id] = req
         if params.use_beam_search:
             req.seqs = req.seqs[:1]
-            req.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
-                                 params.max_tokens, [] if params.ignore_eos else self.eos_token_ids)
+            req.beam = BeamState(
+                params.beam_width,
+                params.length_penalty,
+                params.early_stopping,
+                params.max_tokens,
+                [] if params.ignore_eos else self.eos_token_ids,
+            )
         else:  # choices 1..n-1 fork from choice 0 once its prompt is computed
             req.pending = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
@@ -164,7 +189,9 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt):
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt
+        ):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
@@ -304,14 +331,18 @@ class LLMEngine:
             seq.status = SeqStatus.FINISHED
         del self._requests[req.request_id]
         comps = [
-            CompletionOutput(i, h.token_ids, list(h.token_ids), FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH)
+            CompletionOutput(
+                i, h.token_ids, list(h.token_ids), FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH
+            )
             for i, h in enumerate(req.beam.best(req.params.n))
         ]
         first = beams[0]
         qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)
         return RequestOutput(req.request_id, req.prompt_token_ids, comps, True, first.num_cached_tokens, qt)
 
-    def _fork_children(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    def _fork_children(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
         """n > 1: when the first choice finishes its prompt, the other choices fork
         from it, sharing its blocks, and sample their first token from its logits."""
         rows: list[int] = []
@@ -368,10 +399,15 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         comps = []
         for s in req.seqs:
-            comps.append(CompletionOutput(
-                s.index, list(s.output_token_ids), s.new_token_ids, s.finish_reason,
-                s.new_logprobs if s.params.logprobs is not None else None,
-            ))
+            comps.append(
+                CompletionOutput(
+                    s.index,
+                    list(s.output_token_ids),
+                    s.new_token_ids,
+                    s.finish_reason,
+                    s.new_logprobs if s.params.logprobs is not None else None,
+                )
+            )
             s.new_token_ids = []
             s.new_logprobs = []
         qt = None
@@ -380,8 +416,12 @@ class LLMEngine:
             qt = max(0.0, first.first_scheduled_time - first.arrival_time)
             req.reported_queue_time = True
         return RequestOutput(
-            req.request_id, req.prompt_token_ids, comps, all(s.finished for s in req.seqs),
-            first.num_cached_tokens, qt,
+            req.request_id,
+            req.prompt_token_ids,
+            comps,
+            all(s.finished for s in req.seqs),
+            first.num_cached_tokens,
+            qt,
         )
 
     def _flush_aborted(self) -> list[RequestOutput]:

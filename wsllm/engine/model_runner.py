@@ -12,8 +12,11 @@ from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int, device: torch.device,
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches

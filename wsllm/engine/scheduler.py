@@ -173,7 +173,11 @@ class Scheduler:
         out.preempted.append(seq)
         if any(s is seq for s, _ in out.scheduled):
             raise AssertionError("preempting a sequence already scheduled this step")
-        if self.preemption_mode == "swap" and self.swapper is not None and self.swapper.can_swap_out(seq, self.bm):  # type: ignore[attr-defined]
+        if (
+            self.preemption_mode == "swap"
+            and self.swapper is not None
+            and self.swapper.can_swap_out(seq, self.bm)
+        ):  # type: ignore[attr-defined]
             out.swap_out.extend(self.swapper.swap_out(seq, self.bm))  # type: ignore[attr-defined]
             self.num_swaps += 1
             seq.status = SeqStatus.SWAPPED

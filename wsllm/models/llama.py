@@ -46,7 +46,9 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {model_type!r})")
         rope = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type") not in (None, "default") else None
+        )
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -118,11 +120,19 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
-            o = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            o = kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
         else:
             o = kernels.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.scale, meta.max_query_len,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                meta.max_query_len,
             )
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -166,7 +176,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cs = kernels.compute_cos_sin_cache(c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling)
+        cs = kernels.compute_cos_sin_cache(
+            c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
+        )
         self.register_buffer("cos_sin_cache", cs, persistent=False)
 
     def forward(
@@ -193,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         fused = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
             "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
             "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
         }

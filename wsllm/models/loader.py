@@ -70,7 +70,9 @@ def convert_gguf(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
         # save_pretrained refuses GGUF-quantized models: write the de-quantized
         # tensors and the config ourselves.
         cfg = model.config.to_dict()
@@ -159,6 +161,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
     model = model.to(dtype)
     from wsllm import kernels
 
-    cs = kernels.compute_cos_sin_cache(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+    cs = kernels.compute_cos_sin_cache(
+        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+    )
     model.cos_sin_cache = cs.to(device)  # stays fp32
     return model.eval()
