@@ -307,7 +307,11 @@ def test_a_soak_of_2000_short_requests_leaves_redis_as_it_found_it(cluster: Clus
     assert during["keys"] > before["keys"] + 1000  # the finished requests' streams were there...
     assert after["keys"] <= before["keys"] + 2, (before["keys"], after["keys"])  # ...and are gone
     assert after["used_memory"] < before["used_memory"] + 512 * 1024
-    assert cluster.redis().xlen(f"wsllm:q:{cluster_model(cluster)}") == 0
+    q = f"wsllm:q:{cluster_model(cluster)}"
+    assert cluster.redis().xlen(q) == 0
+    # The consumers of the engines stopped earlier (kill -9, SIGTERM) are gone too.
+    consumers = {c["name"].decode() for c in cluster.redis().xinfo_consumers(q, "engines")}
+    assert consumers == set(cluster.engines), consumers
 
 
 def cluster_model(cluster: Cluster) -> str:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ class EngineSide:
         self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
         self._next_reclaim = 0.0
         self._next_refresh = 0.0
+        self._aborts_fresh = False  # publish read the abort stream since the last aborts()
         self._refresh = r.register_script(REFRESH)
         self.recovery = Recovery(self)
 
@@ -88,13 +90,20 @@ class EngineSide:
             log.warning("redis unavailable while pulling (%s); retrying", e)
             self.closed.wait(min(max(timeout, 0.05), _RETRY_S))
             return []
+        except redis.exceptions.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("the consumer group of %s is gone (redis restarted?); creating it", self.queue)
+            self._ensure_group()
+            return []
 
     def _start(self, max_n: int) -> list[GenerateRequest]:
         self._ensure_group()
         last = self.r.xrevrange(self.keys.aborts, count=1)
         self._aborts_cursor = last[0][0].decode() if last else "0-0"
         # Our own pending entries first: a restart under the same consumer name.
-        resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: "0"}, count=max(max_n, 1000))
+        # More than it has room for stay pending; they are reclaimed after the lease.
+        resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: "0"}, count=max_n)
         entries = resp[0][1] if resp else []
         self._started = True
         if entries:
@@ -113,14 +122,7 @@ class EngineSide:
         while True:
             left = deadline - time.monotonic()
             block = int(min(left, _BLOCK_SLICE_S) * 1000) if left > 0.001 else None
-            try:
-                resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: ">"}, count=count, block=block)
-            except redis.exceptions.ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                log.warning("the consumer group of %s is gone (redis restarted?); creating it", self.queue)
-                self._ensure_group()
-                continue
+            resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: ">"}, count=count, block=block)
             got = self._admit([(i.decode(), f) for i, f in (resp[0][1] if resp else [])])
             if got or block is None or self.closed.is_set():
                 return got
@@ -154,6 +156,9 @@ class EngineSide:
                 self.recovery.dead_letter(entry_id, fields, "undecodable")
                 return None
         with self._lock:
+            if req.request_id in self._held:  # delivered twice (a hand-back raced): run it once
+                log.warning("%s: %s is already running here", self.consumer, req.request_id)
+                return None
             self._held[req.request_id] = _Held(
                 entry_id, req.params.n, (fields.get(b"a") or b"").decode(), req, set(), replay
             )
@@ -168,7 +173,9 @@ class EngineSide:
     def aborts(self) -> list[str]:
         """Aborts of requests this engine holds. Read after `pull` in the worker's
         iteration, so an abort that raced a pull still lands."""
-        if self._started and not self.closed.is_set():
+        if self._aborts_fresh:  # read by the step's publish, just before this call
+            self._aborts_fresh = False
+        elif self._started and not self.closed.is_set():
             with contextlib.suppress(*UNAVAILABLE):
                 self._take_aborts(self.r.xread({self.keys.aborts: self._aborts_cursor or "0-0"}, count=10000))
         out, self._local_aborts = self._local_aborts, []
@@ -193,8 +200,7 @@ class EngineSide:
         by_request: dict[str, list[TokenEvent]] = {}
         for ev in events:
             by_request.setdefault(ev.request_id, []).append(ev)
-        pipe = self.r.pipeline(transaction=False)
-        sent: list[str] = []  # request ids, in the order of their XADD in the pipeline
+        writes: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
         ended: list[tuple[str, str, str]] = []
         with self._lock:
             for rid, evs in by_request.items():
@@ -208,15 +214,27 @@ class EngineSide:
                     if held.dropped:
                         continue
                 if evs:
-                    pipe.xadd(self.keys.out(rid), {"e": encode(evs)}, nomkstream=True)
-                    sent.append(rid)
-        if not sent and not ended:
+                    writes.append((rid, encode(evs)))
+        if not writes and not ended:
             return
-        self._add_acks(pipe, ended)
-        results = self._execute(pipe)
+        read_aborts = self._started
+        aborts_from = self._aborts_cursor or "0-0"
+
+        def build(pipe: Any) -> None:
+            for rid, data in writes:
+                pipe.xadd(self.keys.out(rid), {"e": data}, nomkstream=True)
+            self._add_acks(pipe, ended)
+            if read_aborts:  # the next aborts() call needs no round trip of its own
+                pipe.xread({self.keys.aborts: aborts_from}, count=10000)
+
+        # MULTI/EXEC: a gateway's blocked XREAD wakes once for the whole step, not per XADD.
+        results = self._execute(build, transaction=True)
         if results is None:
             return
-        for rid, res in zip(sent, results, strict=False):
+        if read_aborts and not isinstance(results[-1], Exception):
+            self._take_aborts(results[-1])
+            self._aborts_fresh = True
+        for (rid, _), res in zip(writes, results, strict=False):
             if res is None:  # its result stream is gone (expired, or Redis lost it): stop it
                 self._drop(rid)
 
@@ -254,14 +272,15 @@ class EngineSide:
                 pipe.pexpire(alias, retention)
 
     def ack(self, ended: list[tuple[str, str, str]]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        self._add_acks(pipe, ended)
-        self._execute(pipe)
+        self._execute(lambda pipe: self._add_acks(pipe, ended))
 
-    def _execute(self, pipe: Any) -> list[Any] | None:
-        """Run a pipeline, retrying while Redis is down; None when the broker closed.
-        A retry may repeat an XADD that went through: gateways drop duplicates by seq."""
+    def _execute(self, build: Callable[[Any], None], transaction: bool = False) -> list[Any] | None:
+        """Build and run a pipeline, again while Redis is down (a pipeline is emptied
+        by a failed run); None when the broker closed. A retry may repeat an XADD that
+        went through: gateways drop duplicates by seq."""
         while True:
+            pipe = self.r.pipeline(transaction=transaction)
+            build(pipe)
             try:
                 return list(pipe.execute(raise_on_error=False))
             except UNAVAILABLE as e:

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull, Resumable
 from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, POSITIONS, SUBMIT, UNAVAILABLE, Keys
@@ -182,6 +183,10 @@ class GatewaySide:
                     broken = True
                     await asyncio.sleep(0.5)
                     continue
+                except redis.exceptions.RedisError:  # never let the reader die: /ready depends on it
+                    log.exception("reading result streams failed; retrying")
+                    await asyncio.sleep(0.5)
+                    continue
                 batch: list[TokenEvent] = []
                 for key, entries in resp or []:
                     key = key.decode()
@@ -206,8 +211,16 @@ class GatewaySide:
             if b"e" not in fields:
                 continue
             self._queued.pop(rid, None)
-            for ev in decode(fields[b"e"]):  # type: ignore[union-attr]
-                ev = self._checked(rid, f, ev)
+            try:
+                events = decode(fields[b"e"])
+                assert isinstance(events, list)
+            except Exception:
+                log.exception("undecodable entry %s of %s", entry_id, rid)
+                out.append(_lost(rid, "the engine sent an event this gateway cannot read"))
+                self.forget(rid)
+                return out
+            for raw in events:
+                ev = self._checked(rid, f, raw)
                 if ev is None:
                     continue
                 out.append(ev)
