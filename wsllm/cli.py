@@ -148,20 +148,23 @@ def _redacted(url: str) -> str:
 
 
 def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConfig, rcfg: RedisConfig) -> int:
-    """`wsllm serve --redis-url ...`: one engine child process and the gateway here."""
+    """`wsllm serve --redis-url ...`: one engine child process and the gateway here,
+    which starts serving once the engine has registered (as `serve` does in memory)."""
     from wsllm.broker.redis import RedisBroker
     from wsllm.server.app import create_app
 
     url = rcfg.url(gcfg.broker)
-    flags = _flags(ecfg) + _flags(rcfg) + ["--broker", url]
+    engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
+    flags = _flags(dataclasses.replace(rcfg, engine_id=engine_id)) + _flags(ecfg) + ["--broker", url]
     if gcfg.model_name:
         flags += ["--model-name", gcfg.model_name]
-    cmd = [sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags]
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen([sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags])
     try:
         tokenizer_dir, name = _tokenizer_and_name(ecfg.model, gcfg.model_name)
         broker = RedisBroker(url, model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
         try:
+            if not _wait_registered(broker, engine_id, child):
+                return 1
             _run_gateway(create_app(gcfg, broker, tokenizer_dir, name), gcfg, name)
         finally:
             broker.close()
@@ -172,6 +175,19 @@ def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConf
         except subprocess.TimeoutExpired:
             child.kill()
     return 0
+
+
+def _wait_registered(broker: Any, engine_id: str, child: subprocess.Popen[bytes]) -> bool:
+    """Until the engine child's heartbeat is in Redis; False if the child exits first."""
+    import time
+
+    while child.poll() is None:
+        with contextlib.suppress(Exception):  # Redis may still be starting too
+            if broker.engine_alive(engine_id):
+                return True
+        time.sleep(0.2)
+    print(f"wsllm: the engine process exited ({child.returncode}) before it registered", file=sys.stderr)
+    return False
 
 
 def _flags(cfg: Any) -> list[str]:

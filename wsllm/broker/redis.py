@@ -121,6 +121,10 @@ class RedisBroker(Broker):
     def release(self, request_ids: list[str]) -> list[str]:
         return self.engine.release(request_ids)
 
+    def engine_alive(self, engine_id: str) -> bool:
+        """Whether `engine_id`'s heartbeat is in Redis now (blocking; for tools)."""
+        return bool(self._sync.exists(self.keys.engine(engine_id)))
+
     # -- both ----------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -70,6 +70,7 @@ class EngineSide:
         self._next_reclaim = 0.0
         self._next_refresh = 0.0
         self._aborts_fresh = False  # publish read the abort stream since the last aborts()
+        self._down = False  # Redis was unreachable at the last try
         self._refresh = r.register_script(REFRESH)
         self.recovery = Recovery(self)
 
@@ -85,9 +86,14 @@ class EngineSide:
                 out += self.recovery.reclaim(max_n - len(out))
             if len(out) < max_n:
                 out += self._read_new(max_n - len(out), 0.0 if out else timeout)
+            if self._down:
+                self._down = False
+                log.warning("%s: redis is back", self.consumer)
             return out
         except UNAVAILABLE as e:
-            log.warning("redis unavailable while pulling (%s); retrying", e)
+            if not self._down:  # once per outage, not once per try
+                self._down = True
+                log.warning("%s: redis unavailable (%s); retrying until it is back", self.consumer, e)
             self.closed.wait(min(max(timeout, 0.05), _RETRY_S))
             return []
         except redis.exceptions.ResponseError as e:
@@ -287,7 +293,9 @@ class EngineSide:
                 if self.closed.is_set():
                     log.warning("redis unavailable and the broker closed; dropping a batch")
                     return None
-                log.warning("redis unavailable while publishing (%s); retrying", e)
+                if not self._down:
+                    self._down = True
+                    log.warning("%s: redis unavailable (%s); the step waits for it", self.consumer, e)
                 self.closed.wait(_RETRY_S)
 
     # -- registry and leases -----------------------------------------------------------
@@ -311,7 +319,7 @@ class EngineSide:
                     log.warning("%s: lost its lease on %s; stopping it here", self.consumer, rid)
                     self._drop(rid)
         except UNAVAILABLE as e:
-            log.warning("redis unavailable for the heartbeat (%s)", e)
+            log.debug("redis unavailable for the heartbeat (%s)", e)
         except redis.exceptions.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
