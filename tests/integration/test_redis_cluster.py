@@ -32,6 +32,7 @@ from redis_fixtures import (
 )
 
 log = logging.getLogger(__name__)
+log.setLevel(logging.INFO)  # the soak's Redis INFO and the crash timings go in the test log
 
 PROMPTS = ["The river", "Once upon a time", "In a quiet village", "Numbers: 1, 2, 3"]
 
