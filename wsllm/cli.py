@@ -79,8 +79,15 @@ def _run_gateway(app: Any, gcfg: GatewayConfig, model_name: str) -> None:
     server = uvicorn.Server(uvicorn_config(app, gcfg))
     host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
     print(f"wsllm: serving {model_name} at http://{host}:{gcfg.port}/", flush=True)
+    # uvicorn shuts down on SIGTERM, then raises the signal again with the handler it found:
+    # make that an interrupt, so that the caller's clean-up (engine child, broker) runs.
+    signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
         server.run()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _tokenizer_and_name(model: str | None, name: str | None) -> tuple[Path, str]:
@@ -158,7 +165,8 @@ def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConf
     flags = _flags(dataclasses.replace(rcfg, engine_id=engine_id)) + _flags(ecfg) + ["--broker", url]
     if gcfg.model_name:
         flags += ["--model-name", gcfg.model_name]
-    child = subprocess.Popen([sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags])
+    cmd = [sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags]
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         tokenizer_dir, name = _tokenizer_and_name(ecfg.model, gcfg.model_name)
         broker = RedisBroker(url, model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
@@ -175,6 +183,14 @@ def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConf
         except subprocess.TimeoutExpired:
             child.kill()
     return 0
+
+
+def _die_with_parent() -> None:
+    """In the engine child (Linux): SIGTERM it when this process dies, even by SIGKILL."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_registered(broker: Any, engine_id: str, child: subprocess.Popen[bytes]) -> bool:

@@ -1,5 +1,5 @@
 """`wsllm serve --redis-url`: the gateway here and an engine child process, joined by
-Redis; Ctrl-C stops both and leaves no engine registered."""
+Redis; SIGTERM (docker stop, a supervisor) stops both, and no engine stays registered."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_serve_with_redis_runs_an_engine_child_and_stops_it(redis_server: Any, t
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert redis_server.client().scard("wsllm:engines") == 1
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert redis_server.client().scard("wsllm:engines") == 0, "the engine child did not deregister"
