@@ -23,7 +23,7 @@ import redis
 from wsllm.broker.base import Broker, EngineInfo, Resumable
 from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
-from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, TokenEvent
 
@@ -50,7 +50,7 @@ class RedisBroker(Broker):
         self.queue_poll_s = self.cfg.queue_poll_s
         self.resume_grace_s = self.cfg.resume_grace_s
         # Blocking reads wait at most 0.25 s at a time, so this socket timeout never cuts one.
-        self._sync = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=2)
+        self._sync = redis.Redis.from_url(url, socket_timeout=10, **client_options())
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_pending)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)

@@ -25,7 +25,16 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull, Resumable
-from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, POSITIONS, SUBMIT, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import (
+    ABORT,
+    ENGINES,
+    GROUP,
+    POSITIONS,
+    SUBMIT,
+    UNAVAILABLE,
+    Keys,
+    client_options,
+)
 from wsllm.config import RedisConfig
 from wsllm.types import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenEvent, decode, encode
 
@@ -74,7 +83,7 @@ class GatewaySide:
         loop = asyncio.get_running_loop()
         r = self._clients.get(loop)
         if r is None:
-            r = self._clients[loop] = aioredis.Redis.from_url(self.url, socket_connect_timeout=2)
+            r = self._clients[loop] = aioredis.Redis.from_url(self.url, **client_options(asyncio=True))
         return r
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -157,15 +166,16 @@ class GatewaySide:
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         reader: Any = aioredis.Redis.from_url(
-            self.url, socket_connect_timeout=2, single_connection_client=True
+            self.url, single_connection_client=True, **client_options(asyncio=True)
         )
         wake_id = "$"
         broken = False
         try:
             while not self.closed:
-                streams = {self.wake_key: wake_id} | {
-                    self.keys.out(r): f.last_id for r, f in self._follows.items()
-                }
+                # The follow state each read is for: a resume may replace it meanwhile, and
+                # then this read's entries are not for the new reader of that request.
+                reading = {self.keys.out(r): (r, f) for r, f in self._follows.items()}
+                streams = {self.wake_key: wake_id} | {k: f.last_id for k, (_, f) in reading.items()}
                 try:
                     if wake_id == "$":  # resolve "$" once, or a wake-up between reads would be missed
                         last = await reader.xrevrange(self.wake_key, count=1)
@@ -193,15 +203,15 @@ class GatewaySide:
                     if key == self.wake_key:
                         wake_id = entries[-1][0].decode()
                         continue
-                    batch.extend(self._take(self.keys.request_id_of(key), entries))
+                    if key in reading:
+                        batch.extend(self._take(*reading[key], entries))
                 if batch:
                     yield batch
         finally:
             await reader.aclose()
 
-    def _take(self, rid: str, entries: list[Any]) -> list[TokenEvent]:
-        f = self._follows.get(rid)
-        if f is None:  # forgotten meanwhile
+    def _take(self, rid: str, f: _Follow, entries: list[Any]) -> list[TokenEvent]:
+        if self._follows.get(rid) is not f:  # forgotten, or followed anew (a resume), meanwhile
             return []
         out: list[TokenEvent] = []
         for entry_id, fields in entries:

@@ -20,6 +20,7 @@ per request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis.exceptions
 
@@ -27,6 +28,21 @@ GROUP = "engines"
 
 #: errors that mean "Redis cannot be reached now" (retry later), not "a bad command"
 UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def client_options(asyncio: bool = False) -> dict[str, Any]:
+    """Connection settings for every client of the broker: fail fast (a short retry
+    with a short backoff) and let the broker's own loops wait for Redis, instead of
+    redis-py's default of retrying one command for up to a minute."""
+    import redis.asyncio.retry
+    import redis.backoff
+    import redis.retry
+
+    retry_cls = redis.asyncio.retry.Retry if asyncio else redis.retry.Retry
+    return {
+        "socket_connect_timeout": 2,
+        "retry": retry_cls(redis.backoff.ExponentialBackoff(cap=0.2, base=0.02), 2),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +77,6 @@ class Keys:
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
-
-    def request_id_of(self, out_key: str) -> str:
-        return out_key[len(self.prefix) + 3 :]
 
 
 # Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
