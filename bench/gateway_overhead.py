@@ -36,29 +36,12 @@ import orjson
 import websockets
 from tqdm import tqdm
 
+from wsllm.engine.outputs import CompletionOutput, RequestOutput
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_TEXT = " the"  # one token in SmolLM2's vocabulary: each token is 4 characters
 
 # -- server side: the fake engine -------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    new_logprobs: list[Any] | None = None
-
-
-@dataclass(slots=True)
-class _Output:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[_Choice]
-    finished: bool
-    num_cached_tokens: int = 0
-    queue_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -102,23 +85,24 @@ class FakeEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self._reqs), "num_waiting": 0, "num_swapped": 0, "kv_usage": 0.0}
 
-    def step(self) -> list[_Output]:
+    def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         if now < self._next_step:
             time.sleep(self._next_step - now)
         self._next_step = max(self._next_step + self.pace_s, time.monotonic())
         t = time.time()
-        outs = [_Output(rid, [], [_Choice(0, [], [], "abort")], True) for rid in self._aborted]
+        outs = [RequestOutput(rid, 0, [CompletionOutput(0, [], 0, "abort")], True) for rid in self._aborted]
         self._aborted.clear()
         for rid, r in list(self._reqs.items()):
             r.done += 1
             self.emits[rid].append(t)
             finish = "length" if r.done >= r.max_tokens else None
+            done = [self.token_id] * r.done if finish else []
             outs.append(
-                _Output(
+                RequestOutput(
                     rid,
-                    r.prompt,
-                    [_Choice(0, [self.token_id] * r.done, [self.token_id], finish)],
+                    len(r.prompt),
+                    [CompletionOutput(0, [self.token_id], r.done, finish, token_ids=done)],
                     finish is not None,
                     queue_time=0.0 if r.done == 1 else None,
                 )

@@ -16,9 +16,14 @@ the search ends when no running beam can beat the worst finished one (the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from wsllm.engine.scheduler import Scheduler
+from wsllm.engine.sequence import SeqStatus, Sequence
 
 NEG = -1.0e9
 
@@ -104,3 +109,70 @@ class BeamState:
 
     def best(self, n: int) -> list[Hypothesis]:
         return self.finished[:n]
+
+
+class BeamHost(Protocol):
+    """What the search needs of an engine's request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]  # the running beams
+    beam: BeamState | None
+    beam_logits: dict[int, torch.Tensor]  # seq_id -> next-token logits, this round
+
+
+class BeamSearcher:
+    """Runs beam-search requests over the scheduler: collects each beam's logits and,
+    once every running beam of a request has them, takes one search step (fork the
+    beams that continue in several ways, free the ones that stop)."""
+
+    def __init__(self, scheduler: Scheduler, vocab_size: int) -> None:
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+
+    def split(
+        self, seqs: list[Sequence], logits: torch.Tensor, requests: Mapping[str, BeamHost]
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[BeamHost]]:
+        """Take beam rows out of the batch. Returns the other rows, their logits, and
+        the requests whose search advanced (check `beam.done`)."""
+        keep: list[int] = []
+        advanced: list[BeamHost] = []
+        for i, seq in enumerate(seqs):
+            req = requests.get(seq.request_id)
+            if req is None or req.beam is None:
+                keep.append(i)
+                continue
+            req.beam_logits[seq.seq_id] = logits[i]
+            if len(req.beam_logits) == len(req.seqs):
+                self._advance(req)
+                advanced.append(req)
+        if len(keep) == len(seqs):
+            return seqs, logits, advanced
+        rest = logits[torch.tensor(keep, dtype=torch.long)] if keep else None
+        return [seqs[i] for i in keep], rest, advanced
+
+    def _advance(self, req: BeamHost) -> None:
+        assert req.beam is not None
+        beams = req.seqs
+        rows = torch.stack([req.beam_logits[s.seq_id] for s in beams])
+        req.beam_logits.clear()
+        chosen = req.beam.step(rows[:, : self.vocab_size], [s.output_token_ids for s in beams])
+        used: set[int] = set()
+        new_beams: list[Sequence] = []
+        for c in chosen:  # fork first, from the parents' current state
+            parent = beams[c.beam]
+            if c.beam in used:
+                child = Sequence(req.request_id, 0, req.prompt_token_ids, parent.params, parent.arrival_time)
+                self.scheduler.fork(parent, child)
+                new_beams.append(child)
+            else:
+                used.add(c.beam)
+                new_beams.append(parent)
+        for i, seq in enumerate(beams):
+            if i not in used:
+                self.scheduler.remove(seq)
+                seq.status = SeqStatus.FINISHED
+        for seq, c in zip(new_beams, chosen, strict=True):
+            seq.output_token_ids.append(c.token)
+        if new_beams:  # when the search is done none continue; the old beams stay for its output
+            req.seqs = new_beams

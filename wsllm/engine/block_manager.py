@@ -46,8 +46,9 @@ class BlockManager:
         self._key_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.block_tables: dict[int, list[int]] = {}
-        # How many leading blocks of each table have a registered key.
-        self._num_hashed: dict[int, int] = {}
+        # Per table: how many leading blocks are hashed, and the chain key of the last of
+        # them (None when it has to be rebuilt), so a newly full block costs one hash.
+        self._hashed: dict[int, tuple[int, bytes | None]] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.num_cow = 0
@@ -87,22 +88,24 @@ class BlockManager:
                 self._free.append(b)
 
     # -- prefix cache -------------------------------------------------------
-    def _match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks that hold a prefix of `token_ids`. At least one token is
-        left to compute so the model produces logits for the last one."""
+    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], bytes | None]:
+        """Cached blocks that hold a prefix of `token_ids`, and the chain key of the
+        last of them. At least one token is left to compute so the model produces
+        logits for the last one."""
         if not self.enable_prefix_caching:
-            return []
+            return [], None
         bs = self.block_size
         max_full = (len(token_ids) - 1) // bs
         parent: bytes | None = None
         hits: list[int] = []
         for i in range(max_full):
-            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
-            b = self._cached.get(parent)
+            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            b = self._cached.get(key)
             if b is None:
                 break
             hits.append(b)
-        return hits
+            parent = key
+        return hits, parent
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Give keys to the sequence's blocks that are now full and computed."""
@@ -110,13 +113,13 @@ class BlockManager:
             return
         table = self.block_tables[seq_id]
         bs = self.block_size
-        done = self._num_hashed.get(seq_id, 0)
+        done, parent = self._hashed.get(seq_id, (0, None))
         full = min(num_computed // bs, len(table))
         if full <= done:
             return
-        parent: bytes | None = None
-        for i in range(done):  # rebuild the chain: a block may hold no key of its own
-            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+        if done and parent is None:  # rebuild the chain: a block may hold no key of its own
+            for i in range(done):
+                parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
         for i in range(done, full):
             key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             b = table[i]
@@ -124,14 +127,14 @@ class BlockManager:
                 self._cached[key] = b
                 self._key_of[b] = key
             parent = key
-        self._num_hashed[seq_id] = full
+        self._hashed[seq_id] = (full, parent)
 
     # -- sequences ---------------------------------------------------------
     def can_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None) -> bool:
         """Can a new sequence get blocks for its first `num_tokens` tokens (default all)?
         Keeps the watermark free for running decodes."""
         n = len(token_ids) if num_tokens is None else num_tokens
-        hits = self._match_prefix(token_ids)
+        hits, _ = self._match_prefix(token_ids)
         needed = self.blocks_for(max(n, len(hits) * self.block_size + 1)) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         return self.num_free_blocks - revived - needed >= self.watermark_blocks
@@ -141,13 +144,13 @@ class BlockManager:
         are already in the cache (prefix hits), which the engine need not compute."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hits = self._match_prefix(token_ids)
+        hits, last_key = self._match_prefix(token_ids)
         for b in hits:
             if self.ref_counts[b] == 0:
                 self._evictable.pop(b)
             self.ref_counts[b] += 1
         self.block_tables[seq_id] = list(hits)
-        self._num_hashed[seq_id] = len(hits)
+        self._hashed[seq_id] = (len(hits), last_key)
         cached = len(hits) * self.block_size
         self.queried_tokens += len(token_ids)
         self.hit_tokens += cached
@@ -185,7 +188,9 @@ class BlockManager:
                 table[i] = nb
                 copies.append((b, nb))
                 self.num_cow += 1
-        self._num_hashed[seq_id] = min(self._num_hashed.get(seq_id, 0), first_pos // self.block_size)
+        done, _ = self._hashed.get(seq_id, (0, None))
+        if first_pos // self.block_size < done:
+            self._hashed[seq_id] = (first_pos // self.block_size, None)
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -194,11 +199,11 @@ class BlockManager:
         for b in table:
             self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
-        self._num_hashed[child_id] = self._num_hashed.get(parent_id, 0)
+        self._hashed[child_id] = self._hashed.get(parent_id, (0, None))
 
     def free(self, seq_id: int) -> None:
         table = self.block_tables.pop(seq_id, None)
-        self._num_hashed.pop(seq_id, None)
+        self._hashed.pop(seq_id, None)
         if table is None:
             return
         # Release tail first so the LRU evicts a chain's leaves before its root.
@@ -213,7 +218,7 @@ class BlockManager:
 
     def set_table(self, seq_id: int, table: list[int]) -> None:
         self.block_tables[seq_id] = table
-        self._num_hashed[seq_id] = 0
+        self._hashed[seq_id] = (0, None)
 
     def check_invariants(self) -> None:
         """Reference counts equal the number of tables holding each block; every

@@ -54,6 +54,21 @@ class CacheEngine:
             "KV cache: %d blocks of %d tokens (%d CPU swap blocks)", num_blocks, block_size, num_cpu_blocks
         )
 
+    def apply(
+        self,
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """The scheduler's block work for a step, before its forward pass: swaps out
+        (freeing device blocks), swaps in, then copy-on-write copies."""
+        if swap_out:
+            self.swap_out(swap_out)
+        if swap_in:
+            self.swap_in(swap_in)
+        if copies:
+            self.copy(copies)
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
@@ -64,15 +79,22 @@ class CacheEngine:
             v[dst] = v[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device_block, cpu_block): device -> CPU."""
-        for dev_b, cpu_b in pairs:
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
-                ck[cpu_b].copy_(k[dev_b])
-                cv[cpu_b].copy_(v[dev_b])
+        """(device_block, cpu_block): device -> CPU, one gather per layer."""
+        dev = self._index([d for d, _ in pairs], self.kv_caches[0][0].device)
+        cpu = self._index([c for _, c in pairs], torch.device("cpu"))
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
+            ck.index_copy_(0, cpu, k.index_select(0, dev).cpu())
+            cv.index_copy_(0, cpu, v.index_select(0, dev).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(device_block, cpu_block): CPU -> device."""
-        for dev_b, cpu_b in pairs:
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
-                k[dev_b].copy_(ck[cpu_b])
-                v[dev_b].copy_(cv[cpu_b])
+        """(device_block, cpu_block): CPU -> device, one scatter per layer."""
+        device = self.kv_caches[0][0].device
+        dev = self._index([d for d, _ in pairs], device)
+        cpu = self._index([c for _, c in pairs], torch.device("cpu"))
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
+            k.index_copy_(0, dev, ck.index_select(0, cpu).to(device, non_blocking=True))
+            v.index_copy_(0, dev, cv.index_select(0, cpu).to(device, non_blocking=True))
+
+    @staticmethod
+    def _index(blocks: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.long, device=device)

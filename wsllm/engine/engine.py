@@ -1,4 +1,4 @@
-"""LLMEngine: one step = schedule -> run the model -> postprocess.
+"""LLMEngine: one step = schedule -> run the model -> sample -> postprocess.
 
 Contract: `add_request`, `abort`, `step() -> list[RequestOutput]`,
 `has_unfinished()`, `free_capacity()`. Queues, blocks and tensors stay private.
@@ -17,37 +17,19 @@ import torch
 
 from wsllm import kernels
 from wsllm.config import EngineConfig
-from wsllm.engine.beam import BeamState
+from wsllm.engine.beam import BeamSearcher, BeamState
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
 from wsllm.engine.model_runner import ModelRunner
+from wsllm.engine.outputs import CompletionOutput, RequestOutput
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.models import loader
 from wsllm.models.llama import LlamaForCausalLM
-from wsllm.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from wsllm.types import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    token_ids: list[int]  # all output tokens so far
-    new_token_ids: list[int]  # produced in this step
-    finish_reason: str | None = None
-    new_logprobs: list[Any] | None = None  # per new token: [chosen_logprob, [[tok, lp], ...]]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    queue_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +104,7 @@ class LLMEngine:
             swapper,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
+        self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
@@ -251,94 +234,58 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted()
         sched = self.scheduler.schedule()
-        if sched.swap_out:
-            self.cache.swap_out(sched.swap_out)
-        if sched.swap_in:
-            self.cache.swap_in(sched.swap_in)
-        self.cache.copy(sched.copies)
+        self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
             if self.record_steps:
                 self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
-            sampled, logits = self.runner.run(sched.scheduled, self.block_manager.block_tables)
-            if logits is not None:
-                sampled, logits, beam_outs = self._beam_rows(sampled, logits)
-                outputs.extend(beam_outs)
-            if logits is not None and sampled:
-                sampled, logits = self._fork_children(sampled, logits)
-                result = self.sampler(logits, sampled)
-                for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
-                    self._append_token(seq, tok, lp)
+            seqs, logits = self.runner.run(sched.scheduled, self.block_manager.block_tables)
+            outputs += self._sample(seqs, logits)
             self.scheduler.finish_step(sched.scheduled)
-            outputs.extend(self._collect(sched.scheduled))
+            outputs += self._collect(sched.scheduled)
         self.num_steps += 1
         return outputs
 
     # -- internals ----------------------------------------------------------
-    def _beam_rows(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[RequestOutput]]:
-        """Take beam-search rows out of the batch; advance a request's search once
-        every one of its running beams has its logits."""
-        keep: list[int] = []
-        outs: list[RequestOutput] = []
-        for i, seq in enumerate(seqs):
-            req = self._requests.get(seq.request_id)
-            if req is None or req.beam is None:
-                keep.append(i)
-                continue
-            req.beam_logits[seq.seq_id] = logits[i]
-            if len(req.beam_logits) == len(req.seqs):
-                out = self._beam_step(req)
-                if out is not None:
-                    outs.append(out)
-        if len(keep) == len(seqs):
-            return seqs, logits, outs
-        return [seqs[i] for i in keep], (logits[torch.tensor(keep, dtype=torch.long)] if keep else None), outs
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
+        """Next tokens for the rows that caught up: beams advance their search, n > 1
+        choices fork, the rest go through the batched sampler. Returns the outputs of
+        requests that ended here (beam searches, requests whose sampling failed)."""
+        outputs: list[RequestOutput] = []
+        if logits is None:
+            return outputs
+        seqs, rest, advanced = self.beams.split(seqs, logits, self._requests)
+        outputs += [self._beam_output(req) for req in advanced if req.beam and req.beam.done]  # type: ignore[arg-type]
+        if rest is None or not seqs:
+            return outputs
+        seqs, rest = self._fork_children(seqs, rest)
+        result, failed = self.sampler.sample_isolated(rest, seqs)
+        for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
+            if i not in failed:
+                self._append_token(seq, tok, lp)
+        for i, reason in failed.items():
+            req = self._requests.get(seqs[i].request_id)
+            if req is not None:
+                outputs.append(self._fail(req, "internal_error", reason))
+        return outputs
 
-    def _beam_step(self, req: _Request) -> RequestOutput | None:
+    def _beam_output(self, req: _Request) -> RequestOutput:
         assert req.beam is not None
-        beams = req.seqs
-        rows = torch.stack([req.beam_logits[s.seq_id] for s in beams])
-        req.beam_logits.clear()
-        chosen = req.beam.step(rows[:, : self.vocab_size], [s.output_token_ids for s in beams])
-        used: set[int] = set()
-        new_beams: list[Sequence] = []
-        for c in chosen:  # fork first, from the parents' current state
-            parent = beams[c.beam]
-            if c.beam in used:
-                child = Sequence(req.request_id, 0, req.prompt_token_ids, parent.params, parent.arrival_time)
-                child.output_token_ids = list(parent.output_token_ids)
-                child.num_computed_tokens = parent.num_tokens  # the parent caught up this step
-                child.first_scheduled_time = parent.first_scheduled_time
-                child.status = SeqStatus.RUNNING
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                self.scheduler.running.append(child)
-                new_beams.append(child)
-            else:
-                used.add(c.beam)
-                new_beams.append(parent)
-        for i, seq in enumerate(beams):
-            if i not in used:
-                self.scheduler.remove(seq)
-                seq.status = SeqStatus.FINISHED
-        for seq, c in zip(new_beams, chosen, strict=True):
-            seq.output_token_ids.append(c.token)
-        req.seqs = new_beams
-        if not req.beam.done:
-            return None
-        for seq in new_beams:
-            self.scheduler.remove(seq)
-            seq.status = SeqStatus.FINISHED
         del self._requests[req.request_id]
         comps = [
             CompletionOutput(
-                i, h.token_ids, list(h.token_ids), FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH
+                i,
+                list(h.token_ids),
+                len(h.token_ids),
+                FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH,
+                token_ids=h.token_ids,
             )
             for i, h in enumerate(req.beam.best(req.params.n))
         ]
-        first = beams[0]
+        first = req.seqs[0]
         qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)
-        return RequestOutput(req.request_id, req.prompt_token_ids, comps, True, first.num_cached_tokens, qt)
+        return RequestOutput(
+            req.request_id, len(req.prompt_token_ids), comps, True, first.num_cached_tokens, qt
+        )
 
     def _fork_children(
         self, seqs: list[Sequence], logits: torch.Tensor
@@ -354,18 +301,25 @@ class LLMEngine:
             if req is None or not req.pending or seq is not req.seqs[0]:
                 continue
             for child in req.pending:
-                self.block_manager.fork(seq.seq_id, child.seq_id)
-                child.num_computed_tokens = seq.num_tokens
-                child.num_cached_tokens = seq.num_cached_tokens
-                child.first_scheduled_time = seq.first_scheduled_time
-                child.status = SeqStatus.RUNNING
-                self.scheduler.running.append(child)
+                self.scheduler.fork(seq, child)
                 rows.append(i)
                 out.append(child)
             req.pending = []
         if len(out) == len(seqs):
             return seqs, logits
         return out, logits[torch.tensor(rows)]
+
+    def _fail(self, req: _Request, code: str, message: str) -> RequestOutput:
+        """End a request the engine could not serve, freeing its blocks now."""
+        self._requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = FINISH_ERROR
+        out = self._output(req)
+        out.error_code, out.error = code, message
+        return out
 
     def _append_token(self, seq: Sequence, tok: int, lp: Any) -> None:
         seq.output_token_ids.append(tok)
@@ -392,7 +346,7 @@ class LLMEngine:
         outs = []
         for rid, req in touched.items():
             outs.append(self._output(req))
-            if all(s.finished for s in req.seqs):
+            if outs[-1].finished:
                 del self._requests[rid]
         return outs
 
@@ -402,10 +356,11 @@ class LLMEngine:
             comps.append(
                 CompletionOutput(
                     s.index,
-                    list(s.output_token_ids),
                     s.new_token_ids,
+                    len(s.output_token_ids),
                     s.finish_reason,
                     s.new_logprobs if s.params.logprobs is not None else None,
+                    list(s.output_token_ids) if s.finished else [],
                 )
             )
             s.new_token_ids = []
@@ -417,7 +372,7 @@ class LLMEngine:
             req.reported_queue_time = True
         return RequestOutput(
             req.request_id,
-            req.prompt_token_ids,
+            len(req.prompt_token_ids),
             comps,
             all(s.finished for s in req.seqs),
             first.num_cached_tokens,

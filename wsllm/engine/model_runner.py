@@ -1,9 +1,16 @@
 """Model runner: turns the scheduler's `{seq: num_new_tokens}` into packed tensors,
 runs the model once over every token of the step, and returns next-token logits
-where a sequence has caught up with its tokens."""
+where a sequence has caught up with its tokens.
+
+Inputs are built in one pass over the scheduled sequences, without concatenating a
+sequence's prompt and output: a decode row reads its last token, a prompt chunk
+slices only the tokens it computes. Logits are computed only for the rows that
+sample (a prompt chunk that has not caught up needs none).
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from wsllm.engine.sequence import Sequence
@@ -25,44 +32,56 @@ class ModelRunner:
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
-        last_index: list[int] = []  # row of each sequence's last new token
-        tables = []
-        for seq, n in scheduled:
+        rows: list[int] = []  # scheduled rows that caught up with their tokens: they sample
+        last_index: list[int] = []  # their last token's row in the packed batch
+        tables: list[list[int]] = []
+        for i, (seq, n) in enumerate(scheduled):
             start = seq.num_computed_tokens
-            toks = seq.token_ids[start : start + n]
+            end = start + n
             table = block_tables[seq.seq_id]
-            input_ids.extend(toks)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            seq_lens.append(start + n)
+            caught_up = end == seq.num_tokens
+            if n == 1:  # decode: one token, usually the last one
+                input_ids.append(seq.last_token_id if caught_up else seq.token_ids[start:end][0])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                pos = np.arange(start, end)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            seq_lens.append(end)
             starts.append(starts[-1] + n)
-            last_index.append(starts[-1] - 1)
+            if caught_up:
+                rows.append(i)
+                last_index.append(starts[-1] - 1)
             tables.append(table)
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        # Only the blocks this step reads: ceil(longest context / block size) columns.
+        width = (max(seq_lens) + bs - 1) // bs
+        bt = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            row = t[:width]
+            bt[i, : len(row)] = row
         dev = self.device
-        q_lens = [n for _, n in scheduled]
+        max_q = max(n for _, n in scheduled)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=bt.to(dev),
+            block_tables=torch.from_numpy(bt).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(q_lens),
-            is_decode=all(n == 1 for n in q_lens),
+            max_query_len=max_q,
+            is_decode=max_q == 1,
+            max_seq_len=max(seq_lens),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos_t, meta, last_index
+        return ids, pos_t, meta, rows, last_index
 
     @torch.inference_mode()
     def run(
@@ -70,11 +89,11 @@ class ModelRunner:
     ) -> tuple[list[Sequence], torch.Tensor | None]:
         """Forward every scheduled token. Returns the sequences that caught up with
         their tokens and their next-token logits [num_sampled, vocab] (fp32, CPU)."""
-        ids, pos, meta, last_index = self._prepare(scheduled, block_tables)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        rows = [i for i, (seq, n) in enumerate(scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+        ids, pos, meta, rows, last_index = self._prepare(scheduled, block_tables)
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         if not rows:
             return [], None
-        idx = torch.tensor([last_index[i] for i in rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden[idx])
+        if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
+            hidden = hidden[torch.tensor(last_index, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         return [scheduled[i][0] for i in rows], logits.cpu()

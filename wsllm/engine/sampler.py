@@ -9,12 +9,15 @@ else is in the batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from wsllm.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -36,7 +39,7 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.
             ids = torch.tensor(s.output_token_ids, device=dev)
             out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
         if s.params.repetition_penalty != 1.0:
-            seen[i, torch.tensor(s.token_ids, device=dev)] = True
+            seen[i, torch.tensor(list(s.token_ids), device=dev)] = True
     # Repetition penalty (HF / CTRL): over prompt and output tokens.
     r = rep[:, None]
     penalized = torch.where(logits > 0, logits / r, logits * r)
@@ -59,7 +62,10 @@ def _mask_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
 def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     dev = logits.device
     vocab = logits.shape[-1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev)
+    # top_k is clamped to the vocabulary here, so no client value can overflow the tensor.
+    top_k = torch.tensor(
+        [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs], device=dev
+    )
     top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
     min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
@@ -90,6 +96,20 @@ def _noise(seqs: list[Sequence], probs: torch.Tensor, generator: torch.Generator
     return q
 
 
+# Below this temperature a row is sampled greedily: dividing by it would overflow the
+# logits into inf / NaN (vLLM uses the same threshold).
+SAMPLING_EPS = 1e-5
+
+
+def is_greedy(s: Sequence) -> bool:
+    return s.params.temperature < SAMPLING_EPS
+
+
+def _needs_penalties(s: Sequence) -> bool:
+    p = s.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -99,38 +119,79 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        # logits: [num_seqs, vocab] fp32 (the model may pad vocab; cut it)
-        logits = logits[:, : self.vocab_size].float()
-        raw = logits
-        if any(
-            s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+        # logits: [num_seqs, vocab+] (the model may pad vocab; cut it)
+        logits = logits[:, : self.vocab_size]
+        if all(
+            is_greedy(s)
+            and s.params.logprobs is None
+            and not s.params.use_beam_search
+            and not _needs_penalties(s)
+            and len(s.output_token_ids) >= s.params.min_tokens
             for s in seqs
-        ):
+        ):  # the common case: one argmax, no softmax or sort over the vocabulary
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+        return self._full(logits.float(), seqs)
+
+    def sample_isolated(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[SampleResult, dict[int, str]]:
+        """Sample the batch; if that fails, sample row by row so that one bad row
+        fails only its own request. Returns the result (a failed row gets token -1)
+        and {row: reason} for the rows that failed."""
+        try:
+            return self(logits, seqs), {}
+        except Exception as e:  # noqa: BLE001 - any failure is narrowed to its rows below
+            log.warning("batched sampling failed (%s); sampling row by row", e)
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+        failed: dict[int, str] = {}
+        for i, s in enumerate(seqs):
+            try:
+                r = self(logits[i : i + 1], [s])
+            except Exception as e:  # noqa: BLE001
+                log.exception("sampling failed for request %s", s.request_id)
+                failed[i] = f"sampling failed: {type(e).__name__}"
+                tokens.append(-1)
+                logprobs.append(None)
+                continue
+            tokens.extend(r.token_ids)
+            logprobs.extend(r.logprobs)
+        return SampleResult(tokens, logprobs), failed
+
+    def _full(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        raw = logits
+        if any(_needs_penalties(s) for s in seqs):
             logits = _penalties(logits, seqs, self.vocab_size)
         if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
             logits = _mask_stops(logits.clone(), seqs, self.eos_token_ids)
-        greedy = torch.tensor([s.params.greedy for s in seqs])
+        greedy = [is_greedy(s) for s in seqs]
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+        if not all(greedy):
+            temps = torch.tensor(
+                [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)]
+            )
             scaled = logits / temps[:, None]
             if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0 for s in seqs):
                 scaled = _top_k_top_p_min_p(scaled, seqs)
             probs = scaled.softmax(dim=-1)
             q = _noise(seqs, probs, self.generator)
             sampled = (probs / q).argmax(dim=-1)
-            chosen = torch.where(greedy, chosen, sampled)
+            chosen = torch.where(torch.tensor(greedy), chosen, sampled)
         token_ids = chosen.tolist()
+        return SampleResult(token_ids, self._logprobs(raw, seqs, token_ids))
+
+    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[Any]:
         logprobs: list[Any] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.use_beam_search]
-        if want:
-            lp = raw[want].log_softmax(dim=-1)
-            k = max(seqs[i].params.logprobs or 0 for i in want)
-            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-            for j, i in enumerate(want):
-                n = seqs[i].params.logprobs or 0
-                top = []
-                if n and top_v is not None and top_i is not None:
-                    top = [[t, v] for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)]
-                logprobs[i] = [float(lp[j, token_ids[i]]), top]
-        return SampleResult(token_ids=token_ids, logprobs=logprobs)
+        if not want:
+            return logprobs
+        lp = raw[want].log_softmax(dim=-1)
+        k = max(seqs[i].params.logprobs or 0 for i in want)
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        for j, i in enumerate(want):
+            n = seqs[i].params.logprobs or 0
+            top = []
+            if n and top_v is not None and top_i is not None:
+                top = [[t, v] for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)]
+            logprobs[i] = [float(lp[j, token_ids[i]]), top]
+        return logprobs

@@ -76,6 +76,19 @@ class Scheduler:
                 self.swapper.free(seq.seq_id)  # type: ignore[attr-defined]
         self.bm.free(seq.seq_id)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` as a copy of `parent` as it stands after this step's forward
+        pass: it shares every block (copied on write) and runs from the next step.
+        n > 1 choices fork from choice 0 once its prompt is computed; beams fork when a
+        beam continues in several ways."""
+        self.bm.fork(parent.seq_id, child.seq_id)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens = parent.num_tokens  # the parent caught up this step
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

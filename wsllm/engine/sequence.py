@@ -5,12 +5,40 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsllm.types import SamplingParams
 
 _ids = itertools.count()
+
+
+class TokenView:
+    """A read-only view of prompt + output tokens: slicing copies only the slice."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, key: slice) -> list[int]:
+        p = len(self._prompt)
+        a, b, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("TokenView takes plain slices")
+        if a >= p:
+            return self._output[a - p : b - p]
+        if b <= p:
+            return self._prompt[a:b]
+        return self._prompt[a:] + self._output[: b - p]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._prompt
+        yield from self._output
 
 
 class SeqStatus(enum.Enum):
@@ -42,8 +70,13 @@ class Sequence:
     cumulative_logprob: float = 0.0
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self) -> TokenView:
+        """Prompt then output, without copying either (sliceable, len())."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:

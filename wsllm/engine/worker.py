@@ -182,6 +182,10 @@ class EngineWorker:
         live = self._live.get(out.request_id)
         if live is None:  # not ours (added before this worker ran): nothing to route
             return []
+        if out.error_code is not None:  # the engine could not serve it: one error event
+            del self._live[out.request_id]
+            seq = min((live.next_seq.get(c.index, 0) for c in out.outputs), default=0)
+            return [_error_event(out.request_id, out.error_code, out.error or "", seq=seq)]
         events = []
         for c in out.outputs:
             if c.index in live.finished or (not c.new_token_ids and c.finish_reason is None):
@@ -200,7 +204,7 @@ class EngineWorker:
                 ev.queue_time = out.queue_time
             if c.finish_reason is not None:
                 live.finished.add(c.index)
-                ev.usage = Usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
+                ev.usage = Usage(out.num_prompt_tokens, c.num_tokens, out.num_cached_tokens)
             events.append(ev)
         if out.finished:
             del self._live[out.request_id]

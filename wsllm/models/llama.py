@@ -78,6 +78,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's tokens
     max_query_len: int
     is_decode: bool  # every sequence has exactly one new token
+    max_seq_len: int = 0  # the longest context, so no kernel asks the device for it
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,199 @@
+"""Where a decode step's time goes, at a few batch sizes.
+
+For each batch size B: B chat prompts are prefilled, then `--steps` decode steps are
+timed twice: once by phase (scheduler, input preparation, model forward, logits,
+sampler, postprocess, and the worker's event building and publishing), once under
+torch.profiler grouped by op kind (matmuls, attention, elementwise, ...). Beside it,
+the same run times a loop of plain `F.linear` calls over the model's weight shapes at
+batch B: the "matmul limit" the step is compared with.
+
+    .venv/bin/python bench/profile_step.py --batch-sizes 1,32 [--steps 20] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+KINDS = [  # first match wins; op names as torch.profiler reports them
+    ("matmul", ("addmm", "aten::mm", "aten::linear", "matmul", "aten::bmm", "mkl", "mkldnn", "onednn")),
+    ("attention", ("scaled_dot_product", "attention", "_flash", "softmax")),
+    ("kv gather/store", ("index_select", "index_put", "index_copy", "gather", "scatter")),
+    ("sampling", ("argmax", "sort", "topk", "exponential", "multinomial", "cumsum")),
+    ("copies/views", ("copy_", "aten::to", "contiguous", "clone", "cat", "stack", "_to_copy")),
+    ("elementwise", ("mul", "add", "sub", "div", "rsqrt", "pow", "mean", "silu", "neg", "where", "exp")),
+    ("tensor creation", ("aten::tensor", "empty", "zeros", "full", "arange", "ones", "from_")),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+class PhaseTimer:
+    """Wraps bound methods so each call adds its wall time to a phase."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.enabled = False
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        fn: Callable[..., Any] = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            if not self.enabled:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[phase] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+
+def build_worker(model: str | None, dtype: str, batch: int, extra: dict[str, Any]) -> Any:
+    from wsllm.broker.memory import MemoryBroker
+    from wsllm.config import EngineConfig
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.engine.worker import EngineWorker
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batch, 1), **extra)
+    )
+    return EngineWorker(engine, MemoryBroker(max_event_batches=1 << 20))
+
+
+def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    topics = ["rainbows", "bread", "chess", "bees", "volcanoes", "the moon", "black holes", "Rome"]
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Tell me about {topics[i % len(topics)]} in a few sentences."}]
+        out.append(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+    return out
+
+
+def linear_limit(model: Any, batch: int, steps: int) -> float:
+    """Seconds per step of F.linear over the model's weights at `batch` rows."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in ws}
+    with torch.inference_mode():
+        for w in ws:
+            F.linear(x[w.shape[1]], w)
+        t = time.perf_counter()
+        for _ in range(steps):
+            for w in ws:
+                F.linear(x[w.shape[1]], w)
+    return (time.perf_counter() - t) / steps
+
+
+def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -> dict[str, Any]:
+    from wsllm.types import GenerateRequest, SamplingParams
+
+    worker = build_worker(args.model, args.dtype, batch, extra)
+    engine = worker.engine
+    prompts = chat_prompts(engine.model_dir, batch)
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 64, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        worker.broker._pending[f"r{i}"] = GenerateRequest(f"r{i}", p, params)
+    while engine.stats()["num_running"] < batch or any(
+        s.num_uncomputed > 1 for s in engine.scheduler.running
+    ):
+        worker.run_once()
+    for _ in range(3):  # warm the decode path
+        worker.run_once()
+    timer = PhaseTimer()
+    timer.wrap(engine.scheduler, "schedule", "scheduler")
+    timer.wrap(engine.runner, "_prepare", "input preparation")
+    timer.wrap(engine.runner.model, "forward", "model forward")
+    timer.wrap(engine.runner.model, "compute_logits", "logits (lm_head)")
+    timer.wrap(engine.sampler, "__call__", "sampler")
+    timer.wrap(engine.scheduler, "finish_step", "postprocess")
+    timer.wrap(engine, "_collect", "postprocess")
+    timer.wrap(engine, "step", "engine.step")
+    timer.wrap(worker.broker, "publish", "publish")
+    timer.wrap(worker, "run_once", "worker iteration")
+    timer.enabled = True
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        worker.run_once()
+    wall = (time.perf_counter() - t) / args.steps
+    timer.enabled = False
+    phases = {k: v / args.steps for k, v in timer.total.items()}
+    kinds: dict[str, float] = defaultdict(float)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            worker.run_once()
+    for ev in prof.key_averages():
+        if ev.key.startswith("aten::") or "mkl" in ev.key or "onednn" in ev.key:
+            kinds[kind_of(ev.key)] += ev.self_cpu_time_total / 1e6 / args.profile_steps
+    limit = linear_limit(engine.runner.model, batch, args.steps)
+    return {"batch": batch, "wall": wall, "phases": phases, "kinds": dict(kinds), "limit": limit}
+
+
+def report(r: dict[str, Any]) -> str:
+    b, wall = r["batch"], r["wall"]
+    p = r["phases"]
+    step = p.get("engine.step", 0.0)
+    fwd = p.get("model forward", 0.0) + p.get("logits (lm_head)", 0.0)
+    lines = [
+        f"### batch {b}: {wall * 1e3:.1f} ms per worker iteration = {b / wall:.1f} tokens/s "
+        f"(F.linear over the weights: {r['limit'] * 1e3:.1f} ms = {b / r['limit']:.1f} tokens/s)",
+        "",
+        "| phase | ms per step | share |",
+        "| --- | ---: | ---: |",
+    ]
+    order = ["scheduler", "input preparation", "model forward", "logits (lm_head)", "sampler", "postprocess"]
+    for name in order:
+        v = p.get(name, 0.0)
+        lines.append(f"| {name} | {v * 1e3:.2f} | {v / wall:.0%} |")
+    other_step = step - sum(p.get(n, 0.0) for n in order)
+    lines.append(f"| rest of engine.step | {other_step * 1e3:.2f} | {other_step / wall:.0%} |")
+    pub = p.get("publish", 0.0)
+    lines.append(f"| publish | {pub * 1e3:.2f} | {pub / wall:.0%} |")
+    worker_rest = wall - step - pub
+    lines.append(f"| rest of the worker iteration | {worker_rest * 1e3:.2f} | {worker_rest / wall:.0%} |")
+    lines += ["", "| op kind (torch.profiler, self CPU time) | ms per step |", "| --- | ---: |"]
+    for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {v * 1e3:.2f} |")
+    lines.append(f"\nModel forward + logits: {fwd * 1e3:.1f} ms of {wall * 1e3:.1f} ms ({fwd / wall:.0%}).")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--engine-arg", action="append", default=[], help="key=value for EngineConfig")
+    args = ap.parse_args()
+    extra: dict[str, Any] = {}
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        extra[k] = {"true": True, "false": False}.get(v.lower(), v)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        print(report(profile_batch(args, b, extra)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
