@@ -124,7 +124,7 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
     timer.wrap(engine.runner, "_prepare", "input preparation")
     timer.wrap(engine.runner.model, "forward", "model forward")
     timer.wrap(engine.runner.model, "compute_logits", "logits (lm_head)")
-    timer.wrap(engine.sampler, "__call__", "sampler")
+    timer.wrap(engine.sampler, "sample_isolated", "sampler")
     timer.wrap(engine.scheduler, "finish_step", "postprocess")
     timer.wrap(engine, "_collect", "postprocess")
     timer.wrap(engine, "step", "engine.step")
@@ -189,7 +189,7 @@ def main() -> None:
     extra: dict[str, Any] = {}
     for kv in args.engine_arg:
         k, v = kv.split("=", 1)
-        extra[k] = {"true": True, "false": False}.get(v.lower(), v)
+        extra[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         print(report(profile_batch(args, b, extra)), flush=True)

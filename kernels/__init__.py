@@ -2,8 +2,9 @@
 
 Each op has a plain-torch reference (the CPU path and the test oracle) and, where
 Triton is available, a Triton kernel with the same signature. `use_backend()`
-picks which one the public names call: "torch", "triton" or "auto" (Triton on
-CUDA tensors, the reference elsewhere). Tests run the Triton kernels on the CPU
+picks which one the public names call: "torch" (the references), "triton", or
+"auto": Triton on CUDA tensors; on CPU tensors the versions in `cpu_ops.py`
+(same results in fewer torch ops) where one exists, else the reference. Tests run the Triton kernels on the CPU
 with TRITON_INTERPRET=1 and backend "triton".
 """
 
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-from . import activation, kv_store, norms, paged_attention, rotary
+from . import activation, cpu_ops, kv_store, norms, paged_attention, rotary
+from .cpu_attention import CpuAttentionPlan, cpu_paged_attention, plan_cpu_attention
 from .rotary import compute_cos_sin_cache
 
 _BACKEND = "auto"
@@ -60,6 +62,10 @@ def backend() -> str:
 
 
 def _impl(op: str, device: torch.device) -> Any:
+    if _BACKEND == "auto" and device.type == "cpu":
+        fast = getattr(cpu_ops, op + "_cpu", None)
+        if fast is not None:
+            return fast
     mod = _MODULES[op]
     want_triton = _BACKEND == "triton" or (_BACKEND == "auto" and device.type == "cuda")
     fn = getattr(mod, op + "_triton", None) if want_triton else None
@@ -100,4 +106,12 @@ def silu_and_mul(x):  # type: ignore[no-untyped-def]
     return _impl("silu_and_mul", x.device)(x)
 
 
-__all__ = list(_OPS) + ["use_backend", "backend", "triton_available", "compute_cos_sin_cache"]
+__all__ = list(_OPS) + [
+    "use_backend",
+    "backend",
+    "triton_available",
+    "compute_cos_sin_cache",
+    "CpuAttentionPlan",
+    "cpu_paged_attention",
+    "plan_cpu_attention",
+]

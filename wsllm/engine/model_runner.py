@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from wsllm import kernels
 from wsllm.engine.sequence import Sequence
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.dtype = kv_caches[0][0].dtype
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
@@ -69,7 +71,11 @@ class ModelRunner:
             row = t[:width]
             bt[i, : len(row)] = row
         dev = self.device
-        max_q = max(n for _, n in scheduled)
+        q_lens = [n for _, n in scheduled]
+        max_q = max(q_lens)
+        plan = None
+        if dev.type == "cpu" and kernels.backend() == "auto":
+            plan = kernels.plan_cpu_attention(tables, seq_lens, q_lens, bs, self.dtype)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=torch.from_numpy(bt).to(dev),
@@ -78,6 +84,7 @@ class ModelRunner:
             max_query_len=max_q,
             is_decode=max_q == 1,
             max_seq_len=max(seq_lens),
+            cpu_plan=plan,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)

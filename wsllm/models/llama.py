@@ -79,6 +79,8 @@ class AttentionMetadata:
     max_query_len: int
     is_decode: bool  # every sequence has exactly one new token
     max_seq_len: int = 0  # the longest context, so no kernel asks the device for it
+    # CPU attention, planned once per step for every layer (None: the dispatched kernels)
+    cpu_plan: kernels.CpuAttentionPlan | None = None
 
 
 class RMSNorm(nn.Module):
@@ -120,7 +122,9 @@ class Attention(nn.Module):
         kernels.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode:
+        if meta.cpu_plan is not None:
+            o = kernels.cpu_paged_attention(q, k, v, k_cache, v_cache, meta.cpu_plan, self.scale)
+        elif meta.is_decode:
             o = kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
             )

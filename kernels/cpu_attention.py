@@ -1,0 +1,128 @@
+"""Paged attention on the CPU, planned once per step and shared by every layer.
+
+The references in `paged_attention.py` are written to be obviously right; this is
+written to be fast on a CPU, where every torch op costs a few microseconds of
+dispatch and the fused SDPA kernel has a large fixed cost with boolean masks:
+
+- **Decode rows** (the leading rows with one new token; the scheduler puts decodes
+  first) are batched: one `index_select` per K and V over a block index built once
+  per step, one SDPA call with an additive mask built once per step. The gather
+  reads only the columns of the block table that the longest context needs.
+- **A fresh prompt** (no cached prefix: its queries are its whole context) attends
+  to its own new K and V straight from the projection: no gather at all.
+- **A prompt chunk or a prefix-cache hit** gathers its own context (no padding to
+  the batch's longest) and runs causal SDPA with the queries at the end.
+
+Cache layout as everywhere: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    q_start: int  # this row's queries are q[q_start:q_end]
+    q_end: int
+    context: int  # tokens it attends to, its new ones included (the last q_end - q_start)
+    blocks: torch.Tensor | None  # [ceil(context / block_size)] int64; None: a fresh prompt
+
+
+@dataclass(slots=True)
+class CpuAttentionPlan:
+    num_decodes: int  # rows [0, num_decodes) have one query each and are batched
+    decode_index: torch.Tensor | None  # [num_decodes * width] int64: blocks to gather
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, width * block_size]: 0 or -inf
+    width: int  # block-table columns the decode rows read
+    prefills: list[PrefillRow] = field(default_factory=list)
+
+
+def plan_cpu_attention(
+    tables: Sequence[Sequence[int]],  # per row: its block table (may be longer than needed)
+    seq_lens: Sequence[int],  # per row: context length after this step
+    q_lens: Sequence[int],  # per row: new tokens this step
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> CpuAttentionPlan:
+    num_decodes = 0
+    while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
+        num_decodes += 1
+    index = bias = None
+    width = 0
+    if num_decodes:
+        lens = seq_lens[:num_decodes]
+        width = (max(lens) + block_size - 1) // block_size
+        rows = []
+        for t in tables[:num_decodes]:
+            row = list(t[:width])
+            rows.extend(row + [0] * (width - len(row)))  # padding blocks are masked out
+        index = torch.tensor(rows, dtype=torch.long)
+        pos = torch.arange(width * block_size)
+        masked = pos[None, :] >= torch.tensor(lens)[:, None]
+        bias = torch.zeros(num_decodes, 1, 1, width * block_size, dtype=dtype)
+        bias.masked_fill_(masked[:, None, None, :], -torch.inf)
+    prefills = []
+    start = num_decodes
+    for t, ctx, n in zip(tables[num_decodes:], seq_lens[num_decodes:], q_lens[num_decodes:], strict=True):
+        blocks = None if n == ctx else torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
+        prefills.append(PrefillRow(start, start + n, ctx, blocks))
+        start += n
+    return CpuAttentionPlan(num_decodes, index, bias, width, prefills)
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's keys (already stored)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CpuAttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    group = q.shape[1] // k_cache.shape[2]
+    if not plan.prefills:  # a pure decode step: no output buffer to fill piecewise
+        return _decode(q, k_cache, v_cache, plan, scale, group)
+    out = torch.empty_like(q)
+    if plan.num_decodes:
+        out[: plan.num_decodes] = _decode(q[: plan.num_decodes], k_cache, v_cache, plan, scale, group)
+    for row in plan.prefills:
+        a, b = row.q_start, row.q_end
+        qs = q[a:b].transpose(0, 1)  # [H, q_len, D]
+        if row.blocks is None:  # fresh prompt: its context is exactly its new tokens
+            ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ctx = row.context
+            ks = k_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)  # [Hk, ctx, D]
+            vs = v_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)
+            # queries are the last b - a positions: query i sees keys <= ctx - (b - a) + i
+            q_pos = torch.arange(ctx - (b - a), ctx)
+            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CpuAttentionPlan,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert plan.decode_index is not None and plan.decode_bias is not None
+    length = plan.width * block_size
+    # [n, L, Hk, D] -> [n, Hk, L, D] views; the G query heads of a KV head are its G queries.
+    ks = k_cache.index_select(0, plan.decode_index).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    vs = v_cache.index_select(0, plan.decode_index).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    qs = q.reshape(n, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_bias, scale=scale)
+    return o.reshape(n, num_heads, head_dim)

@@ -1,0 +1,80 @@
+"""Row ops written for the CPU: the same results as the references, in fewer torch ops.
+
+On a CPU every torch op costs a few microseconds of dispatch whatever its size, and a
+decode step of a small model runs thousands of them. These versions cut the count
+(fused RMSNorm, q and k rotated as one tensor when they sit side by side in the fused
+qkv output, no masking pass in the KV store) and stay bit-identical to the references
+in fp32 (tests/unit/test_kernels_cpu.py). Other dtypes use the references, whose
+rounding follows HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_store import store_kv_ref
+from .norms import rms_norm_ref
+from .rotary import rotary_embedding_ref
+
+_FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden]
+    if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
+        return rms_norm_ref(x, weight, eps)
+    if _FUSED_RMS_NORM is not None:
+        return _FUSED_RMS_NORM(x, [x.shape[-1]], weight, eps)[0]
+    return torch.rms_norm(x, [x.shape[-1]], weight, eps)
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return rms_norm_cpu(h, weight, eps), h
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, Hk, D] as one [T, H + Hk, D] view, when k's heads
+    follow q's in memory with the same row stride (slices of the fused qkv output)."""
+    if q.dim() != 3 or q.stride()[1:] != (q.shape[2], 1) or k.stride() != (q.stride(0), k.shape[2], 1):
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size():
+        return None
+    t, h, d = q.shape
+    return q.as_strided((t, h + k.shape[1], d), (q.stride(0), d, 1))
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]: cos | sin halves
+) -> None:
+    if q.dtype is not torch.float32:
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions)[:, None, :]  # [T, 1, D]
+    cos, sin = cs[..., :half], cs[..., half:]
+    both = _side_by_side(q, k)
+    for x in (q, k) if both is None else (both,):
+        x1, x2 = x[..., :half], x[..., half:]
+        o1 = torch.mul(x1, cos).sub_(x2 * sin)  # the reference's x1*cos - x2*sin, same rounding
+        o2 = torch.mul(x2, cos).add_(x1 * sin)
+        x1.copy_(o1)
+        x2.copy_(o2)
+    return None
+
+
+def store_kv_cpu(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: block * block_size + offset; -1 skips
+) -> None:
+    if bool((slot_mapping < 0).any()):  # the model runner never writes -1; others may
+        return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
