@@ -127,7 +127,7 @@ def smollm_llm(smollm_dir: Path) -> Any:
     """One SmolLM2 LLM per session (loading is the slow part)."""
     from wsllm import LLM
 
-    return LLM(model=str(smollm_dir), max_num_seqs=32)
+    return LLM(model=str(smollm_dir), max_num_seqs=32, dtype="float32")  # HF parity is exact in fp32
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,10 @@ class EngineConfig:
     )
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     dtype: str = field(
-        default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
+        default="auto",
+        metadata={
+            "help": "auto (bf16 on CUDA and on CPUs with AVX512_BF16 or AMX, else fp32) | float32 | bfloat16 | float16"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (power of two >= 8)"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "KV cache size on the CPU, in GiB"})

@@ -141,3 +141,16 @@ def test_bad_requests_leave_engine_unchanged(
     assert (engine.stats(), len(engine._requests), engine.block_manager.num_free_blocks) == before
     while engine.has_unfinished():
         engine.step()
+
+
+def test_auto_dtype_follows_the_cpu_flags() -> None:
+    from wsllm.engine.engine import pick_dtype
+
+    cpu = torch.device("cpu")
+    assert pick_dtype("auto", cpu, {"avx2", "fma"})[0] == torch.float32  # AVX2 only: bf16 is emulated
+    assert pick_dtype("auto", cpu, {"avx512f", "avx512_bf16"})[0] == torch.bfloat16
+    assert pick_dtype("auto", cpu, {"amx_bf16", "amx_tile"})[0] == torch.bfloat16
+    assert pick_dtype("float32", cpu, {"avx512_bf16"})[0] == torch.float32  # asked for wins
+    assert pick_dtype("auto", torch.device("cuda"), set())[0] == torch.bfloat16
+    why = pick_dtype("auto", cpu, {"avx2"})[1]
+    assert "avx512_bf16" in why and "amx_bf16" in why, "the log line says why"

@@ -50,10 +50,32 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # where a CPU computes bf16 matmuls natively
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_dtype(name: str, device: torch.device, flags: set[str]) -> tuple[torch.dtype, str]:
+    """The weights' dtype and why. `auto`: bf16 on CUDA; on a CPU, bf16 only where it
+    has AVX512_BF16 or AMX (elsewhere bf16 matmuls are emulated and slower than fp32)."""
+    if name != "auto":
+        return _DTYPES[name], "asked for"
+    if device.type == "cuda":
+        return torch.bfloat16, "auto on CUDA"
+    native = sorted(set(BF16_CPU_FLAGS) & flags)
+    if native:
+        return torch.bfloat16, f"auto: the CPU has {', '.join(native)}, so bf16 matmuls run natively"
+    return torch.float32, "auto: the CPU has neither avx512_bf16 nor amx_bf16, so bf16 would be emulated"
 
 
 class LLMEngine:
@@ -121,7 +143,8 @@ class LLMEngine:
         kernels.use_backend(config.attention_backend)  # process-wide: one engine per process
         model_dir = loader.resolve_model_dir(config.model)
         device = _pick_device(config.device)
-        dtype = _pick_dtype(config.dtype, device)
+        dtype, why = pick_dtype(config.dtype, device, cpu_flags() if device.type == "cpu" else set())
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         t = time.time()
         model = loader.load_model(model_dir, device, dtype)
         log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
