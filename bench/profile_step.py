@@ -91,9 +91,15 @@ def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
 
 
 def linear_limit(model: Any, batch: int, steps: int) -> float:
-    """Seconds per step of F.linear over the model's weights at `batch` rows."""
-    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in ws}
+    """Seconds per step of plain F.linear over the model's weight shapes at `batch` rows."""
+    shapes = [
+        (m.out_features, m.in_features)
+        for m in model.modules()
+        if hasattr(m, "in_features") and hasattr(m, "out_features")
+    ]
+    dtype = model.embed_tokens.weight.dtype
+    ws = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]
+    x = {i: torch.randn(batch, i, dtype=dtype) for _, i in shapes}
     with torch.inference_mode():
         for w in ws:
             F.linear(x[w.shape[1]], w)

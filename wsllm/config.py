@@ -42,6 +42,12 @@ class EngineConfig:
     swap_space_gb: float = field(default=0.5, metadata={"help": "CPU swap space for preempted KV, in GiB"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
+    cpu_gemm: str = field(
+        default="auto",
+        metadata={
+            "help": "CPU linear layers: auto (oneDNN with packed weights where torch has it) | onednn | torch"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
@@ -55,6 +61,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.cpu_gemm not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be auto, onednn or torch, got {self.cpu_gemm!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

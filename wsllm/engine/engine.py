@@ -25,7 +25,7 @@ from wsllm.engine.outputs import CompletionOutput, RequestOutput
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
-from wsllm.models import loader
+from wsllm.models import cpu_linear, loader
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.types import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -147,6 +147,10 @@ class LLMEngine:
         log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         t = time.time()
         model = loader.load_model(model_dir, device, dtype)
+        if device.type == "cpu" and config.cpu_gemm != "torch":
+            packed = cpu_linear.pack_linears(model, batch_hint=min(config.max_num_seqs, 32))
+            if not packed and config.cpu_gemm == "onednn":
+                raise RuntimeError(f"cpu_gemm onednn asked for, but oneDNN cannot run {dtype} here")
         log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
         hf_cfg = loader.read_hf_config(model_dir)
         return cls(
