@@ -1,0 +1,112 @@
+"""8-bit and 4-bit weights on the CPU with torch's own kernels, against fp32.
+
+One "step" is one matmul per linear layer of SmolLM2-135M (30 x qkv, o, gate_up, down,
+plus the 49,152-row lm_head) at a batch of B rows, as a decode step runs them. Weight
+paths, all existing torch kernels (no GEMM of ours):
+
+- fp32 `F.linear` (MKL sgemm), fp32 oneDNN with packed weights (wsllm's CPU default);
+- int8 per-channel: `torch._weight_int8pack_mm` (bf16/fp32 activations, int8 weights);
+- int4 group-wise (group 32): `torch._weight_int4pack_mm_for_cpu` over weights packed by
+  `torch._convert_weight_to_int4pack_for_cpu`.
+
+Prints tokens/s per path and B, the ratio to fp32 oneDNN, and the largest error of a
+layer's output against fp32 (relative to the output's scale).
+
+    .venv/bin/python bench/quantized_linear.py [--batch-sizes 1,8,32] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# (out, in) of each linear layer and how many of it a step runs.
+SHAPES = [((960, 576), 30), ((576, 576), 30), ((3072, 576), 30), ((576, 1536), 30), ((49152, 576), 1)]
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit, group-wise; -> (packed weight, scales_and_zeros [K/group, N, 2])."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return packed, sz
+
+
+def paths(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32 F.linear": lambda x: F.linear(x, w)}
+    if torch.backends.mkldnn.is_available():
+        p = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        out["fp32 oneDNN packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    q8, s8 = quantize_int8(w)
+    out["int8 _weight_int8pack_mm"] = lambda x: torch._weight_int8pack_mm(x, q8, s8)
+    q4, sz = quantize_int4(w)
+    out["int4 _weight_int4pack_mm_for_cpu"] = lambda x: torch._weight_int4pack_mm_for_cpu(x, q4, 32, sz)
+    return out
+
+
+def time_step(
+    fns: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int]], steps: int
+) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(steps):
+            for fn, x, reps in fns:
+                for _ in range(reps):
+                    fn(x)
+        best = min(best, (time.perf_counter() - t) / steps)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    with torch.inference_mode():
+        for (n, k), reps in SHAPES:
+            w = torch.randn(n, k, generator=g) * 0.05
+            layers.append((w, paths(w), reps))
+        names = list(layers[0][1])
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+        tok_s: dict[str, dict[int, float]] = {name: {} for name in names}
+        for b in sizes:
+            xs = [torch.randn(b, w.shape[1], generator=g) for w, _, _ in layers]
+            for name in names:
+                fns = [(p[name], x, reps) for (_, p, reps), x in zip(layers, xs, strict=True)]
+                for fn, x, _ in fns:
+                    fn(x)  # warm-up
+                tok_s[name][b] = b / time_step(fns, args.steps)
+        base = tok_s.get("fp32 oneDNN packed", tok_s["fp32 F.linear"])
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios against {next(k for k in names if tok_s[k] is base)}"
+        )
+        print("| weights | " + " | ".join(f"B={b} tok/s" for b in sizes) + " | max rel. error |")
+        print("| --- |" + " ---: |" * (len(sizes) + 1))
+        x = torch.randn(4, 576, generator=g)
+        w, p, _ = layers[2]
+        ref = F.linear(x, w)
+        for name in names:
+            err = ((p[name](x) - ref).abs().max() / ref.abs().max()).item()
+            cells = [f"{tok_s[name][b]:,.1f} ({tok_s[name][b] / base[b]:.2f}x)" for b in sizes]
+            print(f"| {name} | " + " | ".join(cells) + f" | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
