@@ -154,3 +154,38 @@ def test_auto_dtype_follows_the_cpu_flags() -> None:
     assert pick_dtype("auto", torch.device("cuda"), set())[0] == torch.bfloat16
     why = pick_dtype("auto", cpu, {"avx2"})[1]
     assert "avx512_bf16" in why and "amx_bf16" in why, "the log line says why"
+
+
+def test_a_request_whose_sampling_fails_ends_alone(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception while sampling one row fails that request only: the others keep
+    their tokens (the same as alone) and no block is left behind."""
+    from wsllm.engine import sampler as sampler_mod
+
+    prompts = prompts_of([12, 20, 7], seed=3)
+    good = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = run_all(engine, prompts[:2], [good, good])
+    real = sampler_mod._top_k_top_p_min_p
+
+    def failing(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
+        if any(s.params.top_k == 7 for s in seqs):
+            raise RuntimeError("injected fault in one row")
+        return real(logits, seqs)
+
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_min_p", failing)
+    bad = SamplingParams(temperature=0.8, top_k=7, max_tokens=12, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(prompts, [good, good, bad], strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    outs: dict[str, object] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    failed = outs["r2"]
+    assert failed.error_code == "internal_error" and "sampling failed" in (failed.error or "")  # type: ignore[attr-defined]
+    assert failed.outputs[0].finish_reason == "error"  # type: ignore[attr-defined]
+    for rid in ("r0", "r1"):
+        assert outs[rid].outputs[0].token_ids == alone[rid]  # type: ignore[attr-defined]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants()

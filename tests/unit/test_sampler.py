@@ -57,3 +57,18 @@ def test_logprobs_are_normalised_and_sorted() -> None:
     assert [t for t, _ in top] == [1, 2, 0]
     assert abs(chosen - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6
     assert abs(sum(torch.tensor([v for _, v in top]).exp().tolist()) - 0.9) < 0.1
+
+
+def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+    s = Sampler(vocab_size=8, eos_token_ids=[0])
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    for t in (1e-300, 1e-9, 5e-6):  # 1/t overflows the logits to inf; inf - inf is NaN
+        assert s(logits, [seq(temperature=t)]).token_ids == [1]
+    assert s(logits, [seq(temperature=t, logprobs=2)]).logprobs[0][1][0][0] == 1
+
+
+def test_top_k_beyond_the_vocabulary_means_no_limit() -> None:
+    s = Sampler(vocab_size=8, eos_token_ids=[0])
+    logits = torch.zeros(1, 8)
+    picks = {s(logits, [seq(temperature=1.0, top_k=1 << 40)]).token_ids[0] for _ in range(200)}
+    assert len(picks) >= 6  # every token stays possible
