@@ -115,6 +115,9 @@ def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{_last_cpu()}",
+            # its processes talk over ZMQ on the host's own address unless told the loopback one
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_LOOPBACK_IP": "127.0.0.1",
         }
         # torch.compile of the model at every start: 2 to 3 minutes on 2 cores, more when busy
         return Server(name, f"vLLM CPU {_version(py, 'vllm')} (fp32)", argv, "/v1/models",
@@ -208,11 +211,23 @@ def _bench_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("WSLLM_")}
 
 
+def probe(port: int, prompts: Path, out: Path) -> None:
+    """One greedy answer to the first prompt, kept beside the logs: how the server templated the chat
+    (its prompt_tokens) and what it says, to set beside the other servers' answers."""
+    messages = json.loads(prompts.read_text().splitlines()[0])["messages"]
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0}
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
+    out.write_text(json.dumps(r, indent=1))
+    text = r["choices"][0]["message"]["content"] if r.get("choices") else r
+    print(f"  probe: prompt_tokens {r.get('usage', {}).get('prompt_tokens')}: {text!r}", file=sys.stderr)
+
+
 def measure(name: str, args: argparse.Namespace, work: Path) -> serving_report.Row:
     port = free_port()
     server = make_server(name, port, args)
     load_before = os.getloadavg()[0]
     with running(server, port, work / f"{name}.log") as ready_s:
+        probe(port, work / "prompts-0.jsonl", work / f"{name}-probe.json")
         runs = {}
         for i, level in enumerate(args.levels):
             print(f"  {name}: concurrency {level}, {args.num_requests} requests", file=sys.stderr)
