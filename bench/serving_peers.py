@@ -100,6 +100,10 @@ def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "wsllm":
         extra = shlex.split(args.wsllm_args)
+        if "--model" not in extra:
+            from wsllm.models.loader import resolve_model_dir
+
+            resolve_model_dir(None)  # the GGUF's one-time conversion is not part of "ready in"
         label = "`wsllm serve`" + (f" `{args.wsllm_args}`" if extra else " (defaults)")
         argv = [str(Path(sys.executable).parent / "wsllm"), "serve", *host, "--no-frontend", *extra]
         return Server(name, label, argv, "/ready", args.ready_timeout_s or 300)

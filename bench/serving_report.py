@@ -139,7 +139,9 @@ def section(rows: list[Row], args: argparse.Namespace, command: str, date: str) 
         "them (its chat template decides the prompt's length):\n",
         table(rows, args.levels) + "\n",
     ]
-    if rat := ratios(rows, args.levels):
+    if args.smoke:
+        parts.append("No ratios from a smoke run: on a shared machine they say more about the other work.\n")
+    elif rat := ratios(rows, args.levels):
         parts.append(
             "wsllm over each peer (tokens/s: above 1 is wsllm faster; TTFT: below 1 is wsllm sooner):\n"
         )

@@ -61,6 +61,7 @@ def test_section_replaces_only_itself_and_is_stable() -> None:
     twice = report.replace_section(once, report.TITLE, second)
     assert once.count(f"## {report.TITLE}\n") == twice.count(f"## {report.TITLE}\n") == 1
     assert "Smoke run" in once and "Smoke run" not in twice and "2026-01-02" in twice
+    assert "| wsllm / vLLM |" not in once and "| wsllm / vLLM |" in twice  # no ratios from a smoke run
     assert report.replace_section(twice, report.TITLE, second) == twice
     # every other section is untouched, byte for byte
     without = report.replace_section(twice, report.TITLE, "")
