@@ -132,8 +132,9 @@ def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
     if not binary.exists():
         raise SystemExit(f"llama-server is not built: {binary} is missing; run python bench/peers_setup.py")
     slots = max(args.levels)
+    per_slot = max(512, -(-(args.output_len + 256) // 256) * 256)  # -c is shared by the slots
     argv = [str(binary), "-m", str(default_gguf_path()), *host, "-np", str(slots),
-            "-c", str(512 * slots), "-t", str(os.cpu_count() or 2), "--alias", PEER_MODEL_NAME]  # fmt: skip
+            "-c", str(per_slot * slots), "-t", str(os.cpu_count() or 2), "--alias", PEER_MODEL_NAME]  # fmt: skip
     label = f"llama-server (Q4_1 GGUF, -np {slots} -t {os.cpu_count() or 2})"
     return Server(name, label, argv, "/health", args.ready_timeout_s or 300)
 
@@ -285,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.levels or min(args.levels) < 1:
         p.error("--concurrency levels must be >= 1")
     args.num_requests = args.num_requests or (4 if args.smoke else 32)
+    if args.num_requests * len(args.levels) > len(_TOPICS) * len(_TEMPLATES):
+        p.error(f"--num-requests × levels may be at most {len(_TOPICS) * len(_TEMPLATES)} (distinct prompts)")
     return args
 
 
