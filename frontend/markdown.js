@@ -31,11 +31,16 @@ import {
 
 export { safeUrl } from "./markdown-scan.js";
 
-/** Render markdown `src` into a DocumentFragment. */
-export function renderMarkdown(src) {
+/** Lines longer than this are not parsed: each is shown as one paragraph of plain text. Every
+ * part of the parser is linear in its input; the cap also bounds what one line can cost. */
+export const MAX_LINE_LENGTH = 10000;
+
+/** Render markdown `src` into a DocumentFragment. `maxLineLength`: the cap above (Infinity:
+ * parse every line). */
+export function renderMarkdown(src, { maxLineLength = MAX_LINE_LENGTH } = {}) {
   const frag = document.createDocumentFragment();
   const lines = String(src ?? "").replace(/\r\n?/g, "\n").split("\n");
-  new Blocks().append(frag, lines, 0);
+  new Blocks(maxLineLength).append(frag, lines, 0);
   return frag;
 }
 
@@ -54,12 +59,23 @@ export function patchChildren(el, frag) {
 // ---- blocks --------------------------------------------------------------------
 
 class Blocks {
+  constructor(maxLineLength) {
+    this.maxLineLength = maxLineLength;
+  }
+
+  isLong(line) {
+    return line.length > this.maxLineLength;
+  }
+
   append(parent, lines, depth) {
     let i = 0;
     while (i < lines.length) {
       const line = lines[i];
       let m;
       if (isBlank(line)) {
+        i++;
+      } else if (this.isLong(line)) {
+        plainParagraph(parent, line);
         i++;
       } else if ((m = fenceOpen(line))) {
         i = codeBlock(parent, lines, i, m);
@@ -85,12 +101,12 @@ class Blocks {
 
   startsBlock(lines, i) {
     const line = lines[i];
-    return isBlank(line) || opensBlock(line) || this.isTableStart(lines, i);
+    return isBlank(line) || this.isLong(line) || opensBlock(line) || this.isTableStart(lines, i);
   }
 
   blockquote(parent, lines, i, depth) {
     const inner = [];
-    for (; i < lines.length; i++) {
+    for (; i < lines.length && !this.isLong(lines[i]); i++) {
       const body = quoteBody(lines[i]);
       if (body !== null) inner.push(body);
       else if (!isBlank(lines[i]) && inner.length && !isBlank(inner[inner.length - 1])) inner.push(lines[i]);
@@ -110,7 +126,7 @@ class Blocks {
       const start = parseInt(first.marker, 10);
       if (start !== 1) el.start = start;
     }
-    while (i < lines.length) {
+    while (i < lines.length && !this.isLong(lines[i])) {
       const m = listItem(lines[i]);
       if (!m || m.indent !== indent || m.ordered !== ordered) break;
       const body = [m.text];
@@ -140,13 +156,13 @@ class Blocks {
   // An item's own lines after its first: lines indented past the marker (or lazy paragraph
   // continuations), up to a blank line followed by a dedent. Returns the index after them.
   itemLines(lines, i, body, indent, contentIndent) {
-    for (; i < lines.length; i++) {
+    for (; i < lines.length && !this.isLong(lines[i]); i++) {
       const line = lines[i];
       const lead = line.length - line.trimStart().length;
       if (isBlank(line)) {
         const next = lines[i + 1];
         const nextLead = next ? next.length - next.trimStart().length : 0;
-        if (!next || isBlank(next) || nextLead < contentIndent) break;
+        if (!next || isBlank(next) || nextLead < contentIndent || this.isLong(next)) break;
         body.push("");
       } else if (lead >= contentIndent || (lead > indent && listItem(line))) {
         body.push(line.slice(Math.min(lead, contentIndent)));
@@ -161,7 +177,7 @@ class Blocks {
 
   isTableStart(lines, i) {
     const sep = lines[i + 1];
-    return lines[i].includes("|") && sep !== undefined && isTableSeparator(sep);
+    return lines[i].includes("|") && sep !== undefined && !this.isLong(sep) && isTableSeparator(sep);
   }
 
   table(parent, lines, i) {
@@ -176,7 +192,7 @@ class Blocks {
     t.appendChild(thead);
     const tbody = h("tbody");
     i += 2;
-    while (i < lines.length && !isBlank(lines[i]) && lines[i].includes("|")) {
+    while (i < lines.length && !isBlank(lines[i]) && lines[i].includes("|") && !this.isLong(lines[i])) {
       tbody.appendChild(row(splitRow(lines[i]), "td", aligns));
       i++;
     }
@@ -199,6 +215,13 @@ class Blocks {
 
 function paragraphText(lines) {
   return lines.map((l) => l.trim()).join("\n");
+}
+
+// A line past the length cap: shown as text, not parsed.
+function plainParagraph(parent, line) {
+  const p = h("p");
+  p.textContent = line.trim();
+  parent.appendChild(p);
 }
 
 // Move `el`'s children into its place (one by one: a spread of many nodes overflows the stack).

@@ -1,8 +1,17 @@
 """The chat UI's markdown renderer (frontend/markdown.js) in Chromium: what it draws for each
-construct it knows, pinned before the parser was rewritten to run in linear time (issue 12, item 8).
+construct it knows, pinned before the parser was rewritten to run in linear time, and its
+line-length cap (issue 12, item 8).
 """
 
 from __future__ import annotations
+
+CAP = 10_000  # the renderer's default line-length cap (MAX_LINE_LENGTH, checked below)
+
+
+def fill(unit: str, n: int) -> str:
+    """`unit` repeated to exactly n characters."""
+    return (unit * (n // len(unit) + 1))[:n]
+
 
 RENDER = """async ([src, opts]) => {
   const { renderMarkdown } = await import('/markdown.js');
@@ -86,3 +95,24 @@ def test_markdown_constructs_render_as_before(ui) -> None:
     page = ui.page(connected=False)
     got = [page.evaluate(RENDER, [src, None]) for src, _ in CONSTRUCTS]
     assert [(src, html) for (src, _), html in zip(CONSTRUCTS, got, strict=True)] == CONSTRUCTS
+
+
+def test_lines_past_the_cap_are_plain_text(ui) -> None:
+    page = ui.page(connected=False)
+    cap = page.evaluate("async () => (await import('/markdown.js')).MAX_LINE_LENGTH")
+    assert cap == CAP  # the default docs/ui.md names
+    line = "# **bold** [x](https://x.example/) <img src=x onerror=window.__pwned=1> "
+    long = fill(line, cap + 1)
+    # At the cap a line is still markdown; past it, one paragraph of its text, unparsed.
+    assert page.evaluate(RENDER, [fill(line, cap), None]).startswith("<h1><strong>bold</strong>")
+    html = page.evaluate(RENDER, ["- item\n" + long + "\n- next", None])
+    text = long.strip().replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    assert html == f"<ul><li>item</li></ul><p>{text}</p><ul><li>next</li></ul>"
+    # The cap is a setting of the renderer: smaller, or off.
+    assert page.evaluate(RENDER, ["> *a*\n> *bb*", {"maxLineLength": 5}]) == (
+        "<blockquote><p><em>a</em></p></blockquote><p>&gt; *bb*</p>"
+    )
+    assert page.evaluate(RENDER, [long, {"maxLineLength": float("inf")}]).startswith(
+        "<h1><strong>bold</strong>"
+    )
+    assert page.evaluate("window.__pwned") is None
