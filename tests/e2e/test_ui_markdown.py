@@ -328,3 +328,12 @@ def test_lines_past_the_cap_are_plain_text(ui) -> None:
         "<h1><strong>bold</strong>"
     )
     assert page.evaluate("window.__pwned") is None
+
+
+def test_a_list_item_of_many_lines_renders(ui) -> None:
+    # The old renderer moved a tight item's nodes out of its <p> as spread call arguments,
+    # and 200,000 of them overflowed the stack: the whole answer failed to render.
+    page = ui.page(connected=False)
+    html = page.evaluate(RENDER, ["- a\n" + "  b\n" * 100_000 + "- c", None])
+    assert html == "<ul><li>a" + "<br>b" * 100_000 + "</li><li>c</li></ul>"
+    ui.assert_no_errors(page)
