@@ -1,6 +1,13 @@
 // Inline markdown (code spans, emphasis, links) as DOM nodes: model text only ever
 // enters through text nodes, and the only attribute it can reach is a checked
 // http(s) href. Used by markdown.js for the text inside each block.
+//
+// One pass over the text: where a construct needs its closer (a code span's backticks, a
+// link's "]" and ")", the end of a bare URL), InlineScan answers from indexes built once, and
+// a failed search for an emphasis closer is remembered; so the work is linear in the text.
+
+import { isSpace } from "./markdown-lines.js";
+import { InlineScan, safeUrl } from "./markdown-scan.js";
 
 export const MAX_DEPTH = 8; // nesting cap for lists/quotes/emphasis: bounded work on hostile input
 
@@ -12,16 +19,6 @@ export function h(tag, cls) {
 
 const ESCAPABLE = "\\`*_{}[]()#+-.!|~<>";
 
-/** Only absolute http(s) URLs become links; anything else stays text. */
-export function safeUrl(raw) {
-  try {
-    const u = new URL(raw.trim());
-    return u.protocol === "http:" || u.protocol === "https:" ? u.href : null;
-  } catch {
-    return null;
-  }
-}
-
 function link(text, href, depth) {
   const a = h("a");
   a.href = href;
@@ -32,44 +29,27 @@ function link(text, href, depth) {
   return a;
 }
 
+// Text goes in as text nodes (insertAdjacentText: one call where createTextNode and appendChild
+// are two, which counts in an answer with tens of thousands of them); "\n" becomes <br>.
 function appendText(parent, text) {
-  if (!text) return;
-  const parts = text.split("\n");
-  parts.forEach((part, k) => {
-    if (k > 0) parent.appendChild(h("br"));
-    if (part) parent.appendChild(document.createTextNode(part));
-  });
+  let from = 0;
+  for (let nl = text.indexOf("\n"); nl >= 0; nl = text.indexOf("\n", from)) {
+    if (nl > from) parent.insertAdjacentText("beforeend", text.slice(from, nl));
+    parent.appendChild(h("br"));
+    from = nl + 1;
+  }
+  if (from < text.length) parent.insertAdjacentText("beforeend", from ? text.slice(from) : text);
 }
 
-// Finds `[text](url)` starting at src[i] === "["; returns [text, url, end] or null.
-// The scans are bounded so that a paragraph full of "[" stays linear-ish.
-const MAX_LINK_TEXT = 1000;
-const MAX_LINK_URL = 2048;
-
-function matchLink(src, i) {
-  let depth = 0;
-  let j = i;
-  const stop = Math.min(src.length, i + MAX_LINK_TEXT);
-  for (; j < stop; j++) {
-    const c = src[j];
-    if (c === "\\") j++;
-    else if (c === "[") depth++;
-    else if (c === "]" && --depth === 0) break;
-  }
-  if (j >= stop || src[j + 1] !== "(") return null;
-  const close = src.indexOf(")", j + 2);
-  if (close < 0 || close - j > MAX_LINK_URL) return null;
-  const target = src.slice(j + 2, close).trim().split(/\s+/)[0] || "";
-  return [src.slice(i + 1, j), target.replace(/^<|>$/g, ""), close + 1];
+// A code span's content loses one space at each end, if both are there and the span is one line.
+function unpad(s) {
+  const padded = s.length > 2 && s[0] === " " && s[s.length - 1] === " ";
+  return padded && !/[\n\r\u2028\u2029]/.test(s) ? s.slice(1, -1) : s;
 }
 
-// A bare URL ends before trailing punctuation, and before a ")" it did not open.
-function trimUrl(url) {
-  let u = url.replace(/[.,;:!?\]*_'"]+$/, "");
-  while (u.endsWith(")") && (u.match(/\)/g) || []).length > (u.match(/\(/g) || []).length) {
-    u = u.slice(0, -1).replace(/[.,;:!?\]*_'"]+$/, "");
-  }
-  return u;
+// JavaScript's `\w`.
+function isWordChar(c) {
+  return (c >= "a" && c <= "z") || (c >= "A" && c <= "Z") || (c >= "0" && c <= "9") || c === "_";
 }
 
 const EMPHASIS = [
@@ -80,116 +60,149 @@ const EMPHASIS = [
   ["_", "em"],
 ];
 
-// Sticky regexes match at one position without slicing the string.
+// Sticky patterns of one greedy character class: they match at one position and have nothing
+// to backtrack into. PLAIN is a run of characters that start no inline syntax.
 const BACKTICKS = /`+/y;
-const AUTOLINK = /<(https?:\/\/[^\s<>]+)>/iy;
-const BARE_URL = /https?:\/\/[^\s<>"'`]+/iy;
-
-function stickyAt(re, src, i) {
-  re.lastIndex = i;
-  return re.exec(src);
-}
+const PLAIN = /[^\\`[!<hH*_~]+/y;
 
 export function appendInline(parent, src, depth, inLink = false) {
-  if (depth > MAX_DEPTH) {
-    appendText(parent, src);
+  PLAIN.lastIndex = 0;
+  if (depth > MAX_DEPTH || (PLAIN.test(src) && PLAIN.lastIndex === src.length)) {
+    appendText(parent, src); // too deep, or nothing to parse (most table cells, list items)
     return;
   }
-  // Where a search for a closing delimiter already failed: any later opener of the
-  // same kind fails too, so each kind scans the text at most once (linear time).
-  const noClose = new Map();
-  let text = "";
-  const flush = () => {
-    appendText(parent, text);
-    text = "";
-  };
-  let i = 0;
-  while (i < src.length) {
-    const c = src[i];
-    const prev = i > 0 ? src[i - 1] : "";
-    if (c === "\\" && i + 1 < src.length && ESCAPABLE.includes(src[i + 1])) {
-      text += src[i + 1];
-      i += 2;
-      continue;
-    }
-    if (c === "`") {
-      const run = stickyAt(BACKTICKS, src, i)[0];
-      const key = `\`${run.length}`;
-      const end = i >= (noClose.get(key) ?? Infinity) ? -1 : src.indexOf(run, i + run.length);
-      if (end > 0) {
-        flush();
-        const code = h("code");
-        code.textContent = src.slice(i + run.length, end).replace(/^ (.+) $/, "$1");
-        parent.appendChild(code);
-        i = end + run.length;
-        continue;
-      }
-      noClose.set(key, Math.min(i, noClose.get(key) ?? Infinity));
-      text += run;
-      i += run.length;
-      continue;
-    }
-    if ((c === "[" || (c === "!" && src[i + 1] === "[")) && !inLink) {
-      const isImage = c === "!";
-      const m = matchLink(src, isImage ? i + 1 : i);
-      if (m) {
-        const href = safeUrl(m[1]);
-        flush();
-        const label = isImage ? `image: ${m[0] || m[1]}` : m[0];
-        if (href) parent.appendChild(link(label, href, depth));
-        else appendInline(parent, label, depth + 1, inLink);
-        i = m[2];
-        continue;
-      }
-    }
-    if (c === "<" && !inLink) {
-      const m = stickyAt(AUTOLINK, src, i);
-      const href = m && safeUrl(m[1]);
-      if (href) {
-        flush();
-        parent.appendChild(link(m[1], href, depth));
-        i += m[0].length;
-        continue;
-      }
-    }
-    if ((c === "h" || c === "H") && !inLink && !/[\w/]/.test(prev)) {
-      const m = stickyAt(BARE_URL, src, i);
-      if (m) {
-        const url = trimUrl(m[0]);
-        const href = safeUrl(url);
-        if (href) {
-          flush();
-          parent.appendChild(link(url, href, depth));
-          i += url.length;
-          continue;
-        }
-      }
-    }
-    const em = emphasisAt(src, i, prev, noClose);
-    if (em) {
-      flush();
-      const el = h(em.tag);
-      appendInline(el, src.slice(i + em.delim.length, em.end), depth + 1, inLink);
-      parent.appendChild(el);
-      i = em.end + em.delim.length;
-      continue;
-    }
-    text += c;
-    i++;
+  new Inline(parent, src, depth, inLink).run();
+}
+
+// One inline text being appended to `parent`: plain runs are collected in `text` and flushed
+// as text nodes before each element.
+class Inline {
+  constructor(parent, src, depth, inLink) {
+    this.parent = parent;
+    this.src = src;
+    this.depth = depth;
+    this.inLink = inLink; // inside a link's label: no nested links
+    this.scan = new InlineScan(src);
+    // Where a search for a closing emphasis delimiter already failed: any later opener of the
+    // same kind fails too, so each kind scans the text at most once (linear time).
+    this.noClose = {};
+    this.text = "";
   }
-  flush();
+
+  run() {
+    const src = this.src;
+    let i = 0;
+    while (i < src.length) {
+      PLAIN.lastIndex = i;
+      if (PLAIN.test(src)) {
+        this.text += src.slice(i, PLAIN.lastIndex);
+        i = PLAIN.lastIndex;
+        continue;
+      }
+      const end = this.construct(i);
+      if (end > i) {
+        i = end;
+      } else {
+        this.text += src[i];
+        i++;
+      }
+    }
+    this.flush();
+  }
+
+  flush() {
+    appendText(this.parent, this.text);
+    this.text = "";
+  }
+
+  append(node) {
+    this.flush();
+    this.parent.appendChild(node);
+  }
+
+  // The syntax that starts at src[i], appended: returns where it ends, or -1 if none does.
+  construct(i) {
+    const src = this.src;
+    const c = src[i];
+    if (c === "\\" && i + 1 < src.length && ESCAPABLE.includes(src[i + 1])) {
+      this.text += src[i + 1];
+      return i + 2;
+    }
+    if (c === "`") return this.codeSpan(i);
+    let end = -1;
+    if (!this.inLink) {
+      if (c === "[" || (c === "!" && src[i + 1] === "[")) end = this.link(i, c === "!");
+      else if (c === "<") end = this.autolink(i);
+      else if ((c === "h" || c === "H") && !isWordChar(src[i - 1]) && src[i - 1] !== "/") end = this.bareUrl(i);
+    }
+    return end > 0 ? end : this.emphasis(i);
+  }
+
+  codeSpan(i) {
+    const src = this.src;
+    BACKTICKS.lastIndex = i;
+    const n = BACKTICKS.exec(src)[0].length;
+    const end = this.scan.codeSpanEnd(i + n, n);
+    if (end < 0) {
+      this.text += src.slice(i, i + n); // no closer: the backticks are text
+      return i + n;
+    }
+    const code = h("code");
+    code.textContent = unpad(src.slice(i + n, end));
+    this.append(code);
+    return end + n;
+  }
+
+  link(i, isImage) {
+    const m = this.scan.link(isImage ? i + 1 : i);
+    if (!m) return -1;
+    const [text, url, end] = m;
+    const href = safeUrl(url);
+    const label = isImage ? `image: ${text || url}` : text;
+    if (href) this.append(link(label, href, this.depth));
+    else {
+      this.flush();
+      appendInline(this.parent, label, this.depth + 1, this.inLink);
+    }
+    return end;
+  }
+
+  autolink(i) {
+    const url = this.scan.autolink(i);
+    const href = url && safeUrl(url);
+    if (!href) return -1;
+    this.append(link(url, href, this.depth));
+    return i + url.length + 2;
+  }
+
+  bareUrl(i) {
+    const m = this.scan.bareUrl(i);
+    if (!m) return -1;
+    this.append(link(m.url, m.href, this.depth));
+    return i + m.url.length;
+  }
+
+  emphasis(i) {
+    const src = this.src;
+    const em = emphasisAt(src, i, i > 0 ? src[i - 1] : "", this.noClose);
+    if (!em) return -1;
+    const el = h(em.tag);
+    appendInline(el, src.slice(i + em.delim.length, em.end), this.depth + 1, this.inLink);
+    this.append(el);
+    return em.end + em.delim.length;
+  }
 }
 
 function emphasisAt(src, i, prev, noClose) {
   for (const [delim, tag] of EMPHASIS) {
     if (!src.startsWith(delim, i)) continue;
     const after = src[i + delim.length];
-    if (!after || /\s/.test(after)) continue; // must open against text
-    if (delim[0] === "_" && /\w/.test(prev)) continue; // snake_case stays text
-    if (i >= (noClose.get(delim) ?? Infinity)) continue;
+    if (!after || isSpace(after, 0)) continue; // must open against text
+    if (delim[0] === "_" && isWordChar(prev)) continue; // snake_case stays text
+    if (i >= (noClose[delim] ?? Infinity)) continue;
     const end = closingDelimiter(src, i, delim);
     if (end > 0) return { delim, tag, end };
-    noClose.set(delim, i);
+    noClose[delim] = i;
   }
   return null;
 }
@@ -207,7 +220,7 @@ function closingDelimiter(src, i, delim) {
     while (src[end + delim.length] === delim[0]) end++;
     const before = src[end - 1];
     const next = src[end + delim.length];
-    const closes = !/\s/.test(before) && before !== "\\" && !(delim[0] === "_" && next && /\w/.test(next));
+    const closes = !isSpace(before, 0) && before !== "\\" && !(delim[0] === "_" && next && isWordChar(next));
     if (closes) return end;
     end = src.indexOf(delim, end + delim.length);
   }

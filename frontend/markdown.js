@@ -10,23 +10,37 @@
 // (unclosed fences while streaming), indented lists (ordered/unordered, nested),
 // blockquotes, horizontal rules, GFM tables, inline code, **strong**, *em*, ~~del~~,
 // [links](https://...), <https://autolinks> and bare http(s) URLs.
+//
+// Hostile text costs time linear in its length: each line is classified by plain scans
+// (markdown-lines.js) and inline text by one pass that asks lazily built indexes
+// (markdown-scan.js), never by a regex that can backtrack over model text. Nesting is capped
+// at MAX_DEPTH levels.
 
 import { appendInline, h, MAX_DEPTH } from "./markdown-inline.js";
+import {
+  fenceOpen,
+  heading,
+  isBlank,
+  isFenceClose,
+  isRule,
+  isTableSeparator,
+  listItem,
+  opensBlock,
+  quoteBody,
+} from "./markdown-lines.js";
 
-export { safeUrl } from "./markdown-inline.js";
+export { safeUrl } from "./markdown-scan.js";
 
-const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
-const HEADING = /^ {0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*$/;
-const HR = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
-const QUOTE = /^ {0,3}> ?(.*)$/;
-const LIST_ITEM = /^( *)([-*+]|\d{1,9}[.)])(?: +(.*)|$)/;
-const TABLE_SEP = /^\s*\|?\s*:?-+:?\s*(?:\|\s*:?-+:?\s*)*\|?\s*$/;
+/** Lines longer than this are not parsed: each is shown as one paragraph of plain text. Every
+ * part of the parser is linear in its input; the cap also bounds what one line can cost. */
+export const MAX_LINE_LENGTH = 10000;
 
-/** Render markdown `src` into a DocumentFragment. */
-export function renderMarkdown(src) {
+/** Render markdown `src` into a DocumentFragment. `maxLineLength`: the cap above (Infinity:
+ * parse every line). */
+export function renderMarkdown(src, { maxLineLength = MAX_LINE_LENGTH } = {}) {
   const frag = document.createDocumentFragment();
   const lines = String(src ?? "").replace(/\r\n?/g, "\n").split("\n");
-  appendBlocks(frag, lines, 0);
+  new Blocks(maxLineLength).append(frag, lines, 0);
   return frag;
 }
 
@@ -44,152 +58,216 @@ export function patchChildren(el, frag) {
 
 // ---- blocks --------------------------------------------------------------------
 
-function appendBlocks(parent, lines, depth) {
-  let i = 0;
-  while (i < lines.length) {
-    const line = lines[i];
-    if (!line.trim()) {
-      i++;
-      continue;
-    }
-    let m;
-    if ((m = FENCE.exec(line))) {
-      i = codeBlock(parent, lines, i, m);
-    } else if ((m = HEADING.exec(line))) {
-      const el = h(`h${m[1].length}`);
-      appendInline(el, m[2] || "", 0);
-      parent.appendChild(el);
-      i++;
-    } else if (HR.test(line)) {
-      parent.appendChild(h("hr"));
-      i++;
-    } else if (QUOTE.test(line) && depth < MAX_DEPTH) {
-      i = blockquote(parent, lines, i, depth);
-    } else if (LIST_ITEM.test(line) && depth < MAX_DEPTH) {
-      i = list(parent, lines, i, depth);
-    } else if (isTableStart(lines, i)) {
-      i = table(parent, lines, i);
-    } else {
-      i = paragraph(parent, lines, i);
-    }
+class Blocks {
+  constructor(maxLineLength) {
+    this.maxLineLength = maxLineLength;
   }
-}
 
-function startsBlock(lines, i) {
-  const line = lines[i];
-  return (
-    !line.trim() ||
-    FENCE.test(line) ||
-    HEADING.test(line) ||
-    HR.test(line) ||
-    QUOTE.test(line) ||
-    LIST_ITEM.test(line) ||
-    isTableStart(lines, i)
-  );
-}
-
-function codeBlock(parent, lines, i, m) {
-  const fence = m[1];
-  const lang = (m[2] || "").replace(/[^\w+#.-]/g, "").slice(0, 32);
-  const body = [];
-  i++;
-  while (i < lines.length) {
-    const close = lines[i].trim();
-    if (close[0] === fence[0] && close.length >= fence.length && /^(`+|~+)$/.test(close)) {
-      i++;
-      break;
-    }
-    body.push(lines[i]);
-    i++;
+  isLong(line) {
+    return line.length > this.maxLineLength;
   }
-  const wrap = h("div", "codeblock");
-  const bar = h("div", "codebar");
-  const label = h("span", "codelang");
-  label.textContent = lang || "code";
-  const copy = h("button", "copy-code");
-  copy.type = "button";
-  copy.textContent = "Copy";
-  copy.setAttribute("aria-label", `Copy ${lang || "code"} block`);
-  bar.append(label, copy);
-  const pre = h("pre");
-  const code = h("code");
-  if (lang) code.dataset.lang = lang;
-  code.textContent = body.join("\n");
-  pre.appendChild(code);
-  wrap.append(bar, pre);
-  parent.appendChild(wrap);
-  return i;
-}
 
-function blockquote(parent, lines, i, depth) {
-  const inner = [];
-  while (i < lines.length) {
-    const m = QUOTE.exec(lines[i]);
-    if (m) inner.push(m[1]);
-    else if (lines[i].trim() && inner.length && inner[inner.length - 1].trim()) inner.push(lines[i]);
-    else break;
-    i++;
-  }
-  const el = h("blockquote");
-  appendBlocks(el, inner, depth + 1);
-  parent.appendChild(el);
-  return i;
-}
-
-function list(parent, lines, i, depth) {
-  const first = LIST_ITEM.exec(lines[i]);
-  const indent = first[1].length;
-  const ordered = /\d/.test(first[2]);
-  const el = h(ordered ? "ol" : "ul");
-  if (ordered) {
-    const start = parseInt(first[2], 10);
-    if (start !== 1) el.start = start;
-  }
-  while (i < lines.length) {
-    const m = LIST_ITEM.exec(lines[i]);
-    if (!m || m[1].length !== indent || /\d/.test(m[2]) !== ordered) break;
-    // The item's own lines: its first line, then lines indented past the marker
-    // (or lazy paragraph continuations), up to a blank line followed by a dedent.
-    const contentIndent = indent + m[2].length + 1;
-    const body = [m[3] || ""];
-    i++;
+  append(parent, lines, depth) {
+    let i = 0;
     while (i < lines.length) {
       const line = lines[i];
-      const lead = line.length - line.trimStart().length;
-      if (!line.trim()) {
-        const nextLine = lines[i + 1];
-        const nextLead = nextLine ? nextLine.length - nextLine.trimStart().length : 0;
-        if (nextLine && nextLine.trim() && nextLead >= contentIndent) {
-          body.push("");
-          i++;
-          continue;
-        }
-        break;
+      let m;
+      if (isBlank(line)) {
+        i++;
+      } else if (this.isLong(line)) {
+        plainParagraph(parent, line);
+        i++;
+      } else if ((m = fenceOpen(line))) {
+        i = codeBlock(parent, lines, i, m);
+      } else if ((m = heading(line))) {
+        const el = h(`h${m.level}`);
+        appendInline(el, m.text, 0);
+        parent.appendChild(el);
+        i++;
+      } else if (isRule(line)) {
+        parent.appendChild(h("hr"));
+        i++;
+      } else if (quoteBody(line) !== null && depth < MAX_DEPTH) {
+        i = this.blockquote(parent, lines, i, depth);
+      } else if (listItem(line) && depth < MAX_DEPTH) {
+        i = this.list(parent, lines, i, depth);
+      } else if (this.isTableStart(lines, i)) {
+        i = this.table(parent, lines, i);
+      } else {
+        i = this.paragraph(parent, lines, i);
       }
-      if (lead >= contentIndent || (lead > indent && LIST_ITEM.test(line))) {
+    }
+  }
+
+  startsBlock(lines, i) {
+    const line = lines[i];
+    return isBlank(line) || this.isLong(line) || opensBlock(line) || this.isTableStart(lines, i);
+  }
+
+  blockquote(parent, lines, i, depth) {
+    const inner = [];
+    for (; i < lines.length && !this.isLong(lines[i]); i++) {
+      const body = quoteBody(lines[i]);
+      if (body !== null) inner.push(body);
+      else if (!isBlank(lines[i]) && inner.length && !isBlank(inner[inner.length - 1])) inner.push(lines[i]);
+      else break;
+    }
+    const el = h("blockquote");
+    this.append(el, inner, depth + 1);
+    parent.appendChild(el);
+    return i;
+  }
+
+  list(parent, lines, i, depth) {
+    const first = listItem(lines[i]);
+    const { indent, ordered } = first;
+    const el = h(ordered ? "ol" : "ul");
+    if (ordered) {
+      const start = parseInt(first.marker, 10);
+      if (start !== 1) el.start = start;
+    }
+    while (i < lines.length && !this.isLong(lines[i])) {
+      const m = listItem(lines[i]);
+      if (!m || m.indent !== indent || m.ordered !== ordered) break;
+      const body = [m.text];
+      i = this.itemLines(lines, i + 1, body, indent, indent + m.marker.length + 1);
+      el.appendChild(this.item(body, depth));
+      // A blank line between items keeps the list going.
+      if (i < lines.length && isBlank(lines[i])) {
+        const next = listItem(lines[i + 1] || "");
+        if (next && next.indent === indent) i++;
+      }
+    }
+    parent.appendChild(el);
+    return i;
+  }
+
+  item(body, depth) {
+    const li = h("li");
+    // A tight item renders its text without a wrapping <p>. The common case, lines of one
+    // paragraph, goes straight in, without building the <p> and moving its children out.
+    if (body.length === 1) appendInline(li, body[0], 0);
+    else if (body.every((_, k) => !this.startsBlock(body, k))) appendInline(li, paragraphText(body), 0);
+    else this.append(li, body, depth + 1);
+    if (li.childNodes.length === 1 && li.firstChild.nodeName === "P") unwrap(li.firstChild);
+    return li;
+  }
+
+  // An item's own lines after its first: lines indented past the marker (or lazy paragraph
+  // continuations), up to a blank line followed by a dedent. Returns the index after them.
+  itemLines(lines, i, body, indent, contentIndent) {
+    for (; i < lines.length && !this.isLong(lines[i]); i++) {
+      const line = lines[i];
+      const lead = line.length - line.trimStart().length;
+      if (isBlank(line)) {
+        const next = lines[i + 1];
+        const nextLead = next ? next.length - next.trimStart().length : 0;
+        if (!next || isBlank(next) || nextLead < contentIndent || this.isLong(next)) break;
+        body.push("");
+      } else if (lead >= contentIndent || (lead > indent && listItem(line))) {
         body.push(line.slice(Math.min(lead, contentIndent)));
-      } else if (!startsBlock(lines, i) && body[body.length - 1].trim()) {
+      } else if (!this.startsBlock(lines, i) && !isBlank(body[body.length - 1])) {
         body.push(line.trim()); // lazy continuation
       } else {
         break;
       }
+    }
+    return i;
+  }
+
+  isTableStart(lines, i) {
+    const sep = lines[i + 1];
+    return lines[i].includes("|") && sep !== undefined && !this.isLong(sep) && isTableSeparator(sep);
+  }
+
+  table(parent, lines, i) {
+    const head = splitRow(lines[i]);
+    const aligns = splitRow(lines[i + 1]).map((c) =>
+      c.startsWith(":") && c.endsWith(":") ? "center" : c.endsWith(":") ? "right" : c.startsWith(":") ? "left" : "",
+    );
+    const wrap = h("div", "table-wrap");
+    const t = h("table");
+    const thead = h("thead");
+    thead.appendChild(row(head, "th", aligns));
+    t.appendChild(thead);
+    const tbody = h("tbody");
+    i += 2;
+    while (i < lines.length && !isBlank(lines[i]) && lines[i].includes("|") && !this.isLong(lines[i])) {
+      tbody.appendChild(row(splitRow(lines[i]), "td", aligns));
       i++;
     }
-    const li = h("li");
-    if (body.length === 1) appendInline(li, body[0], 0);
-    else appendBlocks(li, body, depth + 1);
-    // A tight item renders its text without a wrapping <p>.
-    if (li.childNodes.length === 1 && li.firstChild.nodeName === "P") {
-      li.replaceChildren(...li.firstChild.childNodes);
-    }
-    el.appendChild(li);
-    // A blank line between items keeps the list going.
-    if (i < lines.length && !lines[i].trim()) {
-      const nextM = LIST_ITEM.exec(lines[i + 1] || "");
-      if (nextM && nextM[1].length === indent) i++;
-    }
+    t.appendChild(tbody);
+    wrap.appendChild(t);
+    parent.appendChild(wrap);
+    return i;
   }
-  parent.appendChild(el);
+
+  paragraph(parent, lines, i) {
+    const body = [lines[i]];
+    i++;
+    while (i < lines.length && !this.startsBlock(lines, i)) body.push(lines[i++]);
+    const p = h("p");
+    appendInline(p, paragraphText(body), 0);
+    parent.appendChild(p);
+    return i;
+  }
+}
+
+function paragraphText(lines) {
+  return lines.map((l) => l.trim()).join("\n");
+}
+
+// A line past the length cap: shown as text, not parsed.
+function plainParagraph(parent, line) {
+  const p = h("p");
+  p.textContent = line.trim();
+  parent.appendChild(p);
+}
+
+// Move `el`'s children into its place (one by one: a spread of many nodes overflows the stack).
+function unwrap(el) {
+  while (el.firstChild) el.parentNode.insertBefore(el.firstChild, el);
+  el.remove();
+}
+
+// A code block's frame (bar with label and copy button, pre, code), built once and deep-cloned
+// for each block: one call instead of a dozen, which counts when an answer has thousands.
+let frame = null;
+
+function codeFrame() {
+  if (!frame) {
+    frame = h("div", "codeblock");
+    const bar = h("div", "codebar");
+    const copy = h("button", "copy-code");
+    copy.type = "button";
+    copy.textContent = "Copy";
+    bar.append(h("span", "codelang"), copy);
+    const pre = h("pre");
+    pre.appendChild(h("code"));
+    frame.append(bar, pre);
+  }
+  return frame.cloneNode(true);
+}
+
+function codeBlock(parent, lines, i, m) {
+  const { fence } = m;
+  const lang = m.info.replace(/[^\w+#.-]/g, "").slice(0, 32);
+  const body = [];
+  for (i++; i < lines.length; i++) {
+    if (isFenceClose(lines[i], fence)) {
+      i++;
+      break;
+    }
+    body.push(lines[i]);
+  }
+  const wrap = codeFrame();
+  const label = wrap.firstChild.firstChild;
+  label.textContent = lang || "code";
+  wrap.firstChild.lastChild.setAttribute("aria-label", `Copy ${lang || "code"} block`);
+  const code = wrap.lastChild.firstChild;
+  if (lang) code.dataset.lang = lang;
+  code.textContent = body.join("\n");
+  parent.appendChild(wrap);
   return i;
 }
 
@@ -198,34 +276,6 @@ function splitRow(line) {
   if (s.startsWith("|")) s = s.slice(1);
   if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
   return s.split(/(?<!\\)\|/).map((c) => c.trim().replace(/\\\|/g, "|"));
-}
-
-function isTableStart(lines, i) {
-  return (
-    lines[i].includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1]) && lines[i + 1].includes("-")
-  );
-}
-
-function table(parent, lines, i) {
-  const head = splitRow(lines[i]);
-  const aligns = splitRow(lines[i + 1]).map((c) =>
-    c.startsWith(":") && c.endsWith(":") ? "center" : c.endsWith(":") ? "right" : c.startsWith(":") ? "left" : "",
-  );
-  const wrap = h("div", "table-wrap");
-  const t = h("table");
-  const thead = h("thead");
-  thead.appendChild(row(head, "th", aligns));
-  t.appendChild(thead);
-  const tbody = h("tbody");
-  i += 2;
-  while (i < lines.length && lines[i].trim() && lines[i].includes("|")) {
-    tbody.appendChild(row(splitRow(lines[i]), "td", aligns));
-    i++;
-  }
-  t.appendChild(tbody);
-  wrap.appendChild(t);
-  parent.appendChild(wrap);
-  return i;
 }
 
 function row(cells, tag, aligns) {
@@ -238,14 +288,4 @@ function row(cells, tag, aligns) {
     tr.appendChild(cell);
   });
   return tr;
-}
-
-function paragraph(parent, lines, i) {
-  const body = [lines[i]];
-  i++;
-  while (i < lines.length && !startsBlock(lines, i)) body.push(lines[i++]);
-  const p = h("p");
-  appendInline(p, body.map((l) => l.trim()).join("\n"), 0);
-  parent.appendChild(p);
-  return i;
 }
