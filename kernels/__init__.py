@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import activation, cpu_ops, kv_store, norms, paged_attention, rotary
-from .cpu_attention import CpuAttentionPlan, cpu_paged_attention, plan_cpu_attention
+from .cpu_attention import CpuAttentionPlan, cpu_attention_block, cpu_paged_attention, plan_cpu_attention
 from .rotary import compute_cos_sin_cache
 
 _BACKEND = "auto"
@@ -112,6 +112,7 @@ __all__ = list(_OPS) + [
     "triton_available",
     "compute_cos_sin_cache",
     "CpuAttentionPlan",
+    "cpu_attention_block",
     "cpu_paged_attention",
     "plan_cpu_attention",
 ]

@@ -40,6 +40,11 @@ class CpuAttentionPlan:
     decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, width * block_size]: 0 or -inf
     width: int  # block-table columns the decode rows read
     prefills: list[PrefillRow] = field(default_factory=list)
+    # Rotary tables for this step's positions, shared by every layer: x * cos + rot(x) * sin
+    # with rot(x) = x rolled by half the head (see rotate()). [num_tokens, 1, head_dim]
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, every slot valid
 
 
 def plan_cpu_attention(
@@ -48,6 +53,9 @@ def plan_cpu_attention(
     q_lens: Sequence[int],  # per row: new tokens this step
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    positions: torch.Tensor | None = None,  # [num_tokens] int64, for the rotary tables
+    cos_sin_cache: torch.Tensor | None = None,  # [max_pos, head_dim]: cos | sin halves
+    slot_mapping: torch.Tensor | None = None,  # [num_tokens] int64, no -1
 ) -> CpuAttentionPlan:
     num_decodes = 0
     while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
@@ -72,7 +80,44 @@ def plan_cpu_attention(
         blocks = None if n == ctx else torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
         prefills.append(PrefillRow(start, start + n, ctx, blocks))
         start += n
-    return CpuAttentionPlan(num_decodes, index, bias, width, prefills)
+    cos = sin = None
+    if positions is not None and cos_sin_cache is not None:
+        half = cos_sin_cache.shape[1] // 2
+        cs = cos_sin_cache.index_select(0, positions)
+        cos = torch.cat([cs[:, :half], cs[:, :half]], dim=1)[:, None, :]
+        sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=1)[:, None, :]
+    return CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping)
+
+
+def rotate(x: torch.Tensor, plan: CpuAttentionPlan) -> None:
+    """Rotary embedding in place on x [num_tokens, heads, head_dim] (q and k side by side
+    is fine). x1*cos - x2*sin | x2*cos + x1*sin, as the reference rounds it: the roll
+    puts x2 | x1 under sin's -sin | sin halves, and a + (-b) is exactly a - b."""
+    assert plan.cos is not None and plan.sin is not None
+    xf = x if x.dtype == torch.float32 else x.float()  # half types: in fp32, rounded once
+    rolled = xf.roll(x.shape[-1] // 2, dims=-1).mul_(plan.sin)
+    x.copy_(torch.mul(xf, plan.cos).add_(rolled))
+
+
+def cpu_attention_block(
+    qkv: torch.Tensor,  # [num_tokens, (H + 2 Hk) * D]: the fused projection's output
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CpuAttentionPlan,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, H * D]
+    """Rotary on q and k, KV store, attention: one layer's attention on the CPU."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    t = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].unflatten(1, (num_heads + num_kv_heads, head_dim))
+    rotate(qk, plan)
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(1, (num_kv_heads, head_dim))
+    assert plan.slot_mapping is not None
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+    return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
 
 
 def cpu_paged_attention(

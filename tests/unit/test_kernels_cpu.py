@@ -96,3 +96,39 @@ def test_a_pure_decode_batch_reads_only_the_columns_it_needs() -> None:
     torch.testing.assert_close(
         out, paged_prefill_attention_ref(*c.prefill_args()), **tolerance(torch.float32)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_attention_block_equals_rotary_store_and_attention_by_the_references(dtype: torch.dtype) -> None:
+    """One layer's CPU attention (rotary on q and k, KV store, attention) from the fused
+    qkv output, against the three references run one after the other."""
+    from wsllm.kernels.cpu_attention import cpu_attention_block
+
+    bs, hk, group, d = 8, 2, 3, 64
+    h = hk * group
+    seq_lens, q_lens = prefill_batch("mixed", bs)
+    c = make_paged_case(seq_lens, q_lens, bs, num_kv_heads=hk, group=group, head_dim=d, dtype=dtype)
+    t = sum(q_lens)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(t, (h + 2 * hk) * d, generator=g).to(dtype)
+    tables = c.block_tables.tolist()
+    positions, slots = [], []
+    for row, ctx, n in zip(tables, seq_lens, q_lens, strict=True):
+        positions += list(range(ctx - n, ctx))
+        slots += [row[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+    pos, sm = torch.tensor(positions), torch.tensor(slots)
+    cache = rotary.compute_cos_sin_cache(d, 10000.0, 512, None)
+    kc, vc = c.k_cache.clone(), c.v_cache.clone()
+    plan = plan_cpu_attention(tables, seq_lens, q_lens, bs, dtype, pos, cache, sm)
+    out = cpu_attention_block(qkv.clone(), kc, vc, plan, h, c.scale)
+    ref_qkv = qkv.clone()
+    q = ref_qkv[:, : h * d].view(t, h, d)
+    k = ref_qkv[:, h * d : (h + hk) * d].view(t, hk, d)
+    v = ref_qkv[:, (h + hk) * d :].view(t, hk, d)
+    rotary.rotary_embedding_ref(pos, q, k, cache)
+    store_kv_ref(k, v, c.k_cache, c.v_cache, sm)
+    assert torch.equal(kc, c.k_cache) and torch.equal(vc, c.v_cache), "the cache holds the same K and V"
+    ref = paged_prefill_attention_ref(
+        q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.query_start_loc, c.scale
+    )
+    torch.testing.assert_close(out, ref.reshape(t, h * d), **tolerance(dtype))

@@ -73,11 +73,16 @@ class ModelRunner:
         dev = self.device
         q_lens = [n for _, n in scheduled]
         max_q = max(q_lens)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         plan = None
         if dev.type == "cpu" and kernels.backend() == "auto":
-            plan = kernels.plan_cpu_attention(tables, seq_lens, q_lens, bs, self.dtype)
+            plan = kernels.plan_cpu_attention(
+                tables, seq_lens, q_lens, bs, self.dtype, pos_t, self.model.cos_sin_cache, slot_t
+            )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slot_t,
             block_tables=torch.from_numpy(bt).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -86,8 +91,6 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             cpu_plan=plan,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos_t, meta, rows, last_index
 
     @torch.inference_mode()

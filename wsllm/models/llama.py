@@ -115,6 +115,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
+            o = kernels.cpu_attention_block(qkv, *kv, meta.cpu_plan, self.num_heads, self.scale)
+            return self.o_proj(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -122,9 +125,7 @@ class Attention(nn.Module):
         kernels.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.cpu_plan is not None:
-            o = kernels.cpu_paged_attention(q, k, v, k_cache, v_cache, meta.cpu_plan, self.scale)
-        elif meta.is_decode:
+        if meta.is_decode:
             o = kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
             )
