@@ -17,7 +17,7 @@ import pytest
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis import RedisBroker
-from wsllm.broker.resume import History, Replay
+from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 
@@ -198,27 +198,39 @@ def test_an_abort_from_another_gateway_reaches_the_engine_holding_the_request(br
     assert engine.aborts() == []
 
 
-def test_a_request_resumes_on_another_gateway_by_its_alias(brokers) -> None:
+def test_a_request_resumes_on_another_gateway_by_its_id(brokers) -> None:
     gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
-    ctx = {"api": "ws_chat", "stops": ["\n"], "prompt_len": 3}
-    asyncio.run(gw1.submit(req("r7"), context=ctx, alias="client-7"))
+    ctx = {"api": "ws_chat", "stops": ["\n"], "prompt_len": 3, "token_sha256": "ab"}
+    asyncio.run(gw1.submit(req("r7"), context=ctx))
     pull_until(engine)
     engine.publish([tokens_event("r7", 0, [31])])
-    found = asyncio.run(gw2.lookup("client-7"))
+    found = asyncio.run(gw2.lookup("r7"))
     assert found is not None and found.request_id == "r7" and found.context == ctx
     assert asyncio.run(gw2.lookup("nobody")) is None
 
-    async def resume() -> list[TokenEvent]:
-        await gw2.follow("r7")
+    async def resume() -> tuple[int, list[TokenEvent]]:
+        attach = await gw2.follow("r7")
         reader = asyncio.create_task(read(gw2, "r7"))
         await asyncio.sleep(0.2)
         await asyncio.to_thread(engine.publish, [tokens_event("r7", 1, [32], "stop")])
-        return await reader
+        return attach, await reader
 
-    events = asyncio.run(resume())
+    attach, events = asyncio.run(resume())
     assert [(e.seq, e.token_ids) for e in events] == [(0, [31]), (1, [32])]
-    # The resumed request is no longer aborted when its first client's grace time ends.
-    assert asyncio.run(gw1.abort_unless_resumed("r7")) is False
+    # The resumed request is no longer aborted when its first client's grace time ends...
+    assert attach == 1 and asyncio.run(gw1.abort_unless_resumed("r7", 0)) is False
+
+
+def test_a_resumed_request_is_aborted_after_its_new_client_leaves_too(brokers) -> None:
+    """One resume must not turn the grace abort off for good: the client that resumed
+    it leaves as well, and its own grace abort goes ahead."""
+    gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
+    asyncio.run(gw1.submit(req("r9"), context={"api": "ws_chat"}))
+    pull_until(engine)
+    attach = asyncio.run(gw2.follow("r9"))
+    assert asyncio.run(gw1.abort_unless_resumed("r9", 0)) is False  # the first client's: resumed since
+    assert asyncio.run(gw2.abort_unless_resumed("r9", attach)) is True  # the second client's
+    assert engine.aborts() == ["r9"]
 
 
 def test_queued_requests_know_their_place(brokers) -> None:
