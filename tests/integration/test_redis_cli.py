@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 from redis_fixtures import free_port
 
-
 PASSWORD = "s3cret-pw-4711"
 
 
