@@ -140,6 +140,10 @@ class SamplingParams:
     early_stopping: bool = False
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_sampling()
+
+    def _check_counts(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(
             _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS,
@@ -153,6 +157,28 @@ class SamplingParams:
             "an integer in [0, max_tokens]",
             self.min_tokens,
         )
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
+        _check(
+            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+            "beam_width",
+            f"an integer in [1, {MAX_BEAM_WIDTH}]",
+            self.beam_width,
+        )
+        _check(
+            _token_ids_ok(self.stop_token_ids, MAX_STOP_TOKEN_IDS),
+            "stop_token_ids",
+            f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_TOKEN_ID}]",
+            self.stop_token_ids,
+        )
+        for name in ("ignore_eos", "use_beam_search", "early_stopping"):
+            _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
+
+    def _check_sampling(self) -> None:
         _check(
             _in(self.temperature, 0.0, MAX_TEMPERATURE),
             "temperature",
@@ -183,31 +209,11 @@ class SamplingParams:
             self.seed,
         )
         _check(
-            _token_ids_ok(self.stop_token_ids, MAX_STOP_TOKEN_IDS),
-            "stop_token_ids",
-            f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_TOKEN_ID}]",
-            self.stop_token_ids,
-        )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"null or an integer in [0, {MAX_LOGPROBS}]",
-            self.logprobs,
-        )
-        _check(
-            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
-            "beam_width",
-            f"an integer in [1, {MAX_BEAM_WIDTH}]",
-            self.beam_width,
-        )
-        _check(
             _in(self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
             "length_penalty",
             f"a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
             self.length_penalty,
         )
-        for name in ("ignore_eos", "use_beam_search", "early_stopping"):
-            _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -83,7 +83,12 @@ class Metrics:
             labels,
             registry=r,
         ).labels(model_name)
-        # Hardening: slow clients cut off, the event reader's restarts, what is buffered.
+        self.model_name = model_name
+        self._isolation_metrics()
+
+    def _isolation_metrics(self) -> None:
+        """Slow clients cut off, the event reader's restarts, what is buffered."""
+        r, labels = self.registry, ["model"]
         self._send_timeouts = Counter(
             "wsllm_send_timeouts",
             "Clients disconnected because they took no data for --send-timeout-s",
@@ -95,11 +100,10 @@ class Metrics:
             "Times the event reader failed and was restarted",
             labels,
             registry=r,
-        ).labels(model_name)
+        ).labels(self.model_name)
         self.buffered_events = Gauge(
             "wsllm_buffered_events", "Events held for clients that have not read them yet", labels, registry=r
-        ).labels(model_name)
-        self.model_name = model_name
+        ).labels(self.model_name)
 
     def send_timeout(self, transport: str) -> None:
         self._send_timeouts.labels(self.model_name, transport).inc()
