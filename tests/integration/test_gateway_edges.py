@@ -185,3 +185,28 @@ def test_a_redis_outage_during_a_cancel_keeps_the_socket(
         assert (err["id"], err["code"]) == ("a", "model_not_ready")
         assert got[-1]["type"] == "pong"  # the socket is still there
     broker.close()
+
+
+def test_an_engine_that_is_full_is_a_503_to_retry(tiny_model_dir: Path, uvicorn_thread: Any) -> None:
+    """`engine_busy` (the engine cannot take the request now) is not the client's fault:
+    503 with Retry-After, not 400. The engine side is driven by hand."""
+    broker = registered(MemoryBroker(), "tiny")
+    with uvicorn_thread(lambda c: create_app(c, broker, tiny_model_dir, "tiny"), GatewayConfig()) as (
+        base,
+        _,
+    ):
+
+        async def go() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=30) as http:
+                answer = asyncio.create_task(http.post(f"{base}/v1/completions", json={"prompt": "hi"}))
+                pulled: list[Any] = []
+                while not pulled:
+                    pulled = await asyncio.to_thread(broker.pull, 1, 0.1)
+                rid = pulled[0].request_id
+                broker.publish([TokenEvent.failure(rid, "engine_busy", "the engine is full; retry later")])
+                return await answer
+
+        r = asyncio.run(go())
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "engine_busy"
+    broker.close()
