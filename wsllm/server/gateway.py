@@ -140,7 +140,11 @@ class Gateway:
             if found is None or not isinstance(want, str) or not hmac.compare_digest(want, _digest(secret)):
                 return None
             gen = Generation.from_context(self.svc, found.request_id, found.context)
-            gen.attach = await self.broker.follow(found.request_id)
+            try:
+                gen.attach = await self.broker.follow(found.request_id)
+            except BaseException:
+                self.router.close(found.request_id)  # nobody reads the new inbox
+                raise
         except BrokerUnavailable:
             raise APIError(
                 503, "model_not_ready", "the broker is unreachable; retry", retry_after=1
