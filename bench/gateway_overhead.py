@@ -261,7 +261,7 @@ async def sse_client(port: int, n_tokens: int, out: Stream) -> None:
     body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": n_tokens, "stream": True, "ignore_eos": True})
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
     )
     await writer.drain()

@@ -157,7 +157,7 @@ export class Chat extends EventTarget {
         const rt = { sentAt: null, firstAt: null, deltas: 0 };
         this._runtime.set(msg.id, rt);
         const after = Number.isInteger(msg.lastSeq) ? msg.lastSeq : -1;
-        this.ws.resume(msg.requestId, after, this._handlers(conv, msg, rt));
+        this.ws.resume(msg.requestId, after, this._handlers(conv, msg, rt), msg.resumeToken);
       }
     }
   }
@@ -213,6 +213,10 @@ export class Chat extends EventTarget {
     return {
       sent: () => {
         rt.sentAt = performance.now();
+      },
+      started: (token) => {
+        msg.resumeToken = token; // only this client may resume the answer (e.g. after a reload)
+        this.store.saveConversation(conv);
       },
       queued: (position) => {
         if (!isLive(msg)) return;
@@ -278,6 +282,7 @@ export class Chat extends EventTarget {
     }
     delete msg.requestId;
     delete msg.lastSeq;
+    delete msg.resumeToken;
     delete msg.queuePosition;
     this._touch(conv);
     this._emit("message", { convId: conv.id, msgId: msg.id });

@@ -31,7 +31,7 @@ export function newConversation() {
 
 /** role: "user" | "assistant". Assistant messages also carry `status` (streaming, done,
  * stopped, error, interrupted, waiting), `stats` ({ttftMs, tokens, tps}), `error`
- * ({code, message}), and while streaming `requestId` and `lastSeq` for resume. */
+ * ({code, message}), and while streaming `requestId`, `lastSeq` and `resumeToken` for resume. */
 export function newMessage(role, content = "") {
   return { id: uid("m"), role, content, createdAt: Date.now() };
 }

@@ -3,10 +3,11 @@
 // - Reconnects by itself with exponential backoff and jitter, without a page reload.
 // - Requests started while the socket is down wait in an outbox and go out on open.
 // - A request cut mid-stream is resumed on the next socket with
-//   {"type":"resume","id","after_seq"}; deltas at or below the last seen seq are
-//   dropped, so a resumed stream never repeats text. A server without resume answers
-//   an error (`unknown_id`), which reaches the request's `error` handler with
-//   `resumed: true`.
+//   {"type":"resume","id","after_seq","resume_token"}: the token comes in the request's
+//   `started` message, and only its holder can resume the stream. Deltas at or below
+//   the last seen seq are dropped, so a resumed stream never repeats text. A server
+//   without resume answers an error (`unknown_id`), which reaches the request's `error`
+//   handler with `resumed: true`.
 // - An application-level ping detects a dead socket that never reported its close.
 
 export const ConnState = Object.freeze({
@@ -39,7 +40,7 @@ export class WsClient extends EventTarget {
     this._pingTimer = null;
     this._pongTimer = null;
     this._seq = 0;
-    this._live = new Map(); // id -> {payload, handlers, lastSeq, sent, resuming, cancelled}
+    this._live = new Map(); // id -> {payload, handlers, lastSeq, sent, resuming, cancelled, token}
     this._stopped = false;
   }
 
@@ -82,7 +83,7 @@ export class WsClient extends EventTarget {
 
   /** Start a request. `payload` is the message without `id`; `handlers` has optional
    * queued(position), delta(text, seq), done(msg), error({code, message, param, resumed}),
-   * sent(). Returns the request id. */
+   * sent(), started(resumeToken). Returns the request id. */
   request(payload, handlers, id = this.newId()) {
     const entry = { payload: { ...payload, id }, handlers, lastSeq: -1, sent: false, resuming: false };
     // A frame over the server's limit would close the whole socket (1009): refuse it here.
@@ -98,9 +99,10 @@ export class WsClient extends EventTarget {
     return id;
   }
 
-  /** Pick up a stream started on an earlier socket (or before a page reload). */
-  resume(id, afterSeq, handlers) {
-    const entry = { payload: null, handlers, lastSeq: afterSeq, sent: true, resuming: false };
+  /** Pick up a stream started on an earlier socket (or before a page reload), with the
+   * resume token its `started` message gave. */
+  resume(id, afterSeq, handlers, token) {
+    const entry = { payload: null, handlers, lastSeq: afterSeq, sent: true, resuming: false, token };
     this._live.set(id, entry);
     if (this.state === ConnState.CONNECTED) this._sendResume(id, entry);
     return id;
@@ -228,7 +230,12 @@ export class WsClient extends EventTarget {
 
   _sendResume(id, entry) {
     entry.resuming = true;
-    this._send({ type: "resume", id, after_seq: entry.lastSeq });
+    if (!entry.token) {
+      // Cut before the server said it started: nothing to resume it with.
+      this._route(id, entry, { type: "error", code: "unknown_id", message: "" });
+      return;
+    }
+    this._send({ type: "resume", id, after_seq: entry.lastSeq, resume_token: entry.token });
   }
 
   // ---- incoming -----------------------------------------------------------------
@@ -259,6 +266,10 @@ export class WsClient extends EventTarget {
   _route(id, entry, msg) {
     const hd = entry.handlers;
     switch (msg.type) {
+      case "started":
+        entry.token = String(msg.resume_token ?? "");
+        hd.started?.(entry.token);
+        break;
       case "queued":
         if (!entry.cancelled) hd.queued?.(msg.position);
         break;

@@ -162,11 +162,9 @@ def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConf
 
     url = rcfg.url(gcfg.broker)
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
-    flags = _flags(dataclasses.replace(rcfg, engine_id=engine_id)) + _flags(ecfg) + ["--broker", url]
-    if gcfg.model_name:
-        flags += ["--model-name", gcfg.model_name]
-    cmd = [sys.executable, "-m", "wsllm", "--log-level", args.log_level, "engine", *flags]
-    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    cmd, env = engine_child(url, dataclasses.replace(rcfg, engine_id=engine_id), ecfg, gcfg.model_name)
+    cmd[3:3] = ["--log-level", args.log_level]
+    child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         tokenizer_dir, name = _tokenizer_and_name(ecfg.model, gcfg.model_name)
         broker = RedisBroker(url, model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
@@ -183,6 +181,20 @@ def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConf
         except subprocess.TimeoutExpired:
             child.kill()
     return 0
+
+
+def engine_child(
+    url: str, rcfg: RedisConfig, ecfg: EngineConfig, model_name: str | None
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of `serve --redis-url`'s engine child. The
+    Redis URL (it may hold a password) goes in the environment: a command line is
+    readable by every user of the machine (`ps`)."""
+    flags = _flags(dataclasses.replace(rcfg, redis_url=None)) + _flags(ecfg)
+    if model_name:
+        flags += ["--model-name", model_name]
+    env = {k: v for k, v in os.environ.items() if k not in ("WSLLM_BROKER", "WSLLM_REDIS_URL")}
+    env["WSLLM_REDIS_URL"] = url
+    return [sys.executable, "-m", "wsllm", "engine", *flags], env
 
 
 def _die_with_parent() -> None:

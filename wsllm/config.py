@@ -89,10 +89,37 @@ class GatewayConfig:
     max_stop: int = field(default=8, metadata={"help": "most stop strings"})
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
-    max_requests_per_socket: int = field(default=32, metadata={"help": "concurrent requests per WebSocket"})
+    max_messages: int = field(default=1024, metadata={"help": "most chat messages in one request"})
+    max_requests_per_socket: int = field(
+        default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
+    )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
+    max_buffered_events: int = field(
+        default=512,
+        metadata={
+            "help": "events held for one request whose client does not read; past it the request fails"
+        },
+    )
+    ws_outbox_messages: int = field(
+        default=256, metadata={"help": "messages queued for one WebSocket's writer"}
+    )
+    send_timeout_s: float = field(
+        default=30.0, metadata={"help": "a client that takes no data for this long is disconnected"}
+    )
     heartbeat_s: float = field(default=10.0, metadata={"help": "SSE comment / WS ping interval"})
+    allowed_hosts: str = field(
+        default="",
+        metadata={"help": "comma list of Host names served; empty = loopback names and --host; * = any"},
+    )
     frontend: bool = field(default=True, metadata={"help": "serve the chat UI at /"})
+
+    def __post_init__(self) -> None:
+        positive = ("max_messages", "max_requests_per_socket", "max_buffered_events", "ws_outbox_messages")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
+            raise ValueError("send_timeout_s and heartbeat_s must be > 0")
 
 
 @dataclass(slots=True)

@@ -1,24 +1,78 @@
-"""Wire types shared by the gateway, the broker and the engine.
+"""Wire types shared by the gateway, the broker and the engine, and the event
+vocabulary they speak (finish reasons, error codes, whole-request events).
 
 Plain dataclasses, encoded with orjson and a schema version. No torch here: the
 gateway imports this module and must stay light. Nothing is ever pickled.
+
+Decoding is strict (`decode`): an entry that is not exactly a wire message (a
+string where a number goes, a missing or unknown field, a value out of its bounds)
+raises `WireError` naming the field, so that a bad entry costs its own request and
+nothing else. The bounds of every numeric field live here, once, and the gateway's
+validator (server/schemas.py) uses the same ones.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 SCHEMA_VERSION = 1
+
+# -- the event vocabulary ---------------------------------------------------------------
 
 # Finish reasons, as OpenAI spells them, plus our own.
 FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the model's context
 FINISH_ABORT = "abort"  # cancelled by the client or the gateway
-FINISH_ERROR = "error"  # the engine could not serve it (see TokenEvent.error)
+FINISH_ERROR = "error"  # the engine could not serve it (see TokenEvent.error_code)
+
+# Error codes: TokenEvent.error_code, and the `code` of errors on every transport.
+ERR_INVALID_REQUEST = "invalid_request"  # refused: the request can never be served as it is
+ERR_ENGINE_BUSY = "engine_busy"  # refused for now: a retry may succeed
+ERR_INTERNAL = "internal_error"  # the engine failed while serving it
+ERR_WORKER_LOST = "worker_lost"  # the engine (or the broker's copy of the request) went away
+ERR_SLOW_CONSUMER = "slow_consumer"  # the client fell too far behind its own stream
+ERR_RESUMED_ELSEWHERE = "resumed_elsewhere"  # its owner resumed it on another connection
+
+#: TokenEvent.index of an event about the whole request, not one choice of it
+WHOLE_REQUEST = -1
+
+# -- bounds of every numeric field (shared by the gateway's validator and the engine) ----
+
+MAX_N = 128
+MAX_TOKENS = 1 << 20
+MAX_TEMPERATURE = 100.0
+#: temperatures below this sample greedily, as vLLM does: dividing logits by 1e-300
+#: would turn them into inf and NaN
+GREEDY_BELOW = 1e-5
+MAX_TOP_K = 1 << 20  # -1 (off) or 1..MAX_TOP_K; the engine clamps it to its vocabulary
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 2.0  # (0, MAX_REPETITION_PENALTY]
+SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
+MAX_TOKEN_ID = 2**31 - 1  # token ids are in [0, MAX_TOKEN_ID]; the vocabulary is checked later
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 16
+MAX_LENGTH_PENALTY = 10.0  # [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY]
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_ID_CHARS = 256  # request ids and model names
+
+# Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
+# field the type does not have. (pydantic reads this from the dataclasses.)
+_STRICT = {"strict": True, "extra": "forbid", "allow_inf_nan": False, "revalidate_instances": "always"}
+
+
+class WireError(ValueError):
+    """A message that is not a valid wire message; the text names the field."""
+
+
+class EngineBusy(ValueError):
+    """The engine cannot take a request now (it is full); a retry later may succeed.
+    The worker reports it as `engine_busy`, which the gateway answers with 503."""
 
 
 def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
@@ -26,8 +80,36 @@ def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
         raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _in(x: object, lo: float, hi: float) -> bool:
+    return _is_num(x) and lo <= x <= hi  # type: ignore[operator]
+
+
+class _Summary(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _summary(ids: object) -> object:
+    """A long list shown by its length in an error message."""
+    if isinstance(ids, list) and len(ids) > 8:
+        return _Summary(f"a list of {len(ids)} items")
+    return ids
+
+
+def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
+    if not isinstance(ids, list) or not min_len <= len(ids) <= max_len:
+        return False
+    if not all(_is_int(t) for t in ids):
+        return False
+    return not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID)
 
 
 @dataclass(slots=True)
@@ -35,10 +117,12 @@ class SamplingParams:
     """How to pick tokens. Validated on construction; a bad field raises ValueError
     whose message names the field and the allowed range."""
 
+    __pydantic_config__ = _STRICT
+
     n: int = 1
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0
+    temperature: float = 1.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     min_p: float = 0.0
@@ -56,75 +140,84 @@ class SamplingParams:
     early_stopping: bool = False
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
+        self._check_counts()
+        self._check_sampling()
+
+    def _check_counts(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS,
             "max_tokens",
-            "an integer >= 1",
+            f"an integer in [1, {MAX_TOKENS}]",
             self.max_tokens,
         )
         _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
             "an integer in [0, max_tokens]",
             self.min_tokens,
         )
         _check(
-            _is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
+        _check(
+            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+            "beam_width",
+            f"an integer in [1, {MAX_BEAM_WIDTH}]",
+            self.beam_width,
+        )
+        _check(
+            _token_ids_ok(self.stop_token_ids, MAX_STOP_TOKEN_IDS),
+            "stop_token_ids",
+            f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_TOKEN_ID}]",
+            self.stop_token_ids,
+        )
+        for name in ("ignore_eos", "use_beam_search", "early_stopping"):
+            _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
+
+    def _check_sampling(self) -> None:
+        _check(
+            _in(self.temperature, 0.0, MAX_TEMPERATURE),
             "temperature",
-            "a finite number in [0, 100]",
+            f"a finite number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)",
             self.temperature,
         )
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(_in(self.top_p, 0.0, 1.0) and self.top_p > 0.0, "top_p", "in (0, 1]", self.top_p)
         _check(
-            isinstance(self.top_k, int)
-            and not isinstance(self.top_k, bool)
-            and self.top_k >= -1
-            and self.top_k != 0,
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K),
             "top_k",
-            "-1 (off) or an integer >= 1",
+            f"-1 (off) or an integer in [1, {MAX_TOP_K}]",
             self.top_k,
         )
-        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(_in(self.min_p, 0.0, 1.0), "min_p", "in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_num(v) and -2.0 <= v <= 2.0, name, "a finite number in [-2, 2]", v)
+            _check(_in(v, -MAX_PENALTY, MAX_PENALTY), name, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", v)  # fmt: skip
         _check(
-            _is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            _in(self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "in (0, 2]",
+            f"in (0, {MAX_REPETITION_PENALTY:g}]",
             self.repetition_penalty,
         )
         _check(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
             "seed",
             "null or an integer in [0, 2**63)",
             self.seed,
         )
         _check(
-            isinstance(self.stop_token_ids, list)
-            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "a list of non-negative integers",
-            self.stop_token_ids,
+            _in(self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+            "length_penalty",
+            f"a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
+            self.length_penalty,
         )
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "null or an integer in [0, 20]",
-            self.logprobs,
-        )
-        _check(
-            isinstance(self.beam_width, int) and 1 <= self.beam_width <= 16,
-            "beam_width",
-            "an integer in [1, 16]",
-            self.beam_width,
-        )
-        _check(_is_num(self.length_penalty), "length_penalty", "a finite number", self.length_penalty)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,17 +231,48 @@ class SamplingParams:
 class GenerateRequest:
     """A request as it travels from a gateway to an engine: token ids only."""
 
+    __pydantic_config__ = _STRICT
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     model: str = ""
-    reply_to: str = ""  # the gateway (result stream) that waits for the events
     arrival_time: float = 0.0  # time.time() at the gateway
-    skip_tokens: int = 0  # resume: tokens the client already has (per choice)
+    skip_tokens: int = 0  # crash replay: tokens the client already has (per choice)
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.request_id, str) and 1 <= len(self.request_id) <= MAX_ID_CHARS,
+            "request_id",
+            f"a string of 1 to {MAX_ID_CHARS} characters",
+            self.request_id,
+        )
+        _check(
+            _token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
+            "prompt_token_ids",
+            f"a list of 1 to {MAX_PROMPT_TOKENS} token ids in [0, {MAX_TOKEN_ID}]",
+            _summary(self.prompt_token_ids),
+        )
+        _check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
+        _check(
+            isinstance(self.model, str) and len(self.model) <= MAX_ID_CHARS,
+            "model",
+            "a short string",
+            self.model,
+        )
+        _check(_in(self.arrival_time, 0.0, 1e12), "arrival_time", "a time in seconds", self.arrival_time)
+        _check(
+            _is_int(self.skip_tokens) and 0 <= self.skip_tokens <= MAX_TOKENS,
+            "skip_tokens",
+            f"an integer in [0, {MAX_TOKENS}]",
+            self.skip_tokens,
+        )
 
 
 @dataclass(slots=True)
 class Usage:
+    __pydantic_config__ = _STRICT
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -163,47 +287,109 @@ class TokenEvent:
     """New tokens for one choice of one request, produced by one engine step.
 
     `seq` counts the events of (request_id, index) from 0, so a consumer can spot
-    a gap or a duplicate. The last event of a choice has `finish_reason` set.
+    a gap or a duplicate. The last event of a choice has `finish_reason` set. An
+    event with `index == WHOLE_REQUEST` is about the whole request (`abort_marker`,
+    `failure`); `ends_request` says whether an event ends every choice at once.
     """
+
+    __pydantic_config__ = _STRICT
 
     request_id: str
     seq: int
     token_ids: list[int]
-    index: int = 0  # the choice (n > 1)
+    index: int = 0  # the choice (n > 1), or WHOLE_REQUEST
     finish_reason: str | None = None
     # per new token: [chosen_logprob, [[token_id, logprob], ...top-N]]
     logprobs: list[Any] | None = None
     usage: Usage | None = None  # set on the final event
     error: str | None = None  # human-readable, when finish_reason == "error"
-    error_code: str | None = None  # machine-readable, e.g. "worker_lost"
+    error_code: str | None = None  # machine-readable, one of the ERR_* codes
     queue_time: float | None = None  # seconds between arrival and first schedule (seq 0)
 
+    @classmethod
+    def failure(cls, request_id: str, code: str, message: str, seq: int = -1) -> TokenEvent:
+        """The request failed as a whole: its last event."""
+        return cls(request_id, seq, [], WHOLE_REQUEST, FINISH_ERROR, error=message, error_code=code)
 
-def encode(obj: GenerateRequest | TokenEvent | list[TokenEvent]) -> bytes:
+    @classmethod
+    def lost(cls, request_id: str, why: str, seq: int = -1) -> TokenEvent:
+        """The request's engine, or the broker's copy of it, went away."""
+        return cls.failure(request_id, ERR_WORKER_LOST, why, seq)
+
+    @classmethod
+    def abort_marker(cls, request_id: str) -> TokenEvent:
+        """A gateway cancelled the whole request (written to its result stream)."""
+        return cls(request_id, -1, [], WHOLE_REQUEST, FINISH_ABORT)
+
+    @property
+    def whole_request(self) -> bool:
+        return self.index < 0
+
+    @property
+    def ends_request(self) -> bool:
+        """This event ends every choice: a failure, or a whole-request abort."""
+        return self.finish_reason == FINISH_ERROR or (self.whole_request and self.finish_reason is not None)
+
+
+# -- the codec ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _RequestMsg:
+    __pydantic_config__ = _STRICT
+    v: Literal[1]
+    kind: Literal["request"]
+    item: GenerateRequest
+
+
+@dataclass(slots=True)
+class _EventsMsg:
+    __pydantic_config__ = _STRICT
+    v: Literal[1]
+    kind: Literal["events"]
+    items: list[TokenEvent]
+
+
+_requests: TypeAdapter[_RequestMsg] = TypeAdapter(_RequestMsg)
+_events: TypeAdapter[_EventsMsg] = TypeAdapter(_EventsMsg)
+_request_object: TypeAdapter[GenerateRequest] = TypeAdapter(GenerateRequest)
+
+
+def encode(obj: GenerateRequest | list[TokenEvent]) -> bytes:
     """One codec for everything that crosses a process."""
     if isinstance(obj, list):
         return orjson.dumps({"v": SCHEMA_VERSION, "kind": "events", "items": [asdict(e) for e in obj]})
-    kind = "request" if isinstance(obj, GenerateRequest) else "event"
-    return orjson.dumps({"v": SCHEMA_VERSION, "kind": kind, "item": asdict(obj)})
+    return orjson.dumps({"v": SCHEMA_VERSION, "kind": "request", "item": asdict(obj)})
 
 
-def _event_from(d: dict[str, Any]) -> TokenEvent:
-    usage = d.get("usage")
-    d = dict(d, usage=Usage(**usage) if usage else None)
-    return TokenEvent(**d)
+def _wire_error(e: ValidationError, what: str) -> WireError:
+    first = e.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in first["loc"]) or what
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return WireError(f"{where}: {msg}")
 
 
-def decode(data: bytes | str) -> GenerateRequest | TokenEvent | list[TokenEvent]:
-    msg = orjson.loads(data)
-    if msg.get("v") != SCHEMA_VERSION:
-        raise ValueError(f"wire schema version {msg.get('v')!r} is not {SCHEMA_VERSION}")
-    kind = msg.get("kind")
-    if kind == "events":
-        return [_event_from(d) for d in msg["items"]]
-    if kind == "event":
-        return _event_from(msg["item"])
-    if kind == "request":
-        d = dict(msg["item"])
-        d["params"] = SamplingParams.from_dict(d["params"])
-        return GenerateRequest(**d)
-    raise ValueError(f"unknown wire message kind {kind!r}")
+def decode_request(data: bytes | str) -> GenerateRequest:
+    """A GenerateRequest from the wire; WireError when it is not exactly one."""
+    try:
+        return _requests.validate_json(data).item
+    except ValidationError as e:
+        raise _wire_error(e, "request") from None
+
+
+def decode_events(data: bytes | str) -> list[TokenEvent]:
+    """A batch of TokenEvents from the wire; WireError when it is not exactly one."""
+    try:
+        return _events.validate_json(data).items
+    except ValidationError as e:
+        raise _wire_error(e, "events") from None
+
+
+def check_request(request: object) -> GenerateRequest:
+    """The same strict checks for a request handed over in-process (memory broker)."""
+    if not isinstance(request, GenerateRequest):
+        raise WireError(f"not a GenerateRequest: {type(request).__name__}")
+    try:
+        return _request_object.validate_python(request)
+    except ValidationError as e:
+        raise _wire_error(e, "request") from None

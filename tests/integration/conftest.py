@@ -100,7 +100,9 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def run_uvicorn(app_for: Callable[[GatewayConfig], Any], cfg: GatewayConfig) -> Iterator[tuple[str, Any]]:
+def run_uvicorn(
+    app_for: Callable[[GatewayConfig], Any], cfg: GatewayConfig, **uvicorn_overrides: Any
+) -> Iterator[tuple[str, Any]]:
     """uvicorn in a thread on a free port; `app_for(cfg)` builds the app once the port is
     known. Yields (base_url, app)."""
     sock = socket.socket()
@@ -108,7 +110,7 @@ def run_uvicorn(app_for: Callable[[GatewayConfig], Any], cfg: GatewayConfig) -> 
     port = sock.getsockname()[1]
     cfg = dataclasses.replace(cfg, host="127.0.0.1", port=port)
     app = app_for(cfg)
-    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, cfg, **({"log_level": "warning"} | uvicorn_overrides)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

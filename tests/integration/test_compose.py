@@ -139,8 +139,10 @@ def test_ports_agree() -> None:
     gw = compose()["services"]["gateway"]
     genv = service_env("gateway", env)
     (mapping,) = gw["ports"]
-    host, container = interpolate(mapping, env).split(":")
+    bind, host, container = interpolate(mapping, env).split(":")
     assert host == env["GATEWAY_PORT"] and container == genv["WSLLM_PORT"] == "8000"
+    # Published on the loopback only, unless the operator says otherwise: no key by default.
+    assert bind == "127.0.0.1" == interpolate(mapping, {}).split(":")[0] and not env["WSLLM_API_KEY"]
     assert f"127.0.0.1:{container}/health" in " ".join(gw["healthcheck"]["test"])
     df = dockerfile()
     assert ("EXPOSE", container) in df

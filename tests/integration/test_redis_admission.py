@@ -50,6 +50,8 @@ def test_queue_positions_429_and_the_registry(
                     await ws.send(
                         orjson.dumps({"type": "completion", "id": f"w{i}", "prompt": "hi"}).decode()
                     )
+                started = [orjson.loads(await ws.recv()) for _ in range(3)]
+                assert [m["type"] for m in started] == ["started"] * 3  # each with its resume token
                 first = [orjson.loads(await ws.recv()) for _ in range(3)]
                 async with httpx.AsyncClient(base_url=base) as http:
                     full = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})

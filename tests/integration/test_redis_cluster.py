@@ -100,7 +100,10 @@ def test_a_websocket_client_resumes_on_the_other_gateway(cluster: Cluster) -> No
         # the socket is gone mid-answer; a new one, on the other gateway process
         async with websockets.connect(ws_url(gw2)) as ws:
             await ws.recv()
-            await ws.send(json.dumps({"type": "resume", "id": "resume-me", "after_seq": 4}))
+            token = next(m["resume_token"] for m in first if m["type"] == "started")
+            await ws.send(
+                json.dumps({"type": "resume", "id": "resume-me", "after_seq": 4, "resume_token": token})
+            )
             rest = await ws_messages(ws, lambda m: m["type"] in ("done", "error"))
         return first, rest
 
@@ -126,7 +129,10 @@ def test_a_resume_while_the_old_socket_still_closes_keeps_the_new_one(cluster: C
             first = await ws_messages(old, lambda m: m["type"] == "delta" and m["seq"] == 2)
             async with websockets.connect(ws_url(gw1)) as new:
                 await new.recv()
-                await new.send(json.dumps({"type": "resume", "id": "twice", "after_seq": 2}))
+                token = next(m["resume_token"] for m in first if m["type"] == "started")
+                await new.send(
+                    json.dumps({"type": "resume", "id": "twice", "after_seq": 2, "resume_token": token})
+                )
                 rest = [orjson.loads(await new.recv())]  # the resumed stream runs...
                 await old.close()  # ...when the old socket's close reaches the gateway
                 rest += await ws_messages(new, lambda m: m["type"] in ("done", "error"))
@@ -150,9 +156,10 @@ def test_an_sse_client_resumes_on_the_other_gateway_with_last_event_id(cluster: 
             httpx.AsyncClient(timeout=60) as http,
             http.stream("POST", f"{gw1}/v1/completions", json=b | {"stream": True}) as r,
         ):
+            token = r.headers["x-resume-token"]
             await read_sse(r, first, stop_after=5)
         rest = Result()
-        headers = {"last-event-id": str(first.last_event_id)}
+        headers = {"last-event-id": str(first.last_event_id), "x-resume-token": token}
         async with (
             httpx.AsyncClient(timeout=60) as http,
             http.stream("GET", f"{gw2}/v1/streams/{first.request_id}", headers=headers) as r,
@@ -164,7 +171,7 @@ def test_an_sse_client_resumes_on_the_other_gateway_with_last_event_id(cluster: 
     first, rest = asyncio.run(cut_and_resume())
     assert first.last_event_id == 5 and rest.finish_reason == "length"
     assert first.text + rest.text == whole
-    r = httpx.get(f"{gw2}/v1/streams/cmpl-unknown")
+    r = httpx.get(f"{gw2}/v1/streams/cmpl-unknown", headers={"x-resume-token": "cmpl-unknown.secret"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_id"
 
 
@@ -284,7 +291,7 @@ def test_a_soak_of_2000_short_requests_leaves_redis_as_it_found_it(cluster: Clus
                     await ws.send(orjson.dumps(msg).decode())
                     sent += 1
                 m = orjson.loads(await ws.recv())
-                assert m["type"] in ("delta", "done", "queued"), m
+                assert m["type"] in ("started", "delta", "done", "queued"), m
                 done += m["type"] == "done"
         return done
 

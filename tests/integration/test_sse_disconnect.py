@@ -36,7 +36,7 @@ def test_leaving_a_non_streamed_request_aborts_it(tiny_server: Any) -> None:
     host, port = tiny_server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
         s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         # Wait until the engine runs it, then hang up without reading the answer.

@@ -116,11 +116,11 @@ def test_errors_keep_the_socket_open(srv: Any) -> None:
             await send(ws, type="chat", id="x", messages=[])
             await send(ws, type="warp", id="y")
             await send(ws, type="cancel", id="nobody")
-            await send(ws, type="resume", id="old", after_seq=3)
+            await send(ws, type="resume", id="old", after_seq=3, resume_token="cmpl-1.secret")
             await send(ws, **completion("d", max_tokens=2000))
             await send(ws, **completion("d", max_tokens=2))
             await send(ws, type="ping")
-            got = [await recv(ws) for _ in range(7)]
+            got = [await recv(ws) for _ in range(8)]  # 6 errors, pong, and `started` for "d"
             await send(ws, type="cancel", id="d")
             while (m := await recv(ws))["type"] != "done":
                 pass

@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis import RedisBroker
-from wsllm.broker.resume import History, Replay
+from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 
@@ -198,27 +199,39 @@ def test_an_abort_from_another_gateway_reaches_the_engine_holding_the_request(br
     assert engine.aborts() == []
 
 
-def test_a_request_resumes_on_another_gateway_by_its_alias(brokers) -> None:
+def test_a_request_resumes_on_another_gateway_by_its_id(brokers) -> None:
     gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
-    ctx = {"api": "ws_chat", "stops": ["\n"], "prompt_len": 3}
-    asyncio.run(gw1.submit(req("r7"), context=ctx, alias="client-7"))
+    ctx = {"api": "ws_chat", "stops": ["\n"], "prompt_len": 3, "token_sha256": "ab"}
+    asyncio.run(gw1.submit(req("r7"), context=ctx))
     pull_until(engine)
     engine.publish([tokens_event("r7", 0, [31])])
-    found = asyncio.run(gw2.lookup("client-7"))
+    found = asyncio.run(gw2.lookup("r7"))
     assert found is not None and found.request_id == "r7" and found.context == ctx
     assert asyncio.run(gw2.lookup("nobody")) is None
 
-    async def resume() -> list[TokenEvent]:
-        await gw2.follow("r7")
+    async def resume() -> tuple[int, list[TokenEvent]]:
+        attach = await gw2.follow("r7")
         reader = asyncio.create_task(read(gw2, "r7"))
         await asyncio.sleep(0.2)
         await asyncio.to_thread(engine.publish, [tokens_event("r7", 1, [32], "stop")])
-        return await reader
+        return attach, await reader
 
-    events = asyncio.run(resume())
+    attach, events = asyncio.run(resume())
     assert [(e.seq, e.token_ids) for e in events] == [(0, [31]), (1, [32])]
-    # The resumed request is no longer aborted when its first client's grace time ends.
-    assert asyncio.run(gw1.abort_unless_resumed("r7")) is False
+    # The resumed request is no longer aborted when its first client's grace time ends...
+    assert attach == 1 and asyncio.run(gw1.abort_unless_resumed("r7", 0)) is False
+
+
+def test_a_resumed_request_is_aborted_after_its_new_client_leaves_too(brokers) -> None:
+    """One resume must not turn the grace abort off for good: the client that resumed
+    it leaves as well, and its own grace abort goes ahead."""
+    gw1, gw2, engine = brokers(), brokers(), brokers("engine-a")
+    asyncio.run(gw1.submit(req("r9"), context={"api": "ws_chat"}))
+    pull_until(engine)
+    attach = asyncio.run(gw2.follow("r9"))
+    assert asyncio.run(gw1.abort_unless_resumed("r9", 0)) is False  # the first client's: resumed since
+    assert asyncio.run(gw2.abort_unless_resumed("r9", attach)) is True  # the second client's
+    assert engine.aborts() == ["r9"]
 
 
 def test_queued_requests_know_their_place(brokers) -> None:
@@ -248,3 +261,89 @@ def test_a_gap_in_a_stream_ends_the_request_instead_of_skipping_text(brokers) ->
     engine.publish([tokens_event("r8", 2, [3])])  # seq 1 never came
     first, err = asyncio.run(read(gw, "r8"))
     assert first.token_ids == [1] and err.error_code == "worker_lost"
+
+
+def test_a_duplicated_publish_in_the_history_does_not_double_the_sent_tokens() -> None:
+    """A retried publish writes one step twice; the client got it once, so a replay
+    must skip it once (else it sees a mismatch and ends the request)."""
+    history = History.of(
+        [[tokens_event("r", 0, [5])], [tokens_event("r", 0, [5])], [tokens_event("r", 1, [6])]]
+    )
+    assert history.sent == {0: [5, 6]} and history.next_seq == {0: 2}
+    replay = Replay("r", history)
+    out = replay.filter([tokens_event("r", 0, [5, 6, 7], "length")])
+    assert [(e.seq, e.token_ids, e.finish_reason) for e in out] == [(2, [7], "length")] and not replay.failed
+
+
+# -- malformed entries ------------------------------------------------------------------------
+
+
+def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -> None:
+    gw, engine = brokers(), brokers("engine-a")
+    r = engine._sync
+    q = engine.keys.queue("m")
+    asyncio.run(gw.submit(req("named", max_tokens=4)))  # a gateway waits for this one
+    entry_id = r.xrange(q)[0][0]
+    good = orjson.loads(r.xrange(q)[0][1][b"r"])
+    r.xdel(q, entry_id)
+    bad = orjson.loads(orjson.dumps(good))
+    bad["item"]["params"]["top_k"] = 2**64 - 1
+    r.xadd(q, {"r": orjson.dumps(bad)})  # names its request: its client is told
+    for fields in ({"r": b"garbage"}, {"x": b"1"}, {"r": orjson.dumps(good | {"v": 9})}):
+        r.xadd(q, fields)
+    asyncio.run(gw.submit(req("fine")))
+    pulled = pull_until(engine, 1)
+    assert [p.request_id for p in pulled] == ["fine"]
+    dead = r.xrange(engine.keys.dead("m"))
+    reasons = [d[1][b"reason"].decode() for d in dead]
+    assert len(dead) == 4 and all(x.startswith("invalid request entry") for x in reasons), reasons
+    assert "top_k" in reasons[0] and "v" in reasons[3]
+    assert r.xlen(q) == 1  # only the good request, held by the engine
+    (err,) = asyncio.run(read(gw, "named"))
+    assert err.error_code == "invalid_request" and "top_k" in (err.error or "")
+
+
+def test_malformed_abort_entries_are_dead_lettered_once_and_aborts_go_on(brokers) -> None:
+    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    r = a._sync
+    asyncio.run(gw.submit(req("r10")))
+    pull_until(a)
+    pull_for(b, 0.1)  # both engines have started reading the abort stream
+    r.xadd(a.keys.aborts, {"x": b"1"})
+    r.xadd(a.keys.aborts, {"r": b"\xff\xfe"})
+    r.xadd(a.keys.aborts, {"r": b"r10", "extra": b"1"})
+    asyncio.run(gw.abort("r10"))
+    assert a.aborts() == ["r10"] and b.aborts() == []
+    dead = r.xrange(a.keys.dead("m"))
+    assert len(dead) == 3 and all(d[1][b"reason"].startswith(b"invalid abort entry") for d in dead)
+    assert r.xlen(a.keys.aborts) == 1  # the good one stays for every engine
+
+
+def test_an_unreadable_result_entry_ends_its_own_request_only(brokers) -> None:
+    gw, engine = brokers(), brokers("engine-a")
+    asyncio.run(gw.submit(req("hurt")))
+    asyncio.run(gw.submit(req("fine")))
+    pull_until(engine, 2)
+
+    async def go() -> list[TokenEvent]:
+        got: list[TokenEvent] = []
+
+        async def reader() -> None:
+            async for batch in gw.events():
+                got.extend(batch)
+                if any(e.request_id == "fine" and e.finish_reason for e in got):
+                    return
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.2)
+        engine._sync.xadd(engine.keys.out("hurt"), {"m": b"not json"})  # killed the reader once
+        engine._sync.xadd(engine.keys.out("hurt"), {"e": b'{"v":1,"kind":"events","items":[{"seq":"x"}]}'})
+        await asyncio.to_thread(engine.publish, [tokens_event("fine", 0, [1]), tokens_event("hurt", 0, [2])])
+        await asyncio.to_thread(engine.publish, [tokens_event("fine", 1, [3], "length")])
+        await asyncio.wait_for(task, 10)
+        return got
+
+    got = asyncio.run(go())
+    hurt = [e for e in got if e.request_id == "hurt"]
+    assert [(e.error_code, e.finish_reason) for e in hurt] == [("worker_lost", "error")]
+    assert text_of([e for e in got if e.request_id == "fine"]) == [1, 3]

@@ -6,7 +6,7 @@ import torch
 
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.sequence import Sequence
-from wsllm.types import SamplingParams
+from wsllm.types import MAX_TOP_K, SamplingParams
 
 
 def seq(**kw: object) -> Sequence:
@@ -70,5 +70,5 @@ def test_a_tiny_temperature_is_greedy_not_nan() -> None:
 def test_top_k_beyond_the_vocabulary_means_no_limit() -> None:
     s = Sampler(vocab_size=8, eos_token_ids=[0])
     logits = torch.zeros(1, 8)
-    picks = {s(logits, [seq(temperature=1.0, top_k=1 << 40)]).token_ids[0] for _ in range(200)}
+    picks = {s(logits, [seq(temperature=1.0, top_k=MAX_TOP_K)]).token_ids[0] for _ in range(200)}
     assert len(picks) >= 6  # every token stays possible

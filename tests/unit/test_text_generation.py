@@ -10,7 +10,8 @@ import pytest
 
 from wsllm.broker.memory import MemoryBroker
 from wsllm.config import GatewayConfig
-from wsllm.server.gateway import Gateway, Generation, GenerationError
+from wsllm.server.gateway import Gateway
+from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics
 from wsllm.server.text import TextCodec
 from wsllm.types import SamplingParams, TokenEvent, Usage
@@ -34,7 +35,7 @@ def run(
 
     async def go() -> tuple[list[list[tuple[int, str, str | None, int]]], Generation]:
         router = asyncio.create_task(gw.router.run())
-        gen = Generation(gw, "r1", codec.encode("Hi"), params, stops, "completions")
+        gen = Generation(gw.svc, "r1", codec.encode("Hi"), params, stops, "completions")
         for b in batches:
             broker.publish(b)
         await asyncio.sleep(0.05)  # the router queues every event before the first read
@@ -95,7 +96,7 @@ def test_an_engine_error_is_raised_once(codec: TextCodec) -> None:
 
     async def go() -> None:
         router = asyncio.create_task(gw.router.run())
-        gen = Generation(gw, "r1", [1], SamplingParams(), [], "chat")
+        gen = Generation(gw.svc, "r1", [1], SamplingParams(), [], "chat")
         broker.publish(
             [TokenEvent("r1", 0, [], finish_reason="error", error="no room", error_code="invalid_request")]
         )

@@ -131,3 +131,23 @@ def test_the_thread_stops_cleanly_and_empties_the_engine(engine: Any) -> None:
     ev = asyncio.run(asyncio.wait_for(last_event(), 5))
     assert (ev.request_id, ev.finish_reason, ev.error_code) == ("x", "error", "worker_lost")
     broker.close()
+
+
+def test_an_invalid_request_fails_alone_and_goes_to_the_dead_letters(rig: Any) -> None:
+    """The issue's case: top_k = 2**64 - 1 overflowed the sampler and failed the whole
+    batch. The worker checks every request it pulls against the wire schema."""
+    worker, broker, events = rig
+    submit(broker, "good", max_tokens=6)
+    worker.run_once()
+    p = SamplingParams(temperature=1.0, max_tokens=4)
+    p.top_k = 2**64 - 1  # past the checks a gateway would have made
+    asyncio.run(broker.submit(GenerateRequest("bad", [5, 6], p, arrival_time=time.time())))
+    run_until_done(worker)
+    (err,) = [e for e in events if e.request_id == "bad"]
+    assert (err.finish_reason, err.error_code) == ("error", "invalid_request") and "top_k" in (
+        err.error or ""
+    )
+    assert [e.finish_reason for e in events if e.request_id == "good"][-1] == "length"
+    assert sum(len(e.token_ids) for e in events if e.request_id == "good") == 6
+    ((item, reason),) = broker.dead_letters
+    assert getattr(item, "request_id", None) == "bad" and "top_k" in reason

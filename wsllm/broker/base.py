@@ -16,12 +16,15 @@ tests (tests/unit/test_broker_contract.py).
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from wsllm.types import GenerateRequest, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 class BrokerError(Exception):
@@ -44,7 +47,8 @@ class BrokerUnavailable(BrokerError):
 @dataclass(slots=True)
 class Resumable:
     """What a gateway needs to pick up a request that another connection (or another
-    gateway process) started: stored with the request by `submit(..., context=)`."""
+    gateway process) started: stored with the request by `submit(..., context=)`.
+    The context holds the hash of the request's resume token: the gateway checks it."""
 
     request_id: str
     context: dict[str, Any]
@@ -66,7 +70,21 @@ class EngineInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
-        return cls(**d)
+        """From a heartbeat; ValueError when it is not one."""
+        if not isinstance(d, dict):
+            raise ValueError("an engine heartbeat must be a JSON object")
+        info = cls(**d)
+        ok = (
+            isinstance(info.engine_id, str)
+            and isinstance(info.model, str)
+            and isinstance(info.max_model_len, int)
+            and info.max_model_len > 0
+            and isinstance(info.stats, dict)
+            and isinstance(info.last_seen, (int, float))
+        )
+        if not ok:
+            raise ValueError(f"not an engine heartbeat: {d!r:.200}")
+        return info
 
 
 class Broker(abc.ABC):
@@ -92,13 +110,12 @@ class Broker(abc.ABC):
         *,
         max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
-        alias: str | None = None,
     ) -> None:
         """Queue `request` for an engine; this gateway receives its events. Raises
         QueueFull when `max_waiting` (default: the broker's own cap) requests already
         wait, BrokerClosed after close(), BrokerUnavailable while the store is down.
         Never waits for an engine to take it. A resumable broker keeps `context`
-        (JSON) with the request, findable by its id or by `alias`."""
+        (JSON) with the request, for `lookup` by its id."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -114,18 +131,21 @@ class Broker(abc.ABC):
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """This gateway stops receiving `request_id`'s events; the request goes on."""
 
-    async def lookup(self, key: str) -> Resumable | None:
-        """A resumable request by its id or alias; None when unknown or expired."""
+    async def lookup(self, request_id: str) -> Resumable | None:
+        """A resumable request by its id; None when unknown or expired. The caller
+        checks the resume token against the context."""
         return None
 
-    async def follow(self, request_id: str) -> None:
+    async def follow(self, request_id: str) -> int:
         """Receive `request_id`'s events from its first one (a resume); the caller
-        skips what its client already has."""
+        skips what its client already has. Returns the request's attach count (how
+        many times it was resumed), for `abort_unless_resumed`."""
         raise BrokerError(f"{type(self).__name__} cannot resume requests")
 
-    async def abort_unless_resumed(self, request_id: str) -> bool:
-        """Abort a request whose client left, unless a client resumed it since.
-        Returns True when it aborted."""
+    async def abort_unless_resumed(self, request_id: str, attach: int) -> bool:
+        """Abort a request whose client left, unless a client resumed it since that
+        client attached (`attach`: the count `follow` gave it; 0 for the client that
+        started it). Returns True when it aborted."""
         await self.abort(request_id)
         return True
 
@@ -164,6 +184,12 @@ class Broker(abc.ABC):
 
     def deregister(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """The engine leaves cleanly; gateways stop counting it at once."""
+
+    def dead_letter(self, item: object, reason: str) -> None:
+        """Put aside something the engine received and cannot serve at all (it is
+        not a valid request), with the reason. Brokers that keep a dead-letter stream
+        keep it there; the worker has already failed the request."""
+        log.error("dead letter (%s): %r", reason, item)
 
     def release(self, request_ids: list[str]) -> list[str]:
         """Hand requests this engine pulled back to the queue, for another engine to

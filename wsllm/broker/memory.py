@@ -43,6 +43,8 @@ class MemoryBroker(Broker):
         self._aborts: deque[str] = deque(maxlen=max_aborts)
         self._events: deque[list[TokenEvent]] = deque()
         self._engines: dict[str, EngineInfo] = {}
+        #: what engines could not serve at all, with the reason (the last few)
+        self.dead_letters: deque[tuple[object, str]] = deque(maxlen=1000)
         self._closed = False
         # The reader task's loop and wake-up event; set while events() runs.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,9 +59,8 @@ class MemoryBroker(Broker):
         *,
         max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
-        alias: str | None = None,
     ) -> None:
-        # context and alias serve resuming, which this broker does not do.
+        # context serves resuming, which this broker does not do.
         cap = self.max_pending if max_waiting is None else min(max_waiting, self.max_pending)
         with self._lock:
             if self._closed:
@@ -147,6 +148,11 @@ class MemoryBroker(Broker):
                 return
             self._events.append(list(events))
             self._wake_reader()
+
+    def dead_letter(self, item: object, reason: str) -> None:
+        log.error("dead letter (%s): %r", reason, item)
+        with self._lock:
+            self.dead_letters.append((item, reason))
 
     def heartbeat(self, info: EngineInfo) -> None:
         d = info.to_dict()

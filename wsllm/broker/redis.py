@@ -5,8 +5,8 @@ a request up again (resume) within the retention time.
 One object per process side, like the memory broker: a gateway uses the asyncio
 half (`redis_gateway.GatewaySide`), an engine worker the blocking half
 (`redis_engine.EngineSide`). The key layout is in `redis_keys.py`; recovery of a
-crashed engine's requests is in `resume.py`; the reasons for the layout are in
-docs/architecture.md.
+crashed engine's requests is in `redis_recovery.py` and `replay.py`; the reasons for
+the layout are in docs/architecture.md.
 
     broker = RedisBroker("redis://localhost:6379/0", model="SmolLM2-135M-Instruct")
 """
@@ -67,15 +67,14 @@ class RedisBroker(Broker):
         *,
         max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
-        alias: str | None = None,
     ) -> None:
-        await self.gateway.submit(request, max_waiting, context, alias)
+        await self.gateway.submit(request, max_waiting, context)
 
     async def abort(self, request_id: str) -> None:
         await self.gateway.abort(request_id)
 
-    async def abort_unless_resumed(self, request_id: str) -> bool:
-        return await self.gateway.abort(request_id, unless_resumed=True)
+    async def abort_unless_resumed(self, request_id: str, attach: int) -> bool:
+        return await self.gateway.abort(request_id, attach=attach)
 
     def events(self) -> AsyncIterator[list[TokenEvent]]:
         return self.gateway.events()
@@ -83,11 +82,11 @@ class RedisBroker(Broker):
     def forget(self, request_id: str) -> None:
         self.gateway.forget(request_id)
 
-    async def lookup(self, key: str) -> Resumable | None:
-        return await self.gateway.lookup(key)
+    async def lookup(self, request_id: str) -> Resumable | None:
+        return await self.gateway.lookup(request_id)
 
-    async def follow(self, request_id: str) -> None:
-        await self.gateway.follow(request_id)
+    async def follow(self, request_id: str) -> int:
+        return await self.gateway.follow(request_id)
 
     async def engines(self) -> list[EngineInfo]:
         return self._alive(await self.gateway.engines())
@@ -120,6 +119,9 @@ class RedisBroker(Broker):
 
     def release(self, request_ids: list[str]) -> list[str]:
         return self.engine.release(request_ids)
+
+    def dead_letter(self, item: object, reason: str) -> None:
+        self.engine.dead.item(item, reason)
 
     def engine_alive(self, engine_id: str) -> bool:
         """Whether `engine_id`'s heartbeat is in Redis now (blocking; for tools)."""

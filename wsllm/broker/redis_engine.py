@@ -4,7 +4,10 @@ worker loop (no asyncio).
 - `pull` reads the model's request stream as one consumer of the `engines` group,
   `COUNT` = the engine's free capacity. On its first call it drains its own pending
   entries (a restart under the same `--engine-id`), and every few seconds it takes
-  entries whose engine stopped refreshing its lease (`redis_recovery.py`).
+  entries whose engine stopped refreshing its lease (`redis_recovery.py` decides,
+  this side applies). Every entry is decoded strictly (`types.decode_request`); one
+  that is not a valid request goes to the dead-letter stream with the reason, and so
+  does a malformed entry of the abort stream.
 - `publish` sends one engine step in one pipelined round trip: one `XADD` per request
   to its result stream, plus `XACK` + `XDEL` (+ expiry) for the requests that ended.
 - `heartbeat` refreshes the registry and the lease on every entry this engine holds.
@@ -27,11 +30,12 @@ import redis
 import redis.exceptions
 
 from wsllm.broker.base import EngineInfo
+from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
-from wsllm.broker.redis_recovery import Recovery
-from wsllm.broker.resume import Replay
+from wsllm.broker.redis_recovery import Decision, Entry, Recovery
+from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
-from wsllm.types import FINISH_ERROR, GenerateRequest, TokenEvent, decode, encode
+from wsllm.types import GenerateRequest, TokenEvent, WireError, decode_request, encode
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,6 @@ class _Held:
 
     entry_id: str
     n: int
-    alias: str
     request: GenerateRequest
     done: set[int]
     replay: Replay | None = None
@@ -72,7 +75,8 @@ class EngineSide:
         self._aborts_fresh = False  # publish read the abort stream since the last aborts()
         self._down = False  # Redis was unreachable at the last try
         self._refresh = r.register_script(REFRESH)
-        self.recovery = Recovery(self)
+        self.dead = DeadLetters(r, keys, cfg, model, self.queue)
+        self.recovery = Recovery(r, keys, cfg, self.queue, consumer)
 
     # -- pull ------------------------------------------------------------------------
 
@@ -83,7 +87,7 @@ class EngineSide:
             out = self._start(max_n) if not self._started else []
             if len(out) < max_n and time.monotonic() >= self._next_reclaim:
                 self._next_reclaim = time.monotonic() + min(self.cfg.lease_s / 4, 2.0)
-                out += self.recovery.reclaim(max_n - len(out))
+                out += self._apply(self.recovery.reclaim(max_n - len(out), self.held_entry_ids()))
             if len(out) < max_n:
                 out += self._read_new(max_n - len(out), 0.0 if out else timeout)
             if self._down:
@@ -114,7 +118,7 @@ class EngineSide:
         self._started = True
         if entries:
             log.info("%s: picking up %d of its own pending requests", self.consumer, len(entries))
-        return self.recovery.recover([(i.decode(), f) for i, f in entries if f])
+        return self._apply(self.recovery.decide([(i.decode(), f) for i, f in entries if f]))
 
     def _ensure_group(self) -> None:
         try:
@@ -133,7 +137,7 @@ class EngineSide:
             if got or block is None or self.closed.is_set():
                 return got
 
-    def _admit(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[GenerateRequest]:
+    def _admit(self, entries: list[Entry]) -> list[GenerateRequest]:
         """New entries; those handed back by another engine carry `h` and go through
         recovery (their result stream may hold tokens already)."""
         fresh, seen = [], []
@@ -141,34 +145,40 @@ class EngineSide:
             if fields.get(b"h"):
                 seen.append((entry_id, fields))
                 continue
-            req = self.hold(entry_id, fields)
-            if req is not None:
-                fresh.append(req)
-        return fresh + (self.recovery.recover(seen) if seen else [])
-
-    def hold(
-        self,
-        entry_id: str,
-        fields: dict[bytes, bytes],
-        replay: Replay | None = None,
-        req: GenerateRequest | None = None,
-    ) -> GenerateRequest | None:
-        if req is None:
             try:
-                req = decode(fields[b"r"])  # type: ignore[assignment]
-                assert isinstance(req, GenerateRequest)
-            except Exception:  # a message nobody can serve: out of the queue, into the dead letters
-                log.exception("undecodable request entry %s; dead-lettering it", entry_id)
-                self.recovery.dead_letter(entry_id, fields, "undecodable")
-                return None
+                if set(fields) != {b"r"}:
+                    raise WireError(f"the entry must have exactly one field, r; it has {sorted(fields)}")
+                req = decode_request(fields[b"r"])
+            except WireError as e:  # nobody can serve it: out of the queue, into the dead letters
+                self.dead.request_entry(entry_id, fields, f"invalid request entry: {e}")
+                continue
+            if self.hold(entry_id, req):
+                fresh.append(req)
+        return fresh + (self._apply(self.recovery.decide(seen)) if seen else [])
+
+    def _apply(self, decisions: list[Decision]) -> list[GenerateRequest]:
+        """Carry out recovery's decisions; returns the requests to run here."""
+        out = []
+        for d in decisions:
+            if d.request is not None and d.plan in (Plan.FRESH, Plan.REPLAY):
+                if self.hold(d.entry_id, d.request, d.replay):
+                    out.append(d.request)
+            elif d.plan is Plan.DEAD:
+                self.dead.request_entry(d.entry_id, d.fields, d.reason, final=d.final)
+            else:
+                rid = d.request.request_id if d.request is not None else ""
+                if d.final is not None:
+                    self.r.xadd(self.keys.out(rid), {"e": encode([d.final])}, nomkstream=True)
+                self.ack([(d.entry_id, rid)])
+        return out
+
+    def hold(self, entry_id: str, req: GenerateRequest, replay: Replay | None = None) -> bool:
         with self._lock:
             if req.request_id in self._held:  # delivered twice (a hand-back raced): run it once
                 log.warning("%s: %s is already running here", self.consumer, req.request_id)
-                return None
-            self._held[req.request_id] = _Held(
-                entry_id, req.params.n, (fields.get(b"a") or b"").decode(), req, set(), replay
-            )
-        return req
+                return False
+            self._held[req.request_id] = _Held(entry_id, req.params.n, req, set(), replay)
+        return True
 
     def held_entry_ids(self) -> set[str]:
         with self._lock:
@@ -192,13 +202,19 @@ class EngineSide:
             return
         entries = resp[0][1]
         self._aborts_cursor = entries[-1][0].decode()
+        bad = []
         with self._lock:
-            for _, f in entries:
-                rid = f[b"r"].decode()
+            for entry_id, f in entries:
+                rid = abort_target(f)
+                if rid is None:
+                    bad.append((entry_id.decode(), f))
+                    continue
                 held = self._held.get(rid)
                 if held is not None and not held.aborted:
                     held.aborted = True
                     self._local_aborts.append(rid)
+        for entry_id, f in bad:
+            self.dead.abort_entry(entry_id, f)
 
     # -- publish ---------------------------------------------------------------------
 
@@ -207,7 +223,7 @@ class EngineSide:
         for ev in events:
             by_request.setdefault(ev.request_id, []).append(ev)
         writes: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
-        ended: list[tuple[str, str, str]] = []
+        ended: list[tuple[str, str]] = []
         with self._lock:
             for rid, evs in by_request.items():
                 held = self._held.get(rid)
@@ -216,7 +232,7 @@ class EngineSide:
                     if self._ended(held, evs):
                         del self._held[rid]
                         if not held.dropped:
-                            ended.append((held.entry_id, rid, held.alias))
+                            ended.append((held.entry_id, rid))
                     if held.dropped:
                         continue
                 if evs:
@@ -255,7 +271,7 @@ class EngineSide:
     @staticmethod
     def _ended(held: _Held, evs: list[TokenEvent]) -> bool:
         for ev in evs:
-            if ev.finish_reason == FINISH_ERROR:
+            if ev.ends_request:
                 return True
             if ev.finish_reason is not None:
                 held.done.add(ev.index)
@@ -268,16 +284,15 @@ class EngineSide:
                 held.dropped = True
                 self._local_aborts.append(rid)
 
-    def _add_acks(self, pipe: Any, ended: list[tuple[str, str, str]]) -> None:
+    def _add_acks(self, pipe: Any, ended: list[tuple[str, str]]) -> None:
         retention = int(self.cfg.stream_retention_s * 1000)
-        for entry_id, rid, alias in ended:
+        for entry_id, rid in ended:
             pipe.xack(self.queue, GROUP, entry_id)
             pipe.xdel(self.queue, entry_id)
-            pipe.pexpire(self.keys.out(rid), retention)
-            if alias:
-                pipe.pexpire(alias, retention)
+            if rid:
+                pipe.pexpire(self.keys.out(rid), retention)
 
-    def ack(self, ended: list[tuple[str, str, str]]) -> None:
+    def ack(self, ended: list[tuple[str, str]]) -> None:
         self._execute(lambda pipe: self._add_acks(pipe, ended))
 
     def _execute(self, build: Callable[[Any], None], transaction: bool = False) -> list[Any] | None:
@@ -351,7 +366,7 @@ class EngineSide:
             if held is None or held.dropped:
                 left.append(rid)
                 continue
-            fields = {"r": encode(held.request), "a": held.alias, "h": "1"}
+            fields = {"r": encode(held.request), "h": "1"}
             pipe = self.r.pipeline(transaction=True)
             pipe.xadd(self.queue, fields)
             pipe.xack(self.queue, GROUP, held.entry_id)

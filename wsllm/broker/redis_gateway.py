@@ -4,7 +4,8 @@ The reader (`events()`) follows the result streams of this gateway's live reques
 with one blocking `XREAD` over all of them plus the gateway's wake-up stream (a new
 request, or a resume, wakes it). It checks every event's `seq` per choice, so a
 duplicate (a retried publish) is dropped and a gap ends the request with
-`worker_lost` instead of wrong text. When Redis comes back after an outage it checks
+`worker_lost` instead of wrong text. An entry it cannot read ends its own request
+with `worker_lost` and nothing else. When Redis comes back after an outage it checks
 that each followed request still exists (Redis may have restarted empty) and ends
 those that do not.
 """
@@ -36,7 +37,7 @@ from wsllm.broker.redis_keys import (
     client_options,
 )
 from wsllm.config import RedisConfig
-from wsllm.types import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenEvent, decode, encode
+from wsllm.types import GenerateRequest, TokenEvent, WireError, decode_events, encode
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,6 @@ class _Follow:
     n: int = 1
     next_seq: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
-
-
-def _lost(rid: str, why: str) -> TokenEvent:
-    return TokenEvent(rid, -1, [], finish_reason=FINISH_ERROR, error=why, error_code="worker_lost")
 
 
 class GatewaySide:
@@ -99,7 +96,6 @@ class GatewaySide:
         request: GenerateRequest,
         max_waiting: int | None,
         context: dict[str, Any] | None,
-        alias: str | None,
     ) -> None:
         if self.closed:
             raise BrokerClosed("the broker is closed")
@@ -107,13 +103,11 @@ class GatewaySide:
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(rid), self.wake_key]
-        if alias:
-            keys.append(self.keys.alias(alias))
         self._follows[rid] = _Follow(n=request.params.n)  # before it can have events
         cap = self.max_waiting if max_waiting is None else max_waiting
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
-            ok, value = await self._call(SUBMIT, keys, [GROUP, cap, encode(request), meta, ttl_ms, rid])
+            ok, value = await self._call(SUBMIT, keys, [GROUP, cap, encode(request), meta, ttl_ms])
         except BaseException:
             self._follows.pop(rid, None)
             raise
@@ -122,40 +116,44 @@ class GatewaySide:
             raise QueueFull(f"{value} requests are already waiting for an engine")
         self._queued[rid] = value.decode()
 
-    async def abort(self, request_id: str, unless_resumed: bool = False) -> bool:
+    async def abort(self, request_id: str, attach: int | None = None) -> bool:
+        """Abort; with `attach`, only if no client resumed the request since then."""
         self.forget(request_id)
-        marker = encode([TokenEvent(request_id, -1, [], index=-1, finish_reason=FINISH_ABORT)])
-        keys = [self.keys.out(request_id), self.keys.aborts, self.keys.resumed(request_id)]
+        marker = encode([TokenEvent.abort_marker(request_id)])
+        keys = [self.keys.out(request_id), self.keys.aborts, self.keys.attached(request_id)]
         retention = int(self.cfg.stream_retention_s * 1000)
-        args = [request_id, retention, marker, self.cfg.aborts_maxlen, "1" if unless_resumed else "0"]
+        args = [request_id, retention, marker, self.cfg.aborts_maxlen, "" if attach is None else str(attach)]
         return bool(await self._call(ABORT, keys, args) == 1)
 
     # -- resume --------------------------------------------------------------------------
 
-    async def lookup(self, key: str) -> Resumable | None:
-        r = self.client()
+    async def lookup(self, request_id: str) -> Resumable | None:
         try:
-            rid = await r.get(self.keys.alias(key))
-            rid = rid.decode() if rid is not None else key
-            first = await r.xrange(self.keys.out(rid), count=1)
+            first = await self.client().xrange(self.keys.out(request_id), count=1)
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         if not first or b"m" not in first[0][1]:
             return None
-        meta = orjson.loads(first[0][1][b"m"])
-        return Resumable(rid, meta.get("ctx") or {})
+        try:
+            ctx = orjson.loads(first[0][1][b"m"]).get("ctx")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return Resumable(request_id, ctx) if isinstance(ctx, dict) else None
 
-    async def follow(self, request_id: str) -> None:
-        """Read the request's stream from its start; mark it resumed (no grace abort)."""
+    async def follow(self, request_id: str) -> int:
+        """Read the request's stream from its start; count the attach (the grace abort
+        of the client that left before is off). Returns the new attach count."""
         self._follows[request_id] = _Follow()
         pipe = self.client().pipeline(transaction=False)
-        pipe.set(self.keys.resumed(request_id), "1", px=int(self.cfg.request_ttl_s * 1000))
+        pipe.incr(self.keys.attached(request_id))
+        pipe.pexpire(self.keys.attached(request_id), int(self.cfg.request_ttl_s * 1000))
         pipe.xadd(self.wake_key, {"x": "1"}, maxlen=1, approximate=False)
         try:
-            await pipe.execute()
+            attach, _, _ = await pipe.execute()
         except UNAVAILABLE as e:
             self._follows.pop(request_id, None)
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+        return int(attach)
 
     def forget(self, request_id: str) -> None:
         self._follows.pop(request_id, None)
@@ -216,40 +214,51 @@ class GatewaySide:
         out: list[TokenEvent] = []
         for entry_id, fields in entries:
             f.last_id = entry_id.decode()
-            if b"m" in fields:
-                f.n = int(orjson.loads(fields[b"m"]).get("n", 1))
-            if b"e" not in fields:
-                continue
-            self._queued.pop(rid, None)
             try:
-                events = decode(fields[b"e"])
-                assert isinstance(events, list)
-            except Exception:
-                log.exception("undecodable entry %s of %s", entry_id, rid)
-                out.append(_lost(rid, "the engine sent an event this gateway cannot read"))
+                events = self._entry_events(f, fields)
+            except (WireError, orjson.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
+                # One bad entry ends its own request, and nothing else.
+                log.error("unreadable entry %s of %s: %s", entry_id, rid, e)
+                out.append(TokenEvent.lost(rid, "the engine sent an event this gateway cannot read"))
                 self.forget(rid)
                 return out
+            if events:
+                self._queued.pop(rid, None)
             for raw in events:
                 ev = self._checked(rid, f, raw)
                 if ev is None:
                     continue
                 out.append(ev)
-                if ev.finish_reason == FINISH_ERROR or ev.index < 0 or len(f.done) >= f.n:
+                if ev.ends_request or len(f.done) >= f.n:
                     self.forget(rid)
                     return out
         return out
 
     @staticmethod
+    def _entry_events(f: _Follow, fields: dict[bytes, bytes]) -> list[TokenEvent]:
+        """The events of one result-stream entry (the meta entry has none)."""
+        if b"m" in fields:
+            n = orjson.loads(fields[b"m"]).get("n", 1)
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"bad choice count {n!r}")
+            f.n = n
+        if b"e" not in fields:
+            return []
+        return decode_events(fields[b"e"])
+
+    @staticmethod
     def _checked(rid: str, f: _Follow, ev: TokenEvent) -> TokenEvent | None:
-        """Drop duplicates; turn a gap into worker_lost."""
-        if ev.seq >= 0 and ev.index >= 0 and ev.finish_reason != FINISH_ERROR:
+        """Drop duplicates and events of another request; turn a gap into worker_lost."""
+        if ev.request_id != rid:
+            return None
+        if ev.seq >= 0 and not ev.ends_request and not ev.whole_request:
             want = f.next_seq.get(ev.index, 0)
             if ev.seq < want:
                 return None
             if ev.seq > want:
-                return _lost(rid, f"events {want}..{ev.seq - 1} of this request were lost")
+                return TokenEvent.lost(rid, f"events {want}..{ev.seq - 1} of this request were lost")
             f.next_seq[ev.index] = want + 1
-        if ev.finish_reason is not None and ev.index >= 0:
+        if ev.finish_reason is not None and not ev.whole_request:
             f.done.add(ev.index)
         return ev
 
@@ -265,7 +274,7 @@ class GatewaySide:
         for rid, first in zip(rids, await pipe.execute(), strict=True):
             if not first or b"m" not in first[0][1]:
                 self.forget(rid)
-                lost.append(_lost(rid, "the broker restarted and lost this request"))
+                lost.append(TokenEvent.lost(rid, "the broker restarted and lost this request"))
         return lost
 
     # -- registry and queue ----------------------------------------------------------------
@@ -282,7 +291,11 @@ class GatewaySide:
         ttl_ms = self.cfg.engine_ttl_s * 1000
         infos = []
         for raw, pttl in zip(flat[::2], flat[1::2], strict=True):
-            info = EngineInfo.from_dict(orjson.loads(raw))
+            try:
+                info = EngineInfo.from_dict(orjson.loads(raw))
+            except (orjson.JSONDecodeError, TypeError, ValueError):
+                log.warning("an engine heartbeat this gateway cannot read: %r", raw[:200])
+                continue
             info.last_seen = now - max(0.0, ttl_ms - int(pttl)) / 1000  # Redis's clock, not the engine's
             infos.append(info)
         self._engines = (time.monotonic(), infos)

@@ -6,11 +6,12 @@ Every key starts with the deployment's prefix (`wsllm` by default):
     {p}:o:{request_id}  result stream of one request: a `meta` entry (the gateway's context,
                         the request entry's id), then one entry per engine step with that
                         step's TokenEvents for the request
-    {p}:ws:{alias}      a WebSocket client's id -> request id (resume on any gateway)
-    {p}:att:{rid}       set when a client resumed the request (its grace abort is off)
+    {p}:att:{rid}       how many times a client resumed the request: a grace abort goes
+                        ahead only if nobody resumed it since the client it waits for left
     {p}:w:{gateway}     a gateway's wake-up stream (a new request to read)
     {p}:aborts          broadcast abort stream, read by every engine
-    {p}:dead:{model}    dead-letter stream
+    {p}:dead:{model}    dead-letter stream: queue and abort entries no engine can serve, with
+                        the reason
     {p}:engines         set of engine ids; {p}:engine:{id} its heartbeat, with a TTL
 
 docs/architecture.md (the broker section) explains the choice of one result stream
@@ -55,10 +56,7 @@ class Keys:
     def out(self, request_id: str) -> str:
         return f"{self.prefix}:o:{request_id}"
 
-    def alias(self, alias: str) -> str:
-        return f"{self.prefix}:ws:{alias}"
-
-    def resumed(self, request_id: str) -> str:
+    def attached(self, request_id: str) -> str:
         return f"{self.prefix}:att:{request_id}"
 
     def wake(self, gateway_id: str) -> str:
@@ -81,8 +79,8 @@ class Keys:
 
 # Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
 # the stream minus those delivered and not yet acked), else queue the request, open its
-# result stream with the meta entry, map the alias and wake the submitting gateway.
-# KEYS: queue, out, wake, [alias]   ARGV: group, max_waiting, request, meta, ttl_ms, rid
+# result stream with the meta entry and wake the submitting gateway.
+# KEYS: queue, out, wake   ARGV: group, max_waiting, request, meta, ttl_ms
 SUBMIT = """
 local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
 if not ok then
@@ -91,11 +89,9 @@ if not ok then
 end
 local waiting = redis.call('XLEN', KEYS[1]) - pend[1]
 if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
-local alias = KEYS[4] or ''
-local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'a', alias)
+local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3])
 redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-if KEYS[4] then redis.call('SET', KEYS[4], ARGV[6], 'PX', ARGV[5]) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return {1, id}
@@ -103,10 +99,11 @@ return {1, id}
 
 # Abort from any gateway: drop the entry if it still waits, tell every engine, and end
 # the result stream with a whole-request abort marker (a resumed client sees the end).
-# With ARGV[5] == '1' it does nothing when a client resumed the request meanwhile.
-# KEYS: out, aborts, resumed   ARGV: rid, retention_ms, marker, aborts_maxlen, unless_resumed
+# A grace abort passes ARGV[5], the attach count its client had: it does nothing when a
+# client resumed the request since (the count moved on).
+# KEYS: out, aborts, attached   ARGV: rid, retention_ms, marker, aborts_maxlen, attach ('' = always)
 ABORT = """
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if ARGV[5] ~= '' and (redis.call('GET', KEYS[3]) or '0') ~= ARGV[5] then return 0 end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #first == 0 then return -1 end
 local f = first[1][2]
@@ -176,4 +173,18 @@ for i = 3, #ARGV do
   end
 end
 return lost
+"""
+
+# Move a malformed abort entry to the dead-letter stream, once: the engine whose XDEL
+# removes it does the move; the others find it gone.
+# KEYS: aborts, dead   ARGV: entry id, reason, dead_maxlen, model, the entry's fields...
+DEAD_ABORT = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for _, v in ipairs({'reason', ARGV[2], 'entry', ARGV[1], 'stream', 'aborts', 'model', ARGV[4]}) do
+  fields[#fields + 1] = v
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
+return 1
 """

@@ -27,7 +27,15 @@ from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.models import cpu_linear, loader
 from wsllm.models.llama import LlamaForCausalLM
-from wsllm.types import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from wsllm.types import (
+    ERR_INTERNAL,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineBusy,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +232,7 @@ class LLMEngine:
         if params.use_beam_search and params.beam_width > self.config.max_num_seqs:
             raise ValueError(f"beam_width must be <= max_num_seqs ({self.config.max_num_seqs})")
         if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
-            raise ValueError("the engine is full; retry later")
+            raise EngineBusy("the engine is full; retry later")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now. Its blocks are freed before this returns; the next
@@ -292,7 +300,7 @@ class LLMEngine:
         for i, reason in failed.items():
             req = self._requests.get(seqs[i].request_id)
             if req is not None:
-                outputs.append(self._fail(req, "internal_error", reason))
+                outputs.append(self._fail(req, ERR_INTERNAL, reason))
         return outputs
 
     def _beam_output(self, req: _Request) -> RequestOutput:

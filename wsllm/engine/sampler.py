@@ -96,13 +96,10 @@ def _noise(seqs: list[Sequence], probs: torch.Tensor, generator: torch.Generator
     return q
 
 
-# Below this temperature a row is sampled greedily: dividing by it would overflow the
-# logits into inf / NaN (vLLM uses the same threshold).
-SAMPLING_EPS = 1e-5
-
-
 def is_greedy(s: Sequence) -> bool:
-    return s.params.temperature < SAMPLING_EPS
+    # below types.GREEDY_BELOW a temperature is greedy: dividing by it would overflow the
+    # logits into inf / NaN (vLLM uses the same threshold)
+    return s.params.greedy
 
 
 def _needs_penalties(s: Sequence) -> bool:

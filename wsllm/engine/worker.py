@@ -2,8 +2,10 @@
 own thread, in a deployment it is the engine process's main loop.
 
 One iteration:
-  1. pull as many requests as the engine can admit now (`free_capacity()`), and add
-     them; a request the engine refuses becomes an error event, never a crash;
+  1. pull as many requests as the engine can admit now (`free_capacity()`), check each
+     against the wire schema (`types.check_request`; what fails goes to the broker's
+     dead letters) and add it; a request the engine refuses, or that fails while it
+     is added, becomes an error event for that request only, never a crash;
   2. apply aborts (after the adds, so an abort that raced a pull still lands);
   3. step the engine and publish one batch of TokenEvents for the whole step.
 
@@ -23,7 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from wsllm.broker.base import Broker, EngineInfo
-from wsllm.types import FINISH_ERROR, GenerateRequest, SamplingParams, TokenEvent, Usage
+from wsllm.types import (
+    ERR_ENGINE_BUSY,
+    ERR_INTERNAL,
+    ERR_INVALID_REQUEST,
+    ERR_WORKER_LOST,
+    EngineBusy,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+    WireError,
+    check_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +155,7 @@ class EngineWorker:
         busy = self.engine.has_unfinished()
         room = 0 if self._draining.is_set() else self.engine.free_capacity()
         events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s))
-        for rid in self.broker.aborts():
-            self.engine.abort(rid)  # False when it finished already: nothing to free
+        self._apply_aborts(self.broker.aborts())
         if self.engine.has_unfinished():
             events += self._step()
         if events:
@@ -156,20 +169,58 @@ class EngineWorker:
         errors: list[TokenEvent] = []
         for r in requests:
             try:
-                # The gateway's arrival time: queue time then counts the broker's queue too.
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None)
-            except ValueError as e:
-                errors.append(_error_event(r.request_id, "invalid_request", str(e)))
+                r = check_request(r)
+            except WireError as e:  # nobody can serve it; fail it if it names a request
+                self.broker.dead_letter(r, f"invalid request: {e}")
+                rid = getattr(r, "request_id", None)
+                if isinstance(rid, str) and rid and rid not in self._live:
+                    errors.append(_error_event(rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {e}"))
                 continue
-            self._live[r.request_id] = _Live()
+            error = self._add(r)
+            if error is None:
+                self._live[r.request_id] = _Live()
+            else:
+                errors.append(error)
         return errors
+
+    def _add(self, r: GenerateRequest) -> TokenEvent | None:
+        """Add one request to the engine; its error event when that failed. Whatever
+        goes wrong costs this request only: the engine is left without it."""
+        if r.request_id in self._live:  # delivered twice: the first copy runs
+            log.warning("request %s is already running here", r.request_id)
+            return None
+        try:
+            # The gateway's arrival time: queue time then counts the broker's queue too.
+            self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None)
+        except EngineBusy as e:
+            return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
+        except ValueError as e:
+            return _error_event(r.request_id, ERR_INVALID_REQUEST, str(e))
+        except Exception:
+            log.exception("adding request %s failed; failing it alone", r.request_id)
+            try:
+                self.engine.abort(r.request_id)
+            except Exception:
+                log.exception("and aborting it failed too")
+            return _error_event(r.request_id, ERR_INTERNAL, "the engine failed while admitting this request")
+        return None
+
+    def _apply_aborts(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if not isinstance(rid, str):  # a broker bug, not a reason to stop serving
+                log.error("ignoring an abort that is not a request id: %r", rid)
+                continue
+            try:
+                self.engine.abort(rid)  # False when it finished already: nothing to free
+            except Exception:
+                log.exception("aborting %s failed", rid)
 
     def _step(self) -> list[TokenEvent]:
         try:
             outputs = self.engine.step()
         except Exception:  # keep serving: fail what the engine held, not the process
             log.exception("engine step failed; failing %d requests", len(self._live))
-            return self._fail_all("internal_error", "the engine failed while serving this request")
+            return self._fail_all(ERR_INTERNAL, "the engine failed while serving this request")
         with self._stepped:
             self.steps += 1
             self._stepped.notify_all()
@@ -227,7 +278,7 @@ class EngineWorker:
             for rid in [r for r in self._live if r not in kept]:
                 self.engine.abort(rid)
                 del self._live[rid]
-        events = self._fail_all("worker_lost", "the engine worker stopped")
+        events = self._fail_all(ERR_WORKER_LOST, "the engine worker stopped")
         for _ in range(1000):
             if not self.engine.has_unfinished():
                 break
@@ -252,11 +303,4 @@ class EngineWorker:
 
 
 def _error_event(request_id: str, code: str, message: str, seq: int = 0) -> TokenEvent:
-    return TokenEvent(
-        request_id=request_id,
-        seq=seq,
-        token_ids=[],
-        finish_reason=FINISH_ERROR,
-        error=message,
-        error_code=code,
-    )
+    return TokenEvent.failure(request_id, code, message, seq=seq)

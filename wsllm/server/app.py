@@ -1,6 +1,7 @@
 """The gateway app: `create_app(cfg, broker, tokenizer_dir)`.
 
-The lifespan owns the one reader task that routes TokenEvents to requests. The
+The lifespan owns the one reader task that routes TokenEvents to requests (it
+restarts itself when reading fails; `/health` is 503 while it is down). The
 gateway process needs only a tokenizer directory and a broker: no torch, no engine."""
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from wsllm.broker.base import Broker
+from wsllm.broker.base import Broker, BrokerClosed, BrokerError, QueueFull
 from wsllm.config import GatewayConfig
 from wsllm.server import openai_api
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
-from wsllm.server.middleware import ApiKeyMiddleware
+from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
 from wsllm.server.text import TextCodec
 from wsllm.server.ws import ws_endpoint
 
@@ -39,16 +40,26 @@ def _gateway(request: Request) -> Gateway:
     return gw
 
 
+def _reader_running(request: Request) -> bool:
+    task: asyncio.Task[None] | None = getattr(request.app.state, "router_task", None)
+    return task is not None and not task.done() and _gateway(request).router.up
+
+
 async def health(request: Request) -> Response:
+    """Liveness: the process runs and its event reader reads (a gateway whose reader
+    is down would leave every request hanging)."""
+    if not _reader_running(request):
+        body = {"status": "unhealthy", "reason": "the event reader is not running (it restarts by itself)"}
+        return JSONResponse(body, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
     gw = _gateway(request)
-    task: asyncio.Task[None] | None = getattr(request.app.state, "router_task", None)
+    running = _reader_running(request)
     engines = await gw.engines()
-    if task is None or task.done() or not engines:
-        why = "the event reader is not running" if task is None or task.done() else "no engine is serving yet"
+    if not running or not engines:
+        why = "the event reader is not running" if not running else "no engine is serving yet"
         return JSONResponse({"status": "not_ready", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ready", "model": gw.model_name, "engines": len(engines)})
 
@@ -56,6 +67,8 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     await gw.refresh_gauges()
+    gw.metrics.buffered_events.set(gw.router.buffered_events())
+    gw.metrics.reader_restarts.set(gw.router.restarts)
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -69,6 +82,21 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return APIError(exc.status_code, code, str(exc.detail)).response()
+
+
+async def _broker_error(request: Request, exc: Exception) -> Response:
+    """A broker error that no route turned into an answer: the broker is full, closing
+    or unreachable; the client may retry."""
+    if isinstance(exc, QueueFull):
+        err = APIError(429, "queue_full", f"the server is busy: {exc}", retry_after=1)
+    else:
+        why = (
+            "the server is shutting down"
+            if isinstance(exc, BrokerClosed)
+            else "the broker is unreachable; retry"
+        )
+        err = APIError(503, "model_not_ready", why, retry_after=1)
+    return await _api_error(request, err)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -118,8 +146,16 @@ def create_app(
         routes.append(Mount("/", StaticFiles(directory=static, html=True), name="frontend"))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyMiddleware, api_key=cfg.api_key)],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        middleware=[
+            Middleware(HostMiddleware, allowed_hosts=cfg.allowed_hosts, bind_host=cfg.host),
+            Middleware(ApiKeyMiddleware, api_key=cfg.api_key),
+        ],
+        exception_handlers={
+            APIError: _api_error,
+            BrokerError: _broker_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
         lifespan=lifespan,
     )
     app.state.gateway = gw

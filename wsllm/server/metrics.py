@@ -84,6 +84,29 @@ class Metrics:
             registry=r,
         ).labels(model_name)
         self.model_name = model_name
+        self._isolation_metrics()
+
+    def _isolation_metrics(self) -> None:
+        """Slow clients cut off, the event reader's restarts, what is buffered."""
+        r, labels = self.registry, ["model"]
+        self._send_timeouts = Counter(
+            "wsllm_send_timeouts",
+            "Clients disconnected because they took no data for --send-timeout-s",
+            ["model", "transport"],
+            registry=r,
+        )
+        self.reader_restarts = Gauge(
+            "wsllm_event_reader_restarts",
+            "Times the event reader failed and was restarted",
+            labels,
+            registry=r,
+        ).labels(self.model_name)
+        self.buffered_events = Gauge(
+            "wsllm_buffered_events", "Events held for clients that have not read them yet", labels, registry=r
+        ).labels(self.model_name)
+
+    def send_timeout(self, transport: str) -> None:
+        self._send_timeouts.labels(self.model_name, transport).inc()
 
     def finished(self, api: str, finish_reason: str) -> None:
         self._requests.labels(self.model_name, api, finish_reason).inc()

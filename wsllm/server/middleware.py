@@ -1,9 +1,10 @@
-"""Pure ASGI middleware (no BaseHTTPMiddleware: it breaks streaming)."""
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it breaks streaming): the Host
+allow-list and the API key."""
 
 from __future__ import annotations
 
 import hmac
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl, urlencode
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -14,40 +15,98 @@ from wsllm.server.errors import APIError
 # UI's static files and /health (liveness probes) stay public; the UI asks for the
 # key and passes it on the WebSocket.
 PROTECTED_PREFIXES = ("/v1", "/metrics", "/ready")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_WILDCARD_BINDS = ("", "0.0.0.0", "::")
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: without the `root_path` a proxy mounts it under
+    (Starlette routes the same way, so the key is checked on what gets served)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+        return
+    await err.response()(scope, receive, send)
+
+
+class HostMiddleware:
+    """Serve only the Host names listed (empty: the loopback names and the address
+    the server listens on; `*`: any). A keyless server on localhost is otherwise
+    reachable from any web page through DNS rebinding: the page's own origin then
+    passes the WebSocket's same-origin check."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: str, bind_host: str) -> None:
+        self.app = app
+        names = [h.strip().lower() for h in allowed_hosts.split(",") if h.strip()]
+        if not names:
+            names = list(LOOPBACK_HOSTS)
+            if bind_host not in _WILDCARD_BINDS:
+                names.append(bind_host.lower())
+        self.any = "*" in names
+        self.allowed = {n.strip("[]") for n in names}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.any or scope["type"] not in ("http", "websocket") or self._ok(scope):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(400, "invalid_host", "this server does not serve that Host name (see --allowed-hosts)")
+        await _refuse(scope, receive, send, err)
+
+    def _ok(self, scope: Scope) -> bool:
+        host = Headers(scope=scope).get("host", "").strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            name = host[1:].partition("]")[0]
+        else:
+            name = host.rpartition(":")[0] if host.count(":") == 1 else host
+        return name in self.allowed
 
 
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` (or, on the WebSocket handshake, where
-    browsers cannot set headers, `?api_key=<key>`), compared in constant time."""
+    browsers cannot set headers, `?api_key=<key>`), compared in constant time. The
+    key is taken out of the query string before anything logs it."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            self.key is None
-            or scope["type"] not in ("http", "websocket")
-            or not scope["path"].startswith(PROTECTED_PREFIXES)
-            or self._authorized(scope)
-        ):
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
-            return
-        err = APIError(401, "invalid_api_key", "a valid API key is required: Authorization: Bearer <key>")
-        await err.response()(scope, receive, send)
+        if scope["type"] in ("http", "websocket"):
+            authorized = self._authorized(scope)
+            _drop_key_from_query(scope)  # uvicorn's access log reads this same scope
+            if self.key is not None and route_path(scope).startswith(PROTECTED_PREFIXES) and not authorized:
+                err = APIError(
+                    401, "invalid_api_key", "a valid API key is required: Authorization: Bearer <key>"
+                )
+                await _refuse(scope, receive, send, err)
+                return
+        await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        assert self.key is not None
+        if self.key is None:
+            return True
         auth = Headers(scope=scope).get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
             return True
         if scope["type"] == "websocket":
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            for token in query.get("api_key", []):
-                if hmac.compare_digest(token.encode(), self.key):
+            query = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+            for name, token in query:
+                if name == "api_key" and hmac.compare_digest(token.encode(), self.key):
                     return True
         return False
+
+
+def _drop_key_from_query(scope: Scope) -> None:
+    raw: bytes = scope.get("query_string", b"")
+    if b"api_key" not in raw:
+        return
+    query = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+    scope["query_string"] = urlencode([(k, v) for k, v in query if k != "api_key"]).encode("latin-1")

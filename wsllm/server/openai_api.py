@@ -3,10 +3,14 @@
 
 A resumable stream must number its events the same way on every gateway, so with
 such a broker each delta is its own event (the `id:` of an event is a pure function
-of the request's engine events); otherwise a slow reader gets fewer, larger chunks."""
+of the request's engine events); otherwise a slow reader gets fewer, larger chunks.
+A streamed answer carries its resume token in the `X-Resume-Token` header: reading
+the stream again needs it."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,10 +20,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from wsllm.server.errors import APIError
-from wsllm.server.gateway import Delta, Gateway, Generation, GenerationError, TokenLogprob
+from wsllm.server.gateway import Gateway
+from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
-from wsllm.types import Usage
+from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_WORKER_LOST, Usage
+
+RESUME_TOKEN_HEADER = "x-resume-token"
+# Bodies larger than this are validated off the event loop.
+_VALIDATE_INLINE_BYTES = 64 * 1024
+_EVENT_ID = re.compile(r"[0-9]{1,15}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -148,9 +158,9 @@ async def _full_response(request: Request, api: _Api) -> Response:
     try:
         done, per_choice = await until_disconnect(request.receive, _collect(gen))
     except GenerationError as e:
-        # The engine refused the request (400) or lost it (503); anything else is ours.
-        status = {"invalid_request": 400, "worker_lost": 503}.get(e.code, 500)
-        raise APIError(status, e.code, e.message) from None
+        # The engine refused the request (400), is full or lost it (503); anything else is ours.
+        status = {ERR_INVALID_REQUEST: 400, ERR_WORKER_LOST: 503, ERR_ENGINE_BUSY: 503}.get(e.code, 500)
+        raise APIError(status, e.code, e.message, retry_after=1 if status == 503 else None) from None
     finally:
         await gen.cancel()  # no-op when it finished; frees the engine request otherwise
     if not done or per_choice is None:
@@ -181,45 +191,70 @@ async def _full_response(request: Request, api: _Api) -> Response:
 async def _generate(request: Request, chat: bool) -> Response:
     gw: Gateway = request.app.state.gateway
     raw = await read_body(request, gw.cfg.max_body_bytes)
-    req = validate_http(ChatRequest if chat else CompletionRequest, raw, gw.cfg)
+    model = ChatRequest if chat else CompletionRequest
+    if len(raw) <= _VALIDATE_INLINE_BYTES:
+        req = validate_http(model, raw, gw.cfg)
+    else:  # a large body must not hold up the other streams
+        req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
     gen = await gw.start(req, "chat" if chat else "completions")
     api = _Api(gen, gw.model_name, chat)
     if req.stream:
-        return EventStream(sse_frames(gw, api, req.include_usage), on_close=_on_close(gw, gen))
+        headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""}
+        return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
     return await _full_response(request, api)
 
 
-def _on_close(gw: Gateway, gen: Generation) -> Callable[[], Awaitable[None]]:
-    """When an SSE stream ends: nothing if the request finished; if the client left,
-    detach it for a resume (resumable broker) or cancel it (the engine frees it)."""
+def _event_stream(
+    gw: Gateway, gen: Generation, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None
+) -> EventStream:
+    """The SSE response of `gen`: when it ends early (the client left, or took no
+    data for --send-timeout-s), the request is detached or cancelled."""
+    return EventStream(
+        frames,
+        on_close=_leave(gen),
+        send_timeout_s=gw.cfg.send_timeout_s,
+        on_timeout=lambda: gw.metrics.send_timeout("sse"),
+        headers=headers,
+    )
 
+
+def _leave(gen: Generation) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
-        if gw.broker.resumable and not gen.finished:
-            gen.detach()
-        else:
-            await gen.cancel()
+        await gen.leave()  # nothing when it finished
 
     return close
 
 
 async def resume_stream(request: Request) -> Response:
-    """`GET /v1/streams/{request_id}` with `Last-Event-ID` (or `?last_event_id=`): the
-    rest of a streamed completion, from this or any other gateway of the deployment."""
+    """`GET /v1/streams/{request_id}` with `X-Resume-Token` (or `?resume_token=`) and
+    `Last-Event-ID` (or `?last_event_id=`): the rest of a streamed completion, from
+    this or any other gateway of the deployment, for the client that holds its token."""
     gw: Gateway = request.app.state.gateway
     rid = request.path_params["request_id"]
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
-    if not raw.isdigit():
+    if not _EVENT_ID.fullmatch(raw):  # checked before anything starts (ASCII digits only)
         raise APIError(
             400, "invalid_request", "Last-Event-ID must be a non-negative integer", "Last-Event-ID"
         )
-    gen = await gw.resume(rid)
+    token = request.headers.get(RESUME_TOKEN_HEADER) or request.query_params.get("resume_token")
+    if not token:
+        raise APIError(
+            400,
+            "invalid_request",
+            "resuming a stream needs its resume token (the X-Resume-Token header of its first answer)",
+            "resume_token",
+        )
+    gen = await gw.resume(token, request_id=rid)
     if gen is None:
         raise APIError(
-            404, "unknown_id", f"no stream {rid!r} to resume (unknown, or past its retention)", "id"
+            404,
+            "unknown_id",
+            f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
+            "id",
         )
     api = _Api(gen, gw.model_name, chat="chat" in gen.api)
     frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
-    return EventStream(frames, on_close=_on_close(gw, gen))
+    return _event_stream(gw, gen, frames)
 
 
 async def chat_completions(request: Request) -> Response:

@@ -1,8 +1,9 @@
 """Request schemas and the one validator that HTTP, SSE and the WebSocket share.
 
 Pydantic does the schema work in strict mode (no "0.5" for a number, no 1.0 for an
-integer, no NaN); `check_limits` applies the operator's limits from GatewayConfig;
-`sampling_params` turns a valid request into engine SamplingParams."""
+integer, no NaN), with the bounds of every numeric field from wsllm/types.py (the
+engine checks the same ones); `check_limits` applies the operator's limits from
+GatewayConfig; `sampling_params` turns a valid request into engine SamplingParams."""
 
 from __future__ import annotations
 
@@ -13,7 +14,27 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
-from wsllm.types import SamplingParams
+from wsllm.types import (
+    GREEDY_BELOW,
+    MAX_BEAM_WIDTH,
+    MAX_ID_CHARS,
+    MAX_LENGTH_PENALTY,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_PROMPT_TOKENS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    SEED_LIMIT,
+    SamplingParams,
+)
+
+# OpenAI's range for temperature (the engine takes up to types.MAX_TEMPERATURE).
+API_MAX_TEMPERATURE = 2.0
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class _Strict(BaseModel):
@@ -29,22 +50,22 @@ class SamplingFields(_Strict):
     """The parameters every generate request accepts (OpenAI names, vLLM extensions).
     None means "the default"."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    model: str | None = Field(None, max_length=MAX_ID_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0.0, le=API_MAX_TEMPERATURE)  # below 1e-5: greedy
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
-    n: int | None = Field(None, ge=1)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     user: str | None = Field(None, max_length=256)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -88,7 +109,7 @@ class ChatMessage(_Strict):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -99,14 +120,14 @@ class CompletionRequest(SamplingFields):
     # A string, or token ids. (Batches of prompts are not supported: use n or more requests.)
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     )
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] | None = None
     # Beam search (vLLM's extension); the n best beams come back as the choices.
     use_beam_search: bool | None = None
-    beam_width: int | None = Field(None, ge=1)
-    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
+    beam_width: int | None = Field(None, ge=1, le=MAX_BEAM_WIDTH)
+    length_penalty: float | None = Field(None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | None = None
 
     @property
@@ -137,7 +158,8 @@ class WsCancel(_Strict):
 class WsResume(_Strict):
     type: Literal["resume"]
     id: WsId
-    after_seq: int = Field(ge=-1)
+    after_seq: int = Field(ge=-1, le=2**31)
+    resume_token: str = Field(min_length=1, max_length=512)  # from the request's `started`
 
 
 class WsPing(_Strict):
@@ -165,6 +187,7 @@ def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes
     obj = parse_json(raw)
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "the body must be a JSON object")
+    _check_message_count(obj, cfg)
     try:
         req = model.model_validate(obj)
     except ValidationError as e:
@@ -177,6 +200,7 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
     """Check one parsed WebSocket message."""
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "a message must be a JSON object")
+    _check_message_count(obj, cfg)
     try:
         msg = _ws_adapter.validate_python(obj)
     except ValidationError as e:
@@ -186,6 +210,19 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
     if isinstance(msg, ChatRequest | CompletionRequest):
         check_limits(msg, cfg)
     return msg
+
+
+def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:
+    """Before the schema: a body of many tiny messages costs its validation and its
+    template time per message, so their number is capped first."""
+    messages = obj.get("messages")
+    if isinstance(messages, list) and len(messages) > cfg.max_messages:
+        raise APIError(
+            400,
+            "invalid_request",
+            f"messages: at most {cfg.max_messages} messages (got {len(messages)})",
+            param="messages",
+        )
 
 
 def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
@@ -248,7 +285,10 @@ def sampling_params(
             n=req.n or 1,
             max_tokens=max_tokens,
             min_tokens=min(req.min_tokens or 0, max_tokens),
-            temperature=1.0 if req.temperature is None else req.temperature,
+            # Below GREEDY_BELOW sampling is greedy: say so, rather than divide by ~0.
+            temperature=1.0
+            if req.temperature is None
+            else (0.0 if req.temperature < GREEDY_BELOW else req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if not req.top_k else req.top_k,
             min_p=req.min_p or 0.0,

@@ -1,11 +1,13 @@
 """Server-Sent Events as a pure ASGI response, and the disconnect watch that both
 streamed and plain HTTP answers use: when the client leaves, the work stops and
-the engine request is aborted (`on_close`)."""
+the engine request is aborted (`on_close`). A client that takes no data for
+`send_timeout_s` is treated as gone (`on_timeout` counts it)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -13,6 +15,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -46,12 +50,21 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        frames: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        send_timeout_s: float,
+        on_timeout: Callable[[], None] = lambda: None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.frames = frames
         self.on_close = on_close
+        self.send_timeout_s = send_timeout_s
+        self.on_timeout = on_timeout
         self.status_code = 200
         self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"} | (headers or {}))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -63,9 +76,14 @@ class EventStream(Response):
             await self.on_close()
 
     async def _pump(self, send: Send) -> None:
-        async for frame in self.frames:
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            async for frame in self.frames:
+                async with asyncio.timeout(self.send_timeout_s):  # a client that stopped reading
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            log.warning("an SSE client took no data for %.0fs; dropping it", self.send_timeout_s)
+            self.on_timeout()
 
 
 def frame(event_id: int, data: bytes) -> bytes:

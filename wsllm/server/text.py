@@ -11,6 +11,7 @@ because the window starts inside the prompt.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens given to each detokenizer as context (leading spaces, merges).
 _CONTEXT_TOKENS = 5
+# Stand-ins for message contents while a template renders (private-use characters,
+# which no template trims or escapes).
+_MARK = re.compile("\ue000(\\d+)\ue001")
 
 
 class TemplateError(ValueError):
@@ -42,6 +46,12 @@ class TextCodec:
         self.vocab_size: int = len(self.hf)
         self.eos_token_id: int | None = self.hf.eos_token_id
         self._token_text: dict[int, str] = {}
+        # A message's text is text: a special token typed in it (e.g. "<|im_end|>") must
+        # not become the control token. This copy reads special tokens as plain text.
+        decoder = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        self._specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False)})
+        self._literal = Tokenizer.from_str(backend.to_str())
+        self._literal.encode_special_tokens = True
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
@@ -57,8 +67,24 @@ class TextCodec:
         return str(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        # The template writes the special tokens itself; don't add a second BOS.
-        return list(self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids)
+        """The chat prompt's token ids. The template writes the special tokens itself
+        (no second BOS); what the messages say is always plain text."""
+        if not any(sp in m["content"] for m in messages for sp in self._specials):
+            return list(self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids)
+        # Render with a mark per content, then tokenize the template's own text with its
+        # special tokens and each content as plain text.
+        marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        parts = _MARK.split(self.render_chat(marked))
+        seen = [int(i) for i in parts[1::2]]
+        if len(set(seen)) != len(seen) or any(i >= len(messages) for i in seen):
+            raise TemplateError("this model's chat template cannot take special-token text in a message")
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                ids += self.backend.encode(part, add_special_tokens=False).ids
+            else:
+                ids += self._literal.encode(messages[int(part)]["content"], add_special_tokens=False).ids
+        return ids
 
     def detokenizer(self, prompt_token_ids: list[int]) -> Detokenizer:
         return Detokenizer(self.backend, prompt_token_ids)

@@ -1,11 +1,12 @@
 """The WebSocket API, `/v1/ws`: many requests on one socket (docs/protocol.md).
 
 One task reads client messages in order, one task writes (so that sends never
-interleave), and one task per live request turns its deltas into messages. When
-the socket closes, every live request is cancelled and its engine request aborted;
-with a resumable broker (Redis) it is detached instead, so that `resume` on a new
-socket, to any gateway, continues it. While a request waits for an engine, its task
-sends `queued` with its place in the queue."""
+interleave), and one task per live request turns its deltas into messages. The
+session ends when either the reader or the writer stops (the client closed, a send
+failed, or the client took no data for `--send-timeout-s`); then every live request
+leaves (`Generation.leave`: cancelled, or detached with a resumable broker so that
+its owner can `resume` it on a new socket, on any gateway, with its resume token).
+While a request waits for an engine, its task sends `queued` with its place."""
 
 from __future__ import annotations
 
@@ -17,17 +18,21 @@ from urllib.parse import urlsplit
 
 import orjson
 from starlette.datastructures import Headers
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
+from wsllm.broker.base import BrokerClosed, BrokerError, BrokerUnavailable, QueueFull
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
-from wsllm.server.gateway import Delta, Gateway, Generation, GenerationError
+from wsllm.server.gateway import Gateway
+from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
+from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
 
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+_CLOSE_WAIT_S = 1.0  # how long a close frame may wait on a client that does not read
 
 
 def origin_allowed(headers: Headers, cfg: GatewayConfig) -> bool:
@@ -53,42 +58,72 @@ async def ws_endpoint(websocket: WebSocket) -> None:
     await WsSession(websocket, gw).run()
 
 
+class SendTimeout(Exception):
+    """The client took no data for --send-timeout-s."""
+
+
+def _broker_error(e: BrokerError) -> APIError:
+    if isinstance(e, QueueFull):
+        return APIError(429, "queue_full", f"the server is busy: {e}", retry_after=1)
+    if isinstance(e, BrokerClosed):
+        return APIError(503, "model_not_ready", "the server is shutting down", retry_after=1)
+    if isinstance(e, BrokerUnavailable):
+        return APIError(503, "model_not_ready", "the broker is unreachable; retry", retry_after=1)
+    return APIError(503, "model_not_ready", str(e), retry_after=1)
+
+
 class WsSession:
     def __init__(self, ws: WebSocket, gw: Gateway) -> None:
         self.ws = ws
         self.gw = gw
         self.cfg = gw.cfg
-        # Bounded: a client that stops reading slows its own requests, nobody else's.
-        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(maxsize=256)
+        # Bounded: a client that stops reading slows its own requests, nobody else's,
+        # and is dropped after --send-timeout-s.
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(maxsize=gw.cfg.ws_outbox_messages)
         self.gens: dict[str, Generation] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
+        reader = asyncio.create_task(self._read())
         writer = asyncio.create_task(self._write())
         try:
-            await self.send({"type": "hello", "model": self.gw.model_name, "limits": await self._limits()})
-            await self._read()
-        except WebSocketDisconnect:
-            pass
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for gen in list(self.gens.values()):
-                if self.gw.broker.resumable:
-                    gen.detach()  # runs on for a while: the client may resume it
-                else:
-                    await gen.cancel()
-            for t in [*self.tasks.values(), writer]:
+                try:
+                    await gen.leave()  # cancelled, or detached for a resume
+                except Exception:
+                    log.exception("request %s could not leave cleanly", gen.request_id)
+            tasks = [*self.tasks.values(), reader, writer]
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*self.tasks.values(), writer, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and isinstance(writer.exception(), SendTimeout):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_CLOSE_WAIT_S):
+                    await self.ws.close(CLOSE_POLICY, "the client took no data for too long")
 
     async def send(self, msg: dict[str, Any]) -> None:
         await self.outbox.put(orjson.dumps(msg))
 
     async def _write(self) -> None:
+        """Send queued messages; returns when the socket breaks, raises SendTimeout when
+        the client takes no data for --send-timeout-s."""
         while True:
             data = await self.outbox.get()
-            await self.ws.send_text(data.decode())
+            try:
+                async with asyncio.timeout(self.cfg.send_timeout_s):
+                    await self.ws.send_text(data.decode())
+            except TimeoutError:
+                self.gw.metrics.send_timeout("ws")
+                log.warning("a WebSocket client took no data for %.0fs; dropping it", self.cfg.send_timeout_s)
+                raise SendTimeout from None
+            except (OSError, RuntimeError) as e:  # closed or broken: the session ends
+                log.debug("WebSocket send failed: %s", e)
+                return
 
     async def _read(self) -> None:
+        await self.send({"type": "hello", "model": self.gw.model_name, "limits": await self._limits()})
         limit = self.cfg.max_ws_message_bytes
         while True:
             message = await self.ws.receive()
@@ -107,7 +142,10 @@ class WsSession:
             obj = parse_json(raw)
             if isinstance(obj, dict) and isinstance(obj.get("id"), str):
                 msg_id = obj["id"]
-            msg = validate_ws(obj, self.cfg)
+            if len(raw) <= 64 * 1024:
+                msg = validate_ws(obj, self.cfg)
+            else:  # a large message must not hold up the other streams
+                msg = await asyncio.to_thread(validate_ws, obj, self.cfg)
             if isinstance(msg, WsCancel):
                 await self._cancel(msg.id)
             elif isinstance(msg, WsChat | WsCompletion):
@@ -118,34 +156,49 @@ class WsSession:
                 await self.send({"type": "pong"})
         except APIError as e:
             await self.error(msg_id, e.code, e.message, e.param)
+        except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
+            err = _broker_error(e)
+            await self.error(msg_id, err.code, err.message)
+        except Exception:
+            log.exception("a WebSocket message failed")
+            await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
 
     async def error(self, msg_id: str | None, code: str, message: str, param: str | None = None) -> None:
         self.gw.metrics.error(code)
         await self.send({"type": "error", "id": msg_id, "code": code, "message": message, "param": param})
 
-    async def _start(self, msg: WsChat | WsCompletion) -> None:
-        if msg.id in self.gens:
-            raise APIError(400, "duplicate_id", f"id {msg.id!r} is already running on this socket", "id")
+    def _admit(self, msg_id: str) -> None:
+        """Refuse a new live request on this socket (started or resumed) past the cap."""
+        if msg_id in self.gens:
+            raise APIError(400, "duplicate_id", f"id {msg_id!r} is already running on this socket", "id")
         if len(self.gens) >= self.cfg.max_requests_per_socket:
             raise APIError(
                 429,
                 "too_many_requests",
                 f"at most {self.cfg.max_requests_per_socket} requests at once per socket",
             )
-        gen = await self.gw.start(
-            msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion", alias=msg.id
-        )
+
+    async def _start(self, msg: WsChat | WsCompletion) -> None:
+        self._admit(msg.id)
+        gen = await self.gw.start(msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion")
         self.gens[msg.id] = gen
+        started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
+        await self.send(started | {"resume_token": gen.resume_token})
         self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen))
 
     async def _resume(self, msg: WsResume) -> None:
         """Continue a request cut by a disconnect: replay it and send the deltas after
-        `after_seq`. With the memory broker a request ends with its socket: unknown_id."""
-        if msg.id in self.gens:
-            raise APIError(400, "duplicate_id", f"id {msg.id!r} is already running on this socket", "id")
-        gen = await self.gw.resume(msg.id)
+        `after_seq`. It takes the request's resume token; with the memory broker a
+        request ends with its socket, so every resume is `unknown_id`."""
+        self._admit(msg.id)
+        gen = await self.gw.resume(msg.resume_token)
         if gen is None:
-            raise APIError(400, "unknown_id", f"request {msg.id!r} ended when its socket closed", "id")
+            raise APIError(
+                400,
+                "unknown_id",
+                "no request to resume with this token (it ended with its socket, expired, or is not yours)",
+                "resume_token",
+            )
         self.gens[msg.id] = gen
         self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen, after_seq=msg.after_seq))
 
@@ -177,10 +230,11 @@ class WsSession:
         except GenerationError as e:
             await self.error(msg_id, e.code, e.message)
         finally:
-            self.gens.pop(msg_id, None)
-            self.tasks.pop(msg_id, None)
+            if self.gens.get(msg_id) is gen:
+                self.gens.pop(msg_id, None)
+                self.tasks.pop(msg_id, None)
             with contextlib.suppress(Exception):
-                await gen.cancel()
+                await gen.leave()  # nothing when it finished
 
     @staticmethod
     def _delta(msg_id: str, seq: int, d: Delta) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Picking up a request that another engine started (it crashed, or handed the request
-back on shutdown). Plain Python, no Redis: tested on its own.
+"""Crash replay: picking up a request that another engine started (it crashed, or
+handed the request back on shutdown). Plain Python, no Redis: tested on its own.
+(Not to be confused with a *client* resuming its stream, which is the gateway's.)
 
 The request's result stream says what its client was already sent. A request that
 sent nothing runs again from the start. A greedy or seeded request runs again too,
@@ -13,9 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from wsllm.types import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenEvent
-
-WORKER_LOST = "worker_lost"
+from wsllm.types import ERR_WORKER_LOST, FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenEvent
 
 
 @dataclass(slots=True)
@@ -37,15 +36,19 @@ class History:
         return h
 
     def add(self, ev: TokenEvent) -> None:
-        self.num_events += 1
-        if ev.index < 0:  # a gateway's abort marker: the whole request
+        if ev.ends_request:  # a failure, or a gateway's abort of the whole request
+            self.num_events += 1
             self.ended = True
             return
-        if ev.finish_reason == FINISH_ERROR:
-            self.ended = True
+        if ev.whole_request:
+            return
+        want = self.next_seq.get(ev.index, 0)
+        if 0 <= ev.seq < want:  # a retried publish wrote it twice: the client got it once
+            return
+        self.num_events += 1
         self.sent.setdefault(ev.index, []).extend(ev.token_ids)
         if ev.seq >= 0:
-            self.next_seq[ev.index] = max(self.next_seq.get(ev.index, 0), ev.seq + 1)
+            self.next_seq[ev.index] = ev.seq + 1
         if ev.finish_reason is not None:
             self.done.add(ev.index)
 
@@ -76,15 +79,8 @@ def plan(request: GenerateRequest, history: History, deliveries: int, max_delive
     return Plan.REPLAY if reproducible(request) else Plan.LOST
 
 
-def error_event(request_id: str, history: History, message: str, code: str = WORKER_LOST) -> TokenEvent:
-    return TokenEvent(
-        request_id,
-        history.next_seq.get(0, 0),
-        [],
-        finish_reason=FINISH_ERROR,
-        error=message,
-        error_code=code,
-    )
+def error_event(request_id: str, history: History, message: str, code: str = ERR_WORKER_LOST) -> TokenEvent:
+    return TokenEvent.failure(request_id, code, message, seq=history.next_seq.get(0, 0))
 
 
 class Replay:

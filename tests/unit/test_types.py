@@ -1,0 +1,133 @@
+"""The wire types: every numeric field has bounds on both sides, and decoding is
+strict, so that a bad entry names its field and costs only its own request."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from wsllm.types import (
+    GREEDY_BELOW,
+    MAX_TOP_K,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+    WireError,
+    check_request,
+    decode_events,
+    decode_request,
+    encode,
+)
+
+
+def good() -> GenerateRequest:
+    params = SamplingParams(n=2, top_k=5, seed=3, stop_token_ids=[4], logprobs=1)
+    return GenerateRequest("r1", [1, 2, 3], params, model="m", arrival_time=time.time())
+
+
+def test_requests_and_events_survive_the_wire() -> None:
+    req = good()
+    assert decode_request(encode(req)) == req
+    events = [
+        TokenEvent("r1", 0, [5], logprobs=[[-0.1, [[5, -0.1]]]], queue_time=0.01),
+        TokenEvent("r1", 1, [6], 0, "length", usage=Usage(3, 2, 1)),
+        TokenEvent.lost("r1", "gone"),
+        TokenEvent.abort_marker("r1"),
+    ]
+    assert decode_events(encode(events)) == events
+
+
+# (what the issue saw or a neighbour of it, the field the error must name)
+FIELD_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"top_k": 18446744073709551615}, "top_k"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": MAX_TOP_K + 1}, "top_k"),
+    ({"temperature": -1e-9}, "temperature"),
+    ({"temperature": 1e9}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"n": 10**6}, "n"),
+    ({"max_tokens": 2**40}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"beam_width": 17}, "beam_width"),
+    ({"length_penalty": 1e9}, "length_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"), FIELD_CASES, ids=[f"{k}={v!r:.20}" for (f, _) in FIELD_CASES for k, v in f.items()]
+)
+def test_every_numeric_field_is_bounded_on_both_sides(fields: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**fields)
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    assert SamplingParams(temperature=1e-300).greedy
+    assert SamplingParams(temperature=GREEDY_BELOW / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+
+
+def mutated(change: Any) -> bytes:
+    msg = orjson.loads(encode(good()))
+    change(msg)
+    return orjson.dumps(msg)
+
+
+BAD_ENTRIES: list[tuple[str, bytes, str]] = [
+    (
+        "prompt_token_ids is a number",
+        mutated(lambda m: m["item"].update(prompt_token_ids=5)),
+        "prompt_token_ids",
+    ),
+    ("arrival_time is text", mutated(lambda m: m["item"].update(arrival_time="x")), "arrival_time"),
+    ("top_k overflows", mutated(lambda m: m["item"]["params"].update(top_k=2**64 - 1)), "top_k"),
+    ("a bool token id", mutated(lambda m: m["item"].update(prompt_token_ids=[1, True])), "prompt_token_ids"),
+    ("a negative token id", mutated(lambda m: m["item"].update(prompt_token_ids=[-1])), "prompt_token_ids"),
+    ("an empty prompt", mutated(lambda m: m["item"].update(prompt_token_ids=[])), "prompt_token_ids"),
+    ("an integer as a float", mutated(lambda m: m["item"]["params"].update(n=1.0)), "n"),
+    ("an unknown field", mutated(lambda m: m["item"].update(evil=1)), "evil"),
+    ("no params", mutated(lambda m: m["item"].pop("params")), "params"),
+    ("another schema version", mutated(lambda m: m.update(v=2)), "v"),
+    ("an event batch", encode([TokenEvent("r1", 0, [1])]), "kind"),
+    ("not JSON", b"\xff garbage", "request"),
+    ("a list", b"[1, 2]", "request"),
+    ("NaN", encode(good()).replace(b'"temperature":1.0', b'"temperature":NaN'), "temperature"),
+]
+
+
+@pytest.mark.parametrize(("case", "data", "name"), BAD_ENTRIES, ids=[c[0] for c in BAD_ENTRIES])
+def test_decoding_is_strict_and_names_the_field(case: str, data: bytes, name: str) -> None:
+    with pytest.raises(WireError, match=name):
+        decode_request(data)
+
+
+def test_events_are_checked_too() -> None:
+    bad = orjson.dumps(
+        {"v": 1, "kind": "events", "items": [{"request_id": "r", "seq": "0", "token_ids": []}]}
+    )
+    with pytest.raises(WireError, match="seq"):
+        decode_events(bad)
+    with pytest.raises(WireError):
+        decode_events(orjson.dumps({"v": 1, "kind": "events", "items": [{"request_id": "r"}]}))
+
+
+def test_an_in_process_request_is_checked_like_a_decoded_one() -> None:
+    req = good()
+    assert check_request(req) == req
+    req.params.top_k = 2**64 - 1  # changed after it was built: the engine must not trust it
+    with pytest.raises(WireError, match="top_k"):
+        check_request(req)
+    with pytest.raises(WireError):
+        check_request({"request_id": "r1"})

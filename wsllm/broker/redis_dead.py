@@ -1,0 +1,98 @@
+"""The dead-letter stream (`{p}:dead:{model}`): queue and abort entries that no engine
+can serve, each with the reason, so that an operator can look at them and nothing
+is lost silently. Moving an entry there takes it out of its stream in the same step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from wsllm.broker.redis_keys import DEAD_ABORT, GROUP, UNAVAILABLE, Keys
+from wsllm.config import RedisConfig
+from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent, encode
+
+log = logging.getLogger(__name__)
+
+ABORT_REASON = "invalid abort entry: it must have exactly one field, r, a request id"
+
+
+class DeadLetters:
+    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, model: str, queue: str) -> None:
+        self.r = r
+        self.keys = keys
+        self.cfg = cfg
+        self.model = model
+        self.queue = queue
+        self.stream = keys.dead(model)
+        self._move_abort = r.register_script(DEAD_ABORT)
+
+    def request_entry(
+        self, entry_id: str, fields: dict[bytes, bytes], reason: str, final: TokenEvent | None = None
+    ) -> None:
+        """Move a queue entry here (ack and delete it in the queue). Its client, when
+        the entry names a request a gateway waits for, gets `final`, or an
+        `invalid_request` error that carries the reason."""
+        rid = final.request_id if final is not None else _request_id_of(fields)
+        dead = dict(fields) | {
+            b"reason": reason.encode(),
+            b"entry": entry_id.encode(),
+            b"model": self.model.encode(),
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.stream, dead, maxlen=self.cfg.dead_letter_maxlen)
+        pipe.xack(self.queue, GROUP, entry_id)
+        pipe.xdel(self.queue, entry_id)
+        if rid:
+            ev = final or TokenEvent.failure(
+                rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {reason}"
+            )
+            pipe.xadd(self.keys.out(rid), {"e": encode([ev])}, nomkstream=True)
+            pipe.pexpire(self.keys.out(rid), int(self.cfg.stream_retention_s * 1000))
+        pipe.execute()
+        log.error("dead-lettered queue entry %s (%s)", entry_id, reason)
+
+    def item(self, item: object, reason: str) -> None:
+        """Something the worker received and cannot serve (already out of the queue)."""
+        dead = {
+            b"item": repr(item)[:10000].encode(),
+            b"reason": reason.encode(),
+            b"model": self.model.encode(),
+        }
+        try:
+            self.r.xadd(self.stream, dead, maxlen=self.cfg.dead_letter_maxlen)
+        except UNAVAILABLE:
+            log.error("dead letter lost while redis is unreachable (%s): %r", reason, item)
+
+    def abort_entry(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        """A malformed abort entry. Every engine reads the abort stream; the one that
+        deletes the entry first moves it here (a script: exactly once)."""
+        flat = [x for kv in fields.items() for x in kv]
+        args = [entry_id, ABORT_REASON, self.cfg.dead_letter_maxlen, self.model, *flat]
+        try:
+            moved = self._move_abort(keys=[self.keys.aborts, self.stream], args=args)
+        except UNAVAILABLE:
+            return  # it stays in the abort stream; engines that read it later try again
+        if moved:
+            log.error("dead-lettered abort entry %s", entry_id)
+
+
+def abort_target(fields: dict[bytes, bytes]) -> str | None:
+    """The request id of a valid abort entry (exactly `r`: a short UTF-8 id), else None."""
+    raw = fields.get(b"r")
+    if len(fields) != 1 or not isinstance(raw, bytes) or not 0 < len(raw) <= MAX_ID_CHARS:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _request_id_of(fields: dict[bytes, bytes]) -> str:
+    """The request id an invalid request entry names, if any (to tell its client)."""
+    try:
+        rid = orjson.loads(fields.get(b"r", b""))["item"]["request_id"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        return ""
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else ""

@@ -1,0 +1,321 @@
+"""One request's text work in the gateway: its TokenEvents become text deltas
+(detokenization, stop strings, logprobs, usage, metrics), and the engine request is
+aborted when the client, a stop string or a failure ends it first.
+
+What a Generation needs is handed to it (`Services`: the codec, the metrics, the
+broker, the router and the grace-abort scheduler), not reached through the gateway.
+A transport whose client goes away calls `leave()`: the Generation knows whether its
+request outlives the connection (a resumable broker: detach) or not (cancel)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from wsllm.broker.base import Broker, BrokerError
+from wsllm.server.metrics import Metrics
+from wsllm.server.router import Router
+from wsllm.server.text import Detokenizer, StopMatcher, TextCodec
+from wsllm.types import (
+    ERR_INTERNAL,
+    ERR_RESUMED_ELSEWHERE,
+    ERR_SLOW_CONSUMER,
+    FINISH_ABORT,
+    FINISH_STOP,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens kept with a resumable request: the detokenizer's context on replay.
+CONTEXT_TAIL = 8
+
+
+@dataclass(slots=True)
+class Services:
+    """What every Generation of a gateway uses."""
+
+    codec: TextCodec
+    metrics: Metrics
+    broker: Broker
+    router: Router
+    #: abort_later(request_id, attach): abort a detached request after the grace time
+    abort_later: Callable[[str, int], None]
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text for one choice. `finish_reason` is set on the choice's last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_tokens: int = 0
+
+
+class GenerationError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    detok: Detokenizer
+    stop: StopMatcher | None
+    num_tokens: int = 0
+    finish_reason: str | None = None  # what the client is told
+    engine_done: bool = False  # the engine sent this choice's last event
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float  # time.monotonic() when the request came in
+    last_event: float | None = None
+    queue_time: float | None = None
+
+
+class Generation:
+    """One request's life in the gateway. Call `next()` until `finished`; call
+    `leave()` if the client goes away, `cancel()` if it asks to stop. Not safe to
+    share between tasks except for `cancel()`, which wakes a pending `next()`."""
+
+    def __init__(
+        self,
+        svc: Services,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        api: str,
+        prompt_len: int | None = None,
+    ) -> None:
+        self.svc = svc
+        self.request_id = request_id
+        self.api = api
+        self.prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
+        self.want_logprobs = params.logprobs is not None
+        self.choices = [
+            _Choice(i, svc.codec.detokenizer(prompt_ids), StopMatcher(stops) if stops else None)
+            for i in range(params.n)
+        ]
+        #: what another gateway needs to rebuild this Generation (resumable brokers)
+        self.context: dict[str, Any] = {
+            "api": api,
+            "n": params.n,
+            "logprobs": params.logprobs,
+            "stops": stops,
+            "prompt_len": self.prompt_len,
+            "prompt_tail": prompt_ids[-CONTEXT_TAIL:],
+            "created": int(time.time()),
+        }
+        self.resume_token: str | None = None  # handed to the client that started it
+        self.attach = 0  # how many resumes came before this one (the broker counts)
+        self.cached_tokens = 0
+        self.finished = False
+        self._final: list[Delta] = []  # deltas produced by cancel(), handed out by next()
+        self._timing = _Timing(time.monotonic())
+        self._inbox = svc.router.open(request_id)
+
+    @classmethod
+    def from_context(cls, svc: Services, request_id: str, ctx: dict[str, Any]) -> Generation:
+        """A Generation for a request started elsewhere, from its stored context."""
+        params = SamplingParams(n=int(ctx.get("n", 1)), logprobs=ctx.get("logprobs"))
+        gen = cls(
+            svc,
+            request_id,
+            [int(t) for t in ctx.get("prompt_tail", [])],
+            params,
+            [str(s) for s in ctx.get("stops", [])],
+            str(ctx.get("api", "")),
+            prompt_len=int(ctx.get("prompt_len", 0)),
+        )
+        gen.context = dict(ctx)
+        return gen
+
+    @property
+    def started(self) -> bool:
+        """An event came (the request left the queue)."""
+        return self._timing.last_event is not None or self._timing.queue_time is not None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, sum(c.num_tokens for c in self.choices), self.cached_tokens)
+
+    async def next(self, timeout: float | None = None) -> list[Delta]:
+        """The next deltas ([] when `timeout` passed first, or when finished).
+        Raises GenerationError when the request failed."""
+        if self._final or self.finished:
+            out, self._final = self._final, []
+            return out
+        if self._inbox.overflowed:
+            await self._fail(ERR_SLOW_CONSUMER, "the client fell too far behind this stream")
+        events = await self._inbox.take(timeout)
+        if not events and not self.finished and not self.svc.router.routes_to(self.request_id, self._inbox):
+            self.finished = True  # its owner resumed it elsewhere: that reader has it now
+            raise GenerationError(ERR_RESUMED_ELSEWHERE, "this request was resumed on another connection")
+        deltas: list[Delta] = []
+        for e in events:
+            if self.finished:
+                break
+            try:
+                deltas.extend(self._on_event(e))
+            except GenerationError:
+                raise
+            except Exception:  # a malformed event costs this request only
+                log.exception("request %s: cannot process an event", self.request_id)
+                await self._fail(ERR_INTERNAL, "the gateway could not process this request's output")
+            if all(c.finish_reason is not None for c in self.choices):
+                await self._end()
+        deltas.extend(self._final)
+        self._final = []
+        # Resumable: one delta per event, so that a replay on any gateway numbers them
+        # the same way (the transports then send one message per delta).
+        return deltas if self.svc.broker.resumable else _merge(deltas)
+
+    async def cancel(self) -> None:
+        """The client asked to stop (or went away, and the request cannot outlive its
+        connection): free the engine request now. The abort is with the broker when
+        this returns."""
+        if self.finished:
+            return
+        self._final = [Delta(c.index, "", FINISH_ABORT) for c in self.choices if c.finish_reason is None]
+        for c in self.choices:
+            c.finish_reason = c.finish_reason or FINISH_ABORT
+        self.svc.metrics.aborts.inc()
+        await self._end()
+        self._inbox.wake()
+
+    def detach(self) -> None:
+        """The client left, and the broker keeps the request for a resume: stop
+        following it here and abort it after the grace time unless its owner resumed
+        it by then (on any gateway)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.svc.router.close(self.request_id, self._inbox)
+        self._inbox.wake()
+        self.svc.abort_later(self.request_id, self.attach)
+
+    async def leave(self) -> None:
+        """The client went away: detach the request (a resumable broker keeps it for
+        a resume) or cancel it. Nothing when it finished."""
+        if self.finished:
+            return
+        if self.svc.broker.resumable:
+            self.detach()
+        else:
+            await self.cancel()
+
+    async def _fail(self, code: str, message: str) -> None:
+        """End the request here with an error: the engine stops it, the client is told."""
+        self.svc.metrics.error(code)
+        with contextlib.suppress(BrokerError):  # the abort is lost with the broker; the grace TTL ends it
+            await self._end()
+        raise GenerationError(code, message)
+
+    def _on_event(self, ev: TokenEvent) -> list[Delta]:
+        if ev.whole_request and ev.finish_reason == FINISH_ABORT:  # the whole request was cancelled
+            return [self._abort_choice(c) for c in self.choices if c.finish_reason is None]
+        if ev.ends_request or not 0 <= ev.index < len(self.choices):
+            self.finished = True
+            self.svc.router.close(self.request_id, self._inbox)
+            raise GenerationError(
+                ev.error_code or ERR_INTERNAL, ev.error or f"bad event for choice {ev.index}"
+            )
+        self._observe(ev)
+        c = self.choices[ev.index]
+        if ev.usage is not None:
+            self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
+        if c.finish_reason is not None:  # ended by a stop string; the engine hasn't heard yet
+            c.engine_done = c.engine_done or ev.finish_reason is not None
+            return []
+        c.num_tokens += len(ev.token_ids)
+        text = c.detok.feed(ev.token_ids)
+        if c.stop is not None:
+            text, matched = c.stop.feed(text)
+            if not matched and ev.finish_reason is not None:
+                tail, matched = c.stop.flush()
+                text += tail
+            if matched:
+                c.finish_reason = FINISH_STOP
+        if ev.finish_reason is not None:
+            c.engine_done = True
+            c.finish_reason = c.finish_reason or ev.finish_reason
+        return [Delta(c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids))]
+
+    @staticmethod
+    def _abort_choice(c: _Choice) -> Delta:
+        c.finish_reason = FINISH_ABORT
+        c.engine_done = True
+        return Delta(c.index, "", FINISH_ABORT)
+
+    async def _end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            if not all(c.engine_done for c in self.choices):
+                # A stop string, the client or a failure ended it while the engine still runs it.
+                await self.svc.broker.abort(self.request_id)
+        finally:
+            self.svc.router.close(self.request_id, self._inbox)
+        m = self.svc.metrics
+        m.e2e.observe(time.monotonic() - self._timing.arrival)
+        m.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
+        m.finished(self.api, self.choices[0].finish_reason or FINISH_ABORT)
+
+    def _observe(self, ev: TokenEvent) -> None:
+        t = self._timing
+        now = time.monotonic()
+        if ev.token_ids:
+            if t.last_event is None:
+                self.svc.metrics.ttft.observe(now - t.arrival)
+            else:
+                self.svc.metrics.itl.observe(now - t.last_event)
+            t.last_event = now
+        if ev.queue_time is not None and t.queue_time is None:
+            t.queue_time = ev.queue_time
+            self.svc.metrics.queue.observe(ev.queue_time)
+
+    def _logprobs(self, ev: TokenEvent) -> list[TokenLogprob] | None:
+        if not self.want_logprobs or not ev.logprobs:
+            return None
+        text = self.svc.codec.token_text
+        return [
+            TokenLogprob(text(tid), float(lp), [(text(int(t)), float(tlp)) for t, tlp in top])
+            for tid, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)
+        ]
+
+
+def _merge(deltas: list[Delta]) -> list[Delta]:
+    """One delta per choice: events that queued up while the client was slow go out
+    together (clients expect a choice at most once per chunk)."""
+    by_index: dict[int, Delta] = {}
+    for d in deltas:
+        m = by_index.get(d.index)
+        if m is None:
+            by_index[d.index] = d
+            continue
+        m.text += d.text
+        m.num_tokens += d.num_tokens
+        m.finish_reason = d.finish_reason or m.finish_reason
+        if d.logprobs:
+            m.logprobs = (m.logprobs or []) + d.logprobs
+    return list(by_index.values())
