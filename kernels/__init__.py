@@ -55,13 +55,24 @@ def use_backend(name: str) -> None:
     if name == "triton" and not triton_available():
         raise RuntimeError("kernel backend 'triton' asked for, but triton is not installed")
     _BACKEND = name
+    _CACHE.clear()
 
 
 def backend() -> str:
     return _BACKEND
 
 
+_CACHE: dict[tuple[str, str], Any] = {}  # (op, device type) -> implementation, for this backend
+
+
 def _impl(op: str, device: torch.device) -> Any:
+    fn = _CACHE.get((op, device.type))
+    if fn is None:
+        fn = _CACHE[(op, device.type)] = _resolve(op, device)
+    return fn
+
+
+def _resolve(op: str, device: torch.device) -> Any:
     if _BACKEND == "auto" and device.type == "cpu":
         fast = getattr(cpu_ops, op + "_cpu", None)
         if fast is not None:

@@ -110,10 +110,10 @@ def cpu_attention_block(
     """Rotary on q and k, KV store, attention: one layer's attention on the CPU."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].unflatten(1, (num_heads + num_kv_heads, head_dim))
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
     rotate(qk, plan)
     q, k = qk[:, :num_heads], qk[:, num_heads:]
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(1, (num_kv_heads, head_dim))
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
     assert plan.slot_mapping is not None
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wsllm.kernels import cpu_ops, norms, rotary
+from wsllm.kernels import activation, cpu_ops, norms, rotary
 from wsllm.kernels.cpu_attention import cpu_paged_attention, plan_cpu_attention
 from wsllm.kernels.kv_store import store_kv_ref
 from wsllm.kernels.paged_attention import paged_prefill_attention_ref
@@ -22,6 +22,8 @@ def test_row_ops_are_bit_identical_to_the_references_in_fp32() -> None:
         cpu_ops.add_rms_norm_cpu(x, r, w, 1e-6), norms.add_rms_norm_ref(x, r, w, 1e-6), strict=True
     ):
         assert torch.equal(a, b)
+    gate_up = torch.randn(7, 2 * 96, generator=g)
+    assert torch.equal(cpu_ops.silu_and_mul_cpu(gate_up), activation.silu_and_mul_ref(gate_up))
 
 
 @pytest.mark.parametrize("layout", ["fused qkv", "separate"])

@@ -10,11 +10,19 @@ oneDNN the same way. The results differ from `F.linear` only in summation order.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+def _raw_linear_op() -> Any:
+    """The oneDNN linear as a bare builtin: `torch.ops.x.y(...)` goes through two
+    Python-level wrappers (packet, overload) on every call."""
+    overload = torch.ops.mkldnn._linear_pointwise.default
+    return getattr(overload, "_op", overload)
 
 
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -42,9 +50,10 @@ class PackedLinear(nn.Module):
         self.weight_dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self._op = _raw_linear_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self._op(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module, batch_hint: int = 32) -> int:

@@ -1,6 +1,11 @@
 """The Llama family over a paged KV cache: Llama 2/3 (llama3 rope scaling),
 Mistral, Qwen2 (qkv bias) and SmolLM2. Grouped-query attention, RMSNorm, SwiGLU,
 tied embeddings. Attention metadata is passed explicitly, never through a global.
+
+The forward pass calls submodules' `forward()` directly: `nn.Module.__call__` checks
+for hooks on every call, and a decode step of a small model on a CPU makes hundreds
+of these calls, where that Python time is a large part of the step (py-spy in
+docs/benchmarks.md). No hooks are used on these modules.
 """
 
 from __future__ import annotations
@@ -114,10 +119,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
-            o = kernels.cpu_attention_block(qkv, *kv, meta.cpu_plan, self.num_heads, self.scale)
-            return self.o_proj(o)
+            o = kernels.cpu_attention_block(qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale)
+            return self.o_proj.forward(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -140,7 +145,7 @@ class Attention(nn.Module):
                 self.scale,
                 meta.max_query_len,
             )
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -150,7 +155,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(kernels.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -164,12 +169,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm.forward(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cos_sin, kv, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, positions, cos_sin, kv, meta)
+        h, residual = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -198,12 +203,12 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         cos_sin = self.cos_sin_cache
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
-        x, _ = self.norm(x, residual)
+            x, residual = layer.forward(x, residual, positions, cos_sin, kv, meta)
+        x, _ = self.norm.forward(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up projections."""
