@@ -53,15 +53,19 @@ def serve(broker_kind: str, port: int, model: str | None, redis_url: str, thread
     from wsllm.config import EngineConfig, GatewayConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
+    from wsllm.models.loader import model_name_for
     from wsllm.server.app import create_app, uvicorn_config
 
-    engine = LLMEngine.from_config(EngineConfig(model=model, threads=threads, max_num_seqs=64))
     broker: Any = (
         MemoryBroker(max_pending=4096)
         if broker_kind == "memory"
-        else RedisBroker(redis_url, model=engine.model_name, max_pending=4096)
+        else RedisBroker(redis_url, model=model_name_for(model), max_pending=4096)
     )
-    EngineWorker(engine, broker).start()
+    # the engine loads on the thread that runs it, as in `wsllm serve` (EngineWorker.spawn)
+    worker = EngineWorker.spawn(
+        lambda: LLMEngine.from_config(EngineConfig(model=model, threads=threads, max_num_seqs=64)), broker
+    )
+    engine: Any = worker.engine
     cfg = GatewayConfig(host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False)
     app = create_app(cfg, broker, engine.model_dir, engine.model_name)
     uvicorn.Server(uvicorn_config(app, cfg, log_level="warning")).run()

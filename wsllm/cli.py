@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from wsllm import loadgen
 from wsllm.config import (
@@ -54,10 +54,10 @@ def serve(args: argparse.Namespace) -> int:
     rcfg = from_args(RedisConfig, args)
     if rcfg.redis_url or gcfg.broker != "memory":
         return _serve_redis(args, ecfg, gcfg, rcfg)
-    engine = LLMEngine.from_config(ecfg)
     broker = MemoryBroker(max_pending=gcfg.max_queue_depth)
-    worker = EngineWorker(engine, broker)
-    worker.start()
+    # loaded on the thread that runs it: see EngineWorker.spawn
+    worker = EngineWorker.spawn(lambda: LLMEngine.from_config(ecfg), broker)
+    engine = cast(LLMEngine, worker.engine)
     try:
         app = create_app(gcfg, broker, engine.model_dir, engine.model_name)
         server = uvicorn.Server(uvicorn_config(app, gcfg))

@@ -4,6 +4,7 @@ by hand with run_once() so that every assertion is about one iteration."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,6 +132,36 @@ def test_the_thread_stops_cleanly_and_empties_the_engine(engine: Any) -> None:
     ev = asyncio.run(asyncio.wait_for(last_event(), 5))
     assert (ev.request_id, ev.finish_reason, ev.error_code) == ("x", "error", "worker_lost")
     broker.close()
+
+
+def test_spawn_loads_and_steps_the_engine_on_one_thread_and_reports_a_failed_load(engine: Any) -> None:
+    threads: set[int] = set()  # the CPU build is slow when one thread loads and another runs
+
+    class Recording:  # the real engine, noting the threads that build and step it
+        def __init__(self) -> None:
+            threads.add(threading.get_ident())
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def step(self) -> Any:
+            threads.add(threading.get_ident())
+            return engine.step()
+
+    broker = MemoryBroker()
+    worker = EngineWorker.spawn(Recording, broker)
+    submit(broker, "x", max_tokens=3)
+    worker.wait_steps(3)
+    worker.stop()
+    broker.close()
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    assert not engine.has_unfinished()
+
+    def broken() -> Any:
+        raise FileNotFoundError("no weights here")
+
+    with pytest.raises(FileNotFoundError, match="no weights here"):
+        EngineWorker.spawn(broken, MemoryBroker())
 
 
 def test_an_invalid_request_fails_alone_and_goes_to_the_dead_letters(rig: Any) -> None:

@@ -99,13 +99,46 @@ class EngineWorker:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> threading.Thread:
-        """Run the loop in a daemon thread (memory mode)."""
+        """Run the loop in a daemon thread (memory mode). An engine built on another
+        thread runs slower on the CPU: see `spawn`."""
         if self._thread is not None:
             raise RuntimeError("the worker is already running")
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name=f"wsllm-{self.engine_id}", daemon=True)
         self._thread.start()
         return self._thread
+
+    @classmethod
+    def spawn(cls, build: Callable[[], Engine], broker: Broker, **kwargs: Any) -> EngineWorker:
+        """Build the engine and run its loop on one new daemon thread; returns once the
+        engine is built, raising what `build` raised.
+
+        On the CPU the engine must run on the thread that loaded it. GNU OpenMP keeps a
+        thread pool per calling thread; a model loaded on the main thread and run on
+        another leaves two pools, more OpenMP threads than cores, and libgomp then stops
+        spinning at its barriers and sleeps on a futex instead: every parallel op pays a
+        wake-up. Measured with the default model at batch 1 on 2 cores: 51 ms per step
+        on the loading thread, 79-95 ms on another (docs/benchmarks.md)."""
+        built = threading.Event()
+        box: dict[str, Any] = {}
+
+        def main() -> None:
+            try:
+                worker = box["worker"] = cls(build(), broker, **kwargs)
+                worker._thread = threading.current_thread()
+            except BaseException as e:
+                box["error"] = e
+                return
+            finally:
+                built.set()
+            worker.run()
+
+        threading.Thread(target=main, name="wsllm-engine", daemon=True).start()
+        built.wait()
+        if "error" in box:
+            raise box["error"]
+        worker: EngineWorker = box["worker"]
+        return worker
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop, aborting what the engine still holds, and leave the engine empty."""
