@@ -11,7 +11,12 @@ dispatch and the fused SDPA kernel has a large fixed cost with boolean masks:
 - **A fresh prompt** (no cached prefix: its queries are its whole context) attends
   to its own new K and V straight from the projection: no gather at all.
 - **A prompt chunk or a prefix-cache hit** gathers its own context (no padding to
-  the batch's longest) and runs causal SDPA with the queries at the end.
+  the batch's longest) and runs SDPA with the queries at the end, under an additive
+  mask built once per step.
+
+Every SDPA call gets 4-D inputs: torch's fused CPU kernel (flash attention for CPU)
+only takes those; 3-D ones fall back to the unfused math path, 2.5-4x slower at
+prompt sizes (docs/benchmarks.md).
 
 Cache layout as everywhere: `[num_blocks, block_size, num_kv_heads, head_dim]`.
 """
@@ -31,6 +36,7 @@ class PrefillRow:
     q_end: int
     context: int  # tokens it attends to, its new ones included (the last q_end - q_start)
     blocks: torch.Tensor | None  # [ceil(context / block_size)] int64; None: a fresh prompt
+    bias: torch.Tensor | None = None  # [q_len, context]: 0 where a query sees a key, else -inf
 
 
 @dataclass(slots=True)
@@ -77,8 +83,14 @@ def plan_cpu_attention(
     prefills = []
     start = num_decodes
     for t, ctx, n in zip(tables[num_decodes:], seq_lens[num_decodes:], q_lens[num_decodes:], strict=True):
-        blocks = None if n == ctx else torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
-        prefills.append(PrefillRow(start, start + n, ctx, blocks))
+        blocks = row_bias = None
+        if n != ctx:
+            blocks = torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
+            # queries are the last n positions: query i sees keys <= ctx - n + i
+            row_bias = torch.zeros(n, ctx, dtype=dtype).masked_fill_(
+                torch.ones(n, ctx, dtype=torch.bool).triu_(ctx - n + 1), -torch.inf
+            )
+        prefills.append(PrefillRow(start, start + n, ctx, blocks, row_bias))
         start += n
     cos = sin = None
     if positions is not None and cos_sin_cache is not None:
@@ -137,19 +149,18 @@ def cpu_paged_attention(
         out[: plan.num_decodes] = _decode(q[: plan.num_decodes], k_cache, v_cache, plan, scale, group)
     for row in plan.prefills:
         a, b = row.q_start, row.q_end
-        qs = q[a:b].transpose(0, 1)  # [H, q_len, D]
+        qs = q[a:b].transpose(0, 1)[None]  # [1, H, q_len, D]
         if row.blocks is None:  # fresh prompt: its context is exactly its new tokens
-            ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+            ks, vs = k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = row.context
-            ks = k_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)  # [Hk, ctx, D]
-            vs = v_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)
-            # queries are the last b - a positions: query i sees keys <= ctx - (b - a) + i
-            q_pos = torch.arange(ctx - (b - a), ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[a:b] = o.transpose(0, 1)
+            ks = (
+                k_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            )  # [1, Hk, ctx, D]
+            vs = v_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=row.bias, scale=scale, enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1)
     return out
 
 
