@@ -94,6 +94,12 @@ class GatewayConfig:
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
+    queue_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "a request still waiting for an engine after this long ends with 503 queue_timeout; 0: never"
+        },
+    )
     max_buffered_events: int = field(
         default=512,
         metadata={
@@ -120,6 +126,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
+        if not 0 <= self.queue_timeout_s <= 1e6:
+            raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 
 
 @dataclass(slots=True)

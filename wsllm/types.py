@@ -37,6 +37,7 @@ ERR_INTERNAL = "internal_error"  # the engine failed while serving it
 ERR_WORKER_LOST = "worker_lost"  # the engine (or the broker's copy of the request) went away
 ERR_SLOW_CONSUMER = "slow_consumer"  # the client fell too far behind its own stream
 ERR_RESUMED_ELSEWHERE = "resumed_elsewhere"  # its owner resumed it on another connection
+ERR_QUEUE_TIMEOUT = "queue_timeout"  # it waited for an engine past its queue deadline
 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1
@@ -239,6 +240,13 @@ class GenerateRequest:
     model: str = ""
     arrival_time: float = 0.0  # time.time() at the gateway
     skip_tokens: int = 0  # crash replay: tokens the client already has (per choice)
+    #: time.time() after which it must not start (0: no deadline); set by the gateway
+    #: from --queue-timeout-s, enforced by whoever holds it then (broker or engine)
+    queue_deadline: float = 0.0
+
+    def expired(self, now: float) -> bool:
+        """Past its queue deadline at `now` (time.time()): it must not start."""
+        return 0.0 < self.queue_deadline <= now
 
     def __post_init__(self) -> None:
         _check(
@@ -261,6 +269,9 @@ class GenerateRequest:
             self.model,
         )
         _check(_in(self.arrival_time, 0.0, 1e12), "arrival_time", "a time in seconds", self.arrival_time)
+        _check(
+            _in(self.queue_deadline, 0.0, 1e12), "queue_deadline", "a time in seconds", self.queue_deadline
+        )
         _check(
             _is_int(self.skip_tokens) and 0 <= self.skip_tokens <= MAX_TOKENS,
             "skip_tokens",

@@ -51,3 +51,43 @@ def test_not_ready_then_queue_full(tiny_model_dir: Path, uvicorn_thread: Any) ->
             assert time.monotonic() < deadline
             time.sleep(0.01)
     broker.close()
+
+
+def test_a_request_that_waits_past_the_queue_timeout_gets_503_queue_timeout(
+    tiny_model_dir: Path, live_server: Any
+) -> None:
+    from wsllm.config import EngineConfig
+    from wsllm.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1))
+    long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    async def go(base: str) -> tuple[httpx.Response, float, httpx.Response, int]:
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=30) as http,
+            http.stream("POST", "/v1/completions", json=long) as first,
+        ):
+            lines = first.aiter_lines()  # the one sequence the engine runs
+            async for line in lines:
+                if line.startswith("data: {"):  # it runs: the engine's only sequence is taken
+                    break
+            t0 = time.monotonic()
+            late = await http.post("/v1/completions", json=BODY | {"stream": False})
+            waited = time.monotonic() - t0
+            # its place is free again: the queue (depth 1) takes the next one (no 429) and, the
+            # engine being still busy, times it out too
+            again = await http.post("/v1/completions", json=BODY | {"stream": False})
+            more = 0
+            async for line in lines:  # the running request was never disturbed
+                more += line.startswith("data: {")
+                if more >= 5:
+                    break
+        return late, waited, again, more
+
+    with live_server(engine, queue_timeout_s=0.4, max_queue_depth=1) as srv:
+        late, waited, again, more = asyncio.run(go(srv.base_url))
+    assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
+    assert late.headers["retry-after"] == "1"
+    assert 0.4 <= waited < 5
+    assert again.status_code == 503 and again.json()["error"]["code"] == "queue_timeout"
+    assert more == 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -116,7 +117,7 @@ def test_replay_that_diverges_ends_with_worker_lost() -> None:
 
 def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_duplicate(brokers) -> None:
     gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
-    asyncio.run(gw.submit(req("r1")))
+    asyncio.run(gw.submit(replace(req("r1"), queue_deadline=time.time() + 0.3)))
     (r,) = pull_until(a)
     a.publish([tokens_event("r1", 0, [11]), tokens_event("r1", 1, [12])])
     # engine-a dies here: no heartbeat, no more events. engine-b is alive and idle.
@@ -124,6 +125,7 @@ def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_dup
     (again,) = pull_until(b)
     assert LEASE.lease_s <= time.monotonic() - t0 < LEASE.lease_s + 3
     assert again.request_id == "r1" and again.skip_tokens == 2
+    assert again.queue_deadline == 0.0  # it started once: not a waiting request past its deadline
     # It regenerates from the start (greedy: the same tokens); the client's two are skipped.
     b.publish([tokens_event("r1", 0, [11, 12])])
     b.publish([tokens_event("r1", 1, [13]), tokens_event("r1", 2, [14], "length")])

@@ -182,3 +182,68 @@ def test_an_invalid_request_fails_alone_and_goes_to_the_dead_letters(rig: Any) -
     assert sum(len(e.token_ids) for e in events if e.request_id == "good") == 6
     ((item, reason),) = broker.dead_letters
     assert getattr(item, "request_id", None) == "bad" and "top_k" in reason
+
+
+async def _events_of(broker: Any, rid: str) -> list[TokenEvent]:
+    got: list[TokenEvent] = []
+    async for batch in broker.events():
+        got += [e for e in batch if e.request_id == rid]
+        if got and got[-1].finish_reason is not None:
+            return got
+    return got
+
+
+def test_a_request_waiting_past_its_queue_deadline_ends_with_queue_timeout_and_frees_its_place(
+    rig: Any,
+) -> None:
+    worker, broker, _ = rig
+    for i in range(4):  # max_num_seqs is 4: the engine is full and pulls nothing more
+        submit(broker, f"busy{i}", max_tokens=200)
+    worker.run_once()
+    now = time.time()
+    late = GenerateRequest(
+        "late", [5, 6, 7], SamplingParams(max_tokens=4), arrival_time=now, queue_deadline=now + 0.3
+    )
+    asyncio.run(broker.submit(late))
+    worker.run_once()
+    assert asyncio.run(broker.pending()) == 1  # before its deadline it waits
+    time.sleep(0.35)
+    worker.run_once()
+    assert asyncio.run(broker.pending()) == 0  # its place in the queue is free again
+    got = asyncio.run(asyncio.wait_for(_events_of(broker, "late"), 5))
+    assert [(e.seq, e.finish_reason, e.error_code) for e in got] == [(0, "error", "queue_timeout")]
+    assert not worker.engine.is_known("late")
+    assert all(worker.engine.is_known(f"busy{i}") for i in range(4))  # the running ones go on
+
+
+def test_an_engine_that_takes_a_request_past_its_deadline_fails_it_without_running_it(
+    engine: Any, redis_server: Any
+) -> None:
+    from wsllm.broker.redis import RedisBroker
+
+    redis_server.client().flushall()
+    gw = RedisBroker(redis_server.url, model=engine.model_name)
+    eb = RedisBroker(redis_server.url, model=engine.model_name, engine_id="e1")
+    worker = EngineWorker(engine, eb, idle_wait_s=0.0)
+    published: list[TokenEvent] = []
+    worker.on_publish = published.extend
+    try:
+        now = time.time()
+        p = SamplingParams(max_tokens=4, temperature=0.0)
+        # It waited in the stream while every engine was busy; this one takes it too late.
+        stale = GenerateRequest("stale", [5, 6], p, engine.model_name, now - 5, queue_deadline=now - 1)
+        fresh = GenerateRequest("fresh", [5, 6], p, engine.model_name, now, queue_deadline=now + 60)
+        asyncio.run(gw.submit(stale))
+        asyncio.run(gw.submit(fresh))
+        deadline = time.monotonic() + 10
+        while not any(e.request_id == "fresh" and e.finish_reason for e in published):
+            assert time.monotonic() < deadline
+            worker.run_once()
+        (err,) = [e for e in published if e.request_id == "stale"]
+        assert (err.seq, err.finish_reason, err.error_code) == (0, "error", "queue_timeout")
+        assert [e.finish_reason for e in published if e.request_id == "fresh"][-1] == "length"
+        assert not engine.has_unfinished()
+    finally:
+        worker.drain()
+        eb.close()
+        gw.close()

@@ -20,12 +20,14 @@ from threading import Condition, Lock
 from typing import Any
 
 from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull
-from wsllm.types import GenerateRequest, TokenEvent
+from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
 # How often a blocked engine-side call re-checks whether the broker was closed.
 _POLL_S = 0.1
+# How often the engine side looks for waiting requests past their queue deadline.
+_EXPIRY_CHECK_S = 0.05
 
 
 class MemoryBroker(Broker):
@@ -50,6 +52,7 @@ class MemoryBroker(Broker):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._reader_waiting = False
+        self._next_expiry_check = 0.0
 
     # -- gateway side ----------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class MemoryBroker(Broker):
     # -- engine side -------------------------------------------------------------------
 
     def pull(self, max_n: int, timeout: float = 0.0) -> list[GenerateRequest]:
+        self._expire()  # also when the engines are full: that is when requests wait
         if max_n <= 0:
             return []
         deadline = time.monotonic() + timeout
@@ -130,6 +134,34 @@ class MemoryBroker(Broker):
             while self._pending and len(out) < max_n:
                 out.append(self._pending.popitem(last=False)[1])
             return out
+
+    def _expire(self) -> None:
+        """End the waiting requests that are past their queue deadline, freeing their
+        places: each gets a `queue_timeout` failure as its only event."""
+        now = time.time()
+        with self._lock:
+            if now < self._next_expiry_check or self._closed:
+                return
+            self._next_expiry_check = now + _EXPIRY_CHECK_S
+            expired = [r for r in self._pending.values() if r.expired(now)]
+            if not expired:
+                return
+            for r in expired:
+                del self._pending[r.request_id]
+            waited = [f"{now - r.arrival_time:.1f}" if r.arrival_time else "?" for r in expired]
+            self._events.append(
+                [
+                    TokenEvent.failure(
+                        r.request_id,
+                        ERR_QUEUE_TIMEOUT,
+                        f"no engine took this request in time (waited {w} s)",
+                        0,
+                    )
+                    for r, w in zip(expired, waited, strict=True)
+                ]
+            )
+            self._wake_reader()
+        log.info("%d requests waited past their queue deadline", len(expired))
 
     def aborts(self) -> list[str]:
         with self._lock:

@@ -29,6 +29,7 @@ from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_INTERNAL,
     ERR_INVALID_REQUEST,
+    ERR_QUEUE_TIMEOUT,
     ERR_WORKER_LOST,
     EngineBusy,
     GenerateRequest,
@@ -208,6 +209,11 @@ class EngineWorker:
                 rid = getattr(r, "request_id", None)
                 if isinstance(rid, str) and rid and rid not in self._live:
                     errors.append(_error_event(rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {e}"))
+                continue
+            if r.expired(time.time()):  # it waited in the broker past its deadline
+                errors.append(
+                    _error_event(r.request_id, ERR_QUEUE_TIMEOUT, "no engine took this request in time")
+                )
                 continue
             error = self._add(r)
             if error is None:

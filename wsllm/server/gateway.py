@@ -107,7 +107,14 @@ class Gateway:
         gen.context["token_sha256"] = _digest(secret)
         try:
             await self.broker.submit(
-                GenerateRequest(rid, prompt_ids, params, model=self.model_name, arrival_time=time.time()),
+                GenerateRequest(
+                    rid,
+                    prompt_ids,
+                    params,
+                    model=self.model_name,
+                    arrival_time=(now := time.time()),
+                    queue_deadline=now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0,
+                ),
                 max_waiting=self.cfg.max_queue_depth,
                 context=gen.context if self.broker.resumable else None,
             )

@@ -24,7 +24,7 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
-from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_WORKER_LOST, Usage
+from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST, Usage
 
 RESUME_TOKEN_HEADER = "x-resume-token"
 # Bodies larger than this are validated off the event loop.
@@ -159,7 +159,12 @@ async def _full_response(request: Request, api: _Api) -> Response:
         done, per_choice = await until_disconnect(request.receive, _collect(gen))
     except GenerationError as e:
         # The engine refused the request (400), is full or lost it (503); anything else is ours.
-        status = {ERR_INVALID_REQUEST: 400, ERR_WORKER_LOST: 503, ERR_ENGINE_BUSY: 503}.get(e.code, 500)
+        status = {
+            ERR_INVALID_REQUEST: 400,
+            ERR_WORKER_LOST: 503,
+            ERR_ENGINE_BUSY: 503,
+            ERR_QUEUE_TIMEOUT: 503,
+        }.get(e.code, 500)
         raise APIError(status, e.code, e.message, retry_after=1 if status == 503 else None) from None
     finally:
         await gen.cancel()  # no-op when it finished; frees the engine request otherwise
