@@ -254,6 +254,26 @@ def test_queued_requests_know_their_place(brokers) -> None:
     assert asyncio.run(after()) == [1, 2]
 
 
+def test_a_full_engine_expires_the_waiting_requests_past_their_deadline_and_only_those(brokers) -> None:
+    gw, engine = brokers(), brokers("engine-a")
+    now = time.time()
+    asyncio.run(gw.submit(req("taken", max_tokens=1)))
+    (taken,) = pull_until(engine)  # an engine runs it: past its deadline or not, it stays
+    asyncio.run(gw.submit(replace(req("late"), queue_deadline=now + 0.3)))
+    asyncio.run(gw.submit(req("patient")))  # no deadline
+    assert asyncio.run(gw.pending()) == 2
+    t0 = time.monotonic()
+    while asyncio.run(gw.pending()) > 1:  # the engine is full: it pulls nothing, and sweeps
+        assert time.monotonic() - t0 < 5, "the late request stayed queued"
+        assert engine.pull(0, timeout=0.0) == []
+        time.sleep(0.02)
+    assert time.monotonic() - t0 >= 0.25
+    (ev,) = asyncio.run(read(gw, "late"))
+    assert (ev.seq, ev.finish_reason, ev.error_code) == (0, "error", "queue_timeout")
+    (rest,) = pull_until(engine)
+    assert rest.request_id == "patient"  # the next engine with room gets the one that waits
+
+
 def test_a_gap_in_a_stream_ends_the_request_instead_of_skipping_text(brokers) -> None:
     gw, engine = brokers(), brokers("engine-a")
     asyncio.run(gw.submit(req("r8")))

@@ -217,6 +217,29 @@ def test_a_request_waiting_past_its_queue_deadline_ends_with_queue_timeout_and_f
 
 
 def test_an_engine_that_takes_a_request_past_its_deadline_fails_it_without_running_it(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wsllm.broker.memory
+
+    worker, broker, events = rig
+    # The broker sweeps once, now; the deadline then passes before the engine pulls (as
+    # between two sweeps, or with a queue that keeps no deadlines): the engine checks too.
+    monkeypatch.setattr(wsllm.broker.memory, "_EXPIRY_CHECK_S", 60.0)
+    broker.pull(0)
+    now = time.time()
+    p = SamplingParams(max_tokens=4, temperature=0.0)
+    asyncio.run(
+        broker.submit(GenerateRequest("stale", [5, 6], p, arrival_time=now, queue_deadline=now + 0.05))
+    )
+    asyncio.run(broker.submit(GenerateRequest("fresh", [5, 6], p, arrival_time=now, queue_deadline=now + 60)))
+    time.sleep(0.1)
+    run_until_done(worker)
+    (err,) = [e for e in events if e.request_id == "stale"]
+    assert (err.seq, err.finish_reason, err.error_code) == (0, "error", "queue_timeout")
+    assert [e.finish_reason for e in events if e.request_id == "fresh"][-1] == "length"
+
+
+def test_a_request_past_its_deadline_in_the_redis_queue_ends_with_queue_timeout_and_never_runs(
     engine: Any, redis_server: Any
 ) -> None:
     from wsllm.broker.redis import RedisBroker
@@ -230,7 +253,7 @@ def test_an_engine_that_takes_a_request_past_its_deadline_fails_it_without_runni
     try:
         now = time.time()
         p = SamplingParams(max_tokens=4, temperature=0.0)
-        # It waited in the stream while every engine was busy; this one takes it too late.
+        # It waited in the stream while every engine was busy; this engine comes too late.
         stale = GenerateRequest("stale", [5, 6], p, engine.model_name, now - 5, queue_deadline=now - 1)
         fresh = GenerateRequest("fresh", [5, 6], p, engine.model_name, now, queue_deadline=now + 60)
         asyncio.run(gw.submit(stale))
@@ -239,10 +262,11 @@ def test_an_engine_that_takes_a_request_past_its_deadline_fails_it_without_runni
         while not any(e.request_id == "fresh" and e.finish_reason for e in published):
             assert time.monotonic() < deadline
             worker.run_once()
-        (err,) = [e for e in published if e.request_id == "stale"]
-        assert (err.seq, err.finish_reason, err.error_code) == (0, "error", "queue_timeout")
+        got = asyncio.run(asyncio.wait_for(_events_of(gw, "stale"), 10))
+        assert [(e.seq, e.finish_reason, e.error_code) for e in got] == [(0, "error", "queue_timeout")]
+        assert not any(e.request_id == "stale" and e.token_ids for e in published)  # it never ran
         assert [e.finish_reason for e in published if e.request_id == "fresh"][-1] == "length"
-        assert not engine.has_unfinished()
+        assert asyncio.run(gw.pending()) == 0 and not engine.has_unfinished()
     finally:
         worker.drain()
         eb.close()

@@ -31,16 +31,19 @@ import redis.exceptions
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis_dead import DeadLetters, abort_target
-from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import EXPIRE_WAITING, GROUP, REFRESH, UNAVAILABLE, Keys
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
-from wsllm.types import GenerateRequest, TokenEvent, WireError, decode_request, encode
+from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireError, decode_request, encode
 
 log = logging.getLogger(__name__)
 
 _BLOCK_SLICE_S = 0.25  # a blocked pull re-checks close() this often
 _RETRY_S = 0.5  # pause between tries while Redis is down
+_EXPIRY_S = 0.25  # how often an engine sweeps the queue for entries past their deadline
+_EXPIRY_SCAN = 4096  # waiting entries looked at per sweep
+_EXPIRED_MSG = "no engine took this request in time"
 
 
 @dataclass(slots=True)
@@ -75,13 +78,23 @@ class EngineSide:
         self._aborts_fresh = False  # publish read the abort stream since the last aborts()
         self._down = False  # Redis was unreachable at the last try
         self._refresh = r.register_script(REFRESH)
+        self._expire = r.register_script(EXPIRE_WAITING)
+        self._next_expiry = 0.0
+        # The failure event of an expired request, around its JSON-quoted id.
+        before, after = encode([TokenEvent.failure("\0", ERR_QUEUE_TIMEOUT, _EXPIRED_MSG, 0)]).split(
+            b'"\\u0000"'
+        )
+        self._expired_event = (before, after)
         self.dead = DeadLetters(r, keys, cfg, model, self.queue)
         self.recovery = Recovery(r, keys, cfg, self.queue, consumer)
 
     # -- pull ------------------------------------------------------------------------
 
     def pull(self, max_n: int, timeout: float) -> list[GenerateRequest]:
-        if max_n <= 0 or self.closed.is_set():
+        if self.closed.is_set():
+            return []
+        self._expire_waiting()  # also when this engine is full: that is when requests wait
+        if max_n <= 0:
             return []
         try:
             out = self._start(max_n) if not self._started else []
@@ -106,6 +119,30 @@ class EngineSide:
             log.warning("the consumer group of %s is gone (redis restarted?); creating it", self.queue)
             self._ensure_group()
             return []
+
+    def _expire_waiting(self) -> None:
+        """End the waiting requests past their queue deadline (every engine sweeps a few
+        times a second; the script makes the sweep and the engines' reads exclusive)."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + _EXPIRY_S
+        retention_ms = int(self.cfg.stream_retention_s * 1000)
+        args: list[str | int | bytes] = [
+            GROUP,
+            _EXPIRY_SCAN,
+            repr(time.time()),
+            self.keys.out(""),
+            retention_ms,
+        ]
+        args += self._expired_event
+        try:
+            expired = self._expire(keys=[self.queue], args=args)
+        except (*UNAVAILABLE, redis.exceptions.ResponseError) as e:  # pull() reports an outage
+            log.debug("%s: queue-deadline sweep skipped (%s)", self.consumer, e)
+            return
+        if expired:
+            log.info("%s: %d requests waited past their queue deadline", self.consumer, len(expired))
 
     def _start(self, max_n: int) -> list[GenerateRequest]:
         self._ensure_group()
@@ -146,8 +183,8 @@ class EngineSide:
                 seen.append((entry_id, fields))
                 continue
             try:
-                if set(fields) != {b"r"}:
-                    raise WireError(f"the entry must have exactly one field, r; it has {sorted(fields)}")
+                if b"r" not in fields or not set(fields) <= {b"r", b"i", b"d"}:
+                    raise WireError(f"the entry must have the field r (and i, d); it has {sorted(fields)}")
                 req = decode_request(fields[b"r"])
             except WireError as e:  # nobody can serve it: out of the queue, into the dead letters
                 self.dead.request_entry(entry_id, fields, f"invalid request entry: {e}")

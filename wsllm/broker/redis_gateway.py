@@ -107,7 +107,8 @@ class GatewaySide:
         cap = self.max_waiting if max_waiting is None else max_waiting
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
-            ok, value = await self._call(SUBMIT, keys, [GROUP, cap, encode(request), meta, ttl_ms])
+            args = [GROUP, cap, encode(request), meta, ttl_ms, rid, repr(request.queue_deadline)]
+            ok, value = await self._call(SUBMIT, keys, args)
         except BaseException:
             self._follows.pop(rid, None)
             raise

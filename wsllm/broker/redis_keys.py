@@ -80,7 +80,9 @@ class Keys:
 # Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
 # the stream minus those delivered and not yet acked), else queue the request, open its
 # result stream with the meta entry and wake the submitting gateway.
-# KEYS: queue, out, wake   ARGV: group, max_waiting, request, meta, ttl_ms
+# The entry carries the request (`r`) and, for the queue-deadline sweep below, its id
+# (`i`) and deadline (`d`, time.time() seconds; 0: none).
+# KEYS: queue, out, wake   ARGV: group, max_waiting, request, meta, ttl_ms, request id, deadline
 SUBMIT = """
 local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
 if not ok then
@@ -89,7 +91,7 @@ if not ok then
 end
 local waiting = redis.call('XLEN', KEYS[1]) - pend[1]
 if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
-local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3])
+local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7])
 redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
@@ -118,9 +120,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# Places of waiting entries: those after the group's last delivered id, in order.
-# KEYS: queue   ARGV: group, scan_limit, entry ids...   -> 1-based place, or 0 (taken)
-POSITIONS = """
+# Lua: `last`, the group ARGV[1]'s last delivered id on the stream KEYS[1]; the entries
+# after it wait for an engine.
+_LAST_DELIVERED = """
 local last = '0-0'
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
 if ok then
@@ -132,6 +134,13 @@ if ok then
     if name == ARGV[1] then last = ld end
   end
 end
+"""
+
+# Places of waiting entries: those after the group's last delivered id, in order.
+# KEYS: queue   ARGV: group, scan_limit, entry ids...   -> 1-based place, or 0 (taken)
+POSITIONS = (
+    _LAST_DELIVERED
+    + """
 local place = {}
 for i, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
   place[e[1]] = i
@@ -140,6 +149,37 @@ local out = {}
 for i = 3, #ARGV do out[#out + 1] = place[ARGV[i]] or 0 end
 return out
 """
+)
+
+# Queue deadlines: waiting entries whose deadline `d` has passed leave the queue, and
+# the result stream of each (if its client still has one) gets the failure event,
+# built from a template around the JSON-quoted request id. Atomic with the engines'
+# XREADGROUP: an entry is either taken by an engine or expired, never both.
+# KEYS: queue   ARGV: group, scan_limit, now, out key prefix, retention_ms,
+#                     event before the id, event after the id   -> expired request ids
+EXPIRE_WAITING = (
+    _LAST_DELIVERED
+    + """
+local now = tonumber(ARGV[3])
+local expired = {}
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
+  local f, d, rid = e[2], nil, nil
+  for i = 1, #f, 2 do
+    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1] end
+  end
+  if d and rid and d > 0 and d <= now then
+    redis.call('XDEL', KEYS[1], e[1])
+    local out = ARGV[4] .. rid
+    if redis.call('EXISTS', out) == 1 then
+      redis.call('XADD', out, '*', 'e', ARGV[6] .. cjson.encode(rid) .. ARGV[7])
+      redis.call('PEXPIRE', out, ARGV[5])
+    end
+    expired[#expired + 1] = rid
+  end
+end
+return expired
+"""
+)
 
 # Live engines: the ids whose heartbeat key still exists, with its payload and the
 # milliseconds it has left; ids whose key expired leave the set.

@@ -102,6 +102,7 @@ class Recovery:
         deliveries: int,
     ) -> Decision:
         rid = req.request_id
+        req.queue_deadline = 0.0  # an engine took it before: no longer a waiting request
         if not stream:  # its result stream expired: nobody waits for it any more
             return Decision(entry_id, fields, Plan.DONE, req)
         try:
@@ -114,7 +115,6 @@ class Recovery:
                  history.num_events, what.value)  # fmt: skip
         if what is Plan.REPLAY:
             req.skip_tokens = max((len(t) for t in history.sent.values()), default=0)
-            req.queue_deadline = 0.0  # an engine took it once: no longer a waiting request
             return Decision(entry_id, fields, what, req, replay=Replay(rid, history))
         if what is Plan.DEAD:
             msg = f"the request failed on {deliveries - 1} engines and was moved to the dead-letter stream"
