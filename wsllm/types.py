@@ -60,7 +60,8 @@ MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 16
 MAX_LENGTH_PENALTY = 10.0  # [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY]
 MAX_PROMPT_TOKENS = 1 << 20
-MAX_ID_CHARS = 256  # request ids and model names
+MAX_ID_CHARS = 256  # request ids, model and tenant names
+MAX_PRIORITY = 1_000_000  # priorities are integers in [-MAX_PRIORITY, MAX_PRIORITY]
 
 # Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
 # field the type does not have. (pydantic reads this from the dataclasses.)
@@ -243,6 +244,8 @@ class GenerateRequest:
     #: time.time() after which it must not start (0: no deadline); set by the gateway
     #: from --queue-timeout-s, enforced by whoever holds it then (broker or engine)
     queue_deadline: float = 0.0
+    priority: int = 0  # higher is admitted first; the gateway caps it per tenant
+    tenant: str = ""  # who asked (set by the gateway from the API key): fair sharing
 
     def expired(self, now: float) -> bool:
         """Past its queue deadline at `now` (time.time()): it must not start."""
@@ -271,6 +274,18 @@ class GenerateRequest:
         _check(_in(self.arrival_time, 0.0, 1e12), "arrival_time", "a time in seconds", self.arrival_time)
         _check(
             _in(self.queue_deadline, 0.0, 1e12), "queue_deadline", "a time in seconds", self.queue_deadline
+        )
+        _check(
+            _is_int(self.priority) and abs(self.priority) <= MAX_PRIORITY,
+            "priority",
+            f"an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
+            self.priority,
+        )
+        _check(
+            isinstance(self.tenant, str) and len(self.tenant) <= MAX_ID_CHARS,
+            "tenant",
+            "a short string",
+            self.tenant,
         )
         _check(
             _is_int(self.skip_tokens) and 0 <= self.skip_tokens <= MAX_TOKENS,

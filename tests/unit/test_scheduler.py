@@ -1,5 +1,6 @@
 """Scheduler properties over random workloads, without a model: the step budget
-holds, every request finishes, no block leaks, preemption sends the newest back."""
+holds, every request finishes, no block leaks, preemption sends the newest of the
+lowest priority back; priority and tenant fairness decide who is admitted."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.types import SamplingParams
 
 workload = st.lists(
-    st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 6)), min_size=1, max_size=12
+    st.tuples(
+        st.integers(1, 70), st.integers(1, 30), st.integers(0, 6), st.integers(0, 2), st.sampled_from("ab")
+    ),
+    min_size=1,
+    max_size=12,
 )
 
 
@@ -28,8 +33,13 @@ def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching) ->
     bm = BlockManager(blocks, 8, watermark=0.0, enable_prefix_caching=caching)
     sched = Scheduler(bm, max_seqs, budget)
     pending = [
-        (arrive, Sequence(f"r{i}", 0, [i % 3 + 1] * plen, SamplingParams(max_tokens=gen), 0.0))
-        for i, (plen, gen, arrive) in enumerate(reqs)
+        (
+            arrive,
+            Sequence(
+                f"r{i}", 0, [i % 3 + 1] * plen, SamplingParams(max_tokens=gen), 0.0, priority=p, tenant=t
+            ),
+        )
+        for i, (plen, gen, arrive, p, t) in enumerate(reqs)
         if plen + gen <= blocks * 8
     ]
     for step in range(2000):
@@ -77,3 +87,62 @@ def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
     assert out.preempted == [b]
     assert sched.waiting[0] is b and b.num_computed_tokens == 0
     assert [s.request_id for s, _ in out.scheduled] == ["a"]
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step with a stand-in model (a token for every sequence that caught up)."""
+    out = sched.schedule()
+    for s, n in out.scheduled:
+        if s.num_computed_tokens + n == s.num_tokens:
+            s.output_token_ids.append(5)
+    sched.finish_step(out.scheduled)
+    return [s.request_id for s, _ in out.scheduled]
+
+
+def test_a_higher_priority_request_goes_before_lower_ones_that_waited_longer() -> None:
+    sched = Scheduler(BlockManager(64, 8, watermark=0.0), 1, 64)
+    for rid, priority in [("old-low", 0), ("older-low", 0), ("new-high", 5), ("newest-mid", 2)]:
+        sched.add(Sequence(rid, 0, [1] * 4, SamplingParams(max_tokens=1), 0.0, priority=priority))
+    started = []
+    while sched.has_unfinished():
+        for s in list(sched.running):  # max_tokens=1: done after its first step
+            s.status = SeqStatus.FINISHED
+        sched.finish_step([])
+        started += _step(sched)
+    assert started == ["new-high", "newest-mid", "old-low", "older-low"]
+
+
+def test_the_lowest_priority_is_preempted_first_even_when_it_is_older() -> None:
+    bm = BlockManager(4, 8, watermark=0.0)
+    sched = Scheduler(bm, 8, 64)
+    low = Sequence("low", 0, [1] * 15, SamplingParams(max_tokens=20), 0.0, priority=0)
+    high = Sequence("high", 0, [2] * 15, SamplingParams(max_tokens=20), 0.0, priority=1)
+    sched.add(low)
+    sched.add(high)
+    assert _step(sched) == ["high", "low"]  # priority orders admission too
+    for s in (low, high):  # both need a third block; 4 blocks hold two each
+        s.output_token_ids.append(5)
+        s.num_computed_tokens += 1
+    out = sched.schedule()
+    assert out.preempted == [low] and [s.request_id for s, _ in out.scheduled] == ["high"]
+
+
+def _admission_order(tenant_b: str) -> list[str]:
+    sched = Scheduler(BlockManager(256, 8, watermark=0.0), 2, 256)
+    for i in range(8):
+        sched.add(Sequence(f"a{i}", 0, [1] * 4, SamplingParams(max_tokens=3), 0.0, tenant="a"))
+    started = _step(sched)
+    for i in range(2):  # b comes once a's first two run and six more of a's wait
+        sched.add(Sequence(f"b{i}", 0, [2] * 4, SamplingParams(max_tokens=3), 0.0, tenant=tenant_b))
+    while sched.has_unfinished():
+        for s in list(sched.running):
+            if len(s.output_token_ids) >= 3:
+                s.status = SeqStatus.FINISHED
+        sched.finish_step([])
+        started += [r for r in _step(sched) if r not in started]
+    return started
+
+
+def test_a_tenant_that_arrives_later_is_served_before_the_backlog_of_a_busy_one() -> None:
+    assert _admission_order("b")[:4] == ["a0", "a1", "b0", "b1"]  # the next free slots
+    assert _admission_order("a")[-2:] == ["b0", "b1"]  # one tenant: first come, first served

@@ -18,11 +18,14 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from wsllm.types import GenerateRequest, TokenEvent
+
+#: an engine's admission order for queued requests: lower goes first
+Rank = Callable[[GenerateRequest], Any]
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +168,12 @@ class Broker(abc.ABC):
     # -- engine side (call from a worker thread or process) ------------------------
 
     @abc.abstractmethod
-    def pull(self, max_n: int, timeout: float = 0.0) -> list[GenerateRequest]:
-        """Take up to `max_n` queued requests, oldest first. Waits up to `timeout`
-        seconds for the first one; returns [] when none came."""
+    def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
+        """Take up to `max_n` queued requests. Waits up to `timeout` seconds for the
+        first one; returns [] when none came. With `rank` (the engine's admission
+        order: lower first), a broker that can choose takes the best-ranked ones,
+        oldest first among equals; one that cannot (a Redis stream is read in order)
+        takes the oldest."""
 
     @abc.abstractmethod
     def aborts(self) -> list[str]:

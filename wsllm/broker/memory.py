@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 from collections import OrderedDict, deque
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 from threading import Condition, Lock
 from typing import Any
 
-from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull
+from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull, Rank
 from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class MemoryBroker(Broker):
 
     # -- engine side -------------------------------------------------------------------
 
-    def pull(self, max_n: int, timeout: float = 0.0) -> list[GenerateRequest]:
+    def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
         self._expire()  # also when the engines are full: that is when requests wait
         if max_n <= 0:
             return []
@@ -130,6 +131,13 @@ class MemoryBroker(Broker):
                 if remaining <= 0:
                     return []
                 self._has_pending.wait(min(remaining, _POLL_S))
+            if (
+                rank is not None and len(self._pending) > max_n
+            ):  # the engine's best, oldest first among equals
+                best = heapq.nsmallest(
+                    max_n, enumerate(self._pending.values()), key=lambda ir: (rank(ir[1]), ir[0])
+                )
+                return [self._pending.pop(r.request_id) for _, r in best]
             out: list[GenerateRequest] = []
             while self._pending and len(out) < max_n:
                 out.append(self._pending.popitem(last=False)[1])

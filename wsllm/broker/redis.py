@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from wsllm.broker.base import Broker, EngineInfo, Resumable
+from wsllm.broker.base import Broker, EngineInfo, Rank, Resumable
 from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
@@ -99,8 +99,8 @@ class RedisBroker(Broker):
 
     # -- engine side -------------------------------------------------------------------
 
-    def pull(self, max_n: int, timeout: float = 0.0) -> list[GenerateRequest]:
-        return self.engine.pull(max_n, timeout)
+    def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
+        return self.engine.pull(max_n, timeout)  # a stream is read in order: rank is not used
 
     def aborts(self) -> list[str]:
         return self.engine.aborts()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,13 +177,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
-        """Queue a request. Raises ValueError, leaving the engine as it was, on bad input."""
+        """Queue a request. Raises ValueError, leaving the engine as it was, on bad input.
+        A higher `priority` is admitted first; within a priority, `tenant`s share the
+        batch by tokens served (see Scheduler)."""
         self._validate(request_id, prompt_token_ids, params)
         now = arrival_time if arrival_time is not None else time.time()
         req = _Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
-            seq = Sequence(request_id, i, req.prompt_token_ids, params, now)
+            seq = Sequence(request_id, i, req.prompt_token_ids, params, now, priority=priority, tenant=tenant)
             req.seqs.append(seq)
         self._requests[request_id] = req
         if params.use_beam_search:
@@ -254,6 +259,11 @@ class LLMEngine:
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def admission_rank(self) -> Callable[[int, str], tuple[int, float]]:
+        """Rank (lower first) of a request by (priority, tenant), as the scheduler would
+        admit it now: brokers that can choose hand this engine the best ones first."""
+        return self.scheduler.admission_rank()
 
     def free_capacity(self) -> int:
         """How many more requests to admit now: room in the running batch plus what

@@ -3,8 +3,16 @@
 The contract (vLLM v1): `schedule()` returns `{seq: num_new_tokens}` for this step.
 Plain prefill, chunked prefill, prefix-cache hits and decode are one mechanism:
 `num_computed_tokens` catching up with the sequence's tokens. Queues are served in
-order: running (oldest first), then swapped, then waiting (FCFS). When blocks run
-out, the newest running sequence is preempted.
+order: running (oldest first), then swapped, then waiting. When blocks run out, the
+newest running sequence of the lowest priority is preempted.
+
+Waiting sequences are admitted by priority (higher first; a preempted sequence before
+new ones of its priority), then fairly between tenants: each tenant has a virtual
+token counter (VTC, "Fairness in Serving Large Language Models", OSDI '24) that grows
+by every token the engine computes for it, and the tenant with the lowest counter
+goes next; ties go to the oldest. A tenant that comes back after being idle starts
+just below the lowest counter of the tenants present: it goes next, but idling banks
+no credit. With one tenant and one priority this is plain FCFS.
 """
 
 from __future__ import annotations
@@ -12,12 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
+
+# Counters kept for tenants with nothing queued, at most (past it the idle ones go).
+_MAX_TENANTS = 4096
 
 
 @dataclass(slots=True)
@@ -59,10 +71,43 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swaps = 0
+        #: tenant -> tokens computed for it (its virtual counter)
+        self.served: dict[str, float] = {}
 
     # -- queues -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        active = self._active_tenants()
+        if seq.tenant not in active:  # (back) from idle: no credit for the time away
+            self.served[seq.tenant] = self._lifted(seq.tenant, active)
+            if len(self.served) > _MAX_TENANTS:  # forget the idle ones
+                self.served = {t: c for t, c in self.served.items() if t in active or t == seq.tenant}
         self.waiting.append(seq)
+
+    def _active_tenants(self) -> set[str]:
+        return {q.tenant for queue in (self.running, self.waiting, self.swapped) for q in queue}
+
+    def _lifted(self, tenant: str, active: set[str]) -> float:
+        """The counter of `tenant` if it became active now."""
+        own = self.served.get(tenant, 0.0)
+        if tenant in active or not active:
+            return own
+        return max(own, min(self.served.get(t, 0.0) for t in active) - 0.5)
+
+    def admission_rank(self) -> Callable[[int, str], tuple[int, float]]:
+        """How a request not yet added would be ranked now (lower goes first): by
+        priority, then by its tenant's counter, lifted as `add` would lift it."""
+        active = self._active_tenants()
+        lifted: dict[str, float] = {}
+
+        def rank(priority: int, tenant: str) -> tuple[int, float]:
+            if tenant not in lifted:
+                lifted[tenant] = self._lifted(tenant, active)
+            return -priority, lifted[tenant]
+
+        return rank
+
+    def _charge(self, seq: Sequence, n: int) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whatever queue holds it and free its blocks."""
@@ -86,6 +131,7 @@ class Scheduler:
         child.num_computed_tokens = parent.num_tokens  # the parent caught up this step
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
+        child.priority, child.tenant = parent.priority, parent.tenant
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 
@@ -122,16 +168,25 @@ class Scheduler:
             if n == 0:
                 continue  # a beam waiting for the rest of its group
             while not self._reserve(seq, n):
-                victim = next((q for q in reversed(self.running) if q.seq_id not in taken), seq)
+                victim = self._victim(seq, taken)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 out.copies.extend(self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens))
                 out.scheduled.append((seq, n))
+                self._charge(seq, n)
                 taken.add(seq.seq_id)
                 budget -= n
         return budget
+
+    def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
+        """Whom to preempt so that `seq` gets blocks: the newest of the lowest priority
+        among those not scheduled yet this step, or `seq` itself when everyone else
+        ranks above it."""
+        free = [(q.priority, -i, q) for i, q in enumerate(self.running) if q.seq_id not in taken]
+        victim = min(free, key=lambda t: (t[0], t[1]))[2] if free else seq
+        return seq if victim.priority > seq.priority else victim
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Blocks for n more tokens, plus private copies of shared blocks it writes."""
@@ -155,12 +210,28 @@ class Scheduler:
             if not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
                 break  # keep it running; it gets its token next step
             out.scheduled.append((seq, n))
+            self._charge(seq, n)
             budget -= n
         return budget
 
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next (see the module's docstring)."""
+        if len(self.waiting) == 1:
+            return self.waiting[0]
+        served = self.served
+        return min(
+            enumerate(self.waiting),
+            key=lambda iq: (
+                -iq[1].priority,
+                iq[1].num_preemptions == 0,
+                served.get(iq[1].tenant, 0.0),
+                iq[0],
+            ),
+        )[1]
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             tokens = seq.token_ids
             first = min(seq.num_tokens, budget)
             if not self.bm.can_allocate(tokens, first):
@@ -173,10 +244,11 @@ class Scheduler:
             if not self.bm.ensure_slots(seq.seq_id, cached + n):  # cannot happen: checked above
                 self.bm.free(seq.seq_id)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
+            self._charge(seq, n)
             budget -= n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

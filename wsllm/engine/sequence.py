@@ -68,6 +68,8 @@ class Sequence:
     new_token_ids: list[int] = field(default_factory=list)  # produced in this step
     new_logprobs: list[Any] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    priority: int = 0  # higher is admitted first (and preempted last)
+    tenant: str = ""  # who asked: the batch is shared fairly between tenants
 
     @property
     def token_ids(self) -> TokenView:

@@ -55,7 +55,10 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None: ...
+    def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
     def abort(self, request_id: str) -> bool: ...
     def step(self) -> list[Any]: ...
     def has_unfinished(self) -> bool: ...
@@ -188,7 +191,11 @@ class EngineWorker:
         """Pull, abort, step, publish. Returns the number of events published."""
         busy = self.engine.has_unfinished()
         room = 0 if self._draining.is_set() else self.engine.free_capacity()
-        events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s))
+        rank = None
+        if room > 0:  # a broker that can choose takes the engine's order: priority, then fairness
+            ranker = self.engine.admission_rank()
+            rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
+        events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
         self._apply_aborts(self.broker.aborts())
         if self.engine.has_unfinished():
             events += self._step()
@@ -230,7 +237,9 @@ class EngineWorker:
             return None
         try:
             # The gateway's arrival time: queue time then counts the broker's queue too.
-            self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None)
+            self.engine.add_request(
+                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant
+            )
         except EngineBusy as e:
             return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
         except ValueError as e:
