@@ -182,11 +182,10 @@ class Scheduler:
 
     def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
         """Whom to preempt so that `seq` gets blocks: the newest of the lowest priority
-        among those not scheduled yet this step, or `seq` itself when everyone else
-        ranks above it."""
+        among those not scheduled yet this step (`seq` is one of them: itself, when
+        everyone else ranks above it)."""
         free = [(q.priority, -i, q) for i, q in enumerate(self.running) if q.seq_id not in taken]
-        victim = min(free, key=lambda t: (t[0], t[1]))[2] if free else seq
-        return seq if victim.priority > seq.priority else victim
+        return min(free, key=lambda t: (t[0], t[1]))[2] if free else seq
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Blocks for n more tokens, plus private copies of shared blocks it writes."""
