@@ -37,6 +37,7 @@ ERR_INTERNAL = "internal_error"  # the engine failed while serving it
 ERR_WORKER_LOST = "worker_lost"  # the engine (or the broker's copy of the request) went away
 ERR_SLOW_CONSUMER = "slow_consumer"  # the client fell too far behind its own stream
 ERR_RESUMED_ELSEWHERE = "resumed_elsewhere"  # its owner resumed it on another connection
+ERR_RATE_LIMITED = "rate_limited"  # refused at admission: the tenant is over a limit (gateway only)
 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1

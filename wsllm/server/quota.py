@@ -19,10 +19,9 @@ from wsllm.broker.base import BrokerError
 from wsllm.broker.limits import REASON_CONCURRENT, REASON_REQUESTS, Decision, Limiter
 from wsllm.server.errors import APIError
 from wsllm.server.tenants import Tenant
+from wsllm.types import ERR_RATE_LIMITED
 
 log = logging.getLogger(__name__)
-
-ERR_RATE_LIMITED = "rate_limited"
 
 
 def _duration(seconds: float) -> str:

@@ -26,9 +26,8 @@ from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
-from wsllm.server.quota import ERR_RATE_LIMITED
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_INTERNAL
+from wsllm.types import ERR_INTERNAL, ERR_RATE_LIMITED
 
 log = logging.getLogger(__name__)
 
