@@ -52,6 +52,8 @@ def serve(args: argparse.Namespace) -> int:
     ecfg = from_args(EngineConfig, args)
     gcfg = from_args(GatewayConfig, args)
     rcfg = from_args(RedisConfig, args)
+    if not _keys_ok(gcfg):
+        return 2
     if rcfg.redis_url or gcfg.broker != "memory":
         return _serve_redis(args, ecfg, gcfg, rcfg)
     broker = MemoryBroker(max_pending=gcfg.max_queue_depth)
@@ -86,6 +88,18 @@ def _run_gateway(app: Any, gcfg: GatewayConfig, model_name: str) -> None:
         server.run()
 
 
+def _keys_ok(gcfg: GatewayConfig) -> bool:
+    """Check --api-keys-file before anything slow starts; a bad one is a clear error."""
+    from wsllm.server.tenants import Tenants
+
+    try:
+        Tenants.from_settings(gcfg.api_key, gcfg.api_keys_file)
+    except ValueError as e:
+        print(f"wsllm: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -107,6 +121,8 @@ def gateway(args: argparse.Namespace) -> int:
 
     gcfg = from_args(GatewayConfig, args)
     rcfg = from_args(RedisConfig, args)
+    if not _keys_ok(gcfg):
+        return 2
     tokenizer_dir, name = _tokenizer_and_name(from_args(ModelRefConfig, args).model, gcfg.model_name)
     broker = RedisBroker(rcfg.url(gcfg.broker), model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
     try:

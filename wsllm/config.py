@@ -78,6 +78,10 @@ class GatewayConfig:
         default=None, metadata={"help": "the model id served; default from the model"}
     )
     api_key: str | None = field(default=None, metadata={"help": "require this bearer key on every route"})
+    api_keys_file: str | None = field(
+        default=None,
+        metadata={"help": "TOML file of tenants: their keys and limits (docs/deployment.md)"},
+    )
     allowed_origins: str = field(
         default="", metadata={"help": "comma list of WS origins; empty = same-origin"}
     )
@@ -210,6 +214,12 @@ class RedisConfig:
     )
     aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
+    limit_lease_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a tenant's in-flight request counts against max_concurrent this long after its gateway stops refreshing it (a crash)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.engine_heartbeat_s <= 0 or self.lease_s < 2 * self.engine_heartbeat_s:
@@ -222,6 +232,8 @@ class RedisConfig:
             raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
         if self.request_ttl_s < self.stream_retention_s:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
+        if self.limit_lease_s < 3:
+            raise ValueError(f"limit_lease_s must be >= 3, got {self.limit_lease_s}")
 
     def url(self, broker: str = "memory") -> str:
         """The Redis URL: --redis-url, else --broker when it names Redis, else localhost."""

@@ -38,6 +38,7 @@ ERR_WORKER_LOST = "worker_lost"  # the engine (or the broker's copy of the reque
 ERR_SLOW_CONSUMER = "slow_consumer"  # the client fell too far behind its own stream
 ERR_RESUMED_ELSEWHERE = "resumed_elsewhere"  # its owner resumed it on another connection
 ERR_QUEUE_TIMEOUT = "queue_timeout"  # it waited for an engine past its queue deadline
+ERR_RATE_LIMITED = "rate_limited"  # refused at admission: the tenant is over a limit (gateway only)
 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from wsllm.broker.limits import Limiter, MemoryLimiter
 from wsllm.types import GenerateRequest, TokenEvent
 
 #: an engine's admission order for queued requests: lower goes first
@@ -164,6 +165,11 @@ class Broker(abc.ABC):
     async def pending(self) -> int:
         """Requests submitted and not yet pulled by an engine (best effort)."""
         return 0
+
+    def limiter(self) -> Limiter:
+        """The per-tenant rate limiter for the gateways of this deployment: in this
+        process (the default), or shared through the store every gateway uses."""
+        return MemoryLimiter()
 
     # -- engine side (call from a worker thread or process) ------------------------
 

@@ -21,9 +21,11 @@ from typing import Any
 import redis
 
 from wsllm.broker.base import Broker, EngineInfo, Rank, Resumable
+from wsllm.broker.limits import Limiter
 from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
+from wsllm.broker.redis_limits import RedisLimiter
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, TokenEvent
 
@@ -96,6 +98,9 @@ class RedisBroker(Broker):
 
     async def position(self, request_id: str) -> int | None:
         return await self.gateway.position(request_id)
+
+    def limiter(self) -> Limiter:
+        return RedisLimiter(self.gateway.client, self.keys, self.cfg.limit_lease_s)
 
     # -- engine side -------------------------------------------------------------------
 

@@ -13,6 +13,10 @@ Every key starts with the deployment's prefix (`wsllm` by default):
     {p}:dead:{model}    dead-letter stream: queue and abort entries no engine can serve, with
                         the reason
     {p}:engines         set of engine ids; {p}:engine:{id} its heartbeat, with a TTL
+    {p}:t:{tenant}:rpm  a tenant's requests bucket (hash: level, time), gone once it would be
+    {p}:t:{tenant}:tpm  full again; its tokens bucket the same (`limits.py`)
+    {p}:t:{tenant}:live the tenant's in-flight requests: sorted set of request ids scored by
+                        their lease's expiry, refreshed while they run
 
 docs/architecture.md (the broker section) explains the choice of one result stream
 per request.
@@ -75,6 +79,10 @@ class Keys:
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
+
+    def tenant(self, tenant: str, what: str) -> str:
+        """A tenant's limit key: `rpm`, `tpm` (buckets) or `live` (in-flight leases)."""
+        return f"{self.prefix}:t:{tenant}:{what}"
 
 
 # Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
@@ -226,5 +234,76 @@ for _, v in ipairs({'reason', ARGV[2], 'entry', ARGV[1], 'stream', 'aborts', 'mo
   fields[#fields + 1] = v
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
+return 1
+"""
+
+# Rate limits (wsllm/broker/limits.py has the rules). Time is Redis's own (TIME), so
+# gateways with skewed clocks still agree. A bucket is a hash {l: level, t: ms}; a missing
+# one is full, and each expires once it would be full again. Limits of 0 mean none.
+_BUCKET = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function level(key, cap, window)
+  if cap <= 0 then return 0 end
+  local v = redis.call('HMGET', key, 'l', 't')
+  if not v[1] then return cap end
+  return math.min(cap, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * cap / window)
+end
+local function store(key, l, window)
+  redis.call('HSET', key, 'l', tostring(l), 't', now)
+  redis.call('PEXPIRE', key, window + 1000)
+end
+"""
+
+# Check and take, all or nothing: one request, `charge` tokens, a lease on `request_id`.
+# KEYS: rpm bucket, tpm bucket, live set   ARGV: rpm, tpm, max_concurrent, charge,
+# request_id, lease_ms, window_ms   -> {refused reason or '', wait_ms, rpm level, tpm level}
+LIMIT_ACQUIRE = (
+    _BUCKET
+    + """
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local charge, lease, window = tonumber(ARGV[4]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local r, k = level(KEYS[1], rpm, window), level(KEYS[2], tpm, window)
+local reason, wait = '', 0
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then reason, wait = 'concurrent', 1000 end
+end
+if reason == '' and rpm > 0 and r < 1 then
+  reason, wait = 'requests', (1 - r) * window / rpm
+elseif reason == '' and tpm > 0 and k < charge then
+  reason, wait = 'tokens', (charge - k) * window / tpm
+end
+if reason == '' then
+  if rpm > 0 then r = r - 1; store(KEYS[1], r, window) end
+  if tpm > 0 then k = k - charge; store(KEYS[2], k, window) end
+  if conc > 0 then
+    redis.call('ZADD', KEYS[3], now + lease, ARGV[5])
+    redis.call('PEXPIRE', KEYS[3], lease)
+  end
+end
+return {reason, tostring(wait), tostring(r), tostring(k)}
+"""
+)
+
+# A request ended: drop its lease, give `refund` tokens back (up to the capacity).
+# KEYS: tpm bucket, live set   ARGV: tpm, refund, request_id, window_ms
+LIMIT_RELEASE = (
+    _BUCKET
+    + """
+redis.call('ZREM', KEYS[2], ARGV[3])
+local tpm, refund, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+if tpm > 0 and refund > 0 then store(KEYS[1], math.min(tpm, level(KEYS[1], tpm, window) + refund), window) end
+return 1
+"""
+)
+
+# Extend the leases of requests still running here (XX: a released one stays released).
+# KEYS: live set   ARGV: lease_ms, request ids...
+LIMIT_REFRESH = """
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_, ARGV[i]) end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return 1
 """

@@ -29,6 +29,7 @@ from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
 from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
+from wsllm.server.tenants import Tenants
 from wsllm.server.text import TextCodec
 from wsllm.server.ws import ws_endpoint
 
@@ -117,6 +118,7 @@ def create_app(
     frontend_dir: str | Path | None = None,
 ) -> Starlette:
     name = cfg.model_name or model_name or Path(tokenizer_dir).name
+    tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
     gw = Gateway(cfg, broker, TextCodec(str(tokenizer_dir)), name, Metrics(name))
 
     @contextlib.asynccontextmanager
@@ -148,7 +150,7 @@ def create_app(
         routes=routes,
         middleware=[
             Middleware(HostMiddleware, allowed_hosts=cfg.allowed_hosts, bind_host=cfg.host),
-            Middleware(ApiKeyMiddleware, api_key=cfg.api_key),
+            Middleware(ApiKeyMiddleware, tenants=tenants),
         ],
         exception_handlers={
             APIError: _api_error,

@@ -35,6 +35,7 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -42,6 +43,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -54,7 +56,9 @@ class APIError(Exception):
         }
 
     def response(self) -> Response:
-        headers = {"retry-after": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["retry-after"] = str(self.retry_after)
         return Response(orjson.dumps(self.body()), self.status, headers, media_type="application/json")
 
 

@@ -26,14 +26,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from wsllm.broker.base import Broker, BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull
+from wsllm.broker.limits import Limiter
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
+from wsllm.server.quota import admit
 from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest, sampling_params
+from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TemplateError, TextCodec
-from wsllm.types import GenerateRequest
+from wsllm.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +65,14 @@ class Gateway:
     metrics: Metrics
     router: Router = field(init=False)
     svc: Services = field(init=False)
+    #: per-tenant limits, shared by every gateway when the broker is (Redis)
+    limiter: Limiter = field(init=False)
     _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker, self.cfg.max_buffered_events)
         self.svc = Services(self.codec, self.metrics, self.broker, self.router, self.abort_later)
+        self.limiter = self.broker.limiter()
 
     async def engines(self) -> list[EngineInfo]:
         """Live engines serving this model; none while the broker is unreachable."""
@@ -83,8 +89,11 @@ class Gateway:
     async def refresh_gauges(self) -> None:
         self.metrics.set_engine_stats([e.stats for e in await self.engines()], await self.broker.pending())
 
-    async def start(self, req: ChatRequest | CompletionRequest, api: str) -> Generation:
-        """Admit, tokenize and submit a checked request. Raises APIError. The
+    async def start(
+        self, req: ChatRequest | CompletionRequest, api: str, tenant: Tenant = ANONYMOUS
+    ) -> Generation:
+        """Admit, tokenize and submit a checked request of `tenant` (whom its API key
+        names). Raises APIError (429 `rate_limited` past the tenant's limits). The
         Generation's `resume_token` is for its client alone."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(
@@ -93,6 +102,10 @@ class Gateway:
                 f"model {req.model!r} is not served here; try {self.model_name!r}",
                 param="model",
             )
+        if not tenant.may_use(self.model_name):  # the same answer as a model not served here
+            raise APIError(
+                404, "model_not_found", f"model {self.model_name!r} is not available to this key", "model"
+            )
         engines = await self.engines()
         if not engines:
             raise APIError(503, "model_not_ready", "no engine is serving this model yet", retry_after=1)
@@ -100,6 +113,25 @@ class Gateway:
         max_len = min(e.max_model_len for e in engines)
         params = sampling_params(req, len(prompt_ids), max_len, self.cfg)
         rid = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        ticket = await admit(self.limiter, tenant, rid, len(prompt_ids) + params.n * params.max_tokens)
+        try:
+            gen = await self._submit(req, api, rid, prompt_ids, params)
+        except BaseException:
+            await ticket.release(0)  # never queued: nothing used
+            raise
+        gen.on_release = ticket.release
+        gen.ratelimit_headers = ticket.headers
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return gen
+
+    async def _submit(
+        self,
+        req: ChatRequest | CompletionRequest,
+        api: str,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> Generation:
         gen = Generation(self.svc, rid, prompt_ids, params, req.stops, api)
         secret = secrets.token_urlsafe(24)
         gen.resume_token = f"{rid}.{secret}"
@@ -129,7 +161,6 @@ class Gateway:
             raise APIError(
                 503, "model_not_ready", "the broker is unreachable; retry", retry_after=1
             ) from None
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return gen
 
     async def resume(self, token: str, request_id: str | None = None) -> Generation | None:
@@ -181,6 +212,7 @@ class Gateway:
         """Cancel pending grace-time aborts (the app is stopping)."""
         for t in list(self._later):
             t.cancel()
+        await self.limiter.aclose()
 
     def _check_vocab(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if t >= self.codec.vocab_size]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,11 @@ class Generation:
             "created": int(time.time()),
         }
         self.resume_token: str | None = None  # handed to the client that started it
+        #: set at admission: hands back the tenant's concurrency lease and the unused part
+        #: of its token charge (given the tokens used; None: no refund). Called once.
+        self.on_release: Callable[[int | None], Awaitable[None]] | None = None
+        #: x-ratelimit-* headers of the tenant's limits after admission
+        self.ratelimit_headers: dict[str, str] = {}
         self.attach = 0  # how many resumes came before this one (the broker counts)
         self.cached_tokens = 0
         self.finished = False
@@ -194,6 +199,7 @@ class Generation:
         connection): free the engine request now. The abort is with the broker when
         this returns."""
         if self.finished:
+            await self._release(self.usage.total_tokens)
             return
         self._final = [Delta(c.index, "", FINISH_ABORT) for c in self.choices if c.finish_reason is None]
         for c in self.choices:
@@ -215,13 +221,20 @@ class Generation:
 
     async def leave(self) -> None:
         """The client went away: detach the request (a resumable broker keeps it for
-        a resume) or cancel it. Nothing when it finished."""
-        if self.finished:
-            return
-        if self.svc.broker.resumable:
+        a resume) or cancel it. Nothing when it finished (but its limits are released)."""
+        if not self.finished and self.svc.broker.resumable:
             self.detach()
-        else:
-            await self.cancel()
+            await self._release(None)  # it runs on: its tokens are still being made
+            return
+        await self.cancel()
+
+    async def _release(self, used_tokens: int | None) -> None:
+        release, self.on_release = self.on_release, None
+        if release is not None:
+            try:
+                await release(used_tokens)
+            except Exception:
+                log.exception("request %s: could not release its tenant's limits", self.request_id)
 
     async def _fail(self, code: str, message: str) -> None:
         """End the request here with an error: the engine stops it, the client is told."""
@@ -276,6 +289,7 @@ class Generation:
                 await self.svc.broker.abort(self.request_id)
         finally:
             self.svc.router.close(self.request_id, self._inbox)
+            await self._release(self.usage.total_tokens)
         m = self.svc.metrics
         m.e2e.observe(time.monotonic() - self._timing.arrival)
         m.generation_tokens.inc(sum(c.num_tokens for c in self.choices))

@@ -1,15 +1,16 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it breaks streaming): the Host
-allow-list and the API key."""
+allow-list and the API key (which names the request's tenant)."""
 
 from __future__ import annotations
 
-import hmac
+from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wsllm.server.errors import APIError
+from wsllm.server.tenants import ANONYMOUS, Tenant, Tenants
 
 # Paths the key protects: the API, the WebSocket, metrics and readiness. The chat
 # UI's static files and /health (liveness probes) stay public; the UI asks for the
@@ -17,6 +18,7 @@ from wsllm.server.errors import APIError
 PROTECTED_PREFIXES = ("/v1", "/metrics", "/ready")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _WILDCARD_BINDS = ("", "0.0.0.0", "::")
+TENANT_STATE = "tenant"  # the key in scope["state"]
 
 
 def route_path(scope: Scope) -> str:
@@ -70,38 +72,51 @@ class HostMiddleware:
 
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` (or, on the WebSocket handshake, where
-    browsers cannot set headers, `?api_key=<key>`), compared in constant time. The
-    key is taken out of the query string before anything logs it."""
+    browsers cannot set headers, `?api_key=<key>`) to be a key of one of `tenants`,
+    compared in constant time, and puts that tenant in `scope["state"]["tenant"]`
+    (`request.state.tenant`): only this middleware sets it, from the key, never from
+    anything else the client sends. Without tenants (no key configured) every client
+    is `ANONYMOUS`. The key is taken out of the query string before anything logs it."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants | None) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            authorized = self._authorized(scope)
+            tenant = self._tenant(scope)
             _drop_key_from_query(scope)  # uvicorn's access log reads this same scope
-            if self.key is not None and route_path(scope).startswith(PROTECTED_PREFIXES) and not authorized:
+            if tenant is None and route_path(scope).startswith(PROTECTED_PREFIXES):
                 err = APIError(
                     401, "invalid_api_key", "a valid API key is required: Authorization: Bearer <key>"
                 )
                 await _refuse(scope, receive, send, err)
                 return
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self.key is None:
-            return True
+    def _tenant(self, scope: Scope) -> Tenant | None:
+        if self.tenants is None:
+            return ANONYMOUS
         auth = Headers(scope=scope).get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
-            return True
+        if scheme.lower() == "bearer":
+            found = self.tenants.authenticate(token.strip())
+            if found is not None:
+                return found
         if scope["type"] == "websocket":
-            query = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
-            for name, token in query:
-                if name == "api_key" and hmac.compare_digest(token.encode(), self.key):
-                    return True
-        return False
+            for name, token in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
+                if name == "api_key":
+                    found = self.tenants.authenticate(token)
+                    if found is not None:
+                        return found
+        return None
+
+
+def request_tenant(state: Any) -> Tenant:
+    """The tenant the API key middleware found for this request (`request.state`)."""
+    tenant = getattr(state, TENANT_STATE, None)
+    return tenant if isinstance(tenant, Tenant) else ANONYMOUS
 
 
 def _drop_key_from_query(scope: Scope) -> None:

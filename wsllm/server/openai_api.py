@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
+from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
 from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST, Usage
@@ -190,7 +191,7 @@ async def _full_response(request: Request, api: _Api) -> Response:
             )
     obj = "chat.completion" if api.chat else "text_completion"
     body = api.head | {"object": obj, "choices": choices, "usage": usage_json(gen.usage)}
-    return Response(orjson.dumps(body), media_type="application/json")
+    return Response(orjson.dumps(body), headers=gen.ratelimit_headers, media_type="application/json")
 
 
 async def _generate(request: Request, chat: bool) -> Response:
@@ -201,10 +202,10 @@ async def _generate(request: Request, chat: bool) -> Response:
         req = validate_http(model, raw, gw.cfg)
     else:  # a large body must not hold up the other streams
         req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
-    gen = await gw.start(req, "chat" if chat else "completions")
+    gen = await gw.start(req, "chat" if chat else "completions", request_tenant(request.state))
     api = _Api(gen, gw.model_name, chat)
     if req.stream:
-        headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""}
+        headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
         return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
     return await _full_response(request, api)
 

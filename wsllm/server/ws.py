@@ -25,8 +25,9 @@ from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
+from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_INTERNAL
+from wsllm.types import ERR_INTERNAL, ERR_RATE_LIMITED
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class WsSession:
         # and is dropped after --send-timeout-s.
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(maxsize=gw.cfg.ws_outbox_messages)
         self.gens: dict[str, Generation] = {}
+        self.tenant = request_tenant(ws.state)  # set by the API key middleware, from the key
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
@@ -155,7 +157,8 @@ class WsSession:
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
-            await self.error(msg_id, e.code, e.message, e.param)
+            extra = {"retry_after_s": e.retry_after} if e.code == ERR_RATE_LIMITED else None
+            await self.error(msg_id, e.code, e.message, e.param, extra)
         except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
             err = _broker_error(e)
             await self.error(msg_id, err.code, err.message)
@@ -163,9 +166,17 @@ class WsSession:
             log.exception("a WebSocket message failed")
             await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
 
-    async def error(self, msg_id: str | None, code: str, message: str, param: str | None = None) -> None:
+    async def error(
+        self,
+        msg_id: str | None,
+        code: str,
+        message: str,
+        param: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.gw.metrics.error(code)
-        await self.send({"type": "error", "id": msg_id, "code": code, "message": message, "param": param})
+        msg = {"type": "error", "id": msg_id, "code": code, "message": message, "param": param}
+        await self.send(msg | (extra or {}))
 
     def _admit(self, msg_id: str) -> None:
         """Refuse a new live request on this socket (started or resumed) past the cap."""
@@ -180,7 +191,8 @@ class WsSession:
 
     async def _start(self, msg: WsChat | WsCompletion) -> None:
         self._admit(msg.id)
-        gen = await self.gw.start(msg, "ws_chat" if isinstance(msg, WsChat) else "ws_completion")
+        api = "ws_chat" if isinstance(msg, WsChat) else "ws_completion"
+        gen = await self.gw.start(msg, api, self.tenant)
         self.gens[msg.id] = gen
         started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
         await self.send(started | {"resume_token": gen.resume_token})

@@ -1,0 +1,146 @@
+"""Tenants on Redis: two gateways (in this process) on one Redis with an engine worker
+on the tiny model share every tenant's counters. A tenant that spends its tpm through
+gateway 1 is refused by gateway 2; another tenant is served by both. A crashed
+gateway's concurrency lease expires by itself, and every limit key has a TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from wsllm.broker.limits import Limits
+from wsllm.broker.redis import RedisBroker
+from wsllm.config import GatewayConfig, RedisConfig
+from wsllm.engine.worker import EngineWorker
+from wsllm.server.app import create_app
+
+KEYS = """
+[tenants.alice]
+keys = ["sk-alice"]
+tpm = 300
+
+[tenants.bob]
+keys = ["sk-bob"]
+rpm = 1000
+tpm = 100000
+"""
+LEASE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def gateways(
+    redis_server: Any, tiny_engine: Any, tiny_model_dir: Path, uvicorn_thread: Any, tmp_path_factory: Any
+) -> Iterator[tuple[str, str]]:
+    redis_server.client().flushall()
+    model = tiny_model_dir.name
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
+    rcfg = RedisConfig(engine_ttl_s=5, limit_lease_s=LEASE_S)
+    engine_side = RedisBroker(redis_server.url, model=model, cfg=rcfg, engine_id="engine-t")
+    worker = EngineWorker(tiny_engine, engine_side, engine_id="engine-t", heartbeat_s=0.2)
+    worker.start()
+    brokers = [RedisBroker(redis_server.url, model=model, cfg=rcfg) for _ in range(2)]
+    cfg = GatewayConfig(frontend=False, api_keys_file=str(keys))
+    try:
+        with contextlib.ExitStack() as stack:
+            urls = [
+                stack.enter_context(
+                    uvicorn_thread(lambda c, b=b: create_app(c, b, tiny_model_dir, model), cfg)
+                )[0]
+                for b in brokers
+            ]
+            for url in urls:
+                deadline = time.monotonic() + 30
+                while (
+                    httpx.get(f"{url}/ready", headers={"authorization": "Bearer sk-bob"}).status_code != 200
+                ):
+                    assert time.monotonic() < deadline, "the gateway did not become ready"
+                    time.sleep(0.05)
+            yield urls[0], urls[1]
+    finally:
+        worker.stop()
+        for b in brokers:
+            b.close()
+        engine_side.close()
+
+
+def post(url: str, key: str, max_tokens: int) -> httpx.Response:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(
+        f"{url}/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60
+    )
+
+
+def test_two_gateways_share_a_tenants_tokens(gateways: tuple[str, str], redis_server: Any) -> None:
+    one, two = gateways
+    spent = post(one, "sk-alice", 200)  # 204 of alice's 300 tokens, all used
+    assert spent.status_code == 200 and spent.headers["x-ratelimit-remaining-tokens"] in ("96", "97")
+    refused = post(two, "sk-alice", 200)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["code"] == "rate_limited"
+    assert refused.headers["x-ratelimit-limit-tokens"] == "300"
+    assert post(one, "sk-alice", 200).status_code == 429  # and gateway 1 agrees
+    for url in (one, two):  # bob goes on, on both
+        ok = post(url, "sk-bob", 4)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    r = redis_server.client()
+    limit_keys = r.keys("wsllm:t:*")
+    assert limit_keys and all(r.pttl(k) > 0 for k in limit_keys)  # nothing stays for ever
+
+
+def test_a_crashed_gateways_lease_expires(gateways: tuple[str, str], redis_server: Any) -> None:
+    """A gateway that dies holding a lease (no release, no refresh) blocks the tenant's
+    concurrency only until the lease expires."""
+    limits = Limits(max_concurrent=1)
+    crashed = RedisBroker(redis_server.url, model="x", cfg=RedisConfig(limit_lease_s=LEASE_S))
+    alive = RedisBroker(redis_server.url, model="x", cfg=RedisConfig(limit_lease_s=LEASE_S))
+
+    async def go() -> tuple[bool, bool, float]:
+        lost = crashed.limiter()
+        assert (await lost.acquire("carol", limits, "r1", 1)).allowed
+        await lost.aclose()  # the crash: it never releases nor refreshes r1
+        other = alive.limiter()
+        blocked = (await other.acquire("carol", limits, "r2", 1)).allowed
+        start = time.monotonic()
+        while not (await other.acquire("carol", limits, "r3", 1)).allowed:
+            assert time.monotonic() - start < LEASE_S + 3, "the dead gateway's lease did not expire"
+            await asyncio.sleep(0.1)
+        await other.release("carol", limits, "r3", 0)
+        await other.aclose()
+        return blocked, True, time.monotonic() - start
+
+    try:
+        blocked, freed, waited = asyncio.run(go())
+    finally:
+        crashed.close()
+        alive.close()
+    assert not blocked and freed and waited > 1.0
+
+
+def test_a_live_lease_is_refreshed(redis_server: Any) -> None:
+    """A request longer than the lease keeps its slot while its gateway lives."""
+    limits = Limits(max_concurrent=1)
+    broker = RedisBroker(redis_server.url, model="x", cfg=RedisConfig(limit_lease_s=LEASE_S))
+
+    async def go() -> bool:
+        lim = broker.limiter()
+        assert (await lim.acquire("dan", limits, "long", 1)).allowed
+        await asyncio.sleep(LEASE_S + 1)
+        still_held = not (await lim.acquire("dan", limits, "next", 1)).allowed
+        await lim.release("dan", limits, "long", 0)
+        assert (await lim.acquire("dan", limits, "next", 1)).allowed
+        await lim.release("dan", limits, "next", 0)
+        await lim.aclose()
+        return still_held
+
+    try:
+        assert asyncio.run(go())
+    finally:
+        broker.close()

@@ -1,0 +1,167 @@
+"""Tenants and the in-memory limiter, without a server: the keys file is checked at
+start with a message that names the tenant and the field; the token buckets refill
+continuously, refuse atomically and refund; leases end with `release`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from wsllm.broker.limits import Limits, MemoryLimiter
+from wsllm.server.quota import _duration, ratelimit_headers
+from wsllm.server.tenants import DEFAULT_TENANT, Tenant, Tenants
+
+GOOD = """
+[tenants.alice]
+keys = ["sk-alice-1", "sk-alice-2"]
+rpm = 60
+tpm = 20000
+max_concurrent = 4
+max_priority = 10
+models = ["*"]
+
+[tenants.bob]
+keys = ["sk-bob"]
+models = ["tiny-*"]
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_keys_file_names_tenants_by_key(tmp_path: Path) -> None:
+    tenants = Tenants.from_settings(None, write(tmp_path, GOOD))
+    assert tenants is not None
+    alice = tenants.authenticate("sk-alice-2")
+    assert alice is not None and alice.name == "alice"
+    assert alice.limits == Limits(rpm=60, tpm=20000, max_concurrent=4) and alice.max_priority == 10
+    bob = tenants.authenticate("sk-bob")
+    assert bob is not None and bob.limits.unlimited  # every limit is optional
+    assert bob.may_use("tiny-llama") and not bob.may_use("big-model")
+    assert tenants.authenticate("sk-alice") is None and tenants.authenticate("") is None
+
+
+def test_api_key_alone_is_one_unlimited_tenant_and_no_key_is_none(tmp_path: Path) -> None:
+    tenants = Tenants.from_settings("k", None)
+    assert tenants is not None
+    t = tenants.authenticate("k")
+    assert t is not None and t.name == DEFAULT_TENANT and t.limits.unlimited
+    assert Tenants.from_settings(None, None) is None
+    both = Tenants.from_settings("k", write(tmp_path, GOOD))
+    assert both is not None and {"alice", "bob", DEFAULT_TENANT} == set(both.by_name)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[tenants.alice]\nrpm = 3\n", "tenant 'alice': keys: required"),
+        ('[tenants.alice]\nkeys = ["a"]\nrpm = 0\n', "tenant 'alice': rpm: must be an integer >= 1, got 0"),
+        ('[tenants.alice]\nkeys = ["a"]\ntpm = "lots"\n', "tenant 'alice': tpm: must be an integer"),
+        ('[tenants.alice]\nkeys = ["a"]\nmax_concurrent = true\n', "tenant 'alice': max_concurrent"),
+        ('[tenants.alice]\nkeys = ["a"]\nrmp = 3\n', "tenant 'alice': unknown field(s) ['rmp']"),
+        ('[tenants.alice]\nkeys = ["a"]\nmodels = []\n', "tenant 'alice': models:"),
+        ('[tenants.a]\nkeys = ["x"]\n[tenants.b]\nkeys = ["x"]\n', "tenant 'b': a key of its keys is also"),
+        ('[tenants."a b"]\nkeys = ["x"]\n', "tenant 'a b': a name is"),
+        ("[tenants]\n", "no tenants"),
+        ('[tenant.alice]\nkeys = ["a"]\n', "unknown top-level key(s) ['tenant']"),
+        ("[tenants.alice\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_keys_file_fails_with_a_message_naming_the_tenant_and_field(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as e:
+        Tenants.from_settings(None, path)
+    assert message in str(e.value) and path in str(e.value)
+
+
+def test_the_api_key_may_not_clash_with_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="also a key of a tenant"):
+        Tenants.from_settings("sk-bob", write(tmp_path, GOOD))
+    with pytest.raises(ValueError, match="cannot read it"):
+        Tenants.from_settings(None, str(tmp_path / "missing.toml"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_buckets_refill_continuously_and_refuse_atomically() -> None:
+    clock = Clock()
+    lim = MemoryLimiter(clock)
+    limits = Limits(rpm=2, tpm=100)
+
+    async def go() -> None:
+        a = await lim.acquire("t", limits, "r1", 60)
+        assert a.allowed and a.charged == 60 and a.remaining_requests == 1 and a.remaining_tokens == 40
+        assert a.reset_tokens_s == pytest.approx(36.0)  # 60 tokens at 100 per minute
+        b = await lim.acquire("t", limits, "r2", 60)  # the tokens are short: nothing is taken
+        assert not b.allowed and b.reason == "tokens" and b.retry_after_s == pytest.approx(12.0)
+        assert b.remaining_requests == 1 and b.remaining_tokens == 40
+        clock.t += 12.0  # 20 tokens and 0.4 requests later
+        assert (await lim.acquire("t", limits, "r3", 60)).allowed
+        c = await lim.acquire("t", limits, "r4", 1)
+        assert not c.allowed and c.reason == "requests" and c.retry_after_s == pytest.approx(30 - 0.4 * 30)
+
+    asyncio.run(go())
+
+
+def test_refunds_and_oversized_charges() -> None:
+    clock = Clock()
+    lim = MemoryLimiter(clock)
+    limits = Limits(tpm=100)
+
+    async def go() -> None:
+        big = await lim.acquire("t", limits, "r1", 500)  # more than the bucket: it takes all of it
+        assert big.allowed and big.charged == 100 and big.remaining_tokens == 0
+        await lim.release("t", limits, "r1", refund=70)  # used 30 of its 100
+        after = await lim.acquire("t", limits, "r2", 70)
+        assert after.allowed and after.remaining_tokens == 0
+        await lim.release("t", limits, "r2", refund=1000)
+        assert (await lim.acquire("t", limits, "r3", 1)).remaining_tokens == 99  # never past the capacity
+
+    asyncio.run(go())
+
+
+def test_concurrency_leases_end_with_release() -> None:
+    lim = MemoryLimiter(Clock())
+    limits = Limits(max_concurrent=2)
+
+    async def go() -> None:
+        assert (await lim.acquire("t", limits, "a", 1)).allowed
+        assert (await lim.acquire("t", limits, "b", 1)).allowed
+        refused = await lim.acquire("t", limits, "c", 1)
+        assert not refused.allowed and refused.reason == "concurrent" and refused.retry_after_s >= 1
+        assert (await lim.acquire("other", limits, "c", 1)).allowed  # tenants do not share
+        await lim.release("t", limits, "a", 0)
+        await lim.release("t", limits, "a", 0)  # twice is harmless
+        assert (await lim.acquire("t", limits, "c", 1)).allowed
+        assert lim.in_flight("t") == 2
+
+    asyncio.run(go())
+
+
+def test_headers_follow_openai() -> None:
+    assert [_duration(x) for x in (0.2491, 1.0, 12.2, 90.0)] == ["250ms", "1s", "13s", "1m30s"]
+    lim = MemoryLimiter(Clock())
+    tenant = Tenant("t", Limits(rpm=10, tpm=1000))
+    d = asyncio.run(lim.acquire("t", tenant.limits, "r", 100))
+    assert ratelimit_headers(tenant, d) == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-reset-requests": "6s",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "900",
+        "x-ratelimit-reset-tokens": "6s",
+    }
+    assert ratelimit_headers(Tenant("u"), d) == {}

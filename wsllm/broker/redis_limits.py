@@ -1,0 +1,108 @@
+"""The rate limits of `limits.py` kept in Redis, so that every gateway of a deployment
+shares them. Each check-and-take is one Lua script (`LIMIT_ACQUIRE` in
+`redis_keys.py`), so two gateways can never both take the last token.
+
+`max_concurrent` is a sorted set of leases per tenant (request id scored by its
+expiry), not a counter: a gateway that crashes leaves leases that expire after
+`--limit-lease-s`, where a counter would stay high for ever. A gateway refreshes the
+leases of its live requests every third of that time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from wsllm.broker.base import BrokerUnavailable
+from wsllm.broker.limits import (
+    WINDOW_S,
+    Decision,
+    Limiter,
+    Limits,
+    charge_for,
+    refill_time_s,
+)
+from wsllm.broker.redis_keys import LIMIT_ACQUIRE, LIMIT_REFRESH, LIMIT_RELEASE, UNAVAILABLE, Keys
+
+log = logging.getLogger(__name__)
+
+_WINDOW_MS = int(WINDOW_S * 1000)
+
+
+class RedisLimiter(Limiter):
+    def __init__(self, client: Callable[[], Any], keys: Keys, lease_s: float) -> None:
+        self._client = client  # the gateway side's redis.asyncio client (one per loop)
+        self.keys = keys
+        self.lease_ms = max(1000, int(lease_s * 1000))
+        self._live: dict[str, set[str]] = {}  # tenant -> its requests holding a lease here
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self._client().eval(script, len(keys), *keys, *args)
+        except UNAVAILABLE as e:
+            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+
+    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
+        k = self.keys
+        charge = charge_for(tokens, limits.tpm)
+        args = [limits.rpm or 0, limits.tpm or 0, limits.max_concurrent or 0, charge]
+        reply = await self._eval(
+            LIMIT_ACQUIRE,
+            [k.tenant(tenant, "rpm"), k.tenant(tenant, "tpm"), k.tenant(tenant, "live")],
+            [*args, request_id, self.lease_ms, _WINDOW_MS],
+        )
+        reason = reply[0].decode() or None
+        wait_ms, r, t = (float(x) for x in reply[1:])
+        if reason is None and limits.max_concurrent is not None:
+            self._live.setdefault(tenant, set()).add(request_id)
+            self._start_refresher()
+        return Decision(
+            allowed=reason is None,
+            reason=reason,
+            retry_after_s=wait_ms / 1000,
+            charged=charge if reason is None and limits.tpm else 0,
+            remaining_requests=None if not limits.rpm else int(r),
+            remaining_tokens=None if not limits.tpm else int(t),
+            reset_requests_s=None if not limits.rpm else refill_time_s(r, limits.rpm),
+            reset_tokens_s=None if not limits.tpm else refill_time_s(t, limits.tpm),
+        )
+
+    async def release(self, tenant: str, limits: Limits, request_id: str, refund: int) -> None:
+        live = self._live.get(tenant)
+        if live is not None:
+            live.discard(request_id)
+            if not live:
+                del self._live[tenant]
+        if limits.max_concurrent is None and (refund <= 0 or not limits.tpm):
+            return
+        k = self.keys
+        await self._eval(
+            LIMIT_RELEASE,
+            [k.tenant(tenant, "tpm"), k.tenant(tenant, "live")],
+            [limits.tpm or 0, max(0, refund), request_id, _WINDOW_MS],
+        )
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh(), name="wsllm-leases")
+
+    async def _refresh(self) -> None:
+        """Keep this gateway's leases alive while their requests run."""
+        while self._live:
+            await asyncio.sleep(self.lease_ms / 3000)
+            for tenant, ids in list(self._live.items()):
+                if not ids:
+                    continue
+                try:
+                    await self._eval(LIMIT_REFRESH, [self.keys.tenant(tenant, "live")], [self.lease_ms, *ids])
+                except BrokerUnavailable:
+                    log.warning("could not refresh the leases of tenant %s: redis is unreachable", tenant)
+
+    async def aclose(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
