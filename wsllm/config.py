@@ -98,6 +98,10 @@ class GatewayConfig:
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
+    max_priority: int = field(
+        default=0,
+        metadata={"help": "highest `priority` a request may ask for, unless its tenant's max_priority says"},
+    )
     queue_timeout_s: float = field(
         default=600.0,
         metadata={

@@ -91,3 +91,38 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_queue_timeout(
     assert 0.4 <= waited < 5
     assert again.status_code == 503 and again.json()["error"]["code"] == "queue_timeout"
     assert more == 5
+
+
+def test_a_higher_priority_request_overtakes_the_queue(tiny_model_dir: Path, live_server: Any) -> None:
+    from wsllm.config import EngineConfig
+    from wsllm.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1))
+    long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    short = BODY | {"stream": False, "max_tokens": 2}
+    done: list[str] = []
+
+    async def go(base: str) -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+
+            async def send(name: str, priority: int) -> None:
+                r = await http.post("/v1/completions", json=short | {"priority": priority})
+                assert r.status_code == 200, r.text
+                done.append(name)
+
+            async with http.stream("POST", "/v1/completions", json=long) as first:
+                lines = first.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):  # it runs: the engine's only sequence is taken
+                        break
+                tasks = [asyncio.create_task(send("low", 0))]
+                while await srv.broker.pending() < 1:  # queued in this order
+                    await asyncio.sleep(0.01)
+                tasks.append(asyncio.create_task(send("high", 5)))
+                while await srv.broker.pending() < 2:
+                    await asyncio.sleep(0.01)
+            await asyncio.gather(*tasks)  # the long one was cancelled by leaving its stream
+
+    with live_server(engine, max_priority=10) as srv:
+        asyncio.run(go(srv.base_url))
+    assert done == ["high", "low"]

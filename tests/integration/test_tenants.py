@@ -26,6 +26,7 @@ tpm = 300
 keys = ["sk-bob"]
 rpm = 1000
 tpm = 100000
+max_priority = 10
 
 [tenants.carol]
 keys = ["sk-carol"]
@@ -170,3 +171,15 @@ def test_the_api_key_is_one_unlimited_tenant_and_keys_are_checked(srv: Any) -> N
     ok = post(srv, "sk-admin")
     assert ok.status_code == 200 and not any(h.startswith("x-ratelimit") for h in ok.headers)
     assert post(srv, "sk-nobody").status_code == 401
+
+
+def test_priority_is_capped_per_key_and_the_engine_accounts_tokens_to_the_tenant(srv: Any) -> None:
+    assert post(srv, "sk-bob", priority=10).status_code == 200
+    over = post(srv, "sk-bob", priority=11)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "priority"
+    assert "at most 10" in over.json()["error"]["message"]
+    # Without a max_priority a key gets --max-priority (0): it may lower its own priority only.
+    assert post(srv, "sk-admin", priority=-3).status_code == 200
+    assert post(srv, "sk-admin", priority=1).status_code == 400
+    served = srv.engine.scheduler.served  # the engine shares its batch by these names
+    assert served.get("bob", 0) > 0 and served.get("default", 0) > 0

@@ -109,13 +109,16 @@ class Gateway:
         engines = await self.engines()
         if not engines:
             raise APIError(503, "model_not_ready", "no engine is serving this model yet", retry_after=1)
+        cap = self.cfg.max_priority if tenant.max_priority is None else tenant.max_priority
+        if req.priority > cap:
+            raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
         prompt_ids = await self._prompt_ids(req)
         max_len = min(e.max_model_len for e in engines)
         params = sampling_params(req, len(prompt_ids), max_len, self.cfg)
         rid = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         ticket = await admit(self.limiter, tenant, rid, len(prompt_ids) + params.n * params.max_tokens)
         try:
-            gen = await self._submit(req, api, rid, prompt_ids, params)
+            gen = await self._submit(req, api, rid, prompt_ids, params, tenant.name)
         except BaseException:
             await ticket.release(0)  # never queued: nothing used
             raise
@@ -131,6 +134,7 @@ class Gateway:
         rid: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        tenant: str,
     ) -> Generation:
         gen = Generation(self.svc, rid, prompt_ids, params, req.stops, api)
         secret = secrets.token_urlsafe(24)
@@ -146,6 +150,8 @@ class Gateway:
                     model=self.model_name,
                     arrival_time=(now := time.time()),
                     queue_deadline=now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0,
+                    priority=req.priority,
+                    tenant=tenant,
                 ),
                 max_waiting=self.cfg.max_queue_depth,
                 context=gen.context if self.broker.resumable else None,

@@ -22,6 +22,7 @@ from wsllm.types import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_PRIORITY,
     MAX_PROMPT_TOKENS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
@@ -67,6 +68,8 @@ class SamplingFields(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     user: str | None = Field(None, max_length=256)
+    # vLLM's extension; higher is admitted first. The gateway caps it per key.
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 

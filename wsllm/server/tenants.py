@@ -39,7 +39,7 @@ _FIELDS = {"keys", "rpm", "tpm", "max_concurrent", "max_priority", "models"}
 class Tenant:
     name: str
     limits: Limits = Limits()
-    max_priority: int | None = None  # not used yet: requests carry no priority today
+    max_priority: int | None = None  # the highest `priority` its requests may ask for (None: --max-priority)
     models: tuple[str, ...] = ("*",)  # fnmatch globs, case-sensitive
 
     def may_use(self, model: str) -> bool:
