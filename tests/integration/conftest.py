@@ -174,8 +174,11 @@ def live_server() -> Callable[..., contextlib.AbstractContextManager[LiveServer]
 def tiny_engine(tiny_model_dir: Path) -> Any:
     from wsllm.engine.engine import LLMEngine
 
-    # 2048 tokens of KV per sequence for 64 sequences is plenty for these tests.
-    return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2048, max_num_seqs=64))
+    # 2048 tokens of KV per sequence for 64 sequences is plenty for these tests. fp32 on
+    # every CPU: bf16 (auto where the CPU has it) rounds near-ties differently per batch.
+    return LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2048, max_num_seqs=64, dtype="float32")
+    )
 
 
 @pytest.fixture(scope="session")

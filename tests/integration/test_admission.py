@@ -59,7 +59,9 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_503_queue_timeout(
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1, dtype="float32")
+    )
     long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
     async def go(base: str) -> tuple[httpx.Response, float, httpx.Response, int]:
@@ -97,7 +99,9 @@ def test_a_higher_priority_request_overtakes_the_queue(tiny_model_dir: Path, liv
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, max_num_seqs=1, dtype="float32")
+    )
     long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     short = BODY | {"stream": False, "max_tokens": 2}
     done: list[str] = []

@@ -17,9 +17,12 @@ import pytest
 import websockets
 from rawclients import sse_post, ws_connect, ws_send
 
+# A stalled reader is cut off by whichever comes first: --send-timeout-s without a byte
+# taken, or --max-buffered-events piling up behind it. The tiny engine makes ~1000 events
+# a second at n=8, so this buffer takes ~4 s to fill: the send timeout is what fires.
 LIMITS = dict(
-    send_timeout_s=1.0,
-    max_buffered_events=1024,
+    send_timeout_s=0.5,
+    max_buffered_events=4096,
     max_requests_per_socket=3,
     max_messages=64,
     heartbeat_s=60.0,  # the WebSocket pings must not be what drops the silent clients here

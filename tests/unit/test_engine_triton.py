@@ -21,7 +21,9 @@ from wsllm.types import SamplingParams  # noqa: E402
 
 def greedy_tokens(path: Path, backend: str, prompts: list[list[int]]) -> dict[str, list[int]]:
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(path), kv_cache_gb=0.02, block_size=16, attention_backend=backend)
+        EngineConfig(
+            model=str(path), kv_cache_gb=0.02, block_size=16, attention_backend=backend, dtype="float32"
+        )
     )
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -12,7 +12,7 @@ from wsllm.types import SamplingParams
 
 
 def make_engine(path: Path, **kw: object) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))  # type: ignore[arg-type]
+    return LLMEngine.from_config(EngineConfig(model=str(path), **({"dtype": "float32"} | kw)))  # type: ignore[arg-type]
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:

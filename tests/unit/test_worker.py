@@ -22,7 +22,9 @@ from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
 def engine(tiny_model_dir: Path) -> Any:
     from wsllm.engine.engine import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_seqs=4))
+    return LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_seqs=4, dtype="float32")
+    )
 
 
 @pytest.fixture
