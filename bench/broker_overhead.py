@@ -57,9 +57,9 @@ def serve(broker_kind: str, port: int, model: str | None, redis_url: str, thread
     from wsllm.server.app import create_app, uvicorn_config
 
     broker: Any = (
-        MemoryBroker(max_pending=4096)
+        MemoryBroker(max_queue_depth=4096)
         if broker_kind == "memory"
-        else RedisBroker(redis_url, model=model_name_for(model), max_pending=4096)
+        else RedisBroker(redis_url, model=model_name_for(model), max_queue_depth=4096)
     )
     # the engine loads on the thread that runs it, as in `wsllm serve` (EngineWorker.spawn)
     worker = EngineWorker.spawn(

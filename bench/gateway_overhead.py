@@ -128,7 +128,7 @@ def serve_gateway(port: int, tokenizer_dir: str, pace_s: float) -> None:
         .ids
     )
     engine = FakeEngine(token_id, pace_s)
-    broker = MemoryBroker(max_pending=4096, max_event_batches=4096)
+    broker = MemoryBroker(max_queue_depth=4096, max_event_batches=4096)
     EngineWorker(engine, broker, idle_wait_s=0.005).start()
     cfg = GatewayConfig(host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False)
     app = create_app(cfg, broker, tokenizer_dir, "fake")

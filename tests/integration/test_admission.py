@@ -19,7 +19,7 @@ BODY = {"prompt": "hi", "max_tokens": 4, "stream": True}
 
 
 def test_not_ready_then_queue_full(tiny_model_dir: Path, uvicorn_thread: Any) -> None:
-    broker = MemoryBroker(max_pending=1)
+    broker = MemoryBroker(max_queue_depth=1)
     cfg = GatewayConfig(max_queue_depth=1, heartbeat_s=0.05)
     with uvicorn_thread(lambda c: create_app(c, broker, tiny_model_dir, "tiny"), cfg) as (base, _):
         r = httpx.get(f"{base}/ready")

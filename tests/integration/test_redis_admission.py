@@ -27,9 +27,9 @@ def test_queue_positions_429_and_the_registry(
     redis_server: Any, tiny_model_dir: Path, uvicorn_thread: Any
 ) -> None:
     redis_server.client().flushall()
-    broker = RedisBroker(redis_server.url, model="tiny", cfg=RCFG)
+    broker = RedisBroker(redis_server.url, model="tiny", cfg=RCFG, max_queue_depth=3)
     engine = RedisBroker(redis_server.url, model="tiny", cfg=RCFG, engine_id="puller")
-    cfg = GatewayConfig(max_queue_depth=3, heartbeat_s=0.2)
+    cfg = GatewayConfig(heartbeat_s=0.2)
     with uvicorn_thread(lambda c: create_app(c, broker, tiny_model_dir, "tiny"), cfg) as (base, _):
         assert httpx.get(f"{base}/ready").status_code == 503
         assert httpx.get(f"{base}/v1/models").json()["data"] == []

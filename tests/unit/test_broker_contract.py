@@ -21,8 +21,8 @@ from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 
 
 @contextlib.contextmanager
-def memory_broker(max_pending: int = 8) -> Iterator[Broker]:
-    b = MemoryBroker(max_pending=max_pending, max_event_batches=4)
+def memory_broker(max_queue_depth: int = 8) -> Iterator[Broker]:
+    b = MemoryBroker(max_queue_depth=max_queue_depth, max_event_batches=4)
     try:
         yield b
     finally:
@@ -30,13 +30,13 @@ def memory_broker(max_pending: int = 8) -> Iterator[Broker]:
 
 
 @contextlib.contextmanager
-def redis_broker(url: str, max_pending: int = 8) -> Iterator[Broker]:
+def redis_broker(url: str, max_queue_depth: int = 8) -> Iterator[Broker]:
     import redis
 
     from wsllm.broker.redis import RedisBroker
 
     redis.Redis.from_url(url).flushall()
-    b = RedisBroker(url, model="m", max_pending=max_pending)
+    b = RedisBroker(url, model="m", max_queue_depth=max_queue_depth)
     try:
         yield b
     finally:
@@ -113,7 +113,7 @@ def test_pull_timeout_returns_empty(make_broker):
 
 
 def test_queue_full_is_an_error_not_a_wait(make_broker):
-    with make_broker(max_pending=2) as b:
+    with make_broker(max_queue_depth=2) as b:
 
         async def go() -> None:
             await b.submit(req("a"))

@@ -29,7 +29,7 @@ def engine(tiny_model_dir: Path) -> Any:
 
 @pytest.fixture
 def rig(engine: Any) -> Iterator[tuple[EngineWorker, MemoryBroker, list[TokenEvent]]]:
-    broker = MemoryBroker(max_pending=64)
+    broker = MemoryBroker(max_queue_depth=64)
     worker = EngineWorker(engine, broker, idle_wait_s=0.0)
     published: list[TokenEvent] = []
     worker.on_publish = published.extend

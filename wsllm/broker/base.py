@@ -20,10 +20,34 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from wsllm.broker.limits import Limiter, MemoryLimiter
 from wsllm.types import GenerateRequest, TokenEvent
+
+#: the files of a model directory that make its tokenizer (what `TextCodec` reads)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+#: the largest tokenizer an engine publishes through the broker (bytes, all files)
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """The tokenizer files of a model directory, for `Broker.publish_tokenizer`;
+    ValueError past MAX_TOKENIZER_BYTES."""
+    paths = [Path(directory) / name for name in TOKENIZER_FILES]
+    files = {p.name: p.read_bytes() for p in paths if p.is_file()}
+    size = sum(map(len, files.values()))
+    if size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"the tokenizer in {directory} is {size} bytes, over {MAX_TOKENIZER_BYTES}")
+    return files
+
 
 #: an engine's admission order for queued requests: lower goes first
 Rank = Callable[[GenerateRequest], Any]
@@ -65,6 +89,8 @@ class EngineInfo:
     engine_id: str
     model: str
     max_model_len: int
+    #: other names the model answers to (`--model-name A --model-name B`: B)
+    aliases: list[str] = field(default_factory=list)
     # num_running, num_waiting, kv_usage, num_free_blocks, ... (engine.stats())
     stats: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0  # time.time() of the last heartbeat
@@ -83,6 +109,8 @@ class EngineInfo:
             and isinstance(info.model, str)
             and isinstance(info.max_model_len, int)
             and info.max_model_len > 0
+            and isinstance(info.aliases, list)
+            and all(isinstance(a, str) for a in info.aliases)
             and isinstance(info.stats, dict)
             and isinstance(info.last_seen, (int, float))
         )
@@ -112,12 +140,11 @@ class Broker(abc.ABC):
         self,
         request: GenerateRequest,
         *,
-        max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
     ) -> None:
         """Queue `request` for an engine; this gateway receives its events. Raises
-        QueueFull when `max_waiting` (default: the broker's own cap) requests already
-        wait, BrokerClosed after close(), BrokerUnavailable while the store is down.
+        QueueFull when the broker's `max_queue_depth` requests already wait,
+        BrokerClosed after close(), BrokerUnavailable while the store is down.
         Never waits for an engine to take it. A resumable broker keeps `context`
         (JSON) with the request, for `lookup` by its id."""
 
@@ -166,6 +193,11 @@ class Broker(abc.ABC):
         """Requests submitted and not yet pulled by an engine (best effort)."""
         return 0
 
+    async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
+        """The tokenizer files an engine of `model` published (`publish_tokenizer`);
+        None when no engine did (the gateway then needs the files locally)."""
+        return None
+
     def limiter(self) -> Limiter:
         """The per-tenant rate limiter for the gateways of this deployment: in this
         process (the default), or shared through the store every gateway uses."""
@@ -193,6 +225,10 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     def heartbeat(self, info: EngineInfo) -> None:
         """Register the engine or refresh it (its stats and `last_seen`)."""
+
+    def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:  # noqa: B027
+        """Make `model`'s tokenizer files readable by every gateway (`tokenizer_files`).
+        A broker within one process has no need: its gateway reads the directory."""
 
     def deregister(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """The engine leaves cleanly; gateways stop counting it at once."""

@@ -14,15 +14,13 @@ import sys
 import redis
 
 from wsllm.broker.redis_keys import Keys, client_options
-from wsllm.config import EngineBrokerConfig, RedisConfig, from_args
+from wsllm.config import RedisConfig, from_args
 
 
 def main() -> int:
     rcfg = from_args(RedisConfig)
     keys = Keys(rcfg.redis_prefix)
-    r = redis.Redis.from_url(
-        rcfg.url(from_args(EngineBrokerConfig).broker), socket_timeout=3, **client_options()
-    )
+    r = redis.Redis.from_url(rcfg.url(), socket_timeout=3, **client_options())
     try:
         if rcfg.engine_id:
             alive = bool(r.exists(keys.engine(rcfg.engine_id)))

@@ -1,10 +1,15 @@
 """The in-process broker: one gateway and one or more engine worker threads in one
 process (`wsllm serve`).
 
+Several models in one process (`wsllm serve --model A --model B`): each model's
+engine pulls through `engine_side(model)`, a view of this broker that takes only the
+requests whose `model` it serves and sees every abort. The broker itself, used as an
+engine side, takes any request (one model, the default).
+
 Everything is guarded by one `threading.Lock`, held only for a few list operations,
 so the asyncio side never waits on the engine. The worker thread wakes the loop with
 `call_soon_threadsafe`, and only when the reader task is actually waiting. Both
-queues are bounded: `submit` raises QueueFull past `max_pending`, and `publish`
+queues are bounded: `submit` raises QueueFull past `max_queue_depth`, and `publish`
 blocks the worker (backpressure) while `max_event_batches` batches are unread.
 """
 
@@ -33,17 +38,19 @@ _EXPIRY_CHECK_S = 0.05
 
 class MemoryBroker(Broker):
     def __init__(
-        self, max_pending: int = 256, max_event_batches: int = 1024, max_aborts: int = 65536
+        self, max_queue_depth: int = 256, max_event_batches: int = 1024, max_aborts: int = 65536
     ) -> None:
-        if max_pending < 1 or max_event_batches < 1:
-            raise ValueError("max_pending and max_event_batches must be >= 1")
-        self.max_pending = max_pending
+        if max_queue_depth < 1 or max_event_batches < 1:
+            raise ValueError("max_queue_depth and max_event_batches must be >= 1")
+        self.max_queue_depth = max_queue_depth
         self.max_event_batches = max_event_batches
         self._lock = Lock()
         self._has_pending = Condition(self._lock)  # signalled by submit
         self._has_space = Condition(self._lock)  # signalled when the reader drains events
         self._pending: OrderedDict[str, GenerateRequest] = OrderedDict()
-        self._aborts: deque[str] = deque(maxlen=max_aborts)
+        self._max_aborts = max_aborts
+        # one queue of abort ids per engine side: every engine sees every abort
+        self._aborts: dict[str | None, deque[str]] = {None: deque(maxlen=max_aborts)}
         self._events: deque[list[TokenEvent]] = deque()
         self._engines: dict[str, EngineInfo] = {}
         #: what engines could not serve at all, with the reason (the last few)
@@ -61,11 +68,10 @@ class MemoryBroker(Broker):
         self,
         request: GenerateRequest,
         *,
-        max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
     ) -> None:
         # context serves resuming, which this broker does not do.
-        cap = self.max_pending if max_waiting is None else min(max_waiting, self.max_pending)
+        cap = self.max_queue_depth
         with self._lock:
             if self._closed:
                 raise BrokerClosed("the broker is closed")
@@ -74,13 +80,14 @@ class MemoryBroker(Broker):
             if request.request_id in self._pending:
                 raise ValueError(f"request id {request.request_id!r} is already queued")
             self._pending[request.request_id] = request
-            self._has_pending.notify()
+            self._has_pending.notify_all()  # engines of other models wait on it too
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
             if self._pending.pop(request_id, None) is None:
                 # Pulled already (or never seen): the engine drops it on its next step.
-                self._aborts.append(request_id)
+                for q in self._aborts.values():
+                    q.append(request_id)
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         with self._lock:
@@ -121,27 +128,37 @@ class MemoryBroker(Broker):
     # -- engine side -------------------------------------------------------------------
 
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
+        return self._pull(max_n, timeout, rank, None)
+
+    def engine_side(self, model: str) -> Broker:
+        """The engine side of one model's engines: `pull` takes only the requests for
+        `model`. Register each model's view before the gateway submits."""
+        with self._lock:
+            self._aborts.setdefault(model, deque(maxlen=self._max_aborts))
+        return _ModelSide(self, model)
+
+    def _pull(
+        self, max_n: int, timeout: float, rank: Rank | None, model: str | None
+    ) -> list[GenerateRequest]:
         self._expire()  # also when the engines are full: that is when requests wait
         if max_n <= 0:
             return []
         deadline = time.monotonic() + timeout
         with self._lock:
-            while not self._pending and not self._closed:
+            while not self._closed:
+                mine = [r for r in self._pending.values() if model is None or r.model == model]
+                if mine:
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
                 self._has_pending.wait(min(remaining, _POLL_S))
-            if (
-                rank is not None and len(self._pending) > max_n
-            ):  # the engine's best, oldest first among equals
-                best = heapq.nsmallest(
-                    max_n, enumerate(self._pending.values()), key=lambda ir: (rank(ir[1]), ir[0])
-                )
+            else:
+                return []
+            if rank is not None and len(mine) > max_n:  # the engine's best, oldest first among equals
+                best = heapq.nsmallest(max_n, enumerate(mine), key=lambda ir: (rank(ir[1]), ir[0]))
                 return [self._pending.pop(r.request_id) for _, r in best]
-            out: list[GenerateRequest] = []
-            while self._pending and len(out) < max_n:
-                out.append(self._pending.popitem(last=False)[1])
-            return out
+            return [self._pending.pop(r.request_id) for r in mine[:max_n]]
 
     def _expire(self) -> None:
         """End the waiting requests that are past their queue deadline, freeing their
@@ -172,9 +189,13 @@ class MemoryBroker(Broker):
         log.info("%d requests waited past their queue deadline", len(expired))
 
     def aborts(self) -> list[str]:
+        return self._aborts_of(None)
+
+    def _aborts_of(self, model: str | None) -> list[str]:
         with self._lock:
-            out = list(dict.fromkeys(self._aborts))
-            self._aborts.clear()
+            q = self._aborts[model]
+            out = list(dict.fromkeys(q))
+            q.clear()
             return out
 
     def publish(self, events: list[TokenEvent]) -> None:
@@ -221,3 +242,51 @@ class MemoryBroker(Broker):
         self._reader_waiting = False
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
             self._loop.call_soon_threadsafe(self._wakeup.set)
+
+
+class _ModelSide(Broker):
+    """One model's engine side of a shared MemoryBroker (see `engine_side`): its own
+    pull filter and abort queue; everything else is the broker's."""
+
+    def __init__(self, hub: MemoryBroker, model: str) -> None:
+        self.hub = hub
+        self.model = model
+        self.engine_ttl_s = hub.engine_ttl_s
+
+    async def submit(
+        self,
+        request: GenerateRequest,
+        *,
+        context: dict[str, Any] | None = None,
+    ) -> None:
+        await self.hub.submit(request, context=context)
+
+    async def abort(self, request_id: str) -> None:
+        await self.hub.abort(request_id)
+
+    def events(self) -> AsyncIterator[list[TokenEvent]]:
+        return self.hub.events()
+
+    async def engines(self) -> list[EngineInfo]:
+        return await self.hub.engines()
+
+    def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
+        return self.hub._pull(max_n, timeout, rank, self.model)
+
+    def aborts(self) -> list[str]:
+        return self.hub._aborts_of(self.model)
+
+    def publish(self, events: list[TokenEvent]) -> None:
+        self.hub.publish(events)
+
+    def heartbeat(self, info: EngineInfo) -> None:
+        self.hub.heartbeat(info)
+
+    def deregister(self, engine_id: str) -> None:
+        self.hub.deregister(engine_id)
+
+    def dead_letter(self, item: object, reason: str) -> None:
+        self.hub.dead_letter(item, reason)
+
+    def close(self) -> None:
+        self.hub.close()

@@ -41,7 +41,7 @@ class RedisBroker(Broker):
         *,
         model: str,
         cfg: RedisConfig | None = None,
-        max_pending: int = 256,
+        max_queue_depth: int = 256,
         engine_id: str | None = None,
     ) -> None:
         self.cfg = cfg or RedisConfig()
@@ -54,7 +54,7 @@ class RedisBroker(Broker):
         # Blocking reads wait at most 0.25 s at a time, so this socket timeout never cuts one.
         self._sync = redis.Redis.from_url(url, socket_timeout=10, **client_options())
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_pending)
+        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
 
     @property
@@ -67,10 +67,9 @@ class RedisBroker(Broker):
         self,
         request: GenerateRequest,
         *,
-        max_waiting: int | None = None,
         context: dict[str, Any] | None = None,
     ) -> None:
-        await self.gateway.submit(request, max_waiting, context)
+        await self.gateway.submit(request, context)
 
     async def abort(self, request_id: str) -> None:
         await self.gateway.abort(request_id)
@@ -99,6 +98,9 @@ class RedisBroker(Broker):
     async def position(self, request_id: str) -> int | None:
         return await self.gateway.position(request_id)
 
+    async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
+        return await self.gateway.tokenizer_files(model)
+
     def limiter(self) -> Limiter:
         return RedisLimiter(self.gateway.client, self.keys, self.cfg.limit_lease_s)
 
@@ -117,6 +119,11 @@ class RedisBroker(Broker):
     def heartbeat(self, info: EngineInfo) -> None:
         self.engine.heartbeat(info)
         self.gateway.invalidate_engines()
+
+    def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:
+        if model != self.model:
+            raise ValueError(f"this engine side serves {self.model!r}, not {model!r}")
+        self.engine.publish_tokenizer(files)
 
     def deregister(self, engine_id: str) -> None:
         self.engine.deregister(engine_id)

@@ -39,6 +39,9 @@ from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireErro
 
 log = logging.getLogger(__name__)
 
+# A model's published tokenizer outlives its last engine by this much (milliseconds).
+_TOKENIZER_TTL_MS = 24 * 3600 * 1000
+
 _BLOCK_SLICE_S = 0.25  # a blocked pull re-checks close() this often
 _RETRY_S = 0.5  # pause between tries while Redis is down
 _EXPIRY_S = 0.25  # how often an engine sweeps the queue for entries past their deadline
@@ -361,6 +364,7 @@ class EngineSide:
             pipe = self.r.pipeline(transaction=False)
             pipe.set(self.keys.engine(info.engine_id), orjson.dumps(d), px=ttl_ms)
             pipe.sadd(self.keys.engines, info.engine_id)
+            pipe.pexpire(self.keys.tokenizer(self.model), _TOKENIZER_TTL_MS)
             pipe.execute()
             # Refreshing the leases a few times per lease is enough (and cheap).
             if owned and self._started and time.monotonic() >= self._next_refresh:
@@ -377,6 +381,17 @@ class EngineSide:
                 raise
             for rid in owned.values():  # the group (and our entries) are gone: Redis restarted
                 self._drop(rid)
+
+    def publish_tokenizer(self, files: dict[str, bytes]) -> None:
+        """Store this model's tokenizer files for the gateways (kept while any engine of
+        the model heartbeats, then for a day)."""
+        key = self.keys.tokenizer(self.model)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(key)
+        if files:
+            pipe.hset(key, mapping=files)
+            pipe.pexpire(key, _TOKENIZER_TTL_MS)
+        pipe.execute()
 
     def deregister(self, engine_id: str) -> None:
         try:

@@ -57,12 +57,12 @@ class _Follow:
 
 
 class GatewaySide:
-    def __init__(self, url: str, keys: Keys, cfg: RedisConfig, model: str, max_waiting: int) -> None:
+    def __init__(self, url: str, keys: Keys, cfg: RedisConfig, model: str, max_queue_depth: int) -> None:
         self.url = url
         self.keys = keys
         self.cfg = cfg
         self.model = model
-        self.max_waiting = max_waiting
+        self.max_queue_depth = max_queue_depth
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.wake_key = keys.wake(self.gateway_id)
         self.closed = False
@@ -94,7 +94,6 @@ class GatewaySide:
     async def submit(
         self,
         request: GenerateRequest,
-        max_waiting: int | None,
         context: dict[str, Any] | None,
     ) -> None:
         if self.closed:
@@ -104,10 +103,17 @@ class GatewaySide:
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(rid), self.wake_key]
         self._follows[rid] = _Follow(n=request.params.n)  # before it can have events
-        cap = self.max_waiting if max_waiting is None else max_waiting
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
-            args = [GROUP, cap, encode(request), meta, ttl_ms, rid, repr(request.queue_deadline)]
+            args = [
+                GROUP,
+                self.max_queue_depth,
+                encode(request),
+                meta,
+                ttl_ms,
+                rid,
+                repr(request.queue_deadline),
+            ]
             ok, value = await self._call(SUBMIT, keys, args)
         except BaseException:
             self._follows.pop(rid, None)
@@ -279,6 +285,15 @@ class GatewaySide:
         return lost
 
     # -- registry and queue ----------------------------------------------------------------
+
+    async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
+        try:
+            got = await self.client().hgetall(self.keys.tokenizer(model))
+        except UNAVAILABLE as e:
+            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+        if not got:
+            return None
+        return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
 
     async def engines(self) -> list[EngineInfo]:
         at, cached = self._engines

@@ -80,17 +80,22 @@ class Keys:
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
 
+    def tokenizer(self, model: str) -> str:
+        """A model's tokenizer files (hash: file name -> bytes), published by its engines
+        so that a gateway anywhere can load it."""
+        return f"{self.prefix}:tok:{model}"
+
     def tenant(self, tenant: str, what: str) -> str:
         """A tenant's limit key: `rpm`, `tpm` (buckets) or `live` (in-flight leases)."""
         return f"{self.prefix}:t:{tenant}:{what}"
 
 
-# Admission and submit in one step: refuse when `max_waiting` entries wait (entries in
+# Admission and submit in one step: refuse when `max_queue_depth` entries wait (entries in
 # the stream minus those delivered and not yet acked), else queue the request, open its
 # result stream with the meta entry and wake the submitting gateway.
 # The entry carries the request (`r`) and, for the queue-deadline sweep below, its id
 # (`i`) and deadline (`d`, time.time() seconds; 0: none).
-# KEYS: queue, out, wake   ARGV: group, max_waiting, request, meta, ttl_ms, request id, deadline
+# KEYS: queue, out, wake   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline
 SUBMIT = """
 local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
 if not ok then

@@ -83,8 +83,10 @@ class EngineWorker:
         engine_id: str | None = None,
         idle_wait_s: float = 0.05,
         heartbeat_s: float = 0.5,
+        aliases: list[str] | None = None,
     ) -> None:
         self.engine = engine
+        self.aliases = list(aliases or [])
         self.broker = broker
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.idle_wait_s = idle_wait_s
@@ -346,6 +348,7 @@ class EngineWorker:
             engine_id=self.engine_id,
             model=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
+            aliases=self.aliases,
             stats=dict(self.engine.stats()),
         )
 
