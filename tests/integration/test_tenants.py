@@ -64,6 +64,9 @@ def post(srv: Any, key: str, **body: Any) -> httpx.Response:
 
 def test_a_tenant_over_its_tpm_gets_429_while_another_goes_on(srv: Any) -> None:
     alice, bob = client(srv, "sk-alice"), client(srv, "sk-bob")
+    limited = srv.metric("wsllm_tenant_rate_limited_total", tenant="alice", model=srv.gateway.model_name)
+    bob_tokens = srv.metric("wsllm_tenant_tokens_total", tenant="bob")
+    bob_used = 0
     # 4 prompt tokens + 200 max_tokens are charged at admission: 204 of alice's 300.
     first = alice.completions.with_raw_response.create(
         model=srv.gateway.model_name, prompt=[5, 6, 7, 8], max_tokens=200, temperature=0,
@@ -84,8 +87,22 @@ def test_a_tenant_over_its_tpm_gets_429_while_another_goes_on(srv: Any) -> None:
         ok = bob.completions.with_raw_response.create(model=srv.gateway.model_name, prompt="hi", max_tokens=4)
         assert ok.parse().choices[0].finish_reason in ("length", "stop")
         assert {f"x-ratelimit-{h}-{w}" for h in HEADERS for w in ("requests", "tokens")} <= set(ok.headers)
+        bob_used += ok.parse().usage.total_tokens  # type: ignore[union-attr]
     # A small request still fits alice's remaining tokens.
     assert post(srv, "sk-alice", max_tokens=4).status_code == 200
+    # per-tenant metrics, labelled by the keys file's names and the model
+    assert (
+        srv.metric("wsllm_tenant_rate_limited_total", tenant="alice", model=srv.gateway.model_name)
+        == limited + 1
+    )
+    deadline = time.monotonic() + 10  # completion tokens are counted when a request lets go of its lease
+    while srv.metric("wsllm_tenant_tokens_total", tenant="bob") != bob_tokens + bob_used:
+        assert time.monotonic() < deadline, (
+            srv.metric("wsllm_tenant_tokens_total", tenant="bob"),
+            bob_tokens,
+            bob_used,
+        )
+        time.sleep(0.05)
 
 
 def test_rpm(srv: Any) -> None:

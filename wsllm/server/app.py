@@ -116,10 +116,21 @@ def create_app(
     tokenizer_dir: str | Path,
     model_name: str | None = None,
     frontend_dir: str | Path | None = None,
+    tokenizer_dirs: dict[str, Path] | None = None,
 ) -> Starlette:
-    name = cfg.model_name or model_name or Path(tokenizer_dir).name
+    """The gateway app. `model_name` (default: the tokenizer directory's name) is the
+    default model, whose tokenizer is `tokenizer_dir`; `tokenizer_dirs` gives other
+    models' tokenizers (the rest come from what their engines publish)."""
+    name = model_name or Path(tokenizer_dir).name
     tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
-    gw = Gateway(cfg, broker, TextCodec(str(tokenizer_dir)), name, Metrics(name))
+    gw = Gateway(
+        cfg,
+        broker,
+        TextCodec(str(tokenizer_dir)),
+        name,
+        Metrics(name),
+        tokenizer_dirs=dict(tokenizer_dirs or {}),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -165,7 +176,8 @@ def create_app(
 
 
 def uvicorn_config(app: Starlette, cfg: GatewayConfig, **overrides: object) -> uvicorn.Config:
-    """uvicorn settings that follow GatewayConfig (WS frame limit, keepalive pings)."""
+    """uvicorn settings that follow GatewayConfig (WS frame limit, keepalive pings);
+    `log_level` comes from LogConfig (`--log-level`)."""
     kwargs: dict[str, object] = dict(
         host=cfg.host,
         port=cfg.port,

@@ -3,6 +3,11 @@
 reader task that fans events out is `router.py`; one request's text work is
 `generation.py`.
 
+Models: a gateway serves every model a live engine serves (`broker.engines()`), by
+its name or one of its aliases. Each model gets its tokenizer (`ServedModel`) on first
+sight: from a directory this process was given, else from the files its engines
+published through the broker (Redis), written to a private temporary directory.
+
 Ownership: every request gets an unguessable resume token when it starts (the
 client that started it is the only one told). Resuming, reading or cancelling it
 from another connection, on any gateway, needs that token; the broker stores only
@@ -21,11 +26,21 @@ import hashlib
 import hmac
 import logging
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from wsllm.broker.base import Broker, BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull
+from wsllm.broker.base import (
+    TOKENIZER_FILES,
+    Broker,
+    BrokerClosed,
+    BrokerUnavailable,
+    EngineInfo,
+    QueueFull,
+)
 from wsllm.broker.limits import Limiter
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
@@ -56,38 +71,136 @@ def split_token(token: str) -> tuple[str, str]:
     return (rid, secret) if dot and rid and secret else ("", "")
 
 
+def _by_alias(live: dict[str, list[EngineInfo]], alias: str) -> str | None:
+    return next((m for m, engines in live.items() if any(alias in e.aliases for e in engines)), None)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """A model this gateway routes to: its canonical name, tokenizer and the services
+    its Generations use (metrics labelled with its name)."""
+
+    name: str
+    codec: TextCodec
+    svc: Services
+
+
 @dataclass
 class Gateway:
     cfg: GatewayConfig
     broker: Broker
     codec: TextCodec
+    #: the default model: requests that name none go to it
     model_name: str
     metrics: Metrics
+    #: tokenizer directories of models served from this process (`serve --model A --model B`)
+    tokenizer_dirs: dict[str, Path] = field(default_factory=dict)
     router: Router = field(init=False)
     svc: Services = field(init=False)
     #: per-tenant limits, shared by every gateway when the broker is (Redis)
     limiter: Limiter = field(init=False)
+    _models: dict[str, ServedModel] = field(init=False, default_factory=dict)
+    _loading: dict[str, asyncio.Future[ServedModel]] = field(init=False, default_factory=dict)
+    _tok_root: Path | None = field(init=False, default=None)
     _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker, self.cfg.max_buffered_events)
-        self.svc = Services(self.codec, self.metrics, self.broker, self.router, self.abort_later)
+        self.svc = self._services(self.codec, self.metrics)
+        self._models[self.model_name] = ServedModel(self.model_name, self.codec, self.svc)
         self.limiter = self.broker.limiter()
 
-    async def engines(self) -> list[EngineInfo]:
-        """Live engines serving this model; none while the broker is unreachable."""
+    def _services(self, codec: TextCodec, metrics: Metrics) -> Services:
+        return Services(codec, metrics, self.broker, self.router, self.abort_later)
+
+    async def engines(self, model: str | None = None) -> list[EngineInfo]:
+        """Live engines (of `model` only, when given); none while the broker is
+        unreachable."""
         try:
             infos = await self.broker.engines()
         except BrokerUnavailable:
             return []
-        return [e for e in infos if e.model == self.model_name or not e.model]
+        return infos if model is None else [e for e in infos if (e.model or self.model_name) == model]
 
-    async def max_model_len(self) -> int | None:
-        lens = [e.max_model_len for e in await self.engines() if e.max_model_len]
+    async def live_models(self) -> dict[str, list[EngineInfo]]:
+        """Each model a live engine serves, with its engines, the default model first."""
+        out: dict[str, list[EngineInfo]] = {}
+        for e in sorted(await self.engines(), key=lambda e: (e.model != self.model_name, e.model)):
+            out.setdefault(e.model or self.model_name, []).append(e)
+        return out
+
+    async def max_model_len(self, model: str | None = None) -> int | None:
+        lens = [e.max_model_len for e in await self.engines(model or self.model_name) if e.max_model_len]
         return min(lens) if lens else None
 
     async def refresh_gauges(self) -> None:
-        self.metrics.set_engine_stats([e.stats for e in await self.engines()], await self.broker.pending())
+        live = await self.live_models()
+        pending = await self.broker.pending()
+        for name in set(live) | set(self._models):
+            stats = [e.stats for e in live.get(name, [])]
+            self.metrics.for_model(name).set_engine_stats(stats, pending if name == self.model_name else 0)
+
+    async def resolve(self, requested: str | None, tenant: Tenant = ANONYMOUS) -> tuple[ServedModel, int]:
+        """The model a request names (its name or an alias; none: the default model)
+        and the context length its live engines allow. 404 `model_not_found` for a
+        model nobody serves or this tenant may not use, 503 `model_not_ready` for a
+        known model whose engines are all gone."""
+        live = await self.live_models()
+        want = requested or self.model_name
+        name = want if want in live else _by_alias(live, want)
+        if name is None or not tenant.may_use(name):
+            usable = [m for m in live if tenant.may_use(m)]
+            known = want in self._models or want in self.tokenizer_dirs
+            if name is None and known and tenant.may_use(want):
+                raise APIError(503, "model_not_ready", f"no engine is serving {want!r} now", retry_after=1)
+            hint = f"; served here: {', '.join(usable)}" if usable else ""
+            what = "is not served here" if name is None else "is not available to this key"
+            raise APIError(404, "model_not_found", f"model {want!r} {what}{hint}", param="model")
+        served = self._models.get(name) or await self._load(name)
+        return served, min(e.max_model_len for e in live[name])
+
+    async def served(self, name: str) -> ServedModel:
+        """A model's tokenizer and services by its canonical name (loaded on first use)."""
+        return self._models.get(name) or await self._load(name)
+
+    async def _load(self, name: str) -> ServedModel:
+        """Load `name`'s tokenizer once, however many requests ask at the same time."""
+        fut = self._loading.get(name)
+        if fut is None:
+            fut = self._loading[name] = asyncio.get_running_loop().create_future()
+            try:
+                directory = self.tokenizer_dirs.get(name) or await self._fetch_tokenizer(name)
+                codec = await asyncio.to_thread(TextCodec, str(directory))
+                served = ServedModel(name, codec, self._services(codec, self.metrics.for_model(name)))
+                self._models[name] = served
+                fut.set_result(served)
+                log.info("model %s: tokenizer loaded from %s", name, directory)
+            except BaseException as e:
+                fut.set_exception(e)
+                fut.exception()  # retrieved: callers that are gone do not warn
+                raise
+            finally:
+                del self._loading[name]
+            return served
+        return await asyncio.shield(fut)
+
+    async def _fetch_tokenizer(self, name: str) -> Path:
+        try:
+            files = await self.broker.tokenizer_files(name)
+        except BrokerUnavailable:
+            files = None
+        if not files or "tokenizer.json" not in files:
+            raise APIError(
+                503, "model_not_ready", f"no tokenizer for {name!r} has been published yet", retry_after=1
+            )
+        if self._tok_root is None:
+            self._tok_root = Path(tempfile.mkdtemp(prefix="wsllm-tokenizers-"))
+        directory = self._tok_root / hashlib.sha256(name.encode()).hexdigest()[:16]
+        directory.mkdir(exist_ok=True)
+        for fname, data in files.items():
+            if fname in TOKENIZER_FILES:  # names from Redis: never a path
+                (directory / fname).write_bytes(data)
+        return directory
 
     async def start(
         self, req: ChatRequest | CompletionRequest, api: str, tenant: Tenant = ANONYMOUS
@@ -95,40 +208,39 @@ class Gateway:
         """Admit, tokenize and submit a checked request of `tenant` (whom its API key
         names). Raises APIError (429 `rate_limited` past the tenant's limits). The
         Generation's `resume_token` is for its client alone."""
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(
-                404,
-                "model_not_found",
-                f"model {req.model!r} is not served here; try {self.model_name!r}",
-                param="model",
-            )
-        if not tenant.may_use(self.model_name):  # the same answer as a model not served here
-            raise APIError(
-                404, "model_not_found", f"model {self.model_name!r} is not available to this key", "model"
-            )
-        engines = await self.engines()
-        if not engines:
-            raise APIError(503, "model_not_ready", "no engine is serving this model yet", retry_after=1)
+        model, max_len = await self.resolve(req.model, tenant)
         cap = self.cfg.max_priority if tenant.max_priority is None else tenant.max_priority
         if req.priority > cap:
             raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
-        prompt_ids = await self._prompt_ids(req)
-        max_len = min(e.max_model_len for e in engines)
+        prompt_ids = await self._prompt_ids(req, model.codec)
         params = sampling_params(req, len(prompt_ids), max_len, self.cfg)
         rid = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        ticket = await admit(self.limiter, tenant, rid, len(prompt_ids) + params.n * params.max_tokens)
+        metrics = model.svc.metrics
         try:
-            gen = await self._submit(req, api, rid, prompt_ids, params, tenant.name)
+            ticket = await admit(self.limiter, tenant, rid, len(prompt_ids) + params.n * params.max_tokens)
+        except APIError as e:
+            if e.code == "rate_limited":
+                metrics.tenant_limited(tenant.name)
+            raise
+        try:
+            gen = await self._submit(model, req, api, rid, prompt_ids, params, tenant.name)
         except BaseException:
             await ticket.release(0)  # never queued: nothing used
             raise
-        gen.on_release = ticket.release
+
+        async def release(used: int | None) -> None:
+            metrics.tenant_completion(tenant.name, gen.usage.completion_tokens)
+            await ticket.release(used)
+
+        gen.on_release = release
         gen.ratelimit_headers = ticket.headers
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        metrics.prompt_tokens.inc(len(prompt_ids))
+        metrics.tenant_admitted(tenant.name, len(prompt_ids))
         return gen
 
     async def _submit(
         self,
+        model: ServedModel,
         req: ChatRequest | CompletionRequest,
         api: str,
         rid: str,
@@ -136,7 +248,8 @@ class Gateway:
         params: SamplingParams,
         tenant: str,
     ) -> Generation:
-        gen = Generation(self.svc, rid, prompt_ids, params, req.stops, api)
+        gen = Generation(model.svc, rid, prompt_ids, params, req.stops, api)
+        gen.context["model"] = model.name
         secret = secrets.token_urlsafe(24)
         gen.resume_token = f"{rid}.{secret}"
         gen.context["include_usage"] = bool(getattr(req, "include_usage", False))
@@ -147,13 +260,12 @@ class Gateway:
                     rid,
                     prompt_ids,
                     params,
-                    model=self.model_name,
+                    model=model.name,
                     arrival_time=(now := time.time()),
                     queue_deadline=now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0,
                     priority=req.priority,
                     tenant=tenant,
                 ),
-                max_waiting=self.cfg.max_queue_depth,
                 context=gen.context if self.broker.resumable else None,
             )
         except QueueFull as e:
@@ -183,7 +295,8 @@ class Gateway:
             want = found.context.get("token_sha256") if found is not None else None
             if found is None or not isinstance(want, str) or not hmac.compare_digest(want, _digest(secret)):
                 return None
-            gen = Generation.from_context(self.svc, found.request_id, found.context)
+            model = await self.served(str(found.context.get("model") or self.model_name))
+            gen = Generation.from_context(model.svc, found.request_id, found.context)
             try:
                 gen.attach = await self.broker.follow(found.request_id)
             except BaseException:
@@ -219,28 +332,31 @@ class Gateway:
         for t in list(self._later):
             t.cancel()
         await self.limiter.aclose()
+        if self._tok_root is not None:
+            shutil.rmtree(self._tok_root, ignore_errors=True)
 
-    def _check_vocab(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if t >= self.codec.vocab_size]
+    @staticmethod
+    def _check_vocab(codec: TextCodec, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= codec.vocab_size]
         if bad:
             raise APIError(
                 400,
                 "invalid_request",
-                f"{param}: token id {bad[0]} is not in the vocabulary (size {self.codec.vocab_size})",
+                f"{param}: token id {bad[0]} is not in the vocabulary (size {codec.vocab_size})",
                 param=param,
             )
 
-    async def _prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
-        self._check_vocab(req.stop_token_ids or [], "stop_token_ids")
+    async def _prompt_ids(self, req: ChatRequest | CompletionRequest, codec: TextCodec) -> list[int]:
+        self._check_vocab(codec, req.stop_token_ids or [], "stop_token_ids")
         if isinstance(req, CompletionRequest):
             if isinstance(req.prompt, list):
-                self._check_vocab(req.prompt, "prompt")
+                self._check_vocab(codec, req.prompt, "prompt")
                 return list(req.prompt)
-            return await self._run_text(self.codec.encode, req.prompt, len(req.prompt))
+            return await self._run_text(codec.encode, req.prompt, len(req.prompt))
         messages = [m.as_template_input() for m in req.messages]
         size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
         try:
-            return await self._run_text(self.codec.encode_chat, messages, size)
+            return await self._run_text(codec.encode_chat, messages, size)
         except TemplateError as e:
             raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
 

@@ -28,14 +28,17 @@ _LATENCY_BUCKETS = (
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
-class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        labels = ["model"]
+class _Families:
+    """The metric families of one gateway, in its own registry; `Metrics` binds them to
+    one model. Label values come only from the models engines register and the tenants
+    of the keys file, never from a request's text."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ["model"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(model_name)
+            return Histogram(name, doc, m, registry=r, buckets=buckets)
 
         self.ttft = hist("wsllm_time_to_first_token_seconds", "Arrival to first text sent", _LATENCY_BUCKETS)
         self.itl = hist("wsllm_inter_token_latency_seconds", "Time between token events", _LATENCY_BUCKETS)
@@ -43,76 +46,107 @@ class Metrics:
         self.queue = hist(
             "wsllm_request_queue_time_seconds", "Arrival to first engine schedule", _E2E_BUCKETS
         )
-        self.prompt_tokens = Counter("wsllm_prompt_tokens", "Prompt tokens", labels, registry=r).labels(
-            model_name
-        )
-        self.generation_tokens = Counter(
-            "wsllm_generation_tokens", "Generated tokens", labels, registry=r
-        ).labels(model_name)
-        self._requests = Counter(
+        self.prompt_tokens = Counter("wsllm_prompt_tokens", "Prompt tokens", m, registry=r)
+        self.generation_tokens = Counter("wsllm_generation_tokens", "Generated tokens", m, registry=r)
+        self.requests = Counter(
             "wsllm_requests", "Finished requests", ["model", "api", "finish_reason"], registry=r
         )
-        self.aborts = Counter("wsllm_request_aborts", "Requests aborted", labels, registry=r).labels(
-            model_name
-        )
-        self._errors = Counter(
+        self.aborts = Counter("wsllm_request_aborts", "Requests aborted", m, registry=r)
+        self.errors = Counter(
             "wsllm_request_errors", "Requests failed or refused", ["model", "code"], registry=r
         )
-        self.running = Gauge(
-            "wsllm_num_requests_running", "Requests the engines run", labels, registry=r
-        ).labels(model_name)
+        self.running = Gauge("wsllm_num_requests_running", "Requests the engines run", m, registry=r)
         self.waiting = Gauge(
-            "wsllm_num_requests_waiting", "Requests waiting in the broker and the engines", labels, registry=r
-        ).labels(model_name)
-        self.kv_usage = Gauge(
-            "wsllm_kv_cache_usage_ratio", "KV cache in use (0..1)", labels, registry=r
-        ).labels(model_name)
+            "wsllm_num_requests_waiting", "Requests waiting in the broker and the engines", m, registry=r
+        )
+        self.kv_usage = Gauge("wsllm_kv_cache_usage_ratio", "KV cache in use (0..1)", m, registry=r)
         # Engine-side figures, from the heartbeats (summed over engines).
         self.prefix_hit_rate = Gauge(
-            "wsllm_prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache (0..1)",
-            labels,
-            registry=r,
-        ).labels(model_name)
+            "wsllm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1)", m, registry=r
+        )
         self.engine_preemptions = Gauge(
-            "wsllm_engine_preemptions", "Sequences preempted since the engines started", labels, registry=r
-        ).labels(model_name)
+            "wsllm_engine_preemptions", "Sequences preempted since the engines started", m, registry=r
+        )
         self.engine_aborts = Gauge(
-            "wsllm_engine_aborted_requests",
-            "Requests the engines aborted since they started",
-            labels,
-            registry=r,
-        ).labels(model_name)
-        self.model_name = model_name
-        self._isolation_metrics()
-
-    def _isolation_metrics(self) -> None:
-        """Slow clients cut off, the event reader's restarts, what is buffered."""
-        r, labels = self.registry, ["model"]
-        self._send_timeouts = Counter(
+            "wsllm_engine_aborted_requests", "Requests the engines aborted since they started", m, registry=r
+        )
+        # Slow clients cut off, the event reader's restarts, what is buffered.
+        self.send_timeouts = Counter(
             "wsllm_send_timeouts",
             "Clients disconnected because they took no data for --send-timeout-s",
             ["model", "transport"],
             registry=r,
         )
         self.reader_restarts = Gauge(
-            "wsllm_event_reader_restarts",
-            "Times the event reader failed and was restarted",
-            labels,
-            registry=r,
-        ).labels(self.model_name)
+            "wsllm_event_reader_restarts", "Times the event reader failed and was restarted", m, registry=r
+        )
         self.buffered_events = Gauge(
-            "wsllm_buffered_events", "Events held for clients that have not read them yet", labels, registry=r
-        ).labels(self.model_name)
+            "wsllm_buffered_events", "Events held for clients that have not read them yet", m, registry=r
+        )
+        # Per tenant (names from --api-keys-file; "anonymous" without one) and model.
+        tm = ["tenant", "model"]
+        self.tenant_requests = Counter(
+            "wsllm_tenant_requests", "Requests admitted, by tenant and model", tm, registry=r
+        )
+        self.tenant_tokens = Counter(
+            "wsllm_tenant_tokens",
+            "Tokens used (prompt + completion), by tenant and model",
+            tm,
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "wsllm_tenant_rate_limited", "Requests refused over a tenant's limits", tm, registry=r
+        )
+        self.views: dict[str, Metrics] = {}
+
+
+class Metrics:
+    """One model's metrics in a gateway's registry; `for_model` gives another model's,
+    sharing the registry (one /metrics page for every model)."""
+
+    def __init__(self, model_name: str, families: _Families | None = None) -> None:
+        f = self.families = families or _Families()
+        self.registry = f.registry
+        self.model_name = model_name
+        f.views.setdefault(model_name, self)
+        self.ttft = f.ttft.labels(model_name)
+        self.itl = f.itl.labels(model_name)
+        self.e2e = f.e2e.labels(model_name)
+        self.queue = f.queue.labels(model_name)
+        self.prompt_tokens = f.prompt_tokens.labels(model_name)
+        self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.aborts = f.aborts.labels(model_name)
+        self.running = f.running.labels(model_name)
+        self.waiting = f.waiting.labels(model_name)
+        self.kv_usage = f.kv_usage.labels(model_name)
+        self.prefix_hit_rate = f.prefix_hit_rate.labels(model_name)
+        self.engine_preemptions = f.engine_preemptions.labels(model_name)
+        self.engine_aborts = f.engine_aborts.labels(model_name)
+        self.reader_restarts = f.reader_restarts.labels(model_name)
+        self.buffered_events = f.buffered_events.labels(model_name)
+
+    def for_model(self, name: str) -> Metrics:
+        view = self.families.views.get(name)
+        return view if view is not None else Metrics(name, self.families)
 
     def send_timeout(self, transport: str) -> None:
-        self._send_timeouts.labels(self.model_name, transport).inc()
+        self.families.send_timeouts.labels(self.model_name, transport).inc()
 
     def finished(self, api: str, finish_reason: str) -> None:
-        self._requests.labels(self.model_name, api, finish_reason).inc()
+        self.families.requests.labels(self.model_name, api, finish_reason).inc()
 
     def error(self, code: str) -> None:
-        self._errors.labels(self.model_name, code).inc()
+        self.families.errors.labels(self.model_name, code).inc()
+
+    def tenant_admitted(self, tenant: str, prompt_tokens: int) -> None:
+        self.families.tenant_requests.labels(tenant, self.model_name).inc()
+        self.families.tenant_tokens.labels(tenant, self.model_name).inc(prompt_tokens)
+
+    def tenant_completion(self, tenant: str, tokens: int) -> None:
+        self.families.tenant_tokens.labels(tenant, self.model_name).inc(tokens)
+
+    def tenant_limited(self, tenant: str) -> None:
+        self.families.tenant_rate_limited.labels(tenant, self.model_name).inc()
 
     def set_engine_stats(self, stats: list[dict[str, Any]], pending: int) -> None:
         """Gauges from the engines' heartbeats, summed (KV use: the mean)."""

@@ -203,7 +203,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     else:  # a large body must not hold up the other streams
         req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
     gen = await gw.start(req, "chat" if chat else "completions", request_tenant(request.state))
-    api = _Api(gen, gw.model_name, chat)
+    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat)
     if req.stream:
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
         return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
@@ -258,7 +258,7 @@ async def resume_stream(request: Request) -> Response:
             f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
             "id",
         )
-    api = _Api(gen, gw.model_name, chat="chat" in gen.api)
+    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat="chat" in gen.api)
     frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
     return _event_stream(gw, gen, frames)
 
@@ -272,15 +272,23 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """The model this gateway serves, while at least one live engine serves it."""
+    """Every model a live engine serves (and the key may use), the default first,
+    each with the context length its engines allow. An alias is listed as a model of
+    its own (`parent`: the model it names), as vLLM lists served names."""
     gw: Gateway = request.app.state.gateway
-    if not await gw.engines():
-        return JSONResponse({"object": "list", "data": []})
-    card = {
-        "id": gw.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "wsllm",
-        "max_model_len": await gw.max_model_len(),
-    }
-    return JSONResponse({"object": "list", "data": [card]})
+    tenant = request_tenant(request.state)
+    data: list[dict[str, object]] = []
+    for name, engines in (await gw.live_models()).items():
+        if not tenant.may_use(name):
+            continue
+        card: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "wsllm",
+            "max_model_len": min(e.max_model_len for e in engines),
+        }
+        data.append(card)
+        aliases = sorted({a for e in engines for a in e.aliases} - {name})
+        data += [card | {"id": a, "parent": name} for a in aliases]
+    return JSONResponse({"object": "list", "data": data})
