@@ -122,6 +122,29 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), smollm_dir, "llama3")
 
 
+def make_word_tokenizer(path: Path, n_words: int = 509) -> Path:
+    """A tokenizer of its own vocabulary (none of SmolLM2's): whole words `w0`..`wN`
+    and three specials, with a chat template. For a second model behind one gateway."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(n_words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w0"
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_words_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama with `make_word_tokenizer`'s 512-token vocabulary."""
+    words = make_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"))
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-words"), words, "llama", vocab_size=512)
+
+
 @pytest.fixture(scope="session")
 def smollm_llm(smollm_dir: Path) -> Any:
     """One SmolLM2 LLM per session (loading is the slow part)."""

@@ -1,10 +1,11 @@
 """The `wsllm` command.
 
-- `serve`: the engine, the memory broker and the gateway in one process; with
-  `--redis-url` (or `--broker redis://...`), an engine child process and the gateway,
-  joined by Redis.
-- `gateway`: a gateway on Redis. It needs the model's tokenizer and name, not its
-  weights (a model directory is read as is; other sources go through the loader).
+- `serve`: the engines (one per `--model`), the memory broker and the gateway in one
+  process; with `--broker redis://...` (or `--redis-url`), engine child processes and
+  the gateway, joined by Redis.
+- `gateway`: a gateway on Redis. It needs its `--model`s' tokenizers, not their
+  weights (a model directory is read as is; other sources go through the loader); the
+  other models live engines serve come with the tokenizers those engines publish.
 - `engine`: an engine worker on Redis. SIGTERM drains it: it stops pulling, finishes
   its requests for up to `--drain-timeout-s`, hands the rest back, and exits.
 
@@ -29,9 +30,9 @@ from typing import Any, cast
 
 from wsllm import loadgen
 from wsllm.config import (
-    EngineBrokerConfig,
     EngineConfig,
     GatewayConfig,
+    LogConfig,
     ModelRefConfig,
     RedisConfig,
     add_arguments,
@@ -47,40 +48,59 @@ def serve(args: argparse.Namespace) -> int:
     from wsllm.broker.memory import MemoryBroker
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
+    from wsllm.models.loader import model_name_for
     from wsllm.server.app import create_app, uvicorn_config
 
-    ecfg = from_args(EngineConfig, args)
-    gcfg = from_args(GatewayConfig, args)
-    rcfg = from_args(RedisConfig, args)
+    ecfg, gcfg, rcfg, mcfg, lcfg = _configs(
+        args, EngineConfig, GatewayConfig, RedisConfig, ModelRefConfig, LogConfig
+    )
     if not _keys_ok(gcfg):
         return 2
-    if rcfg.redis_url or gcfg.broker != "memory":
-        return _serve_redis(args, ecfg, gcfg, rcfg)
-    broker = MemoryBroker(max_pending=gcfg.max_queue_depth)
-    # loaded on the thread that runs it: see EngineWorker.spawn
-    worker = EngineWorker.spawn(lambda: LLMEngine.from_config(ecfg), broker)
-    engine = cast(LLMEngine, worker.engine)
+    if rcfg.uses_redis:
+        return _serve_redis(ecfg, gcfg, rcfg, mcfg, lcfg)
+    broker = MemoryBroker(max_queue_depth=gcfg.max_queue_depth)
+    models = mcfg.model or [None]
+    workers: list[EngineWorker] = []
     try:
-        app = create_app(gcfg, broker, engine.model_dir, engine.model_name)
-        server = uvicorn.Server(uvicorn_config(app, gcfg))
+        for m in models:  # one engine per model, each on its own thread
+            name = mcfg.served_name or model_name_for(m)
+            ecfg_m = dataclasses.replace(ecfg, model=m)
+
+            def build(c: EngineConfig = ecfg_m, name: str = name) -> LLMEngine:
+                llm = LLMEngine.from_config(c)
+                llm.model_name = name
+                return llm
+
+            side = broker.engine_side(name) if len(models) > 1 else broker
+            # loaded on the thread that runs it: see EngineWorker.spawn
+            workers.append(EngineWorker.spawn(build, side, aliases=mcfg.aliases))
+        engines = [cast(LLMEngine, w.engine) for w in workers]
+        dirs = {e.model_name: Path(e.model_dir) for e in engines}
+        app = create_app(gcfg, broker, engines[0].model_dir, engines[0].model_name, tokenizer_dirs=dirs)
+        server = uvicorn.Server(uvicorn_config(app, gcfg, log_level=lcfg.log_level))
         host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
-        print(f"wsllm: serving {engine.model_name} at http://{host}:{gcfg.port}/", flush=True)
+        print(f"wsllm: serving {', '.join(dirs)} at http://{host}:{gcfg.port}/", flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
             server.run()
     finally:
-        worker.stop()
+        for w in workers:
+            w.stop()
         broker.close()
     return 0
 
 
-def _run_gateway(app: Any, gcfg: GatewayConfig, model_name: str) -> None:
+def _configs(args: argparse.Namespace, *classes: type) -> tuple[Any, ...]:
+    return tuple(from_args(cls, args) for cls in classes)
+
+
+def _run_gateway(app: Any, gcfg: GatewayConfig, names: list[str], log_level: str) -> None:
     import uvicorn
 
     from wsllm.server.app import uvicorn_config
 
-    server = uvicorn.Server(uvicorn_config(app, gcfg))
+    server = uvicorn.Server(uvicorn_config(app, gcfg, log_level=log_level))
     host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
-    print(f"wsllm: serving {model_name} at http://{host}:{gcfg.port}/", flush=True)
+    print(f"wsllm: serving {', '.join(names)} at http://{host}:{gcfg.port}/", flush=True)
     # uvicorn shuts down on SIGTERM, then raises the signal again with the handler it found:
     # make that an interrupt, so that the caller's clean-up (engine child, broker) runs.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -115,38 +135,54 @@ def _tokenizer_and_name(model: str | None, name: str | None) -> tuple[Path, str]
     return resolve_model_dir(model), name or model_name_for(model)
 
 
-def gateway(args: argparse.Namespace) -> int:
-    from wsllm.broker.redis import RedisBroker
+def _gateway_app(gcfg: GatewayConfig, mcfg: ModelRefConfig, broker: Any) -> tuple[Any, list[str]]:
+    """The gateway app: the first --model is the default (requests that name no
+    model), every --model's tokenizer is read here; other models the engines serve
+    are found in the registry, their tokenizers in what their engines published."""
     from wsllm.server.app import create_app
 
-    gcfg = from_args(GatewayConfig, args)
-    rcfg = from_args(RedisConfig, args)
+    found = [_tokenizer_and_name(m, mcfg.served_name) for m in (mcfg.model or [None])]
+    dirs = {name: path for path, name in found}
+    return create_app(gcfg, broker, found[0][0], found[0][1], tokenizer_dirs=dirs), list(dirs)
+
+
+def gateway(args: argparse.Namespace) -> int:
+    from wsllm.broker.redis import RedisBroker
+
+    gcfg, rcfg, mcfg, lcfg = _configs(args, GatewayConfig, RedisConfig, ModelRefConfig, LogConfig)
     if not _keys_ok(gcfg):
         return 2
-    tokenizer_dir, name = _tokenizer_and_name(from_args(ModelRefConfig, args).model, gcfg.model_name)
-    broker = RedisBroker(rcfg.url(gcfg.broker), model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
+    default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
+    broker = RedisBroker(rcfg.url(), model=default, cfg=rcfg, max_queue_depth=gcfg.max_queue_depth)
     try:
-        _run_gateway(create_app(gcfg, broker, tokenizer_dir, name), gcfg, name)
+        app, names = _gateway_app(gcfg, mcfg, broker)
+        _run_gateway(app, gcfg, names, lcfg.log_level)
     finally:
         broker.close()
     return 0
 
 
 def engine(args: argparse.Namespace) -> int:
+    from wsllm.broker.base import read_tokenizer_files
     from wsllm.broker.redis import RedisBroker
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
 
-    ecfg = from_args(EngineConfig, args)
-    bcfg = from_args(EngineBrokerConfig, args)
-    rcfg = from_args(RedisConfig, args)
-    llm = LLMEngine.from_config(ecfg)
-    if bcfg.model_name:
-        llm.model_name = bcfg.model_name
+    ecfg, rcfg, mcfg = _configs(args, EngineConfig, RedisConfig, ModelRefConfig)
+    if len(mcfg.model) > 1:
+        print("wsllm: an engine serves one --model (start one engine per model)", file=sys.stderr)
+        return 2
+    llm = LLMEngine.from_config(dataclasses.replace(ecfg, model=(mcfg.model or [None])[0]))
+    if mcfg.served_name:
+        llm.model_name = mcfg.served_name
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
-    url = rcfg.url(bcfg.broker)
+    url = rcfg.url()
     broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
-    worker = EngineWorker(llm, broker, engine_id=engine_id, heartbeat_s=rcfg.engine_heartbeat_s)
+    # every gateway can then serve this model without the files on its own disk
+    broker.publish_tokenizer(llm.model_name, read_tokenizer_files(llm.model_dir))
+    worker = EngineWorker(
+        llm, broker, engine_id=engine_id, heartbeat_s=rcfg.engine_heartbeat_s, aliases=mcfg.aliases
+    )
 
     def on_signal(signum: int, frame: Any) -> None:
         if worker.draining:  # a second signal: hand everything back now
@@ -170,46 +206,53 @@ def _redacted(url: str) -> str:
     return f"{head.split('://')[0]}://***@{tail}" if at else url
 
 
-def _serve_redis(args: argparse.Namespace, ecfg: EngineConfig, gcfg: GatewayConfig, rcfg: RedisConfig) -> int:
-    """`wsllm serve --redis-url ...`: one engine child process and the gateway here,
-    which starts serving once the engine has registered (as `serve` does in memory)."""
+def _serve_redis(
+    ecfg: EngineConfig, gcfg: GatewayConfig, rcfg: RedisConfig, mcfg: ModelRefConfig, lcfg: LogConfig
+) -> int:
+    """`wsllm serve --broker redis://...`: one engine child process per model and the
+    gateway here, which starts serving once every engine has registered (as `serve`
+    does in memory)."""
     from wsllm.broker.redis import RedisBroker
-    from wsllm.server.app import create_app
 
-    url = rcfg.url(gcfg.broker)
-    engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
-    cmd, env = engine_child(url, dataclasses.replace(rcfg, engine_id=engine_id), ecfg, gcfg.model_name)
-    cmd[3:3] = ["--log-level", args.log_level]
-    child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    url = rcfg.url()
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
-        tokenizer_dir, name = _tokenizer_and_name(ecfg.model, gcfg.model_name)
-        broker = RedisBroker(url, model=name, cfg=rcfg, max_pending=gcfg.max_queue_depth)
+        for i, m in enumerate(mcfg.model or [None]):
+            engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
+            engine_id += f"-{i}" if len(mcfg.model) > 1 else ""
+            one = dataclasses.replace(mcfg, model=[m] if m else [])
+            cmd, env = engine_child(url, dataclasses.replace(rcfg, engine_id=engine_id), ecfg, one, lcfg)
+            pdeath = _die_with_parent if sys.platform == "linux" else None
+            children.append((engine_id, subprocess.Popen(cmd, env=env, preexec_fn=pdeath)))
+        default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
+        broker = RedisBroker(url, model=default, cfg=rcfg, max_queue_depth=gcfg.max_queue_depth)
         try:
-            if not _wait_registered(broker, engine_id, child):
+            if not all(_wait_registered(broker, eid, child) for eid, child in children):
                 return 1
-            _run_gateway(create_app(gcfg, broker, tokenizer_dir, name), gcfg, name)
+            app, names = _gateway_app(gcfg, mcfg, broker)
+            _run_gateway(app, gcfg, names, lcfg.log_level)
         finally:
             broker.close()
     finally:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(rcfg.drain_timeout_s + 10)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        for _, child in children:
+            child.send_signal(signal.SIGTERM)
+        for _, child in children:
+            try:
+                child.wait(rcfg.drain_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                child.kill()
     return 0
 
 
 def engine_child(
-    url: str, rcfg: RedisConfig, ecfg: EngineConfig, model_name: str | None
+    url: str, rcfg: RedisConfig, ecfg: EngineConfig, mcfg: ModelRefConfig, lcfg: LogConfig
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of `serve --redis-url`'s engine child. The
-    Redis URL (it may hold a password) goes in the environment: a command line is
+    """The command line and environment of `serve --broker redis://`'s engine child.
+    The Redis URL (it may hold a password) goes in the environment: a command line is
     readable by every user of the machine (`ps`)."""
-    flags = _flags(dataclasses.replace(rcfg, redis_url=None)) + _flags(ecfg)
-    if model_name:
-        flags += ["--model-name", model_name]
+    flags = _flags(dataclasses.replace(rcfg, broker="memory")) + _flags(ecfg) + _flags(mcfg) + _flags(lcfg)
     env = {k: v for k, v in os.environ.items() if k not in ("WSLLM_BROKER", "WSLLM_REDIS_URL")}
-    env["WSLLM_REDIS_URL"] = url
+    env["WSLLM_BROKER"] = url
     return [sys.executable, "-m", "wsllm", "engine", *flags], env
 
 
@@ -239,11 +282,14 @@ def _flags(cfg: Any) -> list[str]:
     out: list[str] = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if value is None or value == f.default:
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if value is None or value == default or f.metadata.get("flag", True) is False:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            out += [x for v in value for x in (flag, str(v))]
         else:
             out += [flag, str(value)]
     return out
@@ -258,21 +304,26 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command(
-        "run the engine and the gateway in one process (--redis-url: an engine child process)",
-        (EngineConfig, GatewayConfig, RedisConfig),
+        "run the engines and the gateway in one process (--broker redis://...: engine child processes)",
+        (ModelRefConfig, EngineConfig, GatewayConfig, RedisConfig, LogConfig),
         serve,
     ),
     "gateway": Command(
-        "a gateway on Redis (no model weights)", (GatewayConfig, RedisConfig, ModelRefConfig), gateway
+        "a gateway on Redis (no model weights)",
+        (ModelRefConfig, GatewayConfig, RedisConfig, LogConfig),
+        gateway,
     ),
-    "engine": Command("an engine worker on Redis", (EngineConfig, EngineBrokerConfig, RedisConfig), engine),
-    "bench": Command("load-test a server (OpenAI SSE or wsllm WS)", (loadgen.BenchConfig,), loadgen.run),
+    "engine": Command(
+        "an engine worker on Redis", (ModelRefConfig, EngineConfig, RedisConfig, LogConfig), engine
+    ),
+    "bench": Command(
+        "load-test a server (OpenAI SSE or wsllm WS)", (loadgen.BenchConfig, LogConfig), loadgen.run
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wsllm", description="LLM serving over WebSockets and SSE")
-    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help)
@@ -282,10 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        level = from_args(LogConfig, args).log_level
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return COMMANDS[args.command].run(args)
 
 

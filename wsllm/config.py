@@ -17,9 +17,8 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = field(
-        default=None, metadata={"help": "HF dir, .gguf file or hub id; default SmolLM2"}
-    )
+    # Set from ModelRefConfig's --model by `serve` and `engine` (not a flag of its own).
+    model: str | None = field(default=None, metadata={"flag": False})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     dtype: str = field(
         default="auto",
@@ -73,10 +72,6 @@ class EngineConfig:
 class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    broker: str = field(default="memory", metadata={"help": "memory | redis://host:port/db"})
-    model_name: str | None = field(
-        default=None, metadata={"help": "the model id served; default from the model"}
-    )
     api_key: str | None = field(default=None, metadata={"help": "require this bearer key on every route"})
     api_keys_file: str | None = field(
         default=None,
@@ -140,41 +135,58 @@ class GatewayConfig:
 
 @dataclass(slots=True)
 class ModelRefConfig:
-    """What a gateway process needs of the model the engines serve: its tokenizer and
-    its name (the request stream it writes to). No weights are loaded."""
+    """Which model a process serves and under which names: `serve` and `engine` load
+    it, a gateway reads its tokenizer (no weights). `serve` takes several."""
 
-    model: str | None = field(
-        default=None,
+    model: list[str] = field(
+        default_factory=list,
         metadata={
-            "help": "the engines' --model (HF dir, .gguf or hub id): tokenizer and name; default SmolLM2"
+            "help": "HF dir, .gguf file or hub id (default SmolLM2); `serve` takes it more than once, one engine per model"
+        },
+    )
+    model_name: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "the id clients ask for; given more than once, the others are aliases (one --model only); default from the model"
         },
     )
 
+    def __post_init__(self) -> None:
+        if self.model_name and len(self.model) > 1:
+            raise ValueError("--model-name names one model: give it with a single --model")
+        if len(set(self.model)) != len(self.model):
+            raise ValueError(f"--model is given twice for the same model: {self.model}")
+
+    @property
+    def served_name(self) -> str | None:
+        return self.model_name[0] if self.model_name else None
+
+    @property
+    def aliases(self) -> list[str]:
+        return self.model_name[1:]
+
 
 @dataclass(slots=True)
-class EngineBrokerConfig:
-    """Where a `wsllm engine` process takes its work (the gateway's `broker` and
-    `model_name`, for the engine side)."""
+class LogConfig:
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
 
-    broker: str = field(
-        default="redis://localhost:6379/0", metadata={"help": "redis://host:port/db (or --redis-url)"}
-    )
-    model_name: str | None = field(
-        default=None,
-        metadata={"help": "serve under this model id (the gateways' --model-name); default from the model"},
-    )
+    def __post_init__(self) -> None:
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
 
 @dataclass(slots=True)
 class RedisConfig:
-    """The Redis Streams broker, shared by `wsllm gateway`, `wsllm engine` and
-    `wsllm serve --redis-url`. Times are seconds. The key layout is in
-    docs/architecture.md (the broker section)."""
+    """Where requests travel (`broker`), and the Redis Streams broker's settings,
+    shared by `wsllm serve`, `wsllm gateway` and `wsllm engine`. Times are seconds.
+    The key layout is in docs/architecture.md (the broker section)."""
 
-    redis_url: str | None = field(
-        default=None,
+    broker: str = field(
+        default="memory",
         metadata={
-            "help": "redis://host:port/db; default: --broker when it is one, else redis://localhost:6379/0"
+            "help": "memory (serve: all in this process) | redis://host:port/db, rediss://, unix://",
+            "aliases": ("--redis-url",),
+            "env_aliases": ("WSLLM_REDIS_URL",),
         },
     )
     redis_prefix: str = field(default="wsllm", metadata={"help": "prefix of every key this deployment uses"})
@@ -236,16 +248,21 @@ class RedisConfig:
             raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
         if self.request_ttl_s < self.stream_retention_s:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
+        if self.broker != "memory" and not self.uses_redis:
+            raise ValueError(
+                f"broker must be memory or a redis://, rediss:// or unix:// URL, got {self.broker!r}"
+            )
         if self.limit_lease_s < 3:
             raise ValueError(f"limit_lease_s must be >= 3, got {self.limit_lease_s}")
 
-    def url(self, broker: str = "memory") -> str:
-        """The Redis URL: --redis-url, else --broker when it names Redis, else localhost."""
-        if self.redis_url:
-            return self.redis_url
-        if broker.startswith(("redis://", "rediss://", "unix://")):
-            return broker
-        return "redis://localhost:6379/0"
+    @property
+    def uses_redis(self) -> bool:
+        return self.broker.startswith(("redis://", "rediss://", "unix://"))
+
+    def url(self) -> str:
+        """The Redis URL: --broker when it names Redis, else localhost (for `gateway`
+        and `engine`, which always use Redis)."""
+        return self.broker if self.uses_redis else "redis://localhost:6379/0"
 
 
 def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
@@ -258,6 +275,8 @@ def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
 
 
 def _parse(t: type, raw: str) -> Any:
+    if typing.get_origin(t) is list:  # WSLLM_MODEL=a,b
+        return [part.strip() for part in raw.split(",") if part.strip()]
     if t is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
@@ -268,16 +287,25 @@ def _parse(t: type, raw: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field of `cls` (a config dataclass)."""
+    """Add one flag per field of `cls` (a config dataclass); a list field's flag may
+    repeat. A field whose metadata says `flag: False` is set by the command itself."""
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        if f.metadata.get("flag", True) is False:
+            continue
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         t = _field_type(cls, f)
-        env = "WSLLM_" + f.name.upper()
+        env = " or ".join(_env_names(f))
         help_ = f"{f.metadata.get('help', '')} [env {env}]"
         if t is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(t) is list:
+            parser.add_argument(*flags, action="append", default=None, help=help_, dest=f.name)
         else:
-            parser.add_argument(flag, type=t, default=None, help=help_, dest=f.name)
+            parser.add_argument(*flags, type=t, default=None, help=help_, dest=f.name)
+
+
+def _env_names(f: dataclasses.Field[Any]) -> list[str]:
+    return ["WSLLM_" + f.name.upper(), *f.metadata.get("env_aliases", ())]
 
 
 def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides: Any) -> T:
@@ -285,10 +313,11 @@ def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides:
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = getattr(args, f.name, None) if args is not None else None
-        if value is None:
-            raw = os.environ.get("WSLLM_" + f.name.upper())
+        for env in _env_names(f) if value is None else ():
+            raw = os.environ.get(env)
             if raw is not None and raw != "":
                 value = _parse(_field_type(cls, f), raw)
+                break
         if value is not None:
             kwargs[f.name] = value
     kwargs.update(overrides)

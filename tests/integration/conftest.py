@@ -128,7 +128,7 @@ def _serve_on(engine: Any, cfg: GatewayConfig) -> Iterator[LiveServer]:
     if id(engine) in _busy:
         raise RuntimeError("this engine already serves another live server; use module-scoped servers")
     _busy.add(id(engine))
-    broker = MemoryBroker(max_pending=cfg.max_queue_depth)
+    broker = MemoryBroker(max_queue_depth=cfg.max_queue_depth)
     worker = EngineWorker(engine, broker, heartbeat_s=0.1)
     worker.start()
     try:

@@ -88,23 +88,23 @@ class Cluster:
     _n: int = 0
 
     def _wsllm(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "wsllm", "--log-level", "info", *args]
+        return [sys.executable, "-m", "wsllm", args[0], "--log-level", "info", *args[1:]]
 
-    def start_engine(self, engine_id: str | None = None, *extra: str) -> str:
+    def start_engine(self, engine_id: str | None = None, *extra: str, model_dir: Path | None = None) -> str:
         self._n += 1
         engine_id = engine_id or f"engine-{self._n}"
         cmd = self._wsllm(
-            "engine", "--model", str(self.model_dir), "--broker", self.redis_url,
+            "engine", "--model", str(model_dir or self.model_dir), "--broker", self.redis_url,
             "--engine-id", engine_id, *ENGINE_FLAGS, *FAST_FLAGS, *extra,
         )  # fmt: skip
         self.engines[engine_id] = Proc(engine_id, cmd, self.logs / f"{engine_id}.log")
         return engine_id
 
-    def start_gateway(self, *extra: str) -> str:
+    def start_gateway(self, *extra: str, model_dir: Path | None = None) -> str:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         cmd = self._wsllm(
-            "gateway", "--model", str(self.model_dir), "--broker", self.redis_url,
+            "gateway", "--model", str(model_dir or self.model_dir), "--broker", self.redis_url,
             "--port", str(port), "--no-frontend", *FAST_FLAGS, *extra,
         )  # fmt: skip
         self.gateways[base] = Proc(f"gateway-{port}", cmd, self.logs / f"gateway-{port}.log")

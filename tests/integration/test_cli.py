@@ -11,18 +11,52 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from wsllm.cli import build_parser
-from wsllm.config import EngineConfig, GatewayConfig, from_args
+from wsllm.config import EngineConfig, GatewayConfig, LogConfig, ModelRefConfig, RedisConfig, from_args
 
 
 def test_serve_flags_are_derived_from_both_configs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("WSLLM_MAX_N", "3")
     args = build_parser().parse_args(
-        ["serve", "--model", "m", "--port", "9001", "--kv-cache-gb", "0.5", "--no-frontend"]
+        ["serve", "--model", "m", "--model", "n", "--port", "9001", "--kv-cache-gb", "0.5", "--no-frontend"]
     )
-    e, g = from_args(EngineConfig, args), from_args(GatewayConfig, args)
-    assert (e.model, e.kv_cache_gb, g.port, g.frontend, g.max_n) == ("m", 0.5, 9001, False, 3)
+    e, g, m = from_args(EngineConfig, args), from_args(GatewayConfig, args), from_args(ModelRefConfig, args)
+    assert (m.model, e.kv_cache_gb, g.port, g.frontend, g.max_n) == (["m", "n"], 0.5, 9001, False, 3)
+
+
+def test_each_option_has_one_name_in_every_command(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The broker URL, the model and the log level: one field each, the same flag in
+    serve, gateway and engine (--redis-url and WSLLM_REDIS_URL stay as aliases)."""
+    url = "redis://h:6379/1"
+    for command in ("serve", "gateway", "engine"):
+        args = build_parser().parse_args(
+            [
+                command,
+                "--redis-url",
+                url,
+                "--model",
+                "m",
+                "--model-name",
+                "a",
+                "--model-name",
+                "b",
+                "--log-level",
+                "debug",
+            ]
+        )
+        r, m, log = from_args(RedisConfig, args), from_args(ModelRefConfig, args), from_args(LogConfig, args)
+        assert (r.url(), m.served_name, m.aliases, log.log_level) == (url, "a", ["b"], "debug")
+    monkeypatch.setenv("WSLLM_REDIS_URL", url)
+    assert from_args(RedisConfig, build_parser().parse_args(["engine"])).broker == url
+    assert from_args(
+        RedisConfig, build_parser().parse_args(["engine", "--broker", "redis://x:1/0"])
+    ).url() == ("redis://x:1/0")
+    with pytest.raises(ValueError, match="--model-name names one model"):
+        ModelRefConfig(model=["a", "b"], model_name=["x"])
+    with pytest.raises(ValueError, match="broker must be memory"):
+        RedisConfig(broker="http://nope")
 
 
 def test_wsllm_serve_prints_the_url_and_serves(tiny_model_dir: Path) -> None:
@@ -33,9 +67,9 @@ def test_wsllm_serve_prints_the_url_and_serves(tiny_model_dir: Path) -> None:
         sys.executable,
         "-m",
         "wsllm",
+        "serve",
         "--log-level",
         "warning",
-        "serve",
         "--model",
         str(tiny_model_dir),
         "--port",

@@ -37,7 +37,7 @@ def test_serve_with_redis_runs_an_engine_child_and_stops_it(redis_server: Any, t
     rc.execute_command("ACL", "SETUSER", "wsllm-test", "on", f">{PASSWORD}", "~*", "&*", "+@all")
     url = redis_server.url.replace("redis://", f"redis://wsllm-test:{PASSWORD}@")
     port = free_port()
-    cmd = [sys.executable, "-m", "wsllm", "--log-level", "warning", "serve", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "wsllm", "serve", "--log-level", "warning", "--model", str(tiny_model_dir),
            "--port", str(port), "--num-kv-blocks", "64", "--threads", "1", "--no-frontend"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", WSLLM_REDIS_URL=url))  # fmt: skip
