@@ -227,3 +227,24 @@ def test_close_ends_everything(make_broker):
         assert b.pull(4, timeout=5.0) == []
         assert time.monotonic() - t0 < 1.0
         b.publish([TokenEvent("x", 0, [1])])  # dropped, never blocks
+
+
+def test_memory_engine_sides_take_only_their_models_work_and_see_every_abort() -> None:
+    """`wsllm serve --model A --model B`: each model's engine pulls through its own view."""
+    with memory_broker() as b:
+        assert isinstance(b, MemoryBroker)
+        side_a, side_b = b.engine_side("A"), b.engine_side("B")
+
+        async def submit() -> None:
+            for rid, model in (("a1", "A"), ("b1", "B"), ("a2", "A")):
+                r = req(rid)
+                r.model = model
+                await b.submit(r)
+
+        asyncio.run(submit())
+        assert [r.request_id for r in side_b.pull(8)] == ["b1"]  # A's requests stay queued
+        assert side_b.pull(8, timeout=0.05) == []
+        assert [r.request_id for r in side_a.pull(8)] == ["a1", "a2"]
+        asyncio.run(b.abort("a1"))  # pulled already: a broadcast, as on Redis
+        assert side_a.aborts() == ["a1"] and side_b.aborts() == ["a1"]
+        assert side_a.aborts() == []
