@@ -65,10 +65,19 @@ class FakeEngine:
     _next_step: float = 0.0
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
         self._reqs[request_id] = _Req(list(prompt_token_ids), params.max_tokens)
         self.emits[request_id] = []
+
+    def admission_rank(self) -> Any:
+        return lambda priority, tenant: (priority, 0.0)  # first come, first served
 
     def abort(self, request_id: str) -> bool:
         if self._reqs.pop(request_id, None) is None:

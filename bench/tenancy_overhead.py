@@ -164,7 +164,8 @@ def start(kind: str, args: argparse.Namespace) -> tuple[int, subprocess.Popen[by
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+            auth = {"authorization": "Bearer sk-0"} if kind == "tenants" else {}
+            if httpx.get(f"http://127.0.0.1:{port}/ready", headers=auth, timeout=1).status_code == 200:
                 return port, proc
         except httpx.HTTPError:
             pass
