@@ -337,6 +337,20 @@ def test_sampling_params_check_the_shapes(fields: dict[str, Any], match: str) ->
         SamplingParams(**fields)
 
 
+def test_both_ways_of_unpacking_a_mask_agree() -> None:
+    """The CPU unpacks masks with numpy, a GPU with torch ops on the device."""
+    import numpy as np
+    import torch
+
+    from wsllm.engine.sampler import unpack_bits_numpy, unpack_bits_torch
+
+    words = np.random.default_rng(0).integers(-(2**31), 2**31, size=(3, 5), dtype=np.int32)
+    words[0, 0] = 0b101  # tokens 0 and 2
+    a = unpack_bits_numpy(words, 150)
+    assert a.shape == (3, 150) and a[0, :3].tolist() == [True, False, True]
+    assert torch.equal(a, unpack_bits_torch(torch.from_numpy(words), 150))
+
+
 def test_logit_bias_forces_and_bans_tokens(engine: LLMEngine) -> None:
     free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (plain,) = run(engine, [free])

@@ -139,6 +139,19 @@ def _needs_penalties(s: Sequence) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+# words: [n, ceil(vocab / 32)] int32, bit b of word w is token 32 * w + b; both give [n, vocab] bools
+
+
+def unpack_bits_numpy(words: np.ndarray, vocab: int) -> torch.Tensor:
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # little-endian words
+    return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+
+
+def unpack_bits_torch(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -246,14 +259,11 @@ class Sampler:
     def _allowed(self, n: int, device: torch.device) -> torch.Tensor:
         """The first n rows of the bitmask as [n, vocab] bools (True: allowed)."""
         assert self._bitmask is not None
-        words = self._bitmask[:n]  # [n, ceil(vocab / 32)] int32; bit b of word w: token 32w + b
+        words = self._bitmask[:n]
         if device.type == "cpu":
-            bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # little-endian words
-            return torch.from_numpy(bits[:, : self.vocab_size].view(np.bool_))
+            return unpack_bits_numpy(words, self.vocab_size)
         # elsewhere the packed words travel (32x fewer bytes) and unpack on the device
-        w = torch.from_numpy(words).to(device)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        return ((w[:, :, None] >> shifts) & 1).view(n, -1)[:, : self.vocab_size].bool()
+        return unpack_bits_torch(torch.from_numpy(words).to(device), self.vocab_size)
 
     def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[Any]:
         logprobs: list[Any] = [None] * len(seqs)
