@@ -63,6 +63,12 @@ MAX_LENGTH_PENALTY = 10.0  # [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY]
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_CHARS = 256  # request ids, model and tenant names
 MAX_PRIORITY = 1_000_000  # priorities are integers in [-MAX_PRIORITY, MAX_PRIORITY]
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
+LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as OpenAI's
+#: the kinds of `structured` output, each the one key of its dict (see wsllm/structured.py)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_STRUCTURED_BYTES = 1 << 17  # a structured spec, as JSON
+MAX_CHOICES = 1024  # strings of a structured {"choice": [...]}
 
 # Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
 # field the type does not have. (pydantic reads this from the dataclasses.)
@@ -101,10 +107,47 @@ class _Summary(str):
 
 
 def _summary(ids: object) -> object:
-    """A long list shown by its length in an error message."""
-    if isinstance(ids, list) and len(ids) > 8:
-        return _Summary(f"a list of {len(ids)} items")
+    """A long list (or map) shown by its length in an error message."""
+    if isinstance(ids, (list, dict)) and len(ids) > 8:
+        return _Summary(f"a {'list' if isinstance(ids, list) else 'map'} of {len(ids)} items")
     return ids
+
+
+def check_structured_shape(spec: object) -> None:
+    """ValueError naming the field when `spec` is not one of the `structured` shapes (see
+    SamplingParams.structured). Whether its schema, regex or grammar compiles is not
+    checked here (wsllm.structured.check_spec does that)."""
+    kinds = " | ".join(STRUCTURED_KINDS)
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        keys = list(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"structured must be an object with exactly one key of {kinds}, got {keys!r}")
+    kind, value = next(iter(spec.items()))
+    where = f"structured.{kind}"
+    if kind == "json":
+        _check(
+            value is True or isinstance(value, dict), where, "a JSON schema object or true", _summary(value)
+        )
+    elif kind == "choice":
+        _check(
+            isinstance(value, list)
+            and 1 <= len(value) <= MAX_CHOICES
+            and all(isinstance(c, str) and c for c in value),
+            where,
+            f"a list of 1 to {MAX_CHOICES} non-empty strings",
+            _summary(value),
+        )
+    else:
+        _check(isinstance(value, str) and value != "", where, "a non-empty string", _summary(value))
+    try:
+        size = len(orjson.dumps(value))
+    except TypeError as e:  # a key that is not a string, an object JSON has no word for
+        raise ValueError(f"{where} must be plain JSON: {e}") from None
+    _check(
+        size <= MAX_STRUCTURED_BYTES,
+        where,
+        f"at most {MAX_STRUCTURED_BYTES} bytes as JSON",
+        _Summary(f"{size} bytes"),
+    )
 
 
 def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
@@ -141,10 +184,18 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # Structured output (issue 13): exactly one of {"json": <JSON schema> or true (any JSON
+    # object)}, {"regex": str}, {"choice": [str, ...]}, {"grammar": str (Lark or GBNF)}.
+    # Its shape is checked here; whether the schema / regex / grammar compiles is checked
+    # by wsllm.structured.check_spec (the gateway) and again by the engine.
+    structured: dict[str, Any] | None = None
+    # OpenAI's logit_bias: token id -> a bias added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_sampling()
+        self._check_constraints()
 
     def _check_counts(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
@@ -217,6 +268,26 @@ class SamplingParams:
             f"a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
             self.length_penalty,
         )
+
+    def _check_constraints(self) -> None:
+        if self.structured is not None:
+            check_structured_shape(self.structured)
+        lb = self.logit_bias
+        _check(
+            lb is None
+            or (
+                isinstance(lb, dict)
+                and len(lb) <= MAX_LOGIT_BIAS
+                and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in lb)
+                and all(_in(v, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT) for v in lb.values())
+            ),
+            "logit_bias",
+            f"null or a map of at most {MAX_LOGIT_BIAS} token ids in [0, {MAX_TOKEN_ID}] to numbers "
+            f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+            _summary(lb),
+        )
+        if self.use_beam_search and (self.structured is not None or self.logit_bias):
+            raise ValueError("structured and logit_bias cannot be combined with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -386,7 +457,11 @@ def encode(obj: GenerateRequest | list[TokenEvent]) -> bytes:
     """One codec for everything that crosses a process."""
     if isinstance(obj, list):
         return orjson.dumps({"v": SCHEMA_VERSION, "kind": "events", "items": [asdict(e) for e in obj]})
-    return orjson.dumps({"v": SCHEMA_VERSION, "kind": "request", "item": asdict(obj)})
+    # logit_bias maps integer token ids: JSON writes its keys as strings ("50256"), which
+    # decoding turns back into integers
+    return orjson.dumps(
+        {"v": SCHEMA_VERSION, "kind": "request", "item": asdict(obj)}, option=orjson.OPT_NON_STR_KEYS
+    )
 
 
 def _wire_error(e: ValidationError, what: str) -> WireError:

@@ -41,6 +41,17 @@ def test_requests_and_events_survive_the_wire() -> None:
     assert decode_events(encode(events)) == events
 
 
+def test_structured_and_logit_bias_survive_the_wire() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for structured in ({"json": schema}, {"json": True}, {"regex": "[0-9]+"}, {"choice": ["a", "b"]}):
+        params = SamplingParams(structured=structured, logit_bias={50256: -100.0, 7: 2.5})
+        req = GenerateRequest("r1", [1, 2], params)
+        back = decode_request(encode(req))
+        assert back == req
+        assert back.params.logit_bias == {50256: -100.0, 7: 2.5}  # integer keys again
+        assert check_request(req) == req
+
+
 # (what the issue saw or a neighbour of it, the field the error must name)
 FIELD_CASES: list[tuple[dict[str, Any], str]] = [
     ({"top_k": 18446744073709551615}, "top_k"),
@@ -100,6 +111,22 @@ BAD_ENTRIES: list[tuple[str, bytes, str]] = [
     ("an unknown field", mutated(lambda m: m["item"].update(evil=1)), "evil"),
     ("no params", mutated(lambda m: m["item"].pop("params")), "params"),
     ("another schema version", mutated(lambda m: m.update(v=2)), "v"),
+    (
+        "a bias key that is no id",
+        mutated(lambda m: m["item"]["params"].update(logit_bias={"x": 1})),
+        "logit_bias",
+    ),
+    ("a bias past 100", mutated(lambda m: m["item"]["params"].update(logit_bias={"5": 101})), "logit_bias"),
+    (
+        "a structured kind unknown",
+        mutated(lambda m: m["item"]["params"].update(structured={"xml": "a"})),
+        "structured",
+    ),
+    (
+        "a regex that is no string",
+        mutated(lambda m: m["item"]["params"].update(structured={"regex": 5})),
+        "structured",
+    ),
     ("an event batch", encode([TokenEvent("r1", 0, [1])]), "kind"),
     ("not JSON", b"\xff garbage", "request"),
     ("a list", b"[1, 2]", "request"),

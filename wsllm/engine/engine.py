@@ -28,8 +28,10 @@ from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.models import cpu_linear, loader
 from wsllm.models.llama import LlamaForCausalLM
+from wsllm.structured import Matchers
 from wsllm.types import (
     ERR_INTERNAL,
+    ERR_INVALID_REQUEST,
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -135,6 +137,7 @@ class LLMEngine:
             swapper,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
+        self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids)  # loads nothing until used
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
         self._requests: dict[str, _Request] = {}
@@ -184,11 +187,14 @@ class LLMEngine:
         A higher `priority` is admitted first; within a priority, `tenant`s share the
         batch by tokens served (see Scheduler)."""
         self._validate(request_id, prompt_token_ids, params)
+        # the spec compiles (or raises ValueError) here; choices 1..n-1 copy choice 0's matcher
+        matcher = self.matchers.new(params.structured) if params.structured is not None else None
         now = arrival_time if arrival_time is not None else time.time()
         req = _Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
             seq = Sequence(request_id, i, req.prompt_token_ids, params, now, priority=priority, tenant=tenant)
             req.seqs.append(seq)
+        req.seqs[0].matcher = matcher
         self._requests[request_id] = req
         if params.use_beam_search:
             req.seqs = req.seqs[:1]
@@ -218,6 +224,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -250,6 +258,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = FINISH_ABORT
+            seq.matcher = None
         self._aborted.append(req)
         self.num_aborted_total += 1
         return True
@@ -304,13 +313,14 @@ class LLMEngine:
             return outputs
         seqs, rest = self._fork_children(seqs, rest)
         result, failed = self.sampler.sample_isolated(rest, seqs)
+        bad = [(seqs[i], ERR_INTERNAL, reason) for i, reason in failed.items()]
         for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
-            if i not in failed:
-                self._append_token(seq, tok, lp)
-        for i, reason in failed.items():
-            req = self._requests.get(seqs[i].request_id)
+            if i not in failed and (error := self._append_token(seq, tok, lp)):
+                bad.append((seq, ERR_INVALID_REQUEST, error))
+        for seq, code, reason in bad:
+            req = self._requests.get(seq.request_id)
             if req is not None:
-                outputs.append(self._fail(req, ERR_INTERNAL, reason))
+                outputs.append(self._fail(req, code, reason))
         return outputs
 
     def _beam_output(self, req: _Request) -> RequestOutput:
@@ -362,11 +372,14 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = FINISH_ERROR
+            seq.matcher = None
         out = self._output(req)
         out.error_code, out.error = code, message
         return out
 
-    def _append_token(self, seq: Sequence, tok: int, lp: Any) -> None:
+    def _append_token(self, seq: Sequence, tok: int, lp: Any) -> str | None:
+        """Add a sampled token and decide whether the sequence ends. Returns why its
+        request must fail, when its grammar could not take the token."""
         seq.output_token_ids.append(tok)
         seq.new_token_ids.append(tok)
         if lp is not None:
@@ -374,14 +387,23 @@ class LLMEngine:
             seq.cumulative_logprob += lp[0]
         p = seq.params
         n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens and (
-            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+        complete = False  # a grammar that takes nothing more (its EOS included) ends it
+        if seq.matcher is not None:
+            # (an errored matcher allows only EOS, and may take it: is_error says)
+            if not seq.matcher.consume_token(tok) or seq.matcher.is_error():
+                return f"structured output failed: {seq.matcher.get_error() or 'the grammar refused a token'}"
+            complete = seq.matcher.is_stopped()
+        if complete or (
+            n_out >= p.min_tokens
+            and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids))
         ):
             seq.finish_reason = FINISH_STOP
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FINISH_LENGTH
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
+            seq.matcher = None
+        return None
 
     def _collect(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}

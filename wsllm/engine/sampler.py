@@ -5,6 +5,13 @@ Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which is
 the same as drawing from p. A seeded row draws its noise from a generator keyed
 by (seed, choice index, output position), so its tokens do not depend on what
 else is in the batch.
+
+Constraints come first, before penalties and temperature: a request's `logit_bias` is
+added to its logits, then a structured request's grammar masks every token it does not
+allow to -inf (one bitmask for all such rows, filled by llguidance in parallel; on CUDA
+that CPU work overlaps the forward pass still running). Logprobs are those of the
+constrained distribution: log_softmax after bias and mask, before penalties and
+temperature; tokens the grammar forbids are never listed.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from wsllm.engine.sequence import Sequence
@@ -50,9 +58,10 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.
 
 
 def _mask_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
-    """min_tokens: a sequence may not stop before it has that many tokens."""
+    """min_tokens: a sequence may not stop before it has that many tokens (except where
+    a grammar decides: it allows EOS only once the output is complete)."""
     for i, s in enumerate(seqs):
-        if len(s.output_token_ids) < s.params.min_tokens:
+        if len(s.output_token_ids) < s.params.min_tokens and s.matcher is None:
             banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else eos_ids)
             if banned:
                 logits[i, banned] = float("-inf")
@@ -102,9 +111,45 @@ def is_greedy(s: Sequence) -> bool:
     return s.params.greedy
 
 
+def _add_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """logit_bias, in place: each row's biases added to its logits."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, s in enumerate(seqs):
+        if s.params.logit_bias:
+            rows += [i] * len(s.params.logit_bias)
+            cols += s.params.logit_bias.keys()
+            vals += s.params.logit_bias.values()
+    if rows:
+        dev = logits.device
+        logits.index_put_(
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(vals, dtype=logits.dtype, device=dev),
+            accumulate=True,
+        )
+
+
+def _constrained(s: Sequence) -> bool:
+    return s.matcher is not None or bool(s.params.logit_bias)
+
+
 def _needs_penalties(s: Sequence) -> bool:
     p = s.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+# words: [n, ceil(vocab / 32)] int32, bit b of word w is token 32 * w + b; both give [n, vocab] bools
+
+
+def unpack_bits_numpy(words: np.ndarray, vocab: int) -> torch.Tensor:
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # little-endian words
+    return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+
+
+def unpack_bits_torch(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
 
 
 class Sampler:
@@ -113,6 +158,10 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        # Grammar masks: one row of 32-token words per structured sequence, reused every
+        # step (grown when more rows need one); the executor fills rows in parallel.
+        self._bitmask: np.ndarray | None = None
+        self._executor: Any = None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -124,6 +173,7 @@ class Sampler:
             and not s.params.use_beam_search
             and not _needs_penalties(s)
             and len(s.output_token_ids) >= s.params.min_tokens
+            and not _constrained(s)
             for s in seqs
         ):  # the common case: one argmax, no softmax or sort over the vocabulary
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
@@ -156,6 +206,10 @@ class Sampler:
         return SampleResult(tokens, logprobs), failed
 
     def _full(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        if any(_constrained(s) for s in seqs):
+            logits = logits.clone()  # in place below; a retry row by row starts from the model's
+            _add_bias(logits, seqs)
+            self._mask_grammar(logits, seqs)
         raw = logits
         if any(_needs_penalties(s) for s in seqs):
             logits = _penalties(logits, seqs, self.vocab_size)
@@ -177,6 +231,40 @@ class Sampler:
         token_ids = chosen.tolist()
         return SampleResult(token_ids, self._logprobs(raw, seqs, token_ids))
 
+    def _mask_grammar(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Tokens each structured row's grammar forbids go to -inf, in place. A matcher
+        in an error state allows only EOS, which ends the sequence (the engine then
+        reports the error)."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return
+        import llguidance
+        import llguidance.numpy as llnp
+
+        n = len(rows)
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = llnp.allocate_token_bitmask(max(n, 8), self.vocab_size)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llnp.fill_next_token_bitmask_par(
+            self._executor, [(seqs[i].matcher, j) for j, i in enumerate(rows)], self._bitmask
+        )
+        forbid = ~self._allowed(n, logits.device)  # [n, vocab]
+        if n == len(seqs):
+            logits.masked_fill_(forbid, float("-inf"))
+        else:  # row by row, in place: cheaper than gathering and scattering the rows
+            for j, i in enumerate(rows):
+                logits[i].masked_fill_(forbid[j], float("-inf"))
+
+    def _allowed(self, n: int, device: torch.device) -> torch.Tensor:
+        """The first n rows of the bitmask as [n, vocab] bools (True: allowed)."""
+        assert self._bitmask is not None
+        words = self._bitmask[:n]
+        if device.type == "cpu":
+            return unpack_bits_numpy(words, self.vocab_size)
+        # elsewhere the packed words travel (32x fewer bytes) and unpack on the device
+        return unpack_bits_torch(torch.from_numpy(words).to(device), self.vocab_size)
+
     def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[Any]:
         logprobs: list[Any] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.use_beam_search]
@@ -189,6 +277,7 @@ class Sampler:
             n = seqs[i].params.logprobs or 0
             top = []
             if n and top_v is not None and top_i is not None:
-                top = [[t, v] for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)]
+                pairs = zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)
+                top = [[t, v] for t, v in pairs if v != float("-inf")]  # not what a grammar forbids
             logprobs[i] = [float(lp[j, token_ids[i]]), top]
         return logprobs

@@ -128,6 +128,7 @@ class Scheduler:
         beam continues in several ways."""
         self.bm.fork(parent.seq_id, child.seq_id)
         child.output_token_ids = list(parent.output_token_ids)
+        child.matcher = parent.matcher.deep_copy() if parent.matcher is not None else None
         child.num_computed_tokens = parent.num_tokens  # the parent caught up this step
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time

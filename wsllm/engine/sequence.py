@@ -70,6 +70,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     priority: int = 0  # higher is admitted first (and preempted last)
     tenant: str = ""  # who asked: the batch is shared fairly between tenants
+    # Structured output: an llguidance LLMatcher that has consumed exactly output_token_ids
+    # (it survives a preemption with them, so nothing is replayed), None otherwise and
+    # once the sequence has finished.
+    matcher: Any = None
 
     @property
     def token_ids(self) -> TokenView:
