@@ -242,3 +242,9 @@ def test_the_constraint_holds_exactly_the_parser_s_calls(codec: TextCodec, parse
     assert not accepts(tool_structured(tools, parser, "", parallel=False), text)  # one call only
     assert not accepts(tool_structured(tools, parser, "get_time", parallel=True), text)  # the named one only
     assert not accepts(tool_structured(tools, parser, "", parallel=True), "The weather is nice.")
+
+
+def test_the_tool_parser_option_takes_only_known_styles() -> None:
+    assert GatewayConfig(tool_parser="llama3_json").tool_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_parser"):
+        GatewayConfig(tool_parser="xml")
