@@ -15,6 +15,10 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# The tool-call output styles the gateway reads (wsllm/server/tool_parsers.py).
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     # Set from ModelRefConfig's --model by `serve` and `engine` (not a flag of its own).
@@ -121,8 +125,19 @@ class GatewayConfig:
         metadata={"help": "comma list of Host names served; empty = loopback names and --host; * = any"},
     )
     frontend: bool = field(default=True, metadata={"help": "serve the chat UI at /"})
+    tool_parser: str = field(
+        default="auto",
+        metadata={
+            "help": "how tool calls are read from chat output: auto (from the model's chat template and name), "
+            + ", ".join(TOOL_PARSERS)
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.tool_parser != "auto" and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_parser must be auto or one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
         positive = ("max_messages", "max_requests_per_socket", "max_buffered_events", "ws_outbox_messages")
         for name in positive:
             if getattr(self, name) < 1:

@@ -1,6 +1,7 @@
 """One request's text work in the gateway: its TokenEvents become text deltas
 (detokenization, stop strings, logprobs, usage, metrics), and the engine request is
-aborted when the client, a stop string or a failure ends it first.
+aborted when the client, a stop string or a failure ends it first. A chat answer's
+text is then split into reasoning, content and tool calls (chat_output.py).
 
 What a Generation needs is handed to it (`Services`: the codec, the metrics, the
 broker, the router and the grace-abort scheduler), not reached through the gateway.
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsllm.broker.base import Broker, BrokerError
+from wsllm.server.chat_output import ChoiceOutput, OutputOptions
 from wsllm.server.metrics import Metrics
+from wsllm.server.reasoning import prompt_opens_think
 from wsllm.server.router import Router
 from wsllm.server.text import Detokenizer, StopMatcher, TextCodec
 from wsllm.types import (
@@ -61,10 +64,12 @@ class Delta:
     """New text for one choice. `finish_reason` is set on the choice's last delta."""
 
     index: int
-    text: str
+    text: str  # the answer's content
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     num_tokens: int = 0
+    reasoning: str = ""  # chat: text of the <think> block
+    tool_calls: list[dict[str, Any]] | None = None  # chat: OpenAI-shaped tool_calls deltas
 
 
 class GenerationError(Exception):
@@ -79,6 +84,7 @@ class _Choice:
     index: int
     detok: Detokenizer
     stop: StopMatcher | None
+    out: ChoiceOutput | None  # chat: reasoning and tool-call parsing
     num_tokens: int = 0
     finish_reason: str | None = None  # what the client is told
     engine_done: bool = False  # the engine sent this choice's last event
@@ -105,14 +111,25 @@ class Generation:
         stops: list[str],
         api: str,
         prompt_len: int | None = None,
+        output: OutputOptions | None = None,
     ) -> None:
         self.svc = svc
         self.request_id = request_id
         self.api = api
         self.prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         self.want_logprobs = params.logprobs is not None
+        if output is None and "chat" in api:
+            output = OutputOptions()  # no tools; <think> split off
+        in_think = (
+            output is not None and output.reasoning and prompt_opens_think(svc.codec.prompt_tail(prompt_ids))
+        )
         self.choices = [
-            _Choice(i, svc.codec.detokenizer(prompt_ids), StopMatcher(stops) if stops else None)
+            _Choice(
+                i,
+                svc.codec.detokenizer(prompt_ids),
+                StopMatcher(stops) if stops else None,
+                ChoiceOutput(output, f"{request_id}/{i}", in_think) if output is not None else None,
+            )
             for i in range(params.n)
         ]
         #: what another gateway needs to rebuild this Generation (resumable brokers)
@@ -124,6 +141,7 @@ class Generation:
             "prompt_len": self.prompt_len,
             "prompt_tail": prompt_ids[-CONTEXT_TAIL:],
             "created": int(time.time()),
+            "output": output.to_context() if output is not None else None,
         }
         self.resume_token: str | None = None  # handed to the client that started it
         #: set at admission: hands back the tenant's concurrency lease and the unused part
@@ -150,6 +168,7 @@ class Generation:
             [str(s) for s in ctx.get("stops", [])],
             str(ctx.get("api", "")),
             prompt_len=int(ctx.get("prompt_len", 0)),
+            output=OutputOptions.from_context(ctx.get("output")),
         )
         gen.context = dict(ctx)
         return gen
@@ -271,7 +290,17 @@ class Generation:
         if ev.finish_reason is not None:
             c.engine_done = True
             c.finish_reason = c.finish_reason or ev.finish_reason
-        return [Delta(c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids))]
+        delta = Delta(c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids))
+        if c.out is not None:
+            piece = c.out.feed(text, final=c.finish_reason is not None)
+            delta.text, delta.reasoning, delta.tool_calls = (
+                piece.content,
+                piece.reasoning,
+                piece.tool_calls or None,
+            )
+            if c.finish_reason is not None:
+                delta.finish_reason = c.out.finish_reason(c.finish_reason)
+        return [delta]
 
     @staticmethod
     def _abort_choice(c: _Choice) -> Delta:
@@ -328,7 +357,10 @@ def _merge(deltas: list[Delta]) -> list[Delta]:
             by_index[d.index] = d
             continue
         m.text += d.text
+        m.reasoning += d.reasoning
         m.num_tokens += d.num_tokens
+        if d.tool_calls:
+            m.tool_calls = (m.tool_calls or []) + d.tool_calls
         m.finish_reason = d.finish_reason or m.finish_reason
         if d.logprobs:
             m.logprobs = (m.logprobs or []) + d.logprobs

@@ -19,6 +19,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from wsllm.server.chat_output import assemble_tool_calls
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
@@ -54,6 +55,12 @@ def usage_json(u: Usage) -> dict[str, Any]:
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+
+
+def chat_extras(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A chat message's (or delta's) reasoning_content and tool_calls, when it has them."""
+    out: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+    return out | ({"tool_calls": tool_calls} if tool_calls else {})
 
 
 def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -100,10 +107,12 @@ class _Api:
 
     def chunk_choice(self, d: Delta) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"content": d.text} if d.text or not d.finish_reason else {}
+            other = d.finish_reason or d.reasoning or d.tool_calls
+            delta: dict[str, Any] = {"content": d.text} if d.text or not other else {}
             if d.index not in self.started:
                 self.started.add(d.index)
                 delta = {"role": "assistant", "content": d.text}
+            delta |= chat_extras(d.reasoning, d.tool_calls)
             out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
         else:
             out = {
@@ -128,7 +137,11 @@ async def sse_frames(gw: Gateway, api: _Api, include_usage: bool, after: int = 0
             if not deltas:
                 yield KEEPALIVE
                 continue
-            choices = [api.chunk_choice(d) for d in deltas if d.text or d.finish_reason or d.logprobs]
+            choices = [
+                api.chunk_choice(d)
+                for d in deltas
+                if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls
+            ]
             for group in [[c] for c in choices] if one_per_delta else [choices] if choices else []:
                 n += 1
                 if n > after:
@@ -177,10 +190,13 @@ async def _full_response(request: Request, api: _Api) -> Response:
         lps = [lp for d in deltas for lp in (d.logprobs or [])] if gen.want_logprobs else None
         finish = deltas[-1].finish_reason if deltas else None
         if api.chat:
+            calls = assemble_tool_calls([c for d in deltas for c in d.tool_calls or []])
+            reasoning = "".join(d.reasoning for d in deltas)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": text or (None if calls else text)}
+                    | chat_extras(reasoning, calls),
                     "logprobs": _chat_logprobs(lps),
                     "finish_reason": finish,
                 }

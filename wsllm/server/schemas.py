@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
@@ -33,6 +33,28 @@ from wsllm.types import (
     SamplingParams,
 )
 
+# Tools in one request, and tool calls in one message.
+MAX_TOOLS = 128
+# apply_chat_template's own arguments: not for chat_template_kwargs to set.
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 # OpenAI's range for temperature (the engine takes up to types.MAX_TEMPERATURE).
 API_MAX_TEMPERATURE = 2.0
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -98,21 +120,115 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = Field(None, max_length=256)
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _choice_kind(v: Any) -> str:
+    return "named-function" if isinstance(v, dict | NamedToolChoice) else "mode-word"
+
+
+# A string, or an object naming a function; an error names the branch the input meant
+# (tags that are not identifiers stay out of the error's `param`).
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode-word")]
+    | Annotated[NamedToolChoice, Tag("named-function")],
+    Discriminator(_choice_kind),
+]
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """A call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str = Field(max_length=MAX_ID_CHARS)
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only on an assistant message that made tool calls (checked in check_chat)
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # role "tool": the call it answers
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_template_input(self) -> dict[str, Any]:
         # Templates know "system"; OpenAI's newer "developer" role means the same.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _template_call(c: ToolCallIn) -> dict[str, Any]:
+    # Chat templates expect the arguments as a mapping (they write them with `tojson`).
+    try:
+        args: Any = orjson.loads(c.function.arguments)
+    except orjson.JSONDecodeError:
+        args = c.function.arguments
+    return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is told about (none with tool_choice "none"), in the
+        shape chat templates take."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces; "" for "required"; None otherwise."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -257,6 +373,42 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
         raise bad("n", "must not exceed beam_width with use_beam_search")
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
         raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
+    if isinstance(req, ChatRequest):
+        check_chat(req)
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, "invalid_request", f"{param}: {message}", param=param)
+
+
+def check_chat(req: ChatRequest) -> None:
+    """What the schema cannot say about messages, tools and tool_choice."""
+    for i, m in enumerate(req.messages):
+        _check_message(i, m)
+    names = [t.function.name for t in req.tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise _bad(f"tools.{i}.function.name", f"{name!r} is declared twice")
+    forced = req.forced_tool
+    if forced is not None and not names:
+        raise _bad("tool_choice", "needs `tools` (there is no function to call)")
+    if forced and forced not in names:
+        raise _bad("tool_choice.function.name", f"{forced!r} is not one of the declared tools")
+    for key in req.chat_template_kwargs or {}:
+        if key in _TEMPLATE_RESERVED:
+            raise _bad(f"chat_template_kwargs.{key}", "is set by the server; use the request's own field")
+
+
+def _check_message(i: int, m: ChatMessage) -> None:
+    at = f"messages.{i}"
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise _bad(f"{at}.content", f"required for a {m.role} message (null only with tool_calls)")
+    if m.tool_calls is not None and m.role != "assistant":
+        raise _bad(f"{at}.tool_calls", "only an assistant message has tool_calls")
+    if m.role == "tool" and not m.tool_call_id:
+        raise _bad(f"{at}.tool_call_id", "required for a tool message (the id of the call it answers)")
+    if m.tool_call_id is not None and m.role != "tool":
+        raise _bad(f"{at}.tool_call_id", "only a tool message has tool_call_id")
 
 
 def sampling_params(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -28,6 +28,13 @@ _MARK = re.compile("\ue000(\\d+)\ue001")
 
 class TemplateError(ValueError):
     """The chat template refused the messages (e.g. roles that must alternate)."""
+
+
+class ToolPrompt(Protocol):
+    """Writes tools and earlier calls into plain messages, for a chat template that
+    knows nothing of tools (tools.ToolFormat)."""
+
+    def inline(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
 
 
 class TextCodec:
@@ -57,24 +64,56 @@ class TextCodec:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
         return list(self.backend.encode(text, add_special_tokens=True).ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    @property
+    def chat_template(self) -> str:
+        """The chat template's source ("" without one; named templates joined)."""
+        t = getattr(self.hf, "chat_template", None) or ""
+        return "\n".join(str(v) for v in t.values()) if isinstance(t, dict) else str(t)
+
+    def prompt_tail(self, prompt_token_ids: list[int], n: int = 8) -> str:
+        """The text of a prompt's last tokens, special tokens included."""
+        return str(self.backend.decode(list(prompt_token_ids[-n:]), skip_special_tokens=False))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         if self.hf is None or not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
+            )
         except Exception as e:  # jinja2 raises TemplateError or anything the template raises
             raise TemplateError(f"the chat template refused these messages: {e}") from e
         return str(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        tool_prompt: ToolPrompt | None = None,
+    ) -> list[int]:
         """The chat prompt's token ids. The template writes the special tokens itself
-        (no second BOS); what the messages say is always plain text."""
+        (no second BOS); what the messages say is always plain text. `tools` go to the
+        template; one that does not mention tools gets them from `tool_prompt` instead,
+        written into the messages."""
+        if tools and tool_prompt is not None and "tools" not in self.chat_template:
+            messages, tools = tool_prompt.inline(messages, tools), None
+        render = lambda ms: self.render_chat(ms, tools, template_kwargs)  # noqa: E731
         if not any(sp in m["content"] for m in messages for sp in self._specials):
-            return list(self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids)
+            return list(self.backend.encode(render(messages), add_special_tokens=False).ids)
         # Render with a mark per content, then tokenize the template's own text with its
         # special tokens and each content as plain text.
         marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        parts = _MARK.split(self.render_chat(marked))
+        parts = _MARK.split(render(marked))
         seen = [int(i) for i in parts[1::2]]
         if len(set(seen)) != len(seen) or any(i >= len(messages) for i in seen):
             raise TemplateError("this model's chat template cannot take special-token text in a message")

@@ -232,9 +232,9 @@ class WsSession:
                     await queued.tell()
                     continue
                 for d in deltas:
-                    if d.text:
+                    for msg in self._messages(msg_id, d):
                         if seq > after_seq:
-                            await self.send(self._delta(msg_id, seq, d))
+                            await self.send(msg | {"seq": seq})
                         seq += 1
                     if d.finish_reason is not None:
                         open_choices -= 1
@@ -248,9 +248,24 @@ class WsSession:
             with contextlib.suppress(Exception):
                 await gen.leave()  # nothing when it finished
 
+    @classmethod
+    def _messages(cls, msg_id: str, d: Delta) -> list[dict[str, Any]]:
+        """A delta's messages (their `seq` still to set): its reasoning, then its text
+        and tool calls."""
+        out = (
+            [{"type": "reasoning", "id": msg_id, "index": d.index, "text": d.reasoning}]
+            if d.reasoning
+            else []
+        )
+        if d.text or d.tool_calls:
+            out.append(cls._delta(msg_id, d))
+        return out
+
     @staticmethod
-    def _delta(msg_id: str, seq: int, d: Delta) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": "delta", "id": msg_id, "seq": seq, "index": d.index, "text": d.text}
+    def _delta(msg_id: str, d: Delta) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "delta", "id": msg_id, "index": d.index, "text": d.text}
+        if d.tool_calls:
+            out["tool_calls"] = d.tool_calls
         if d.logprobs is not None:
             out["logprobs"] = [
                 {
