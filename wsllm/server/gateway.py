@@ -22,6 +22,7 @@ that says how many it has gets exactly the rest."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -32,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from wsllm.broker.base import (
     TOKENIZER_FILES,
@@ -43,6 +45,7 @@ from wsllm.broker.base import (
 )
 from wsllm.broker.limits import Limiter
 from wsllm.config import GatewayConfig
+from wsllm.server.chat_output import OutputOptions
 from wsllm.server.errors import APIError
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
@@ -51,6 +54,7 @@ from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest, sampling_params
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TemplateError, TextCodec
+from wsllm.server.tools import constraint, plan_chat
 from wsllm.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -212,8 +216,15 @@ class Gateway:
         cap = self.cfg.max_priority if tenant.max_priority is None else tenant.max_priority
         if req.priority > cap:
             raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
-        prompt_ids = await self._prompt_ids(req, model.codec)
-        params = sampling_params(req, len(prompt_ids), max_len, self.cfg)
+        plan = (
+            plan_chat(req, model.codec, model.name, self.cfg.tool_parser)
+            if isinstance(req, ChatRequest)
+            else None
+        )
+        structured = await asyncio.to_thread(constraint, req, plan)
+        prompt_ids = await self._prompt_ids(req, model.codec, plan.template if plan else {})
+        self._check_vocab(model.codec, list(req.token_bias or {}), "logit_bias")
+        params = sampling_params(req, len(prompt_ids), max_len, self.cfg, structured)
         rid = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         metrics = model.svc.metrics
         try:
@@ -223,7 +234,9 @@ class Gateway:
                 metrics.tenant_limited(tenant.name)
             raise
         try:
-            gen = await self._submit(model, req, api, rid, prompt_ids, params, tenant.name)
+            gen = await self._submit(
+                model, req, api, rid, prompt_ids, params, tenant.name, plan.output if plan else None
+            )
         except BaseException:
             await ticket.release(0)  # never queued: nothing used
             raise
@@ -247,8 +260,9 @@ class Gateway:
         prompt_ids: list[int],
         params: SamplingParams,
         tenant: str,
+        output: OutputOptions | None = None,
     ) -> Generation:
-        gen = Generation(model.svc, rid, prompt_ids, params, req.stops, api)
+        gen = Generation(model.svc, rid, prompt_ids, params, req.stops, api, output=output)
         gen.context["model"] = model.name
         secret = secrets.token_urlsafe(24)
         gen.resume_token = f"{rid}.{secret}"
@@ -346,7 +360,9 @@ class Gateway:
                 param=param,
             )
 
-    async def _prompt_ids(self, req: ChatRequest | CompletionRequest, codec: TextCodec) -> list[int]:
+    async def _prompt_ids(
+        self, req: ChatRequest | CompletionRequest, codec: TextCodec, template: dict[str, Any]
+    ) -> list[int]:
         self._check_vocab(codec, req.stop_token_ids or [], "stop_token_ids")
         if isinstance(req, CompletionRequest):
             if isinstance(req.prompt, list):
@@ -356,7 +372,7 @@ class Gateway:
         messages = [m.as_template_input() for m in req.messages]
         size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
         try:
-            return await self._run_text(codec.encode_chat, messages, size)
+            return await self._run_text(functools.partial(codec.encode_chat, **template), messages, size)
         except TemplateError as e:
             raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
 

@@ -19,6 +19,7 @@ from wsllm.types import (
     MAX_BEAM_WIDTH,
     MAX_ID_CHARS,
     MAX_LENGTH_PENALTY,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
@@ -69,6 +70,29 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of the four."""
+
+    json_: dict[str, Any] | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+
+
 class SamplingFields(_Strict):
     """The parameters every generate request accepts (OpenAI names, vLLM extensions).
     None means "the default"."""
@@ -94,6 +118,54 @@ class SamplingFields(_Strict):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # OpenAI's shape: token id (a string key) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    @property
+    def structured(self) -> tuple[dict[str, Any], str] | None:
+        """The SamplingParams.structured spec the request asks for, with the field that
+        asked (for a 400 naming it); None for free text."""
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given = {
+                k: v
+                for k, v in (
+                    ("json", so.json_),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                )
+                if v is not None
+            }
+            if len(given) != 1:
+                raise _bad("structured_outputs", "give exactly one of json, regex, choice, grammar")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise _bad(
+                    "structured_outputs", "give either structured_outputs or response_format, not both"
+                )
+            return given, "structured_outputs"
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return {"json": True}, "response_format"
+        if rf.json_schema is None:
+            raise _bad("response_format.json_schema", 'required with "type": "json_schema"')
+        schema = rf.json_schema.schema_
+        return {"json": True if schema is None else schema}, "response_format.json_schema.schema"
+
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise _bad("logit_bias", f"keys are token ids (0 to {MAX_TOKEN_ID}), got {key!r}")
+            out[int(key)] = value
+        return out
 
     @property
     def stops(self) -> list[str]:
@@ -412,9 +484,14 @@ def _check_message(i: int, m: ChatMessage) -> None:
 
 
 def sampling_params(
-    req: ChatRequest | CompletionRequest, prompt_len: int, max_model_len: int | None, cfg: GatewayConfig
+    req: ChatRequest | CompletionRequest,
+    prompt_len: int,
+    max_model_len: int | None,
+    cfg: GatewayConfig,
+    structured: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Engine parameters for a checked request whose prompt has `prompt_len` tokens."""
+    """Engine parameters for a checked request whose prompt has `prompt_len` tokens;
+    `structured` is the checked constraint (`req.structured` or a forced tool call)."""
     room = None if max_model_len is None else max_model_len - prompt_len
     param = "messages" if isinstance(req, ChatRequest) else "prompt"
     if room is not None and room < 1:
@@ -454,6 +531,8 @@ def sampling_params(
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.num_top_logprobs,
+            structured=structured,
+            logit_bias=req.token_bias,
             **_beam_fields(req),
         )
     except ValueError as e:  # SamplingParams' own checks: its message names the field

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsllm.server.chat_output import OutputOptions
-from wsllm.server.schemas import ChatRequest
+from wsllm.server.errors import APIError
+from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TextCodec
+from wsllm.structured import check_spec
 
 
 def choose_parser(override: str, chat_template: str, model_name: str) -> str:
@@ -126,18 +128,21 @@ def tool_structured(tools: list[dict[str, Any]], parser: str, forced: str, paral
     the function named `forced`, or, when `forced` is "" (tool_choice "required"), one
     or more calls (one unless `parallel`) to any of `tools`."""
     one = call_schema(tools, parser, forced)
+    # compact JSON inside Lark too (as JSON_DEFAULTS does for {"json"}): a model must
+    # not be able to pad a call with whitespace until max_tokens
+    compact = one | {"x-guidance": {"whitespace_flexible": False}}
     many = parallel and not forced
     if parser == "llama3_json":
         if not many:
             return {"json": one}
-        body = f"call: %json {json.dumps(one)}"
+        body = f"call: %json {json.dumps(compact)}"
         return {"grammar": f'start: call ("; " call)*\n{body}\n'}
     if parser == "mistral":  # [TOOL_CALLS] is a special token the gateway never sees: the list is the call
         return {"json": {"type": "array", "items": one, "minItems": 1} | ({} if many else {"maxItems": 1})}
     rep = ' ("\\n" tool_call)*' if many else ""
     return {
         "grammar": f'start: tool_call{rep}\ntool_call: "<tool_call>\\n" call "\\n</tool_call>"\n'
-        f"call: %json {json.dumps(one)}\n"
+        f"call: %json {json.dumps(compact)}\n"
     }
 
 
@@ -170,3 +175,27 @@ def plan_chat(req: ChatRequest, codec: TextCodec, model_name: str, tool_parser: 
         parallel = req.parallel_tool_calls is not False
         plan.sampling["structured"] = tool_structured(tools, parser, forced, parallel)
     return plan
+
+
+def constraint(req: ChatRequest | CompletionRequest, plan: ChatPlan | None) -> dict[str, Any] | None:
+    """The one structured-output constraint of a checked request: its
+    `response_format` / `structured_outputs`, or the call a forcing `tool_choice` needs
+    (not both). Compiles it with llguidance: a spec that does not compile is a 400
+    naming the field that asked for it. Milliseconds; run it off the event loop."""
+    asked = req.structured
+    forced = plan.sampling.get("structured") if plan is not None else None
+    if asked is not None and forced is not None:
+        raise APIError(
+            400,
+            "invalid_request",
+            "tool_choice: a forced call cannot be combined with response_format",
+            "tool_choice",
+        )
+    spec, param = asked if asked is not None else (forced, "tool_choice")
+    if spec is None:
+        return None
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
+    return spec
