@@ -69,7 +69,10 @@ def _ints(lo: int, hi: int) -> dict[str, Any]:
 
 
 def _leaf() -> dict[str, Any]:
-    scalar = {"type": ["string", "integer", "boolean", "null"]}
+    # enum members a tokenizer can write (plain words) and integers of 64 bits at most
+    # (llguidance's range), while hypothesis would draw any string and any size
+    word = {"type": "string", "pattern": "^[a-z ]{0,8}$"}
+    scalar = {"anyOf": [word, {"type": ["boolean", "null"]}, _ints(-(10**6), 10**6)]}
     return {
         "anyOf": [
             _tuple({"const": "string"}, _ints(0, 3), _ints(3, 10)),

@@ -203,11 +203,12 @@ def test_call_schema_accepts_what_the_parser_reads_and_nothing_else() -> None:
         jsonschema.validate({"name": "get_weather", "parameters": {"city": "x"}}, llama)
 
 
-# Outputs each style's constraint must allow, read back by that style's parser.
+# Outputs each style's constraint must allow, read back by that style's parser. The
+# grammars inside Lark write compact JSON (a model must not pad a call with whitespace).
 FORCED_OUTPUTS = {
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
-    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>',
+    "llama3_json": '{"name":"get_weather","parameters":{"city":"Oslo"}}; {"name":"get_time","parameters":{}}',
     "mistral": '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]',
 }
 
