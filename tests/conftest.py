@@ -54,7 +54,7 @@ def smollm_dir() -> Path:
 
 
 def make_tiny_model(path: Path, tokenizer_dir: Path, kind: str = "llama", **overrides: Any) -> Path:
-    """Save a random-weight HF model of `kind` (llama | llama3 | qwen2 | mistral)."""
+    """Save a random-weight HF model of `kind` (llama | llama3 | qwen2 | qwen3 | mistral)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,6 +88,9 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, kind: str = "llama", **over
     elif kind == "qwen2":
         model_type = "qwen2"
         base.update(rope_theta=1000000.0, num_key_value_heads=4, tie_word_embeddings=False)
+    elif kind == "qwen3":  # QK-norm, and a head_dim that is not hidden_size / heads (as in Qwen3)
+        model_type = "qwen3"
+        base.update(rope_theta=1000000.0, head_dim=32)
     else:
         model_type = kind
     base.update(overrides)
@@ -98,6 +101,10 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, kind: str = "llama", **over
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+        if kind == "qwen3":  # norm weights away from 1, so q_norm and k_norm cannot be swapped unseen
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     for name in TOKENIZER_FILES:
@@ -115,6 +122,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), smollm_dir, "qwen3")
 
 
 @pytest.fixture(scope="session")

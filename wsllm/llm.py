@@ -27,6 +27,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Choice] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # params.prompt_logprobs: per prompt token, None for the first, else [logprob, top N]
+    prompt_logprobs: list[Any] | None = None
 
     # The first choice, for the common n == 1 case.
     @property
@@ -87,6 +89,8 @@ class LLM:
             for out in self.engine.step():
                 if out.request_id not in pending:
                     continue
+                if out.prompt_logprobs is not None:
+                    results[out.request_id].prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     r = results[out.request_id]
                     r.num_cached_tokens = out.num_cached_tokens

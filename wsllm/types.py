@@ -179,6 +179,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = chosen only
+    # Logprobs of the prompt's tokens (top N each, 0 = the prompt token's only), computed
+    # during prefill and returned once: TokenEvent.prompt_logprobs. None: not computed.
+    prompt_logprobs: int | None = None
     # Beam search (issue 6); off by default.
     use_beam_search: bool = False
     beam_width: int = 1
@@ -216,6 +219,13 @@ class SamplingParams:
             "logprobs",
             f"null or an integer in [0, {MAX_LOGPROBS}]",
             self.logprobs,
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
+            self.prompt_logprobs,
         )
         _check(
             _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
@@ -403,6 +413,10 @@ class TokenEvent:
     error: str | None = None  # human-readable, when finish_reason == "error"
     error_code: str | None = None  # machine-readable, one of the ERR_* codes
     queue_time: float | None = None  # seconds between arrival and first schedule (seq 0)
+    # Once per request (params.prompt_logprobs set), on the first event after its prompt is
+    # computed: per prompt token, None for the first, else [logprob, [[token_id, logprob], ...]].
+    # Left out of the encoding when None, so a peer that predates it still reads the event.
+    prompt_logprobs: list[Any] | None = None
 
     @classmethod
     def failure(cls, request_id: str, code: str, message: str, seq: int = -1) -> TokenEvent:
@@ -456,12 +470,32 @@ _request_object: TypeAdapter[GenerateRequest] = TypeAdapter(GenerateRequest)
 def encode(obj: GenerateRequest | list[TokenEvent]) -> bytes:
     """One codec for everything that crosses a process."""
     if isinstance(obj, list):
-        return orjson.dumps({"v": SCHEMA_VERSION, "kind": "events", "items": [asdict(e) for e in obj]})
+        return orjson.dumps({"v": SCHEMA_VERSION, "kind": "events", "items": [_event_dict(e) for e in obj]})
     # logit_bias maps integer token ids: JSON writes its keys as strings ("50256"), which
     # decoding turns back into integers
     return orjson.dumps(
-        {"v": SCHEMA_VERSION, "kind": "request", "item": asdict(obj)}, option=orjson.OPT_NON_STR_KEYS
+        {"v": SCHEMA_VERSION, "kind": "request", "item": _request_dict(obj)}, option=orjson.OPT_NON_STR_KEYS
     )
+
+
+# Optional fields added within schema version 1 are left out of the encoding while unset,
+# so that a peer that predates them reads every message that does not use them (and one
+# that uses them fails loudly there, naming the field).
+
+
+def _event_dict(e: TokenEvent) -> dict[str, Any]:
+    d = asdict(e)
+    if d["prompt_logprobs"] is None:
+        del d["prompt_logprobs"]
+    return d
+
+
+def _request_dict(r: GenerateRequest) -> dict[str, Any]:
+    d = asdict(r)
+    for name in ("prompt_logprobs", "structured", "logit_bias"):
+        if d["params"][name] is None:
+            del d["params"][name]
+    return d
 
 
 def _wire_error(e: ValidationError, what: str) -> WireError:

@@ -47,7 +47,7 @@ def test_smollm2_greedy_matches_hf_in_one_batch(smollm_llm: LLM, smollm_hf: Any)
         assert r.token_ids == hf_greedy(smollm_hf, ids, 24, eos), tok.decode(ids)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_llama3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_llama3_dir"])
 def test_tiny_random_models_match_hf(fixture: str, request: pytest.FixtureRequest) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -37,13 +37,17 @@ def greedy_tokens(path: Path, backend: str, prompts: list[list[int]]) -> dict[st
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU-only machines")
-def test_engine_with_triton_interpreter_equals_torch_path(tiny_llama3_dir: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_llama3_dir", "tiny_qwen3_dir"])
+def test_engine_with_triton_interpreter_equals_torch_path(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(fixture)
     g = torch.Generator().manual_seed(5)
     # mixed lengths: a block boundary, a decode-only step, and a chunk past one block
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 15, 17, 40)]
     try:
-        ref = greedy_tokens(tiny_llama3_dir, "torch", prompts)
-        tri = greedy_tokens(tiny_llama3_dir, "triton", prompts)
+        ref = greedy_tokens(path, "torch", prompts)
+        tri = greedy_tokens(path, "triton", prompts)
     finally:
         kernels.use_backend("auto")
     assert os.environ["TRITON_INTERPRET"] == "1"

@@ -52,6 +52,21 @@ def test_structured_and_logit_bias_survive_the_wire() -> None:
         assert check_request(req) == req
 
 
+def test_prompt_logprobs_cross_the_wire_and_stay_off_it_when_unset() -> None:
+    req = good()
+    req.params.prompt_logprobs = 2
+    assert decode_request(encode(req)) == req
+    plps = [None, [-1.5, [[7, -0.5], [3, -1.5]]], [-0.25, [[9, -0.25], [4, -2.0]]]]
+    ev = TokenEvent("r1", 0, [5], prompt_logprobs=plps)
+    assert decode_events(encode([ev])) == [ev]
+    # unset, the new fields are not written: an engine or gateway from before them reads
+    # these messages (its decoder forbids unknown fields)
+    plain_req, plain_ev = orjson.loads(encode(good())), orjson.loads(encode([TokenEvent("r1", 0, [5])]))
+    assert "prompt_logprobs" not in plain_req["item"]["params"]
+    assert "prompt_logprobs" not in plain_ev["items"][0]
+    assert decode_request(encode(good())).params.prompt_logprobs is None
+
+
 # (what the issue saw or a neighbour of it, the field the error must name)
 FIELD_CASES: list[tuple[dict[str, Any], str]] = [
     ({"top_k": 18446744073709551615}, "top_k"),
@@ -67,6 +82,9 @@ FIELD_CASES: list[tuple[dict[str, Any], str]] = [
     ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
     ({"stop_token_ids": [2**40]}, "stop_token_ids"),
     ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
     ({"beam_width": 17}, "beam_width"),
     ({"length_penalty": 1e9}, "length_penalty"),
     ({"presence_penalty": float("nan")}, "presence_penalty"),

@@ -15,7 +15,7 @@ import pytest
 from wsllm.broker.memory import MemoryBroker
 from wsllm.config import EngineConfig
 from wsllm.engine.worker import EngineWorker
-from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
+from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, decode_events, encode
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,23 @@ def test_events_have_seq_usage_and_queue_time(rig: Any) -> None:
         assert evs[0].queue_time is not None and evs[0].queue_time >= 0
     # The broker saw the same events, one batch per step.
     assert worker.steps >= 5
+
+
+def test_prompt_logprobs_ride_once_on_the_first_event_and_cross_the_wire(rig: Any) -> None:
+    worker, broker, events = rig
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    submit(broker, "p", prompt=prompt, n=2, max_tokens=3, temperature=1.0, seed=2, prompt_logprobs=2)
+    submit(broker, "q")
+    run_until_done(worker)
+    carrying = [e for e in events if e.prompt_logprobs is not None]
+    assert [(e.request_id, e.index, e.seq) for e in carrying] == [("p", 0, 0)]
+    plp = carrying[0].prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    for tok, (lp, top) in zip(prompt[1:], plp[1:], strict=True):  # the prompt token, then the best 2
+        best = dict(top)
+        assert len(best) == 2 and 0 >= top[0][1] >= top[1][1]
+        assert lp == best[tok] if tok in best else lp <= top[1][1]
+    assert decode_events(encode(carrying)) == carrying
 
 
 def test_a_refused_request_becomes_an_error_event(rig: Any) -> None:

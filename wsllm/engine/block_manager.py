@@ -130,21 +130,27 @@ class BlockManager:
         self._hashed[seq_id] = (full, parent)
 
     # -- sequences ---------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None) -> bool:
+    def can_allocate(
+        self, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
+    ) -> bool:
         """Can a new sequence get blocks for its first `num_tokens` tokens (default all)?
         Keeps the watermark free for running decodes."""
         n = len(token_ids) if num_tokens is None else num_tokens
-        hits, _ = self._match_prefix(token_ids)
+        hits, _ = self._match_prefix(token_ids) if use_cache else ([], None)
         needed = self.blocks_for(max(n, len(hits) * self.block_size + 1)) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         return self.num_free_blocks - revived - needed >= self.watermark_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None) -> int:
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
+    ) -> int:
         """Create the block table of a new sequence. Returns how many leading tokens
-        are already in the cache (prefix hits), which the engine need not compute."""
+        are already in the cache (prefix hits), which the engine need not compute.
+        `use_cache=False`: no hits, every token is computed (its blocks are still
+        offered to the cache once full)."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hits, last_key = self._match_prefix(token_ids)
+        hits, last_key = self._match_prefix(token_ids) if use_cache else ([], None)
         for b in hits:
             if self.ref_counts[b] == 0:
                 self._evictable.pop(b)
@@ -152,8 +158,9 @@ class BlockManager:
         self.block_tables[seq_id] = list(hits)
         self._hashed[seq_id] = (len(hits), last_key)
         cached = len(hits) * self.block_size
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += cached
+        if use_cache:  # the hit rate is over the prompts that looked
+            self.queried_tokens += len(token_ids)
+            self.hit_tokens += cached
         n = len(token_ids) if num_tokens is None else num_tokens
         if not self.ensure_slots(seq_id, max(n, cached + 1)):
             self.free(seq_id)

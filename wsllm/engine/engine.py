@@ -21,7 +21,7 @@ from wsllm.config import EngineConfig
 from wsllm.engine.beam import BeamSearcher, BeamState
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
-from wsllm.engine.model_runner import ModelRunner
+from wsllm.engine.model_runner import ModelRunner, PromptLogprobs
 from wsllm.engine.outputs import CompletionOutput, RequestOutput
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
@@ -53,6 +53,9 @@ class _Request:
     beam: BeamState | None = None
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> row, this round
     reported_queue_time: bool = False
+    # params.prompt_logprobs: per prompt token so far ([None] for the first); None when not
+    # asked for or once reported
+    prompt_logprobs: list[Any] | None = None
 
 
 def _pick_device(name: str) -> torch.device:
@@ -191,6 +194,8 @@ class LLMEngine:
         matcher = self.matchers.new(params.structured) if params.structured is not None else None
         now = arrival_time if arrival_time is not None else time.time()
         req = _Request(request_id, list(prompt_token_ids), params)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         for i in range(params.n):
             seq = Sequence(request_id, i, req.prompt_token_ids, params, now, priority=priority, tenant=tenant)
             req.seqs.append(seq)
@@ -292,7 +297,10 @@ class LLMEngine:
         if sched.scheduled:
             if self.record_steps:
                 self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
-            seqs, logits = self.runner.run(sched.scheduled, self.block_manager.block_tables)
+            seqs, logits, prompt = self.runner.run(
+                sched.scheduled, self.block_manager.block_tables, self._want_prompt_logprobs(sched.scheduled)
+            )
+            self._keep_prompt_logprobs(prompt)
             outputs += self._sample(seqs, logits)
             self.scheduler.finish_step(sched.scheduled)
             outputs += self._collect(sched.scheduled)
@@ -300,6 +308,37 @@ class LLMEngine:
         return outputs
 
     # -- internals ----------------------------------------------------------
+    def _want_prompt_logprobs(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int] | None:
+        """seq_id -> top N, for the sequences whose prompt logprobs are not all computed."""
+        want = None
+        for seq, _ in scheduled:
+            if seq.params.prompt_logprobs is None:
+                continue
+            req = self._requests.get(seq.request_id)
+            plp = None if req is None else req.prompt_logprobs
+            if req is not None and plp is not None and len(plp) < len(req.prompt_token_ids):
+                want = want or {}
+                want[seq.seq_id] = seq.params.prompt_logprobs
+        return want
+
+    def _keep_prompt_logprobs(self, computed: list[PromptLogprobs]) -> None:
+        for c in computed:
+            req = self._requests.get(c.seq.request_id)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            have = len(req.prompt_logprobs)
+            if c.first <= have:  # a recompute after preemption repeats the ones it has
+                req.prompt_logprobs += c.entries[have - c.first :]
+
+    @staticmethod
+    def _take_prompt_logprobs(req: _Request) -> list[Any] | None:
+        """The prompt logprobs, once, when every prompt token has its entry."""
+        plp = req.prompt_logprobs
+        if plp is None or len(plp) < len(req.prompt_token_ids):
+            return None
+        req.prompt_logprobs = None
+        return plp
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
         """Next tokens for the rows that caught up: beams advance their search, n > 1
         choices fork, the rest go through the batched sampler. Returns the outputs of
@@ -339,7 +378,13 @@ class LLMEngine:
         first = req.seqs[0]
         qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)
         return RequestOutput(
-            req.request_id, len(req.prompt_token_ids), comps, True, first.num_cached_tokens, qt
+            req.request_id,
+            len(req.prompt_token_ids),
+            comps,
+            True,
+            first.num_cached_tokens,
+            qt,
+            prompt_logprobs=self._take_prompt_logprobs(req),
         )
 
     def _fork_children(
@@ -444,6 +489,7 @@ class LLMEngine:
             all(s.finished for s in req.seqs),
             first.num_cached_tokens,
             qt,
+            prompt_logprobs=self._take_prompt_logprobs(req),
         )
 
     def _flush_aborted(self) -> list[RequestOutput]:

@@ -1,14 +1,23 @@
 """Model runner: turns the scheduler's `{seq: num_new_tokens}` into packed tensors,
 runs the model once over every token of the step, and returns next-token logits
-where a sequence has caught up with its tokens.
+where a sequence has caught up with its tokens, and the logprobs of prompt tokens for
+the sequences that ask for them.
 
 Inputs are built in one pass over the scheduled sequences, without concatenating a
 sequence's prompt and output: a decode row reads its last token, a prompt chunk
 slices only the tokens it computes. Logits are computed only for the rows that
 sample (a prompt chunk that has not caught up needs none).
+
+Prompt logprobs: the row of position p predicts prompt token p + 1, so a chunk over
+positions [start, end) gives the entries of tokens start + 1 .. end (those in the
+prompt). They are reduced on the device, a slice of rows at a time, to the chosen token's
+logprob and the top N: a [prompt, vocab] logits tensor is never held whole.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +25,16 @@ import torch
 from wsllm import kernels
 from wsllm.engine.sequence import Sequence
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
+
+# Rows of [rows, vocab] fp32 logits reduced at once: 2**26 floats (256 MiB) per slice.
+_LOGPROB_SLICE_FLOATS = 1 << 26
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    seq: Sequence
+    first: int  # the prompt position of entries[0] (>= 1: the first prompt token has none)
+    entries: list[Any]  # per prompt token: [logprob, [[tok, lp], ...top N]]
 
 
 class ModelRunner:
@@ -95,15 +114,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
-    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        block_tables: dict[int, list[int]],
+        prompt_logprobs: dict[int, int] | None = None,  # seq_id -> top N, for those that want them
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[PromptLogprobs]]:
         """Forward every scheduled token. Returns the sequences that caught up with
-        their tokens and their next-token logits [num_sampled, vocab] (fp32, CPU)."""
+        their tokens, their next-token logits [num_sampled, vocab] (fp32, CPU), and the
+        prompt logprobs this step computed for the sequences in `prompt_logprobs`."""
         ids, pos, meta, rows, last_index = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
         if not rows:
-            return [], None
+            return [], None, prompt
         if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
             hidden = hidden[torch.tensor(last_index, device=hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
-        return [scheduled[i][0] for i in rows], logits.cpu()
+        return [scheduled[i][0] for i in rows], logits.cpu(), prompt
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], want: dict[int, int]
+    ) -> list[PromptLogprobs]:
+        out = []
+        offset = 0  # the sequence's first row in the packed batch
+        for seq, n in scheduled:
+            top = want.get(seq.seq_id)
+            start = seq.num_computed_tokens
+            stop = min(start + n, len(seq.prompt_token_ids) - 1)  # rows that predict a prompt token
+            if top is not None and stop > start:
+                targets = seq.prompt_token_ids[start + 1 : stop + 1]
+                entries = self._token_logprobs(hidden[offset : offset + stop - start], targets, top)
+                out.append(PromptLogprobs(seq, start + 1, entries))
+            offset += n
+        return out
+
+    def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[Any]:
+        """[logprob of targets[i], top `top` (token, logprob)] for each row of hidden [rows, hidden]."""
+        vocab = self.model.config.vocab_size
+        step = max(1, _LOGPROB_SLICE_FLOATS // vocab)
+        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        entries: list[Any] = []
+        for a in range(0, len(targets), step):
+            lp = self.model.compute_logits(hidden[a : a + step])[:, :vocab].log_softmax(dim=-1)
+            chosen = lp.gather(1, tgt[a : a + step, None])[:, 0].tolist()
+            if not top:
+                entries += [[c, []] for c in chosen]
+                continue
+            top_v, top_i = lp.topk(min(top, vocab), dim=-1)
+            ids, vals = top_i.tolist(), top_v.tolist()
+            for j, c in enumerate(chosen):
+                entries.append([c, [[t, v] for t, v in zip(ids[j], vals[j], strict=True)]])
+        return entries

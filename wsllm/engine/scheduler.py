@@ -234,9 +234,10 @@ class Scheduler:
             seq = self._next_waiting()
             tokens = seq.token_ids
             first = min(seq.num_tokens, budget)
-            if not self.bm.can_allocate(tokens, first):
+            use_cache = seq.params.prompt_logprobs is None  # those need every prompt position computed
+            if not self.bm.can_allocate(tokens, first, use_cache):
                 break
-            cached = self.bm.allocate(seq.seq_id, tokens, first)
+            cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached

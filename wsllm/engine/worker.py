@@ -307,6 +307,8 @@ class EngineWorker:
                 live.finished.add(c.index)
                 ev.usage = Usage(out.num_prompt_tokens, c.num_tokens, out.num_cached_tokens)
             events.append(ev)
+        if out.prompt_logprobs is not None and events:  # once per request, on its first event here
+            events[0].prompt_logprobs = out.prompt_logprobs
         if out.finished:
             del self._live[out.request_id]
         return events

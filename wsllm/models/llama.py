@@ -1,6 +1,7 @@
 """The Llama family over a paged KV cache: Llama 2/3 (llama3 rope scaling),
-Mistral, Qwen2 (qkv bias) and SmolLM2. Grouped-query attention, RMSNorm, SwiGLU,
-tied embeddings. Attention metadata is passed explicitly, never through a global.
+Mistral, Qwen2 (qkv bias), Qwen3 (QK-norm, head_dim from the config) and SmolLM2.
+Grouped-query attention, RMSNorm, SwiGLU, tied or untied embeddings. Attention
+metadata is passed explicitly, never through a global.
 
 The forward pass calls submodules' `forward()` directly: `nn.Module.__call__` checks
 for hooks on every call, and a decode step of a small model on a CPU makes hundreds
@@ -23,6 +24,7 @@ SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -42,13 +44,16 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     arch: str = "llama"
+    qk_norm: bool = False  # RMSNorm over head_dim on each head of q and k, before rotary (Qwen3)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         model_type = cfg.get("model_type", "llama")
-        if archs[0] not in SUPPORTED_ARCHS and model_type not in ("llama", "mistral", "qwen2"):
+        if archs[0] not in SUPPORTED_ARCHS and model_type not in SUPPORTED_ARCHS.values():
             raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {model_type!r})")
+        if cfg.get("use_sliding_window"):  # Qwen2/3 configs carry it, off in every released model
+            raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
         rope = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         scaling = cfg.get("rope_scaling") or (
@@ -70,6 +75,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             arch=model_type,
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -109,6 +115,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.scale = c.head_dim**-0.5
+        self.qk_norm = c.qk_norm
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(
         self,
@@ -119,7 +129,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
+        qkv = self.qkv_proj.forward(x)  # [num_tokens, (H + 2 Hk) * D]
+        if self.qk_norm:
+            self._norm_qk(qkv)
         if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
             o = kernels.cpu_attention_block(qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale)
             return self.o_proj.forward(o)
@@ -146,6 +158,15 @@ class Attention(nn.Module):
                 meta.max_query_len,
             )
         return self.o_proj.forward(o.reshape(t, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """QK-norm in place on the fused projection's output, so that both attention
+        paths (the CPU block and the kernels) read normalized q and k as before."""
+        t = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        q.copy_(self.q_norm.forward(q))
+        k.copy_(self.k_norm.forward(k))
 
 
 class MLP(nn.Module):
