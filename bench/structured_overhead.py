@@ -75,7 +75,8 @@ def main() -> None:
 
     def prompt(i: int) -> list[int]:
         msg = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} (#{i}), as JSON."}]
-        return list(tok.apply_chat_template(msg, add_generation_prompt=True))
+        text = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False).input_ids)
 
     run(engine, [prompt(0)] * 2, True, 8)  # warm up: the tokenizer index, the first compile
     rows = [

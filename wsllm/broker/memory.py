@@ -45,7 +45,9 @@ class MemoryBroker(Broker):
         self.max_queue_depth = max_queue_depth
         self.max_event_batches = max_event_batches
         self._lock = Lock()
-        self._has_pending = Condition(self._lock)  # signalled by submit
+        # signalled by submit: the engines of any model (None) and of the request's model;
+        # an engine of another model sleeps on (a submit for A never wakes B's puller)
+        self._has_pending: dict[str | None, Condition] = {None: Condition(self._lock)}
         self._has_space = Condition(self._lock)  # signalled when the reader drains events
         self._pending: OrderedDict[str, GenerateRequest] = OrderedDict()
         self._max_aborts = max_aborts
@@ -80,7 +82,9 @@ class MemoryBroker(Broker):
             if request.request_id in self._pending:
                 raise ValueError(f"request id {request.request_id!r} is already queued")
             self._pending[request.request_id] = request
-            self._has_pending.notify_all()  # engines of other models wait on it too
+            for key in (None, request.model):
+                if (cond := self._has_pending.get(key)) is not None:
+                    cond.notify_all()
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -135,6 +139,7 @@ class MemoryBroker(Broker):
         `model`. Register each model's view before the gateway submits."""
         with self._lock:
             self._aborts.setdefault(model, deque(maxlen=self._max_aborts))
+            self._has_pending.setdefault(model, Condition(self._lock))
         return _ModelSide(self, model)
 
     def _pull(
@@ -152,7 +157,7 @@ class MemoryBroker(Broker):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                self._has_pending.wait(min(remaining, _POLL_S))
+                self._has_pending[model].wait(min(remaining, _POLL_S))
             else:
                 return []
             if rank is not None and len(mine) > max_n:  # the engine's best, oldest first among equals
@@ -231,7 +236,8 @@ class MemoryBroker(Broker):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._has_pending.notify_all()
+            for cond in self._has_pending.values():
+                cond.notify_all()
             self._has_space.notify_all()
             self._wake_reader()
 

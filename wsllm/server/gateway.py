@@ -54,7 +54,7 @@ from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest, sampling_params
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TemplateError, TextCodec
-from wsllm.server.tools import constraint, plan_chat
+from wsllm.server.tools import checked, plan_chat, wanted_constraint
 from wsllm.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,8 @@ class Gateway:
             if isinstance(req, ChatRequest)
             else None
         )
-        structured = await asyncio.to_thread(constraint, req, plan)
+        wanted = wanted_constraint(req, plan)
+        structured = None if wanted is None else await asyncio.to_thread(checked, *wanted)
         prompt_ids = await self._prompt_ids(req, model.codec, plan.template if plan else {})
         self._check_vocab(model.codec, list(req.token_bias or {}), "logit_bias")
         params = sampling_params(req, len(prompt_ids), max_len, self.cfg, structured)

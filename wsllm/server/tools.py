@@ -177,11 +177,12 @@ def plan_chat(req: ChatRequest, codec: TextCodec, model_name: str, tool_parser: 
     return plan
 
 
-def constraint(req: ChatRequest | CompletionRequest, plan: ChatPlan | None) -> dict[str, Any] | None:
-    """The one structured-output constraint of a checked request: its
-    `response_format` / `structured_outputs`, or the call a forcing `tool_choice` needs
-    (not both). Compiles it with llguidance: a spec that does not compile is a 400
-    naming the field that asked for it. Milliseconds; run it off the event loop."""
+def wanted_constraint(
+    req: ChatRequest | CompletionRequest, plan: ChatPlan | None
+) -> tuple[dict[str, Any], str] | None:
+    """The one structured-output constraint a checked request asks for, with the field
+    that asked: its `response_format` / `structured_outputs`, or the call a forcing
+    `tool_choice` needs (not both); None for free text. Cheap."""
     asked = req.structured
     forced = plan.sampling.get("structured") if plan is not None else None
     if asked is not None and forced is not None:
@@ -191,9 +192,14 @@ def constraint(req: ChatRequest | CompletionRequest, plan: ChatPlan | None) -> d
             "tool_choice: a forced call cannot be combined with response_format",
             "tool_choice",
         )
-    spec, param = asked if asked is not None else (forced, "tool_choice")
-    if spec is None:
-        return None
+    if asked is not None:
+        return asked
+    return None if forced is None else (forced, "tool_choice")
+
+
+def checked(spec: dict[str, Any], param: str) -> dict[str, Any]:
+    """`spec`, compiled once with llguidance: one that does not compile is a 400 naming
+    `param`. Milliseconds for ordinary schemas; run it off the event loop."""
     try:
         check_spec(spec)
     except ValueError as e:
