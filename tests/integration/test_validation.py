@@ -121,7 +121,7 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
         "top_logprobs",
     ),
     ("min_tokens over max_tokens", "completions", comp(min_tokens=5), 400, "invalid_request", "min_tokens"),
-    ("echo", "completions", comp(echo=True), 400, "invalid_request", "echo"),
+    ("echo of a wrong type", "completions", comp(echo="yes"), 400, "invalid_request", "echo"),
     (
         "prompt beyond the context",
         "completions",

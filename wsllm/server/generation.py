@@ -55,7 +55,7 @@ class Services:
 @dataclass(slots=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: list[tuple[str, float]]
 
 
@@ -118,6 +118,10 @@ class Generation:
         self.api = api
         self.prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         self.want_logprobs = params.logprobs is not None
+        self.prompt_ids_for_logprobs = prompt_ids if params.prompt_logprobs is not None else []
+        #: per prompt token (None for the first): filled once, from the engine's first event
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs_raw: list[Any] | None = None  # as the engine sent them (token ids)
         if output is None and "chat" in api:
             output = OutputOptions()  # no tools; <think> split off
         in_think = (
@@ -272,6 +276,9 @@ class Generation:
                 ev.error_code or ERR_INTERNAL, ev.error or f"bad event for choice {ev.index}"
             )
         self._observe(ev)
+        if ev.prompt_logprobs is not None and self.prompt_logprobs is None:  # a replay sends them again
+            self.prompt_logprobs_raw = ev.prompt_logprobs
+            self.prompt_logprobs = self._prompt_lps(ev.prompt_logprobs)
         c = self.choices[ev.index]
         if ev.usage is not None:
             self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
@@ -336,6 +343,15 @@ class Generation:
         if ev.queue_time is not None and t.queue_time is None:
             t.queue_time = ev.queue_time
             self.svc.metrics.queue.observe(ev.queue_time)
+
+    def _prompt_lps(self, entries: list[Any]) -> list[TokenLogprob]:
+        text = self.svc.codec.token_text
+        return [
+            TokenLogprob(text(tid), None, [])
+            if e is None
+            else TokenLogprob(text(tid), float(e[0]), [(text(int(t)), float(tlp)) for t, tlp in e[1]])
+            for tid, e in zip(self.prompt_ids_for_logprobs, entries, strict=False)
+        ]
 
     def _logprobs(self, ev: TokenEvent) -> list[TokenLogprob] | None:
         if not self.want_logprobs or not ev.logprobs:

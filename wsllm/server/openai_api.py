@@ -67,7 +67,7 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if lps is None:
         return None
 
-    def entry(token: str, lp: float) -> dict[str, Any]:
+    def entry(token: str, lp: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": lp, "bytes": list(token.encode())}
 
     return {
@@ -85,17 +85,43 @@ def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[st
     return {
         "tokens": [t.token for t in lps],
         "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [dict(t.top) for t in lps],
+        "top_logprobs": [None if t.logprob is None else dict(t.top) for t in lps],
         "text_offset": offsets,
     }
+
+
+def _vllm_prompt_logprobs(gen: Generation) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+    {token id: {"logprob", "rank" (in the top list), "decoded_token"}} for the prompt's
+    token and the top ones."""
+    raw = gen.prompt_logprobs_raw
+    if raw is None:
+        return None
+    text = gen.svc.codec.token_text
+    out: list[dict[str, Any] | None] = []
+    for tid, e in zip(gen.prompt_ids_for_logprobs, raw, strict=False):
+        if e is None:
+            out.append(None)
+            continue
+        entry = {
+            str(t): {"logprob": float(lp), "rank": r, "decoded_token": text(int(t))}
+            for r, (t, lp) in enumerate(e[1], 1)
+        }
+        entry.setdefault(str(tid), {"logprob": float(e[0]), "decoded_token": text(tid)})
+        out.append(entry)
+    return out
 
 
 class _Api:
     """Renders one request's deltas in the shape of its API (chat or completions)."""
 
-    def __init__(self, gen: Generation, model: str, chat: bool) -> None:
+    def __init__(
+        self, gen: Generation, model: str, chat: bool, echo: str | None = None, prompt_logprobs: bool = False
+    ) -> None:
         self.gen = gen
         self.chat = chat
+        self.echo = echo  # completions with `echo`: the prompt's text, sent before each choice's answer
+        self.vllm_prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` field asked for
         self.head = {
             "id": gen.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -115,14 +141,31 @@ class _Api:
             delta |= chat_extras(d.reasoning, d.tool_calls)
             out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
         else:
+            text, lps = d.text, d.logprobs
+            if d.index not in self.started:
+                self.started.add(d.index)
+                text, lps = self.echoed(text, lps)
             out = {
                 "index": d.index,
-                "text": d.text,
-                "logprobs": _completion_logprobs(d.logprobs, self.offsets[d.index]),
+                "text": text,
+                "logprobs": _completion_logprobs(lps, self.offsets[d.index]),
             }
+            if self.vllm_prompt_logprobs and d.index == 0 and self.offsets[0] == 0:
+                out["prompt_logprobs"] = _vllm_prompt_logprobs(self.gen)
+            self.offsets[d.index] += len(text)
+            out["finish_reason"] = d.finish_reason
+            return out
         self.offsets[d.index] += len(d.text)
         out["finish_reason"] = d.finish_reason
         return out
+
+    def echoed(self, text: str, lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
+        """A choice's first text (and logprobs) with the prompt's before it, for `echo`."""
+        if self.echo is None:
+            return text, lps
+        if lps is not None:
+            lps = list(self.gen.prompt_logprobs or []) + lps
+        return self.echo + text, lps
 
 
 async def sse_frames(gw: Gateway, api: _Api, include_usage: bool, after: int = 0) -> AsyncIterator[bytes]:
@@ -202,9 +245,16 @@ async def _full_response(request: Request, api: _Api) -> Response:
                 }
             )
         else:
-            choices.append(
-                {"index": i, "text": text, "logprobs": _completion_logprobs(lps, 0), "finish_reason": finish}
-            )
+            text, lps = api.echoed(text, lps)
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": _completion_logprobs(lps, 0),
+                "finish_reason": finish,
+            }
+            if api.vllm_prompt_logprobs:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen)
+            choices.append(choice)
     obj = "chat.completion" if api.chat else "text_completion"
     body = api.head | {"object": obj, "choices": choices, "usage": usage_json(gen.usage)}
     return Response(orjson.dumps(body), headers=gen.ratelimit_headers, media_type="application/json")
@@ -219,11 +269,20 @@ async def _generate(request: Request, chat: bool) -> Response:
     else:  # a large body must not hold up the other streams
         req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
     gen = await gw.start(req, "chat" if chat else "completions", request_tenant(request.state))
-    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat)
+    echo = prompt_text(gen, req) if isinstance(req, CompletionRequest) and req.echo else None
+    wants_plp = isinstance(req, CompletionRequest) and req.prompt_logprobs is not None
+    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat, echo, wants_plp)
     if req.stream:
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
         return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
     return await _full_response(request, api)
+
+
+def prompt_text(gen: Generation, req: CompletionRequest) -> str:
+    """The prompt as the client gave it: its text, or its token ids decoded."""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return str(gen.svc.codec.backend.decode(list(req.prompt), skip_special_tokens=False))
 
 
 def _event_stream(

@@ -314,7 +314,10 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] | None = None
+    # the prompt's text before the answer (and, with logprobs, its tokens' logprobs)
+    echo: bool | None = None
+    # vLLM's: the logprobs of each prompt token and its top N, in `prompt_logprobs`
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Beam search (vLLM's extension); the n best beams come back as the choices.
     use_beam_search: bool | None = None
     beam_width: int | None = Field(None, ge=1, le=MAX_BEAM_WIDTH)
@@ -434,6 +437,9 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
     for s in stops:
         if not s or len(s) > cfg.max_stop_len:
             raise bad("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
+    plp = getattr(req, "prompt_logprobs", None)
+    if plp is not None and plp > cfg.max_top_logprobs:
+        raise bad("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
     top = req.num_top_logprobs
     if top is not None and top > cfg.max_top_logprobs:
         param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
@@ -533,10 +539,25 @@ def sampling_params(
             logprobs=req.num_top_logprobs,
             structured=structured,
             logit_bias=req.token_bias,
+            prompt_logprobs=_prompt_logprobs(req),
             **_beam_fields(req),
         )
     except ValueError as e:  # SamplingParams' own checks: its message names the field
         raise APIError(400, "invalid_request", str(e)) from None
+
+
+def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
+    """Prompt logprobs to compute: vLLM's `prompt_logprobs`, or `logprobs` with `echo`
+    (OpenAI then gives the prompt's tokens logprobs too)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    if req.prompt_logprobs is not None:
+        return (
+            max(req.prompt_logprobs, req.logprobs or 0)
+            if req.echo and req.logprobs is not None
+            else req.prompt_logprobs
+        )
+    return req.logprobs if req.echo and req.logprobs is not None else None
 
 
 def _beam_fields(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
