@@ -93,6 +93,9 @@ class GatewayConfig:
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
     max_messages: int = field(default=1024, metadata={"help": "most chat messages in one request"})
+    max_prompts: int = field(
+        default=16, metadata={"help": "most prompts in one /v1/completions call (a list of prompts)"}
+    )
     max_requests_per_socket: int = field(
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )

@@ -183,11 +183,21 @@ def test_streamed_bad_input_is_a_plain_error(srv: Any) -> None:
     ids=["missing", "wrong", "not bearer"],
 )
 @pytest.mark.parametrize(
-    "route", ["/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics", "/ready"]
+    "route",
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/metrics",
+        "/ready",
+        "/tokenize",
+        "/detokenize",
+    ],
 )
 def test_api_key_is_required(srv: Any, route: str, headers: dict[str, str]) -> None:
-    method = "POST" if route.endswith("completions") else "GET"
-    body = chat() if "chat" in route else comp()
+    method = "POST" if route.endswith(("completions", "tokenize")) else "GET"
+    bodies = {"/detokenize": {"tokens": [1, 2]}, "/tokenize": {"prompt": "hello"}}
+    body = chat() if "chat" in route else bodies.get(route) or comp()
     assert_error(
         httpx.request(method, f"{srv.base_url}{route}", json=body, headers=headers), 401, "invalid_api_key"
     )

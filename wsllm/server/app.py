@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerClosed, BrokerError, QueueFull
 from wsllm.config import GatewayConfig
-from wsllm.server import openai_api
+from wsllm.server import openai_api, tokenize_api
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -152,6 +152,8 @@ def create_app(
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/streams/{request_id}", openai_api.resume_stream),
+        Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", ws_endpoint),
     ]
     static = Path(frontend_dir) if frontend_dir is not None else default_frontend_dir()

@@ -73,7 +73,9 @@ def from_validation(e: ValidationError, skip: int = 0) -> APIError:
         if _param(err["loc"][skip:]) != param:
             continue
         msg = err["msg"]
-        if err["type"] != "missing" and "input" in err:
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; this server does not take it"
+        elif err["type"] != "missing" and "input" in err:
             msg = f"{msg} (got {_short(err['input'])})"
         if msg not in msgs:
             msgs.append(msg)

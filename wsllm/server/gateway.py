@@ -51,7 +51,14 @@ from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.quota import admit
 from wsllm.server.router import Router
-from wsllm.server.schemas import ChatRequest, CompletionRequest, sampling_params
+from wsllm.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    Detokenize,
+    TokenizeChat,
+    TokenizeCompletion,
+    sampling_params,
+)
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TemplateError, TextCodec
 from wsllm.server.tools import checked, plan_chat, wanted_constraint
@@ -296,6 +303,33 @@ class Gateway:
             ) from None
         return gen
 
+    async def tokenize(
+        self, req: TokenizeCompletion | TokenizeChat, tenant: Tenant = ANONYMOUS
+    ) -> tuple[list[int], int, TextCodec]:
+        """vLLM's /tokenize: the token ids a prompt (or a chat's messages, through the
+        template as a chat request would have them) gives with the named model, with its
+        context length and its tokenizer."""
+        model, max_len = await self.resolve(req.model, tenant)
+        codec = model.codec
+        if isinstance(req, TokenizeChat):
+            chat = req.as_chat()
+            template = plan_chat(chat, codec, model.name, self.cfg.tool_parser).template | {
+                "add_generation_prompt": req.add_generation_prompt,
+                "continue_final_message": req.continue_final_message,
+            }
+            ids = await self._prompt_ids(chat, codec, template)
+        else:
+            encode = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
+            ids = await self._run_text(encode, req.prompt, len(req.prompt))
+        return ids, max_len, codec
+
+    async def detokenize(self, req: Detokenize, tenant: Tenant = ANONYMOUS) -> str:
+        """vLLM's /detokenize: the text of token ids of the named model."""
+        model, _ = await self.resolve(req.model, tenant)
+        self._check_vocab(model.codec, req.tokens, "tokens")
+        decode = functools.partial(model.codec.backend.decode, skip_special_tokens=False)
+        return str(await self._run_text(decode, req.tokens, 4 * len(req.tokens)))
+
     async def resume(self, token: str, request_id: str | None = None) -> Generation | None:
         """The Generation of the request that `token` (its resume token) names, started
         on any gateway, replaying its events from the first; None when the broker does
@@ -366,10 +400,11 @@ class Gateway:
     ) -> list[int]:
         self._check_vocab(codec, req.stop_token_ids or [], "stop_token_ids")
         if isinstance(req, CompletionRequest):
-            if isinstance(req.prompt, list):
-                self._check_vocab(codec, req.prompt, "prompt")
-                return list(req.prompt)
-            return await self._run_text(codec.encode, req.prompt, len(req.prompt))
+            prompt = req.single
+            if isinstance(prompt, list):
+                self._check_vocab(codec, prompt, "prompt")
+                return list(prompt)
+            return await self._run_text(codec.encode, prompt, len(prompt))
         messages = [m.as_template_input() for m in req.messages]
         size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
         try:

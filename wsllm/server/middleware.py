@@ -12,10 +12,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from wsllm.server.errors import APIError
 from wsllm.server.tenants import ANONYMOUS, Tenant, Tenants
 
-# Paths the key protects: the API, the WebSocket, metrics and readiness. The chat
+# Paths the key protects: the API, the WebSocket, (de)tokenize, metrics and readiness. The chat
 # UI's static files and /health (liveness probes) stay public; the UI asks for the
 # key and passes it on the WebSocket.
-PROTECTED_PREFIXES = ("/v1", "/metrics", "/ready")
+PROTECTED_PREFIXES = ("/v1", "/metrics", "/ready", "/tokenize", "/detokenize")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _WILDCARD_BINDS = ("", "0.0.0.0", "::")
 TENANT_STATE = "tenant"  # the key in scope["state"]

@@ -10,6 +10,7 @@ the stream again needs it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -130,6 +131,27 @@ class _Api:
         }
         self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
         self.started: set[int] = set()  # chat: choices whose role was sent
+        self.first_index = 0  # in a batch of prompts: this prompt's index * n
+
+    @property
+    def finished(self) -> bool:
+        return self.gen.finished
+
+    @property
+    def usage(self) -> Usage:
+        return self.gen.usage
+
+    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
+        """The chunk choices of the next deltas; None when `timeout` passed first."""
+        deltas = await self.gen.next(timeout=timeout)
+        return None if not deltas else self.choices_of(deltas)
+
+    def choices_of(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        return [
+            self.chunk_choice(d)
+            for d in deltas
+            if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls
+        ]
 
     def chunk_choice(self, d: Delta) -> dict[str, Any]:
         if self.chat:
@@ -154,6 +176,7 @@ class _Api:
                 out["prompt_logprobs"] = _vllm_prompt_logprobs(self.gen)
             self.offsets[d.index] += len(text)
             out["finish_reason"] = d.finish_reason
+            out["index"] = d.index + self.first_index
             return out
         self.offsets[d.index] += len(d.text)
         out["finish_reason"] = d.finish_reason
@@ -168,23 +191,77 @@ class _Api:
         return self.echo + text, lps
 
 
-async def sse_frames(gw: Gateway, api: _Api, include_usage: bool, after: int = 0) -> AsyncIterator[bytes]:
-    """The SSE events of a request; those numbered <= `after` (a resume's
-    Last-Event-ID) are computed, to rebuild the text state, but not sent."""
+def _total(gens: list[Generation]) -> Usage:
+    us = [g.usage for g in gens]
+    return Usage(
+        sum(u.prompt_tokens for u in us),
+        sum(u.completion_tokens for u in us),
+        sum(u.cached_tokens for u in us),
+    )
+
+
+class _Batch:
+    """A list of prompts in one /v1/completions call: one request per prompt, their
+    choices numbered prompt's index * n + choice, their usage summed."""
+
+    def __init__(self, apis: list[_Api]) -> None:
+        self.apis = apis
+        self.head = apis[0].head
+        n = len(apis[0].gen.choices)
+        for i, a in enumerate(apis):
+            a.head, a.first_index = self.head, i * n
+        self._pending: dict[int, asyncio.Future[list[Delta]]] = {}
+
+    @property
+    def finished(self) -> bool:
+        return all(a.gen.finished for a in self.apis)
+
+    @property
+    def usage(self) -> Usage:
+        return _total([a.gen for a in self.apis])
+
+    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
+        for i, a in enumerate(self.apis):
+            if i not in self._pending and not a.gen.finished:
+                self._pending[i] = asyncio.ensure_future(a.gen.next(timeout=timeout))
+        if not self._pending:
+            return []
+        await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        got: list[Delta] | None = None
+        out: list[dict[str, Any]] = []
+        for i in sorted(self._pending):
+            if self._pending[i].done():
+                deltas = self._pending.pop(i).result()  # raises GenerationError
+                got = (got or []) + deltas
+                out += self.apis[i].choices_of(deltas)
+        return out if got else None
+
+    async def close(self) -> None:
+        """However the call ends: stop waiting, and free what still runs."""
+        for f in self._pending.values():
+            f.cancel()
+        for f in self._pending.values():
+            with contextlib.suppress(BaseException):
+                await f
+        self._pending.clear()
+        for a in self.apis:
+            await a.gen.cancel()
+
+
+async def sse_frames(
+    gw: Gateway, api: _Api | _Batch, include_usage: bool, after: int = 0
+) -> AsyncIterator[bytes]:
+    """The SSE events of a request (or a batch of them); those numbered <= `after` (a
+    resume's Last-Event-ID) are computed, to rebuild the text state, but not sent."""
     n = 0
     usage_field = {"usage": None} if include_usage else {}
     one_per_delta = gw.broker.resumable
     try:
-        while not api.gen.finished:
-            deltas = await api.gen.next(timeout=gw.cfg.heartbeat_s)
-            if not deltas:
+        while not api.finished:
+            choices = await api.next_choices(gw.cfg.heartbeat_s)
+            if choices is None:
                 yield KEEPALIVE
                 continue
-            choices = [
-                api.chunk_choice(d)
-                for d in deltas
-                if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls
-            ]
             for group in [[c] for c in choices] if one_per_delta else [choices] if choices else []:
                 n += 1
                 if n > after:
@@ -198,7 +275,7 @@ async def sse_frames(gw: Gateway, api: _Api, include_usage: bool, after: int = 0
     if include_usage:
         n += 1
         if n > after:
-            yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.gen.usage)}))
+            yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.usage)}))
     yield DONE
 
 
@@ -210,10 +287,14 @@ async def _collect(gen: Generation) -> list[list[Delta]]:
     return per_choice
 
 
-async def _full_response(request: Request, api: _Api) -> Response:
-    gen = api.gen
+async def _collect_all(gens: list[Generation]) -> list[list[list[Delta]]]:
+    return list(await asyncio.gather(*(_collect(g) for g in gens)))
+
+
+async def _full_response(request: Request, apis: list[_Api]) -> Response:
+    """The whole answer of one request, or of a batch of prompts (one _Api each)."""
     try:
-        done, per_choice = await until_disconnect(request.receive, _collect(gen))
+        done, collected = await until_disconnect(request.receive, _collect_all([a.gen for a in apis]))
     except GenerationError as e:
         # The engine refused the request (400), is full or lost it (503); anything else is ours.
         status = {
@@ -224,9 +305,20 @@ async def _full_response(request: Request, api: _Api) -> Response:
         }.get(e.code, 500)
         raise APIError(status, e.code, e.message, retry_after=1 if status == 503 else None) from None
     finally:
-        await gen.cancel()  # no-op when it finished; frees the engine request otherwise
-    if not done or per_choice is None:
+        for a in apis:
+            await a.gen.cancel()  # no-op when it finished; frees the engine request otherwise
+    if not done or collected is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = [c for api, per_choice in zip(apis, collected, strict=True) for c in _choices(api, per_choice)]
+    api = apis[0]
+    obj = "chat.completion" if api.chat else "text_completion"
+    body = api.head | {"object": obj, "choices": choices, "usage": usage_json(_total([a.gen for a in apis]))}
+    headers = apis[-1].gen.ratelimit_headers  # the last admitted: the freshest figures
+    return Response(orjson.dumps(body), headers=headers, media_type="application/json")
+
+
+def _choices(api: _Api, per_choice: list[list[Delta]]) -> list[dict[str, Any]]:
+    gen = api.gen
     choices = []
     for i, deltas in enumerate(per_choice):
         text = "".join(d.text for d in deltas)
@@ -247,7 +339,7 @@ async def _full_response(request: Request, api: _Api) -> Response:
         else:
             text, lps = api.echoed(text, lps)
             choice = {
-                "index": i,
+                "index": api.first_index + i,
                 "text": text,
                 "logprobs": _completion_logprobs(lps, 0),
                 "finish_reason": finish,
@@ -255,9 +347,7 @@ async def _full_response(request: Request, api: _Api) -> Response:
             if api.vllm_prompt_logprobs:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen)
             choices.append(choice)
-    obj = "chat.completion" if api.chat else "text_completion"
-    body = api.head | {"object": obj, "choices": choices, "usage": usage_json(gen.usage)}
-    return Response(orjson.dumps(body), headers=gen.ratelimit_headers, media_type="application/json")
+    return choices
 
 
 async def _generate(request: Request, chat: bool) -> Response:
@@ -268,21 +358,69 @@ async def _generate(request: Request, chat: bool) -> Response:
         req = validate_http(model, raw, gw.cfg)
     else:  # a large body must not hold up the other streams
         req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
-    gen = await gw.start(req, "chat" if chat else "completions", request_tenant(request.state))
-    echo = prompt_text(gen, req) if isinstance(req, CompletionRequest) and req.echo else None
-    wants_plp = isinstance(req, CompletionRequest) and req.prompt_logprobs is not None
-    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat, echo, wants_plp)
+    tenant = request_tenant(request.state)
+    batch = req.prompts if isinstance(req, CompletionRequest) else None
+    if batch is not None:
+        return await _generate_batch(request, gw, req, batch)
+    gen = await gw.start(req, "chat" if chat else "completions", tenant)
+    api = (
+        _completion_api(gw, gen, req)
+        if isinstance(req, CompletionRequest)
+        else _Api(gen, _model(gw, gen), chat)
+    )
     if req.stream:
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
         return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
-    return await _full_response(request, api)
+    return await _full_response(request, [api])
+
+
+def _model(gw: Gateway, gen: Generation) -> str:
+    return str(gen.context.get("model") or gw.model_name)
+
+
+def _completion_api(gw: Gateway, gen: Generation, req: CompletionRequest) -> _Api:
+    echo = prompt_text(gen, req) if req.echo else None
+    return _Api(gen, _model(gw, gen), False, echo, req.prompt_logprobs is not None)
+
+
+async def _generate_batch(
+    request: Request, gw: Gateway, req: CompletionRequest, prompts: list[str | list[int]]
+) -> Response:
+    """A list of prompts: each is a request of its own (admitted, queued and rate
+    limited as one); the answer is one response. Not resumable: a cut stream ends
+    them all."""
+    tenant = request_tenant(request.state)
+    gens: list[Generation] = []
+    try:
+        for i, p in enumerate(prompts):
+            try:
+                gens.append(await gw.start(req.one(p), "completions", tenant))
+            except APIError as e:
+                if e.param == "prompt":  # name the prompt of the batch
+                    e.param, e.message = f"prompt.{i}", e.message.replace("prompt", f"prompt.{i}", 1)
+                raise
+    except BaseException:
+        for g in gens:
+            await g.cancel()
+        raise
+    batch = _Batch([_completion_api(gw, g, req.one(p)) for g, p in zip(gens, prompts, strict=True)])
+    if not req.stream:
+        return await _full_response(request, batch.apis)
+    return EventStream(
+        sse_frames(gw, batch, req.include_usage),
+        on_close=batch.close,
+        send_timeout_s=gw.cfg.send_timeout_s,
+        on_timeout=lambda: gw.metrics.send_timeout("sse"),
+        headers=gens[-1].ratelimit_headers,
+    )
 
 
 def prompt_text(gen: Generation, req: CompletionRequest) -> str:
     """The prompt as the client gave it: its text, or its token ids decoded."""
-    if isinstance(req.prompt, str):
-        return req.prompt
-    return str(gen.svc.codec.backend.decode(list(req.prompt), skip_special_tokens=False))
+    prompt = req.single
+    if isinstance(prompt, str):
+        return prompt
+    return str(gen.svc.codec.backend.decode(prompt, skip_special_tokens=False))
 
 
 def _event_stream(
@@ -333,7 +471,7 @@ async def resume_stream(request: Request) -> Response:
             f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
             "id",
         )
-    api = _Api(gen, str(gen.context.get("model") or gw.model_name), chat="chat" in gen.api)
+    api = _Api(gen, _model(gw, gen), chat="chat" in gen.api)
     frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
     return _event_stream(gw, gen, frames)
 

@@ -59,15 +59,25 @@ _TEMPLATE_RESERVED = frozenset(
 # OpenAI's range for temperature (the engine takes up to types.MAX_TEMPERATURE).
 API_MAX_TEMPERATURE = 2.0
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TextPrompt = Annotated[str, Field(min_length=1)]
+IdsPrompt = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 
 class _Strict(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    # An unknown field is a 400 naming it (errors.from_validation): nothing a client asks
+    # for is dropped without a word. OpenAI fields that have no effect here are declared
+    # as `Inert` on the models that take them (docs/protocol.md, "Fields with no effect").
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+# A field that is accepted and has no effect here (OpenAI's bookkeeping fields, and what
+# clients send back in an assistant message they got); never used, never dumped.
+Inert = Annotated[Any, Field(None, exclude=True)]
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: Inert  # OpenAI's padding of stream chunks: none here
 
 
 class JsonSchemaFormat(_Strict):
@@ -114,6 +124,12 @@ class SamplingFields(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     user: str | None = Field(None, max_length=256)
+    # OpenAI's, accepted with no effect here (docs/protocol.md, "Fields with no effect"):
+    store: Inert  # stored completions
+    metadata: Inert  # tags for stored completions
+    service_tier: Inert  # "auto" / "default" / "flex": one tier here
+    safety_identifier: Inert  # the newer name of `user`
+    prompt_cache_key: Inert  # prefix caching is automatic here
     # vLLM's extension; higher is admitted first. The gateway caps it per key.
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     stream: bool | None = None
@@ -246,6 +262,13 @@ class ChatMessage(_Strict):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # role "tool": the call it answers
+    # What clients send back in an assistant message they got (OpenAI's fields, and the
+    # reasoning of a reasoning model): accepted, not shown to the model.
+    refusal: Inert
+    annotations: Inert
+    audio: Inert
+    function_call: Inert
+    reasoning_content: Inert
 
     @property
     def text(self) -> str:
@@ -308,10 +331,13 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    # A string, or token ids. (Batches of prompts are not supported: use n or more requests.)
+    # A string, or token ids; or a list of either (a batch, /v1/completions only: one
+    # answer per prompt and choice, `index` = prompt's index * n + choice).
     prompt: (
-        Annotated[str, Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+        TextPrompt
+        | IdsPrompt
+        | Annotated[list[TextPrompt], Field(min_length=1)]
+        | Annotated[list[IdsPrompt], Field(min_length=1)]
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # the prompt's text before the answer (and, with logprobs, its tokens' logprobs)
@@ -327,6 +353,83 @@ class CompletionRequest(SamplingFields):
     @property
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]] | None:
+        """The prompts of a batch; None for one prompt."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return None
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def single(self) -> str | list[int]:
+        """The one prompt of a request that is not a batch."""
+        if self.prompts is not None:
+            raise ValueError("a batch of prompts has no single prompt")
+        return self.prompt  # type: ignore[return-value]
+
+    def one(self, prompt: str | list[int]) -> CompletionRequest:
+        """This request for one prompt of its batch."""
+        return self.model_copy(update={"prompt": prompt})
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------
+
+
+class TokenizeCompletion(_Strict):
+    model: str | None = Field(None, max_length=MAX_ID_CHARS)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_Strict):
+    model: str | None = Field(None, max_length=MAX_ID_CHARS)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The template writes the special tokens; true is refused (it would add a second BOS).
+    add_special_tokens: Literal[False] = False
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def as_chat(self) -> ChatRequest:
+        """The chat request whose prompt this is (for the template and its checks)."""
+        req = ChatRequest.model_construct(
+            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+        )
+        check_chat(req)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise _bad("continue_final_message", "cannot be combined with add_generation_prompt")
+        return req
+
+
+class Detokenize(_Strict):
+    model: str | None = Field(None, max_length=MAX_ID_CHARS)
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
+
+
+def validate_tokenize(raw: bytes, cfg: GatewayConfig) -> TokenizeCompletion | TokenizeChat:
+    """A /tokenize body: `prompt` (text) or `messages` (a chat), as vLLM takes them."""
+    obj = parse_json(raw)
+    if not isinstance(obj, dict):
+        raise APIError(400, "invalid_request", "the body must be a JSON object")
+    _check_message_count(obj, cfg)
+    model = TokenizeChat if "messages" in obj else TokenizeCompletion
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def validate_detokenize(raw: bytes) -> Detokenize:
+    obj = parse_json(raw)
+    try:
+        return Detokenize.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation(e) from None
 
 
 # -- WebSocket messages (docs/protocol.md) ------------------------------------------------
@@ -451,6 +554,12 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
         raise bad("n", "must not exceed beam_width with use_beam_search")
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
         raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
+    batch = req.prompts if isinstance(req, CompletionRequest) else None
+    if batch is not None:
+        if isinstance(req, WsCompletion):
+            raise bad("prompt", "a list of prompts is for /v1/completions; send a request per prompt here")
+        if not 1 <= len(batch) <= cfg.max_prompts:
+            raise bad("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
     if isinstance(req, ChatRequest):
         check_chat(req)
 

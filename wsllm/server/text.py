@@ -60,9 +60,9 @@ class TextCodec:
         self._literal = Tokenizer.from_str(backend.to_str())
         self._literal.encode_special_tokens = True
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
-        return list(self.backend.encode(text, add_special_tokens=True).ids)
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     @property
     def chat_template(self) -> str:
@@ -79,6 +79,8 @@ class TextCodec:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         if self.hf is None or not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; use /v1/completions")
@@ -87,7 +89,8 @@ class TextCodec:
                 messages,
                 tools=tools or None,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
         except Exception as e:  # jinja2 raises TemplateError or anything the template raises
@@ -100,6 +103,8 @@ class TextCodec:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         tool_prompt: ToolPrompt | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The chat prompt's token ids. The template writes the special tokens itself
         (no second BOS); what the messages say is always plain text. `tools` go to the
@@ -107,7 +112,9 @@ class TextCodec:
         written into the messages."""
         if tools and tool_prompt is not None and "tools" not in self.chat_template:
             messages, tools = tool_prompt.inline(messages, tools), None
-        render = lambda ms: self.render_chat(ms, tools, template_kwargs)  # noqa: E731
+        render = lambda ms: self.render_chat(  # noqa: E731
+            ms, tools, template_kwargs, add_generation_prompt, continue_final_message
+        )
         if not any(sp in m["content"] for m in messages for sp in self._specials):
             return list(self.backend.encode(render(messages), add_special_tokens=False).ids)
         # Render with a mark per content, then tokenize the template's own text with its
