@@ -5,7 +5,7 @@
 // token. Markdown is re-rendered from the whole text and patched block by block.
 
 import { iconButton, setIcon } from "./icons.js";
-import { patchChildren, renderMarkdown } from "./markdown.js";
+import { renderAnswer } from "./answer-parts.js";
 import { isLive } from "./chat.js";
 
 const NEAR_BOTTOM_PX = 80;
@@ -171,7 +171,7 @@ export class MessageView {
     } else if (msg.role === "user") {
       if (body.textContent !== msg.content || body.firstElementChild) body.textContent = msg.content;
     } else {
-      patchChildren(body, renderMarkdown(msg.content));
+      renderAnswer(body, msg, isLive(msg)); // Thinking, the answer, tool calls (answer-parts.js)
     }
     const statusText = this._statusText(msg);
     status.textContent = statusText;
