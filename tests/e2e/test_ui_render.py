@@ -17,7 +17,9 @@ from playwright.sync_api import expect
 
 SIZES = [(390, 844), (1280, 800)]
 
-PYTHON = 'def greet(name):\n    """Say hello."""\n    return f"hello {name}"  # a comment\n\nprint(greet("x"))'
+PYTHON = (
+    'def greet(name):\n    """Say hello."""\n    return f"hello {name}"  # a comment\n\nprint(greet("x"))'
+)
 HTML = '<img src=x onerror="window.__pwned = 1">\n<script>window.__pwned = 2</script>'
 CODE_ANSWER = f"Here it is:\n\n```python\n{PYTHON}\n```\n\nAnd markup:\n\n```html\n{HTML}\n```\n\nDone."
 
@@ -92,8 +94,9 @@ def stored_messages(page: Any) -> list[dict[str, Any]]:
 
 def test_code_blocks_are_highlighted_and_copy_only_the_code(ui) -> None:
     conv = ui.conversation("ccode", "Code", [("user", "Show me code."), ("assistant", CODE_ANSWER)])
-    for size in SIZES:
-        page = ui.page(size, convs=[conv], settings={**ui.FAST, "max_tokens": 60})
+    keyword_colours = {}
+    for size, scheme in [(SIZES[0], "light"), (SIZES[1], "dark"), (SIZES[1], "light")]:
+        page = ui.page(size, scheme, convs=[conv], settings={**ui.FAST, "max_tokens": 60})
         page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.server.url)
         answer = ui.last_answer(page)
         py, html = answer.locator(".codeblock").nth(0), answer.locator(".codeblock").nth(1)
@@ -112,7 +115,12 @@ def test_code_blocks_are_highlighted_and_copy_only_the_code(ui) -> None:
         expect(py.locator("button.copy-code")).to_have_text("Copied")
         assert page.evaluate("navigator.clipboard.readText()") == PYTHON
         expect(py.locator("button.copy-code")).to_have_text("Copy")
-        shoot(ui, page, "code")
+        # The highlight theme follows the page's: a11y-light's keyword colour, or a11y-dark's.
+        keyword_colours[scheme] = py.locator(".hljs-keyword").first.evaluate(
+            "(el) => getComputedStyle(el).color"
+        )
+        shoot(ui, page, f"code-{scheme}")
+    assert keyword_colours == {"light": "rgb(121, 40, 161)", "dark": "rgb(220, 198, 224)"}
 
     # A live answer: the server's regex makes the model write a fenced block, highlighted once
     # it is complete.
@@ -279,7 +287,10 @@ def test_tool_calls_are_assembled_into_cards(ui) -> None:
     jsonschema.validate(args, tools[0]["function"]["parameters"])
     assert args_text == json.dumps(args, indent=2, ensure_ascii=False)  # pretty-printed
     stored = stored_messages(page)[-1]
-    assert stored["toolCalls"][0]["name"] == "get_weather" and json.loads(stored["toolCalls"][0]["arguments"]) == args
+    assert (
+        stored["toolCalls"][0]["name"] == "get_weather"
+        and json.loads(stored["toolCalls"][0]["arguments"]) == args
+    )
     shoot(ui, page, "tool-call")
     ui.assert_no_errors(page)
 
@@ -290,6 +301,7 @@ def test_json_schema_answers_are_formatted_and_valid(ui) -> None:
         frames = sent_frames(page)
         set_format(page, "schema", json.dumps(SCHEMA, indent=1))
         expect(page.locator("#format-check")).to_be_hidden()
+        shoot(ui, page, "format-dialog")
         close_format(page)
         expect(page.locator("#format-button")).to_have_text("Schema")
         ui.send(page, "A person, please.")
@@ -309,6 +321,10 @@ def test_json_schema_answers_are_formatted_and_valid(ui) -> None:
         assert answer.locator(".hljs-attr").count() == 3  # the three keys, highlighted
         assert stored_messages(page)[-1]["json"] is True
         shoot(ui, page, "json")
+        # The format stays with the conversation, and the answer is drawn the same after a reload.
+        page.reload()
+        expect(page.locator("#format-button")).to_have_text("Schema")
+        expect(ui.last_answer(page).locator("code.hljs")).to_have_text(shown)
     ui.assert_no_errors(page)
 
 
