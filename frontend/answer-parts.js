@@ -16,17 +16,19 @@ import { codeBlockElement, patchChildren, renderMarkdown } from "./markdown.js";
 
 const PREVIEW_CHARS = 90; // the tail of the reasoning shown in the folded summary while it streams
 
-/** Draw `msg` into `body`. `live`: the answer is still streaming. */
+/** Draw `msg` into `body`. `live`: the answer is still streaming. Returns true when some code
+ * blocks are still to be highlighted (render again soon). */
 export function renderAnswer(body, msg, live) {
   const thinking = part(body, "details", "thinking", 0, !!msg.reasoning);
   if (thinking) renderThinking(thinking, msg, live);
   const answer = part(body, "div", "answer markdown", 1, true);
   const frag = msg.json ? jsonFragment(msg.content, live) : renderMarkdown(msg.content);
-  highlightBlocks(frag, { live });
+  let pending = highlightBlocks(frag, { live });
   patchChildren(answer, frag);
   const calls = Array.isArray(msg.toolCalls) ? msg.toolCalls.filter((c) => c && typeof c === "object") : [];
   const tools = part(body, "div", "tool-calls", 2, calls.length > 0);
-  if (tools) renderToolCalls(tools, calls, live);
+  if (tools) pending = renderToolCalls(tools, calls, live) || pending;
+  return pending;
 }
 
 // The body's child of class `cls` (created, or removed when `wanted` is false), kept in the
@@ -132,6 +134,7 @@ function renderToolCalls(box, calls, live) {
     card.append(head, codeBlockElement(prettyArguments(call.arguments), "json"));
     frag.appendChild(card);
   });
-  highlightBlocks(frag, { live });
+  const pending = highlightBlocks(frag, { live });
   patchChildren(box, frag);
+  return pending;
 }

@@ -9,15 +9,16 @@
 // stays plain. So a block is the same text as before, with coloured spans around its tokens.
 //
 // Cost: each (language, code) pair is highlighted once and kept (most recently used first),
-// so an answer re-rendered on every frame while it streams only clones the cached result. A
-// block longer than MAX_BLOCK characters, or past MAX_RENDER characters of new work in one
-// render, stays plain.
+// so an answer re-rendered on every frame while it streams only clones the cached result.
+// highlight.js is not linear on every input (20,000 `"` take C# about 0.4 s), so a block longer
+// than MAX_BLOCK characters stays plain, and one render starts no new block after BUDGET_MS:
+// the rest waits for the next render (highlightBlocks says so).
 
 import hljs from "./vendor/highlight/highlight.min.js";
 
-const MAX_BLOCK = 20000; // characters: longer blocks are not highlighted
-const MAX_AUTO = 5000; // characters: a block without a language is auto-detected up to this
-const MAX_RENDER = 200000; // characters of new highlighting per render
+const MAX_BLOCK = 10000; // characters: longer blocks are not highlighted
+const MAX_AUTO = 2000; // characters: a block without a language is auto-detected up to this
+const BUDGET_MS = 25; // new highlighting per render
 const MIN_AUTO_RELEVANCE = 5; // below this, an auto-detected language is a guess: stay plain
 const CACHE_SIZE = 256;
 const CLASS_WORD = /^[A-Za-z][\w-]*$/;
@@ -26,10 +27,12 @@ const MAX_NESTING = 64;
 const cache = new Map(); // `${lang}\0${text}` -> {frag, language} or null (left plain)
 
 /** Highlight the code blocks under `root` (an element or a fragment, before it is shown).
- * `live`: the answer is still streaming, so its last block may still grow: it stays plain. */
+ * `live`: the answer is still streaming, so its last block may still grow: it stays plain.
+ * Returns true when blocks were left for a later render (out of time). */
 export function highlightBlocks(root, { live = false } = {}) {
   const blocks = root.querySelectorAll(".codeblock");
-  let budget = MAX_RENDER;
+  const deadline = performance.now() + BUDGET_MS;
+  let pending = false;
   const last = live ? blocks.length - 1 : -1;
   blocks.forEach((block, k) => {
     if (k === last) return;
@@ -41,8 +44,10 @@ export function highlightBlocks(root, { live = false } = {}) {
     const key = `${lang}\u0000${text}`;
     let hit = cache.get(key);
     if (hit === undefined) {
-      if (text.length > budget) return;
-      budget -= text.length;
+      if (performance.now() > deadline) {
+        pending = true;
+        return;
+      }
       hit = highlight(text, lang);
     }
     remember(key, hit);
@@ -52,6 +57,7 @@ export function highlightBlocks(root, { live = false } = {}) {
     const label = block.querySelector(".codelang");
     if (!lang && label) label.textContent = hit.language; // detected: say which
   });
+  return pending;
 }
 
 function remember(key, value) {

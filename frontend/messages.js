@@ -171,7 +171,9 @@ export class MessageView {
     } else if (msg.role === "user") {
       if (body.textContent !== msg.content || body.firstElementChild) body.textContent = msg.content;
     } else {
-      renderAnswer(body, msg, isLive(msg)); // Thinking, the answer, tool calls (answer-parts.js)
+      // Thinking, the answer, tool calls (answer-parts.js); code left unhighlighted for lack of
+      // time in this frame is done in a later one.
+      if (renderAnswer(body, msg, isLive(msg))) setTimeout(() => this.update(msg.id), 50);
     }
     const statusText = this._statusText(msg);
     status.textContent = statusText;

@@ -204,7 +204,10 @@ export class OutputFormatControl {
     const o = normalizeOutput(conv?.output);
     const problem = outputProblem(o);
     this.button.textContent = MODES[o.mode].short;
-    this.button.setAttribute("aria-label", `Answer format: ${MODES[o.mode].label}${problem ? " (needs fixing)" : ""}`);
+    const { short, label } = MODES[o.mode];
+    // The visible word first in the name (WCAG 2.5.3), then what it stands for.
+    const name = short === label ? short : `${short} (${label})`;
+    this.button.setAttribute("aria-label", `Answer format: ${name}${problem ? ", needs fixing" : ""}`);
     this.button.title = `Answer format: ${MODES[o.mode].label}`;
     this.button.classList.toggle("on", o.mode !== "text");
     this.button.classList.toggle("invalid", !!problem);

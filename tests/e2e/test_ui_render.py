@@ -139,6 +139,23 @@ def test_code_blocks_are_highlighted_and_copy_only_the_code(ui) -> None:
     ui.assert_no_errors(page)
 
 
+def test_slow_blocks_are_highlighted_over_several_repaints(ui) -> None:
+    # 20,000 `"` take highlight.js's C# grammar about 0.4 s: one repaint highlights blocks for
+    # 25 ms at most and leaves the rest to the next ones. All of them get there; a block over
+    # the 10,000-character cap stays plain.
+    quotes = '"' * 6000
+    slow = "".join(f"```csharp\n// block {k}\n{quotes}\n```\n\n" for k in range(8))
+    huge = "```python\n" + "x = 1\n" * 2000 + "```"
+    conv = ui.conversation("cslow", "Slow", [("user", "Many blocks."), ("assistant", slow + huge)])
+    page = ui.page(convs=[conv])
+    blocks = ui.last_answer(page).locator(".codeblock code")
+    expect(blocks).to_have_count(9)
+    expect(ui.last_answer(page).locator(".codeblock code.hljs")).to_have_count(8, timeout=30_000)
+    assert "hljs" not in (blocks.nth(8).get_attribute("class") or "")
+    assert blocks.nth(8).text_content() == "x = 1\n" * 1999 + "x = 1"
+    ui.assert_no_errors(page)
+
+
 def hold_after_reasoning(page: Any) -> dict[str, Any]:
     """Reload `page` with its socket routed through Playwright: the server's messages pass
     until the first answer text (`delta` or `done`); that one and all after it are held until
