@@ -3,6 +3,7 @@
 import { Chat, describeError } from "./chat.js";
 import { icon, setIcon } from "./icons.js";
 import { MessageView } from "./messages.js";
+import { OutputFormatControl } from "./output-format.js";
 import { AuthError, fetchModels, SettingsPanel } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { Store } from "./store.js";
@@ -56,6 +57,7 @@ function main() {
     edit: (msg, text) => chat.editAndResend(activeId, msg.id, text),
     connected: () => ws.state === ConnState.CONNECTED,
   });
+  const format = new OutputFormatControl(chat, () => activeId); // the answer format, per conversation
   const sidebar = new Sidebar($("conv-list"), {
     select: (id) => {
       select(id);
@@ -95,6 +97,7 @@ function main() {
     $("system-prompt").value = conv.system;
     $("system-box").open = !!conv.system;
     view.show(conv);
+    format.show(conv);
     renderList();
     renderChrome();
   }
@@ -305,7 +308,7 @@ function main() {
   loadModels(true); // quiet: if the server is down, the hello after reconnect retries
   prompt.focus();
   // Handles for tests and debugging in the console.
-  window.wsllm = { chat, ws, store, settings, view };
+  window.wsllm = { chat, ws, store, settings, view, format };
 }
 
 main();

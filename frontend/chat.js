@@ -3,8 +3,11 @@
 // Each conversation has at most one answer in flight; several conversations can stream
 // at once over the same socket. Events: "list" (titles, order or streaming marks
 // changed), "conversation" {id} (messages added/removed), "message" {convId, msgId}
-// (one message's text, status or figures changed).
+// (one message's text, status or figures changed), "refused" {id, error} (the conversation's
+// answer format cannot be sent, e.g. a bad JSON Schema: nothing was sent).
 
+import { addReasoning, endReasoning, mergeToolCalls } from "./answer-data.js";
+import { isJsonOutput, outputFields, outputProblem } from "./output-format.js";
 import { newConversation, newMessage } from "./store.js";
 
 const LIVE = new Set(["waiting", "queued", "streaming"]);
@@ -100,7 +103,7 @@ export class Chat extends EventTarget {
 
   send(id, text) {
     const conv = this.get(id);
-    if (!conv || !text.trim() || this.generating(id)) return false;
+    if (!conv || !text.trim() || this.generating(id) || this._refused(conv)) return false;
     conv.messages.push(newMessage("user", text));
     if (!conv.renamed && conv.messages.filter((m) => m.role === "user").length === 1) {
       const t = text.trim().replace(/\s+/g, " ");
@@ -112,7 +115,7 @@ export class Chat extends EventTarget {
 
   regenerate(id, msgId) {
     const conv = this.get(id);
-    if (!conv) return;
+    if (!conv || this._refused(conv)) return;
     this.stop(id);
     const k = conv.messages.findIndex((m) => m.id === msgId);
     if (k < 0 || conv.messages[k].role !== "assistant") return;
@@ -122,7 +125,7 @@ export class Chat extends EventTarget {
 
   editAndResend(id, msgId, text) {
     const conv = this.get(id);
-    if (!conv || !text.trim()) return;
+    if (!conv || !text.trim() || this._refused(conv)) return;
     this.stop(id);
     const k = conv.messages.findIndex((m) => m.id === msgId);
     if (k < 0 || conv.messages[k].role !== "user") return;
@@ -164,6 +167,13 @@ export class Chat extends EventTarget {
 
   // ---- one answer ---------------------------------------------------------------
 
+  /** The conversation's answer format cannot be sent (a bad schema): say why, send nothing. */
+  _refused(conv) {
+    const error = outputProblem(conv.output);
+    if (error) this._emit("refused", { id: conv.id, error });
+    return !!error;
+  }
+
   _history(conv) {
     const out = [];
     if (conv.system.trim()) out.push({ role: "system", content: conv.system });
@@ -186,7 +196,7 @@ export class Chat extends EventTarget {
     };
     if (s.model) p.model = s.model;
     if (s.seed !== null) p.seed = s.seed;
-    return p;
+    return Object.assign(p, outputFields(conv.output)); // JSON, a schema or a regex (output-format.js)
   }
 
   _answer(conv) {
@@ -195,6 +205,7 @@ export class Chat extends EventTarget {
     msg.status = "waiting";
     msg.stats = {};
     msg.model = payload.model || this.ws.hello?.model || "";
+    if (isJsonOutput(conv.output)) msg.json = true; // shown formatted once complete
     conv.messages.push(msg);
     const rt = { sentAt: performance.now(), firstAt: null, deltas: 0 };
     this._runtime.set(msg.id, rt);
@@ -209,6 +220,22 @@ export class Chat extends EventTarget {
     const changed = () => {
       this._emit("message", { convId: conv.id, msgId: msg.id });
       this.store.saveConversation(conv, 1000);
+    };
+    // A delta or a piece of reasoning arrived: figures and the resume position.
+    const progress = (seq) => {
+      const now = performance.now();
+      if (rt.firstAt === null) {
+        rt.firstAt = now;
+        if (rt.sentAt !== null && msg.stats.ttftMs === undefined) msg.stats.ttftMs = now - rt.sentAt;
+      }
+      rt.deltas += 1;
+      rt.lastAt = now;
+      msg.status = "streaming";
+      msg.reconnecting = false;
+      msg.lastSeq = seq;
+      msg.stats.tokens = rt.deltas; // an estimate until `done` brings usage
+      msg.stats.tps = rate(rt.deltas, rt.firstAt, now);
+      return now;
     };
     return {
       sent: () => {
@@ -229,21 +256,17 @@ export class Chat extends EventTarget {
         msg.reconnecting = true;
         changed();
       },
-      delta: (text, seq) => {
+      delta: (text, seq, toolCalls) => {
         if (!isLive(msg)) return;
-        const now = performance.now();
-        if (rt.firstAt === null) {
-          rt.firstAt = now;
-          if (rt.sentAt !== null && msg.stats.ttftMs === undefined) msg.stats.ttftMs = now - rt.sentAt;
-        }
-        rt.deltas += 1;
-        rt.lastAt = now;
-        msg.status = "streaming";
-        msg.reconnecting = false;
+        const now = progress(seq);
+        if (text || toolCalls) endReasoning(msg, rt, now);
         msg.content += text;
-        msg.lastSeq = seq;
-        msg.stats.tokens = rt.deltas; // an estimate until `done` brings usage
-        msg.stats.tps = rate(rt.deltas, rt.firstAt, now);
+        if (toolCalls) mergeToolCalls(msg, toolCalls); // answer-data.js
+        changed();
+      },
+      reasoning: (text, seq) => {
+        if (!isLive(msg)) return;
+        addReasoning(msg, text, rt, progress(seq)); // the Thinking block (answer-data.js)
         changed();
       },
       done: (m) => {
@@ -273,6 +296,7 @@ export class Chat extends EventTarget {
     msg.status = status;
     msg.finishReason = finishReason;
     msg.reconnecting = false;
+    endReasoning(msg, rt, rt?.lastAt ?? performance.now()); // an answer that was all thinking
     if (Number.isInteger(tokens)) msg.stats.tokens = tokens;
     if (rt && rt.firstAt !== null) {
       // Speed over the time tokens actually arrived (not the wait on a lost socket).

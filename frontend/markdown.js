@@ -260,15 +260,21 @@ function codeBlock(parent, lines, i, m) {
     }
     body.push(lines[i]);
   }
+  parent.appendChild(codeBlockElement(body.join("\n"), lang));
+  return i;
+}
+
+/** A code block (bar with its language and a copy button, then the code as text). `lang`:
+ * a short word of `\w+#.-`, or "". Also used for answers that are not markdown (JSON). */
+export function codeBlockElement(text, lang) {
   const wrap = codeFrame();
   const label = wrap.firstChild.firstChild;
   label.textContent = lang || "code";
   wrap.firstChild.lastChild.setAttribute("aria-label", `Copy ${lang || "code"} block`);
   const code = wrap.lastChild.firstChild;
   if (lang) code.dataset.lang = lang;
-  code.textContent = body.join("\n");
-  parent.appendChild(wrap);
-  return i;
+  code.textContent = text;
+  return wrap;
 }
 
 function splitRow(line) {

@@ -5,7 +5,7 @@
 // token. Markdown is re-rendered from the whole text and patched block by block.
 
 import { iconButton, setIcon } from "./icons.js";
-import { patchChildren, renderMarkdown } from "./markdown.js";
+import { renderAnswer } from "./answer-parts.js";
 import { isLive } from "./chat.js";
 
 const NEAR_BOTTOM_PX = 80;
@@ -171,7 +171,9 @@ export class MessageView {
     } else if (msg.role === "user") {
       if (body.textContent !== msg.content || body.firstElementChild) body.textContent = msg.content;
     } else {
-      patchChildren(body, renderMarkdown(msg.content));
+      // Thinking, the answer, tool calls (answer-parts.js); code left unhighlighted for lack of
+      // time in this frame is done in a later one.
+      if (renderAnswer(body, msg, isLive(msg))) setTimeout(() => this.update(msg.id), 50);
     }
     const statusText = this._statusText(msg);
     status.textContent = statusText;

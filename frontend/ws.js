@@ -82,8 +82,8 @@ export class WsClient extends EventTarget {
   }
 
   /** Start a request. `payload` is the message without `id`; `handlers` has optional
-   * queued(position), delta(text, seq), done(msg), error({code, message, param, resumed}),
-   * sent(), started(resumeToken). Returns the request id. */
+   * queued(position), delta(text, seq, toolCalls), reasoning(text, seq), done(msg),
+   * error({code, message, param, resumed}), sent(), started(resumeToken). Returns the request id. */
   request(payload, handlers, id = this.newId()) {
     const entry = { payload: { ...payload, id }, handlers, lastSeq: -1, sent: false, resuming: false };
     // A frame over the server's limit would close the whole socket (1009): refuse it here.
@@ -279,7 +279,17 @@ export class WsClient extends EventTarget {
         if (seq <= entry.lastSeq) break; // already shown before a reconnect
         entry.lastSeq = seq;
         entry.resuming = false;
-        if (!entry.cancelled) hd.delta?.(String(msg.text ?? ""), seq);
+        if (!entry.cancelled) hd.delta?.(String(msg.text ?? ""), seq, msg.tool_calls);
+        break;
+      }
+      case "reasoning": {
+        // Thinking text; it shares the deltas' seq count (resume skips both alike).
+        if ((msg.index ?? 0) !== 0) break;
+        const seq = Number.isInteger(msg.seq) ? msg.seq : entry.lastSeq + 1;
+        if (seq <= entry.lastSeq) break;
+        entry.lastSeq = seq;
+        entry.resuming = false;
+        if (!entry.cancelled) hd.reasoning?.(String(msg.text ?? ""), seq);
         break;
       }
       case "done":
