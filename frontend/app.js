@@ -104,7 +104,8 @@ function main() {
     const found = searchConversations(chat.list(), query);
     sidebar.render(found.map((f) => f.conv), activeId, new Map(found.map((f) => [f.conv.id, f.snippet])));
     const n = found.length;
-    status.textContent = n ? `${n} conversation${n === 1 ? "" : "s"} match` : `No conversation matches “${query.trim()}”`;
+    const matches = n === 1 ? "1 conversation matches" : `${n} conversations match`;
+    status.textContent = n ? matches : `No conversation matches “${query.trim()}”`;
     if (!n) {
       const li = document.createElement("li");
       li.className = "conv-empty";
@@ -249,11 +250,17 @@ function main() {
     renderMeter();
   }
 
-  async function loadModels(quiet = false) {
+  let loading = null; // the GET /v1/models under way: the start and the hello share it
+  function loadModels(quiet = false) {
     if (models) {
       showModels();
-      return;
+      return Promise.resolve();
     }
+    loading ??= fetchAndShowModels(quiet).finally(() => (loading = null));
+    return loading;
+  }
+
+  async function fetchAndShowModels(quiet) {
     try {
       models = await fetchModels(apiKey);
       needsKey = false;

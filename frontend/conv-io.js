@@ -16,7 +16,7 @@ export const VERSION = 1;
 export const MAX_FILE_BYTES = 20 * 1024 * 1024;
 const MAX_ID = 128;
 const LIVE = new Set(["waiting", "queued", "streaming"]);
-const SECRETS = ["requestId", "lastSeq", "resumeToken", "reconnecting", "queuePosition"];
+const SECRETS = ["requestId", "lastSeq", "resumeToken"]; // a streaming answer's, to resume it
 
 export class ImportError extends Error {}
 
@@ -156,7 +156,10 @@ export function parseConversations(text) {
 function settle(c) {
   for (const m of c.messages) {
     for (const k of SECRETS) delete m[k];
-    if (LIVE.has(m.status)) m.status = "interrupted";
+    if (LIVE.has(m.status)) {
+      m.status = "interrupted";
+      m.reconnecting = false;
+    }
   }
   return c;
 }

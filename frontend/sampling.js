@@ -70,7 +70,7 @@ export function bounds(p, limits) {
 }
 
 function fmt(n) {
-  return Number.isInteger(n) && Math.abs(n) >= 10_000 ? n.toLocaleString("en-US") : String(n);
+  return Number.isInteger(n) && Math.abs(n) >= 1000 ? n.toLocaleString("en-US") : String(n);
 }
 
 /** A number from its text box: {value} (null when empty and the server's default applies)
