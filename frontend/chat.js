@@ -305,7 +305,7 @@ export class Chat extends EventTarget {
   _fail(conv, msg, code, message, status = "error", param = null, retryAfterS = null) {
     msg.error = { code, message: describeError(code, message, param, { retryAfterS, model: msg.model }) };
     this._finish(conv, msg, status, status);
-    this._emit("failed", { convId: conv.id, msgId: msg.id, code });
+    this._emit("failed", { convId: conv.id, msgId: msg.id, code }); // app.js: a model_not_found reloads the list
   }
 
   _touch(conv) {

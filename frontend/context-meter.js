@@ -39,18 +39,21 @@ export class ContextMeter {
   show(use, limit) {
     const used = use ? use.used : 0;
     const lim = Number.isInteger(limit) && limit > 0 ? limit : null;
-    const pct = lim ? Math.min(100, Math.round((used / lim) * 100)) : null;
-    let label;
+    const key = JSON.stringify([use, lim]);
+    if (key === this._key) return; // called on every streamed delta: draw only changes
+    this._key = key;
+    const ctx = lim ? ` of ${formatTokens(lim)}` : "";
     if (!use) {
-      label = lim ? `Context: no answer yet; the model's context is ${formatTokens(lim)} tokens` : "Context: no answer yet";
+      const label = lim ? `Context: no answer yet; the model's context is ${formatTokens(lim)} tokens` : "";
       this._text(lim ? `– / ${formatTokens(lim)}` : "");
+      this.meter.setAttribute("aria-label", label);
+      this.root.title = label;
     } else {
-      const of = lim ? ` of ${formatTokens(lim)}` : "";
-      label = `Context used: ${formatTokens(used)}${of} tokens${pct !== null ? ` (${pct}%)` : ""}, as of the last answer`;
+      const pct = lim ? ` (${Math.min(100, Math.round((used / lim) * 100))}%)` : "";
       this._text(lim ? `${formatTokens(used)} / ${formatTokens(lim)}` : formatTokens(used));
-      this.root.title = `Prompt ${formatTokens(use.prompt)} + answer ${formatTokens(use.completion)} = ${formatTokens(used)}${of} tokens (the last answer's usage)`;
+      this.meter.setAttribute("aria-label", `Context used: ${formatTokens(used)}${ctx} tokens${pct}, as of the last answer`);
+      this.root.title = `Prompt ${formatTokens(use.prompt)} + answer ${formatTokens(use.completion)} = ${formatTokens(used)}${ctx} tokens (the last answer's usage)`;
     }
-    if (!use) this.root.title = label;
     this.meter.hidden = !lim;
     if (lim) {
       this.meter.max = lim;
@@ -59,9 +62,6 @@ export class ContextMeter {
       this.meter.optimum = 0;
       this.meter.value = Math.min(used, lim);
     }
-    this.meter.setAttribute("aria-label", label);
-    this.root.dataset.used = String(used);
-    this.root.dataset.limit = lim ? String(lim) : "";
     this.root.hidden = !use && !lim;
   }
 }
