@@ -1,10 +1,14 @@
 // Entry point: wires the socket, the stored conversations and the views together.
 
 import { Chat, describeError } from "./chat.js";
+import { ContextMeter, contextUse } from "./context-meter.js";
+import { DataDialog } from "./data-dialog.js";
 import { icon, setIcon } from "./icons.js";
 import { MessageView } from "./messages.js";
+import { AuthError, fetchModels, ModelPicker } from "./models.js";
 import { OutputFormatControl } from "./output-format.js";
-import { AuthError, fetchModels, SettingsPanel } from "./settings.js";
+import { searchConversations } from "./search.js";
+import { SettingsPanel } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { Store } from "./store.js";
 import { ConnState, defaultWsUrl, WsClient } from "./ws.js";
@@ -36,7 +40,7 @@ function main() {
   store.onError = () => toast("Could not save to this browser's storage (full or disabled).", "error");
   let apiKey = store.loadSettings().api_key;
   let needsKey = false; // GET /v1/models said 401
-  let models = null; // ids from GET /v1/models, once loaded
+  let models = null; // [{id, contextLength, parent}] from GET /v1/models, once loaded
   const ws = new WsClient(defaultWsUrl(apiKey));
   const settings = new SettingsPanel($("settings-dialog"), store, (s) => {
     applyTheme(s.theme);
@@ -49,12 +53,28 @@ function main() {
       loadModels();
     }
   });
-  const chat = new Chat(store, ws, () => settings.get());
+  // A conversation's model: its own, or (stored before it had one) the one picked last.
+  const modelOf = (conv) => (typeof conv?.model === "string" ? conv.model : settings.get().model);
+  const chat = new Chat(store, ws, (conv) => (conv ? { ...settings.get(), model: modelOf(conv) } : settings.get()));
   let activeId = null;
+  const picker = new ModelPicker($("model-picker"), $("model-notice"), (id) => {
+    chat.setModel(activeId, id);
+    settings.set({ model: id }); // the one picked last: new chats start with it
+    renderMeter();
+  });
+  const meter = new ContextMeter($("ctx"));
+  const data = new DataDialog($("data-dialog"), chat, store, {
+    current: () => chat.get(activeId),
+    imported: () => renderList(),
+  });
 
   const view = new MessageView($("messages"), {
     regenerate: (msg) => chat.regenerate(activeId, msg.id),
     edit: (msg, text) => chat.editAndResend(activeId, msg.id, text),
+    deleteMessage: (msg) => {
+      if (chat.deleteMessage(activeId, msg.id)) $("prompt").focus();
+      else toast("Stop the answer before deleting it or its question.", "error");
+    },
     connected: () => ws.state === ConnState.CONNECTED,
   });
   const format = new OutputFormatControl(chat, () => activeId); // the answer format, per conversation
@@ -76,7 +96,43 @@ function main() {
   // ---- drawing ------------------------------------------------------------------
 
   function renderList() {
-    sidebar.render(chat.list(), activeId);
+    const query = $("conv-search").value;
+    const status = $("search-status");
+    if (!query.trim()) {
+      sidebar.render(chat.list(), activeId);
+      status.textContent = "";
+      return;
+    }
+    const found = searchConversations(chat.list(), query);
+    sidebar.render(found.map((f) => f.conv), activeId, new Map(found.map((f) => [f.conv.id, f.snippet])));
+    const n = found.length;
+    const matches = n === 1 ? "1 conversation matches" : `${n} conversations match`;
+    status.textContent = n ? matches : `No conversation matches “${query.trim()}”`;
+    if (!n) {
+      const li = document.createElement("li");
+      li.className = "conv-empty";
+      li.textContent = "No conversation matches.";
+      $("conv-list").appendChild(li);
+    }
+  }
+
+  /** The context meter: the last answer's usage against the conversation's model. */
+  function renderMeter() {
+    const conv = chat.get(activeId);
+    const model = modelOf(conv);
+    const hello = ws.hello?.limits?.max_context;
+    const limit = picker.contextOf(model) ?? (!model || model === ws.hello?.model ? hello : null);
+    meter.show(contextUse(conv), limit ?? null);
+  }
+
+  /** A conversation whose model is no longer served falls back to the server's default. */
+  function checkModel(conv) {
+    if (!conv || !picker.isGone(conv.model)) return;
+    const gone = conv.model;
+    chat.setModel(conv.id, "");
+    picker.show("");
+    const dflt = picker.serverDefault ? ` (${picker.serverDefault})` : "";
+    picker.say(`The model “${gone}” that this chat used is no longer served. It now uses the server's default${dflt}.`);
   }
 
   function renderChrome() {
@@ -98,15 +154,19 @@ function main() {
     $("system-box").open = !!conv.system;
     view.show(conv);
     format.show(conv);
+    picker.say("");
+    picker.show(modelOf(conv));
+    checkModel(conv);
+    renderMeter();
     renderList();
     renderChrome();
   }
 
   function showSummary() {
-    const s = settings.get();
-    const model = s.model || ws.hello?.model || "";
-    const parts = [model, `temp ${s.temperature}`, `max ${s.max_tokens}`];
+    const s = settings.get(); // the model is on show in the picker
+    const parts = [`temp ${s.temperature}`, `max ${s.max_tokens}`];
     if (s.seed !== null) parts.push(`seed ${s.seed}`);
+    if (s.stop.length) parts.push(`${s.stop.length} stop`);
     $("settings-summary").textContent = parts.filter(Boolean).join(" · ");
   }
 
@@ -150,11 +210,21 @@ function main() {
     renderChrome();
   });
   chat.addEventListener("conversation", (ev) => {
-    if (ev.detail.id === activeId) view.sync();
+    if (ev.detail.id === activeId) {
+      view.sync();
+      renderMeter();
+    }
     renderChrome();
   });
   chat.addEventListener("message", (ev) => {
-    if (ev.detail.convId === activeId) view.update(ev.detail.msgId);
+    if (ev.detail.convId !== activeId) return;
+    view.update(ev.detail.msgId);
+    renderMeter();
+  });
+  chat.addEventListener("failed", (ev) => {
+    if (ev.detail.code !== "model_not_found") return;
+    models = null; // the list changed: ask again, and fall back if the model is gone
+    loadModels(true);
   });
 
   // ---- socket events ------------------------------------------------------------
@@ -176,17 +246,31 @@ function main() {
     toast(describeError(e.code, e.message, e.param), "error");
   });
 
-  async function loadModels(quiet = false) {
+  function showModels() {
+    settings.setModels(models, ws.hello?.model); // the hello names the default
+    picker.setModels(models, ws.hello?.model);
+    checkModel(chat.get(activeId));
+    renderMeter();
+  }
+
+  let loading = null; // the GET /v1/models under way: the start and the hello share it
+  function loadModels(quiet = false) {
     if (models) {
-      settings.setModels(models, ws.hello?.model); // the hello names the default
-      return;
+      showModels();
+      return Promise.resolve();
     }
+    loading ??= fetchAndShowModels(quiet).finally(() => (loading = null));
+    return loading;
+  }
+
+  async function fetchAndShowModels(quiet) {
     try {
       models = await fetchModels(apiKey);
       needsKey = false;
-      settings.setModels(models, ws.hello?.model);
+      showModels();
     } catch (err) {
-      settings.setModels([settings.get().model].filter(Boolean), ws.hello?.model);
+      const kept = [settings.get().model].filter(Boolean).map((id) => ({ id, contextLength: null, parent: null }));
+      settings.setModels(kept, ws.hello?.model);
       if (err instanceof AuthError) {
         needsKey = true;
         renderConn();
@@ -232,7 +316,7 @@ function main() {
   });
   document.addEventListener("keydown", (ev) => {
     if (ev.defaultPrevented) return;
-    if (ev.key === "Escape" && !$("settings-dialog").open) {
+    if (ev.key === "Escape" && !document.querySelector("dialog[open]")) {
       if (chat.stop(activeId)) ev.preventDefault();
       else if (document.body.classList.contains("sidebar-open")) closeSidebar();
     } else if (ev.key.toLowerCase() === "n" && ev.altKey && !ev.ctrlKey && !ev.metaKey) {
@@ -253,6 +337,18 @@ function main() {
   $("new-chat").addEventListener("click", newChat);
 
   $("system-prompt").addEventListener("input", (ev) => chat.setSystem(activeId, ev.target.value));
+
+  const search = $("conv-search");
+  search.addEventListener("input", renderList);
+  search.addEventListener("keydown", (ev) => {
+    if (ev.key === "Escape" && search.value) {
+      ev.preventDefault(); // clears the search; does not stop an answer
+      search.value = "";
+      renderList();
+    }
+  });
+  $("open-data").addEventListener("click", () => data.open());
+  $("data-close").appendChild(icon("close"));
 
   function openSidebar() {
     document.body.classList.add("sidebar-open");
@@ -308,7 +404,7 @@ function main() {
   loadModels(true); // quiet: if the server is down, the hello after reconnect retries
   prompt.focus();
   // Handles for tests and debugging in the console.
-  window.wsllm = { chat, ws, store, settings, view, format };
+  window.wsllm = { chat, ws, store, settings, view, format, picker, meter, data };
 }
 
 main();

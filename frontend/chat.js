@@ -8,35 +8,14 @@
 
 import { addReasoning, endReasoning, mergeToolCalls } from "./answer-data.js";
 import { isJsonOutput, outputFields, outputProblem } from "./output-format.js";
+import { describeError } from "./errors.js";
+import { optionalFields } from "./sampling.js";
 import { newConversation, newMessage } from "./store.js";
 
 const LIVE = new Set(["waiting", "queued", "streaming"]);
 const TITLE_LEN = 48;
 
-/** Readable text for the protocol's error codes. */
-export function describeError(code, message, param) {
-  const detail = message ? ` (${message})` : "";
-  switch (code) {
-    case "too_many_requests":
-      return `Too many requests at once on this connection. Wait for one to finish.${detail}`;
-    case "queue_full":
-      return `The server is busy right now (its queue is full). Try again in a moment.${detail}`;
-    case "model_not_ready":
-      return `The model is not ready yet (still loading?). Try again in a moment.${detail}`;
-    case "invalid_request":
-      return `The server rejected the request${param ? `: check "${param}"` : ""}.${detail}`;
-    case "worker_lost":
-      return `The engine serving this answer went away.${detail}`;
-    case "too_large":
-      return `This conversation is too long to send (${message}). Start a new chat or shorten it.`;
-    case "unknown_id":
-      return "The connection dropped and the server could not resume this answer.";
-    case "internal_error":
-      return `The server hit an internal error.${detail}`;
-    default:
-      return message || `Error: ${code}`;
-  }
-}
+export { describeError }; // the sentences live in errors.js
 
 export function isLive(msg) {
   return msg.role === "assistant" && LIVE.has(msg.status);
@@ -67,6 +46,7 @@ export class Chat extends EventTarget {
 
   create() {
     const conv = newConversation();
+    conv.model = this.getSettings().model; // the model picked last (models.js)
     this.convs.set(conv.id, conv);
     this.store.saveConversation(conv);
     this._emit("list");
@@ -86,6 +66,38 @@ export class Chat extends EventTarget {
     this.stop(id);
     this.convs.delete(id);
     this.store.deleteConversation(id);
+    this._emit("list");
+  }
+
+  /** The conversation's model ("" for the server's default). */
+  setModel(id, model) {
+    const conv = this.get(id);
+    if (!conv || conv.model === model) return;
+    conv.model = model;
+    this.store.saveConversation(conv);
+  }
+
+  /** Delete one message. A question goes with its answer (the answers after it, up to
+   * the next question): an answer without its question would mislead the model. An
+   * answer goes alone. Not an answer that is still coming, nor its question: false. */
+  deleteMessage(id, msgId) {
+    const conv = this.get(id);
+    const k = conv ? conv.messages.findIndex((m) => m.id === msgId) : -1;
+    if (k < 0) return false;
+    let end = k + 1;
+    if (conv.messages[k].role === "user") {
+      while (end < conv.messages.length && conv.messages[end].role !== "user") end += 1;
+    }
+    if (conv.messages.slice(k, end).some(isLive)) return false;
+    conv.messages.splice(k, end - k);
+    this._touch(conv);
+    this._emit("conversation", { id: conv.id });
+    return true;
+  }
+
+  /** Conversations read from a file (conv-io.js), already stored. */
+  adopt(convs) {
+    for (const c of convs) this.convs.set(c.id, c);
     this._emit("list");
   }
 
@@ -186,13 +198,14 @@ export class Chat extends EventTarget {
   }
 
   _payload(conv) {
-    const s = this.getSettings();
+    const s = this.getSettings(conv); // the conversation's model, the sampling settings
     const p = {
       type: "chat",
       messages: this._history(conv),
       temperature: s.temperature,
       top_p: s.top_p,
       max_tokens: s.max_tokens,
+      ...optionalFields(s), // top_k, min_p, penalties, stop: when set (sampling.js)
     };
     if (s.model) p.model = s.model;
     if (s.seed !== null) p.seed = s.seed;
@@ -271,6 +284,7 @@ export class Chat extends EventTarget {
       },
       done: (m) => {
         const tokens = m.usage?.completion_tokens;
+        if (m.usage && typeof m.usage === "object") msg.usage = m.usage; // the context meter's figures
         if (isLive(msg)) {
           const status = m.finish_reason === "abort" ? "stopped" : "done";
           this._finish(conv, msg, status, m.finish_reason || "stop", tokens);
@@ -285,7 +299,7 @@ export class Chat extends EventTarget {
         // Any refusal of a resume (unknown_id, or a server without resume) means the
         // rest of this answer is lost: keep the text so far, marked interrupted.
         if (e.resumed) this._fail(conv, msg, "unknown_id", "", "interrupted");
-        else this._fail(conv, msg, e.code, e.message, "error", e.param);
+        else this._fail(conv, msg, e.code, e.message, "error", e.param, e.retryAfterS);
       },
     };
   }
@@ -312,9 +326,10 @@ export class Chat extends EventTarget {
     this._emit("message", { convId: conv.id, msgId: msg.id });
   }
 
-  _fail(conv, msg, code, message, status = "error", param = null) {
-    msg.error = { code, message: describeError(code, message, param) };
+  _fail(conv, msg, code, message, status = "error", param = null, retryAfterS = null) {
+    msg.error = { code, message: describeError(code, message, param, { retryAfterS, model: msg.model }) };
     this._finish(conv, msg, status, status);
+    this._emit("failed", { convId: conv.id, msgId: msg.id, code }); // app.js: a model_not_found reloads the list
   }
 
   _touch(conv) {

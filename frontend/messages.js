@@ -9,6 +9,18 @@ import { renderAnswer } from "./answer-parts.js";
 import { isLive } from "./chat.js";
 
 const NEAR_BOTTOM_PX = 80;
+const CONFIRM_MS = 3000;
+
+/** Delete one message: a question goes with its answer (Chat.deleteMessage). */
+function deleteButton(msg, confirming) {
+  const what = msg.role === "user" ? "this message and its answer" : "this answer";
+  const b = iconButton("trash", confirming ? `Press again to delete ${what}` : `Delete ${what}`, {
+    cls: `icon-btn${confirming ? " confirm" : ""}`,
+    text: confirming ? "Delete?" : "",
+  });
+  b.dataset.action = "delete";
+  return b;
+}
 
 export function formatMs(ms) {
   if (ms < 1000) return `${Math.round(ms)} ms`;
@@ -48,7 +60,7 @@ function flashCopied(button) {
 }
 
 export class MessageView {
-  /** `actions`: {regenerate(msg), edit(msg, text), connected()} */
+  /** `actions`: {regenerate(msg), edit(msg, text), deleteMessage(msg), connected()} */
   constructor(container, actions) {
     this.el = container;
     this.actions = actions;
@@ -56,6 +68,7 @@ export class MessageView {
     this.nodes = new Map(); // message id -> element
     this.dirty = new Set();
     this.editing = null; // id of the user message being edited
+    this.confirmDelete = null; // id of the message whose delete button asks "Delete?"
     this._frame = 0;
     this._cost = 0; // milliseconds the last repaint took
     container.addEventListener("click", (ev) => this._onClick(ev));
@@ -197,7 +210,8 @@ export class MessageView {
   _renderFoot(msg, foot) {
     const live = isLive(msg);
     const last = this.conv.messages.at(-1)?.id === msg.id;
-    const key = [msg.status, live, last, this.editing === msg.id, JSON.stringify(msg.stats || {}), msg.finishReason].join("|");
+    const confirming = this.confirmDelete === msg.id;
+    const key = [msg.status, live, last, this.editing === msg.id, JSON.stringify(msg.stats || {}), msg.finishReason, confirming].join("|");
     if (foot.dataset.key === key) return;
     foot.dataset.key = key;
     foot.replaceChildren();
@@ -219,6 +233,7 @@ export class MessageView {
         regen.dataset.action = "regenerate";
         actions.appendChild(regen);
       }
+      actions.appendChild(deleteButton(msg, confirming));
     }
     foot.appendChild(actions);
   }
@@ -281,6 +296,15 @@ export class MessageView {
     requestAnimationFrame(() => ta.focus());
   }
 
+  /** Re-render one message now and keep focus on its button of the same action. */
+  _flushNow(id, button) {
+    const node = this.nodes.get(id);
+    const msg = this.conv?.messages.find((m) => m.id === id);
+    const action = button.dataset.action;
+    if (node && msg) this._render(msg, node);
+    node?.querySelector(`.msg-foot [data-action="${action}"]`)?.focus();
+  }
+
   _setEditing(id) {
     const prev = this.editing;
     this.editing = id;
@@ -321,6 +345,22 @@ export class MessageView {
       }
       case "regenerate":
         this.actions.regenerate(msg);
+        break;
+      case "delete": // press twice within CONFIRM_MS, as for conversations
+        clearTimeout(this._confirmTimer);
+        if (this.confirmDelete === msg.id) {
+          this.confirmDelete = null;
+          this.actions.deleteMessage(msg);
+        } else {
+          const prev = this.confirmDelete;
+          this.confirmDelete = msg.id;
+          if (prev) this.update(prev);
+          this._confirmTimer = setTimeout(() => {
+            this.confirmDelete = null;
+            this.update(msg.id);
+          }, CONFIRM_MS);
+          this._flushNow(msg.id, button);
+        }
         break;
       default:
         break;

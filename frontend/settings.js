@@ -1,29 +1,52 @@
-// The settings dialog: model (from GET /v1/models), temperature, top_p, max tokens,
-// seed. Every change is normalized and saved at once.
+// The settings dialog: the model for new chats, every sampling parameter of the
+// protocol (built from sampling.js's table), the API key. A valid change is saved at
+// once; a value out of bounds (the protocol's, tightened by the server's `hello.limits`)
+// shows a message under its field and is not saved, so the last valid value stays.
 
+import { fillModelSelect } from "./models.js";
+import { BY_KEY, bounds, checkNumber, checkStop, PARAMS, SAMPLING_DEFAULTS, stopToText } from "./sampling.js";
 import { normalizeSettings } from "./store.js";
 
-export class AuthError extends Error {}
+const idOf = (key) => key.replace(/_/g, "-");
 
-export async function fetchModels(apiKey = "") {
-  const headers = { Accept: "application/json" };
-  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
-  const res = await fetch("/v1/models", { headers });
-  if (res.status === 401) throw new AuthError("this server needs an API key (Settings → API key)");
-  if (!res.ok) {
-    let detail = "";
-    try {
-      detail = (await res.json())?.error?.message || "";
-    } catch {
-      /* not the OpenAI error shape */
-    }
-    const busy = res.status === 429 || res.status === 503 ? "the server is busy; " : "";
-    throw new Error(`${busy}GET /v1/models answered HTTP ${res.status}${detail ? `: ${detail}` : ""}`);
+function el(tag, attrs = {}, text = "") {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) if (v !== undefined && v !== null) e.setAttribute(k, String(v));
+  if (text) e.textContent = text;
+  return e;
+}
+
+/** One field of the sampling table: label, control, hint, and a slot for its error. */
+function buildField(p) {
+  const id = idOf(p.key);
+  const field = el("div", { class: `field field-${p.kind}` });
+  const label = el("label", { for: `set-${id}` }, `${p.label} `);
+  const hint = el("p", { class: "field-hint", id: `hint-${id}` }, p.hint);
+  const error = el("p", { class: "field-error", id: `err-${id}`, "aria-live": "polite" });
+  error.hidden = true;
+  const described = `hint-${id} err-${id}`;
+  let input;
+  if (p.kind === "range") {
+    label.appendChild(el("output", { id: `out-${id}`, for: `set-${id}` }));
+    input = el("input", { id: `set-${id}`, type: "range", min: p.min, max: p.max, step: p.step, "aria-describedby": described });
+  } else if (p.kind === "stop") {
+    label.appendChild(el("span", { class: "muted", id: "stop-limit" }));
+    input = el("textarea", { id: `set-${id}`, rows: 2, spellcheck: "false", placeholder: "none", "aria-describedby": described });
+  } else {
+    if (p.key === "max_tokens") label.appendChild(el("span", { class: "muted", id: "max-tokens-limit" }));
+    input = el("input", {
+      id: `set-${id}`,
+      type: "number",
+      min: p.minExclusive ? undefined : p.min,
+      max: p.max,
+      step: p.kind === "int" ? 1 : "any",
+      inputmode: p.kind === "int" ? "numeric" : "decimal",
+      placeholder: p.placeholder,
+      "aria-describedby": described,
+    });
   }
-  const body = await res.json();
-  return (Array.isArray(body?.data) ? body.data : [])
-    .map((m) => (m && typeof m.id === "string" ? m.id : null))
-    .filter(Boolean);
+  field.append(label, input, hint, error);
+  return { field, input, error, output: field.querySelector("output") };
 }
 
 export class SettingsPanel {
@@ -33,25 +56,24 @@ export class SettingsPanel {
     this.store = store;
     this.onChange = onChange;
     this.settings = store.loadSettings();
-    this.models = [];
+    this.limits = null; // the hello's
     const $ = (id) => dialog.querySelector(`#${id}`);
-    this.inputs = {
-      model: $("set-model"),
-      temperature: $("set-temperature"),
-      top_p: $("set-top-p"),
-      max_tokens: $("set-max-tokens"),
-      seed: $("set-seed"),
-      api_key: $("set-api-key"),
-    };
-    this.outputs = { temperature: $("out-temperature"), top_p: $("out-top-p") };
+    this.fields = {}; // key -> {input, error, output}
+    const box = $("sampling-fields");
+    for (const p of PARAMS) {
+      const f = buildField(p);
+      box.appendChild(f.field);
+      this.fields[p.key] = f;
+    }
+    this.inputs = { model: $("set-model"), api_key: $("set-api-key") };
+    for (const [key, f] of Object.entries(this.fields)) this.inputs[key] = f.input;
     this._fill();
     for (const [key, input] of Object.entries(this.inputs)) {
       input.addEventListener("input", () => this._read(key, false));
       input.addEventListener("change", () => this._read(key, true));
     }
-    dialog.querySelector("#settings-reset").addEventListener("click", () => {
-      const { theme, model, api_key } = this.settings; // not sampling: kept
-      this.settings = normalizeSettings({ theme, model, api_key });
+    $("settings-reset").addEventListener("click", () => {
+      this.settings = normalizeSettings({ ...this.settings, ...SAMPLING_DEFAULTS }); // model, theme, key kept
       this._save();
       this._fill();
     });
@@ -67,14 +89,16 @@ export class SettingsPanel {
     if (focusId) this.dialog.querySelector(`#${focusId}`)?.focus();
   }
 
-  /** Show the server's limits from its hello (a hint; the server still validates). */
+  /** The server's limits from its hello: the bounds of max tokens and of the stop strings. */
   setLimits(limits) {
-    const max = Number(limits?.max_tokens);
-    const hint = this.dialog.querySelector("#max-tokens-limit");
-    if (Number.isInteger(max) && max > 0) {
-      this.inputs.max_tokens.max = String(max);
-      hint.textContent = `(server max ${max})`;
-    }
+    this.limits = limits && typeof limits === "object" ? limits : null;
+    const { max } = bounds(BY_KEY.max_tokens, this.limits);
+    this.inputs.max_tokens.max = String(max);
+    const maxHint = this.dialog.querySelector("#max-tokens-limit");
+    maxHint.textContent = max !== BY_KEY.max_tokens.max ? `(server max ${max.toLocaleString("en-US")})` : "";
+    const most = this.limits?.max_stop;
+    this.dialog.querySelector("#stop-limit").textContent = Number.isInteger(most) ? `(at most ${most})` : "";
+    this._validateShown();
   }
 
   get() {
@@ -86,50 +110,69 @@ export class SettingsPanel {
     this._save();
   }
 
-  /** Fill the model list; keep the stored choice when the server still has it. */
-  setModels(ids, serverDefault) {
-    this.models = ids;
-    const sel = this.inputs.model;
-    const opts = [];
-    const auto = document.createElement("option");
-    auto.value = "";
-    auto.textContent = serverDefault ? `Server default (${serverDefault})` : "Server default";
-    opts.push(auto);
-    for (const id of ids) {
-      const o = document.createElement("option");
-      o.value = id;
-      o.textContent = id;
-      opts.push(o);
-    }
-    sel.replaceChildren(...opts);
-    if (this.settings.model && !ids.includes(this.settings.model)) {
-      this.settings.model = ""; // that model is gone; fall back to the server's
+  /** Fill "Model for new chats"; a stored choice the server no longer has falls back
+   * to the server's default. `models`: [{id, contextLength, parent}]. */
+  setModels(models, serverDefault) {
+    if (this.settings.model && !models.some((m) => m.id === this.settings.model)) {
+      this.settings.model = "";
       this._save();
     }
-    sel.value = this.settings.model;
+    fillModelSelect(this.inputs.model, models, serverDefault, this.settings.model);
   }
 
   _fill() {
     const s = this.settings;
     this.inputs.model.value = s.model;
-    this.inputs.temperature.value = String(s.temperature);
-    this.inputs.top_p.value = String(s.top_p);
-    this.inputs.max_tokens.value = String(s.max_tokens);
-    this.inputs.seed.value = s.seed === null ? "" : String(s.seed);
     this.inputs.api_key.value = s.api_key;
-    this.outputs.temperature.textContent = s.temperature.toFixed(2);
-    this.outputs.top_p.textContent = s.top_p.toFixed(2);
+    for (const p of PARAMS) {
+      const f = this.fields[p.key];
+      const v = s[p.key];
+      f.input.value = p.kind === "stop" ? stopToText(v) : v === null ? "" : String(v);
+      if (f.output) f.output.textContent = v.toFixed(2);
+    }
+    this._validateShown();
+  }
+
+  /** Show the problem of every value on screen (e.g. a stored max tokens over the limit
+   * the server announced later). */
+  _validateShown() {
+    for (const p of PARAMS) {
+      if (p.kind !== "range") this._showError(p.key, this._check(p, this.fields[p.key].input.value).error);
+    }
+  }
+
+  _check(p, raw) {
+    return p.kind === "stop" ? checkStop(raw, this.limits) : checkNumber(p, raw, this.limits);
+  }
+
+  _showError(key, error) {
+    const f = this.fields[key];
+    f.input.setCustomValidity(error || "");
+    if (error) f.input.setAttribute("aria-invalid", "true");
+    else f.input.removeAttribute("aria-invalid");
+    f.error.textContent = error ? `${error} Not saved.` : "";
+    f.error.hidden = !error;
   }
 
   _read(key, final) {
     const raw = this.inputs[key].value;
-    // While typing, an empty or half-typed number is left alone until `change`.
-    if (!final && (key === "max_tokens" || key === "seed") && raw.trim() === "") return;
-    if (!final && key === "api_key") return; // reconnect once, when the field is left
+    const p = BY_KEY[key];
+    if (key === "api_key") {
+      if (!final) return; // reconnect once, when the field is left
+    } else if (p && p.kind !== "range") {
+      // While typing, an empty box is left alone until it is left (`change`).
+      if (!final && raw.trim() === "" && p.always) return;
+      const { value, error } = this._check(p, raw);
+      this._showError(key, error);
+      if (error) return;
+      this.settings = normalizeSettings({ ...this.settings, [key]: value });
+      this._save();
+      return;
+    }
     this.settings = normalizeSettings({ ...this.settings, [key]: raw });
     this._save();
-    if (key in this.outputs) this.outputs[key].textContent = this.settings[key].toFixed(2);
-    if (final) this._fill(); // show the clamped value
+    const out = this.fields[key]?.output;
+    if (out) out.textContent = this.settings[key].toFixed(2);
   }
 
   _save() {

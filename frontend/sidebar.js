@@ -15,7 +15,9 @@ export class Sidebar {
     listEl.addEventListener("click", (ev) => this._onClick(ev));
   }
 
-  render(convs, activeId) {
+  /** `snippets`: conversation id -> the matching text a search found (search.js). */
+  render(convs, activeId, snippets = null) {
+    this.snippets = snippets;
     const focusedId = document.activeElement?.closest?.(".conv-item")?.dataset.id;
     const focusedAction = document.activeElement?.dataset?.action;
     // An open rename box survives re-renders (another chat finishing) with its text.
@@ -49,6 +51,14 @@ export class Sidebar {
     title.className = "conv-title-text";
     title.textContent = conv.title;
     sel.appendChild(title);
+    const snippet = this.snippets?.get(conv.id);
+    if (snippet) {
+      const s = document.createElement("span");
+      s.className = "conv-snippet";
+      s.textContent = snippet;
+      sel.classList.add("has-snippet");
+      sel.appendChild(s);
+    }
     if (this.actions.generating(conv.id)) {
       const dot = document.createElement("span");
       dot.className = "live-dot";

@@ -6,15 +6,14 @@
 //   wsllm.v1.settings    the settings panel's values and the theme
 // One key per conversation, so a streaming answer rewrites only its own conversation.
 
+import { normalizeSampling, SAMPLING_DEFAULTS } from "./sampling.js";
+
 const PREFIX = "wsllm.v1.";
 const CONV = `${PREFIX}conv.`;
 
 export const DEFAULT_SETTINGS = Object.freeze({
-  model: "",
-  temperature: 0.7,
-  top_p: 1.0,
-  max_tokens: 512,
-  seed: null,
+  model: "", // the model picked last: new conversations start with it ("" is the server's default)
+  ...SAMPLING_DEFAULTS, // temperature, top_p, max_tokens, top_k, ..., seed, stop (sampling.js)
   theme: "auto", // auto | light | dark
   api_key: "", // only for a server started with --api-key
 });
@@ -36,23 +35,12 @@ export function newMessage(role, content = "") {
   return { id: uid("m"), role, content, createdAt: Date.now() };
 }
 
-function clampNum(v, lo, hi, dflt, int = false) {
-  const n = typeof v === "string" && v.trim() === "" ? NaN : Number(v);
-  if (!Number.isFinite(n)) return dflt;
-  const x = Math.min(hi, Math.max(lo, n));
-  return int ? Math.round(x) : x;
-}
-
 /** Coerce stored or typed values into valid settings, never throwing. */
 export function normalizeSettings(raw) {
   const s = { ...DEFAULT_SETTINGS, ...(raw && typeof raw === "object" ? raw : {}) };
-  const seed = s.seed === null || s.seed === "" || s.seed === undefined ? null : clampNum(s.seed, 0, 2 ** 31 - 1, null, true);
   return {
     model: typeof s.model === "string" ? s.model : "",
-    temperature: clampNum(s.temperature, 0, 2, DEFAULT_SETTINGS.temperature),
-    top_p: clampNum(s.top_p, 0.01, 1, DEFAULT_SETTINGS.top_p),
-    max_tokens: clampNum(s.max_tokens, 1, 1_000_000, DEFAULT_SETTINGS.max_tokens, true),
-    seed,
+    ...normalizeSampling(s),
     theme: ["auto", "light", "dark"].includes(s.theme) ? s.theme : "auto",
     api_key: typeof s.api_key === "string" ? s.api_key.trim().slice(0, 512) : "",
   };
@@ -147,5 +135,22 @@ export class Store {
 
   saveSettings(settings) {
     this._set(`${PREFIX}settings`, normalizeSettings(settings));
+  }
+
+  /** Write new conversations (ids not stored yet) all or none: if the storage refuses
+   * one (full), those already written are removed again. Returns whether all were. */
+  addConversations(convs) {
+    const written = [];
+    try {
+      for (const c of convs) {
+        if (this.storage.getItem(CONV + c.id) !== null) throw new Error(`conversation ${c.id} exists`);
+        this.storage.setItem(CONV + c.id, JSON.stringify(c));
+        written.push(c.id);
+      }
+      return true;
+    } catch {
+      for (const id of written) this.storage.removeItem(CONV + id);
+      return false;
+    }
   }
 }

@@ -51,8 +51,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (a local test server)
+def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (a local test server)
         return r.status, r.read()
 
 
@@ -63,6 +64,7 @@ class ServerProcess:
         self.model, self.port, self.log = model, port, log
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.headers: dict[str, str] = {}  # sent with /v1/models and /metrics
 
     def command(self) -> list[str]:
         custom = os.environ.get("WSLLM_UI_SERVER_CMD")
@@ -83,13 +85,16 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
             try:
-                if http_get(f"{self.url}/v1/models")[0] == 200:
+                if self.ready():
                     return
             except OSError:
                 pass
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def ready(self) -> bool:
+        return http_get(f"{self.url}/v1/models", headers=self.headers)[0] == 200
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -103,8 +108,38 @@ class ServerProcess:
 
     def metric(self, prefix: str) -> float:
         """Sum of the Prometheus samples whose line starts with `prefix`."""
-        body = http_get(f"{self.url}/metrics")[1].decode()
+        body = http_get(f"{self.url}/metrics", headers=self.headers)[1].decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
+
+
+class TwoModelServer(ServerProcess):
+    """`wsllm serve --model A --model B` (one engine per model in one process) with API
+    keys: tenant `alice` may have one request in flight, `bob` any number. Each engine
+    runs one sequence at a time and a request waits at most 1 s for one, so a second
+    request behind a long answer gets `queue_timeout`; the server's limits differ from
+    the defaults (max_tokens 2000, 3 stop strings), so the UI must take them from the hello."""
+
+    KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
+
+    def __init__(self, models: list[Path], port: int, log: Path, keys_file: Path) -> None:
+        super().__init__(models[0], port, log)
+        self.models, self.keys_file = models, keys_file
+        keys_file.write_text(
+            '[tenants.alice]\nkeys = ["sk-alice"]\nmax_concurrent = 1\n\n[tenants.bob]\nkeys = ["sk-bob"]\n'
+        )
+        self.headers = {"Authorization": f"Bearer {self.KEYS['bob']}"}
+
+    def command(self) -> list[str]:
+        exe = shutil.which("wsllm", path=str(Path(sys.executable).parent)) or "wsllm"
+        models = [arg for m in self.models for arg in ("--model", str(m))]
+        return [exe, "serve", *models, "--port", str(self.port), "--kv-cache-gb", "0.05", "--threads", "1",
+                "--api-keys-file", str(self.keys_file), "--max-num-seqs", "1", "--queue-timeout-s", "1",
+                "--max-tokens-limit", "2000", "--max-stop", "3"]  # fmt: skip
+
+    def ready(self) -> bool:
+        """Both engines are up: /v1/models lists every model."""
+        body = json.loads(http_get(f"{self.url}/v1/models", headers=self.headers)[1])
+        return {m["id"] for m in body["data"]} == {m.name for m in self.models}
 
 
 def seed_script(settings: dict[str, Any], convs: list[dict[str, Any]] | None = None) -> str:
@@ -165,11 +200,14 @@ class Ui:
         convs: list[dict[str, Any]] | None = None,
         connected: bool = True,
         requests: list[str] | None = None,
+        **context: Any,
     ) -> Any:
-        """A new tab with seeded localStorage; `requests` collects every URL it asks for."""
+        """A new tab with seeded localStorage; `requests` collects every URL it asks for;
+        `context`: more options of the browser context (e.g. bypass_csp=True)."""
         from playwright.sync_api import expect
 
-        ctx = self.browser.new_context(viewport={"width": size[0], "height": size[1]}, color_scheme=scheme)
+        viewport = {"width": size[0], "height": size[1]}
+        ctx = self.browser.new_context(viewport=viewport, color_scheme=scheme, **context)
         if requests is not None:
             ctx.on("request", lambda r: requests.append(r.url))
         page = ctx.new_page()
@@ -240,4 +278,28 @@ def ui(browser: Any, ui_server: ServerProcess) -> Iterator[Ui]:
     helper = Ui(browser, ui_server)
     yield helper
     for ctx in list(browser.contexts):  # every page a test opened
+        ctx.close()
+
+
+@pytest.fixture(scope="session")
+def two_model_server(
+    tiny_model_dir: Path, tiny_words_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TwoModelServer]:
+    """Started only by the tests that ask for it (the model picker, limits, errors)."""
+    tmp = tmp_path_factory.mktemp("ui-two-models")
+    models = [tmp / "tiny-llama", tmp / "tiny-words"]  # the served names are the directories'
+    models[0].symlink_to(tiny_model_dir)
+    models[1].symlink_to(tiny_words_model_dir)
+    srv = TwoModelServer(models, free_port(), tmp / "server.log", tmp / "keys.toml")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def ui2(browser: Any, two_model_server: TwoModelServer) -> Iterator[Ui]:
+    """`ui` on the two-model server; pages need settings with an `api_key` of KEYS."""
+    helper = Ui(browser, two_model_server)
+    yield helper
+    for ctx in list(browser.contexts):
         ctx.close()
