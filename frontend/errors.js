@@ -9,7 +9,7 @@ export function retryWhen(seconds, now = Date.now()) {
   return `in ${span} (at ${at})`;
 }
 
-/** `extra`: {retryAfterS} (rate_limited carries it), {model} (the model asked for). */
+/** `extra`: {retryAfterS} (the error's `retry_after_s`), {model} (the model asked for). */
 export function describeError(code, message, param, extra = {}) {
   const detail = message ? ` (${message})` : "";
   const retry = Number(extra.retryAfterS) > 0 ? retryWhen(extra.retryAfterS) : "in a moment";
@@ -18,7 +18,7 @@ export function describeError(code, message, param, extra = {}) {
     case "rate_limited":
       return `You have reached the request limit of this API key. Try again ${retry}.${detail}`;
     case "queue_timeout":
-      return `The server was too busy to start this answer in time (it waited in the queue and was dropped). Try again in a moment.${detail}`;
+      return `The server was too busy to start this answer in time (it waited in the queue and was dropped). Try again ${retry}.${detail}`;
     case "model_not_found":
       return `The server does not serve ${model} (any more). Pick another model next to the message box.${detail}`;
     case "connection_lost":
@@ -27,11 +27,11 @@ export function describeError(code, message, param, extra = {}) {
     case "too_many_requests":
       return `Too many requests at once on this connection. Wait for one to finish.${detail}`;
     case "queue_full":
-      return `The server is busy right now (its queue is full). Try again in a moment.${detail}`;
+      return `The server is busy right now (its queue is full). Try again ${retry}.${detail}`;
     case "engine_busy":
-      return `The model is busy right now. Try again in a moment.${detail}`;
+      return `The model is busy right now. Try again ${retry}.${detail}`;
     case "model_not_ready":
-      return `The model is not ready yet (still loading?). Try again in a moment.${detail}`;
+      return `The model is not ready yet (still loading?). Try again ${retry}.${detail}`;
     case "context_length_exceeded":
       return `This conversation no longer fits the model's context. Start a new chat, delete some messages, or lower "Max tokens".${detail}`;
     case "invalid_request":

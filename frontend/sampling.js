@@ -7,7 +7,7 @@
 // means "the server's default": they are not sent at all.
 
 export const MAX_SAFE_SEED = Number.MAX_SAFE_INTEGER; // the protocol takes < 2^63; JS numbers are exact to 2^53
-export const STOP_LEN_FALLBACK = 128; // --max-stop-len's default; the hello does not carry it
+export const STOP_LEN_FALLBACK = 128; // --max-stop-len's default, for a server whose hello lacks it
 
 /** kind: "range" (a slider), "int" or "num" (a number box), "stop" (the stop strings). */
 export const PARAMS = Object.freeze([
@@ -109,7 +109,7 @@ function unescapeStop(line) {
 }
 
 /** The stop strings typed in the box: {value: [...]} or {error}. Empty lines are skipped.
- * `limits.max_stop` is the server's; the length cap is --max-stop-len's default. */
+ * `limits.max_stop` and `limits.max_stop_len` are the server's (from its hello). */
 export function checkStop(text, limits) {
   const list = String(text ?? "")
     .split("\n")
@@ -119,8 +119,9 @@ export function checkStop(text, limits) {
   if (list.length > most) {
     return { error: `At most ${most} stop string${most === 1 ? "" : "s"} (the server's limit); there are ${list.length}.` };
   }
-  const long = list.findIndex((s) => [...s].length > STOP_LEN_FALLBACK);
-  if (long >= 0) return { error: `Stop string ${long + 1} is longer than ${STOP_LEN_FALLBACK} characters.` };
+  const len = Number.isInteger(limits?.max_stop_len) && limits.max_stop_len > 0 ? limits.max_stop_len : STOP_LEN_FALLBACK;
+  const long = list.findIndex((s) => [...s].length > len);
+  if (long >= 0) return { error: `Stop string ${long + 1} is longer than ${len} characters (the server's limit).` };
   return { value: list };
 }
 

@@ -303,7 +303,7 @@ export class WsClient extends EventTarget {
           code: msg.code || "error",
           message: msg.message || "",
           param: msg.param ?? null,
-          retryAfterS: Number.isFinite(msg.retry_after_s) ? msg.retry_after_s : null, // rate_limited
+          retryAfterS: Number.isFinite(msg.retry_after_s) ? msg.retry_after_s : null, // rate_limited, queue_full, ...
           resumed: entry.resuming,
         });
         break;

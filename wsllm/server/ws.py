@@ -27,10 +27,12 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_INTERNAL, ERR_RATE_LIMITED
+from wsllm.types import ERR_ENGINE_BUSY, ERR_INTERNAL, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST
 
 log = logging.getLogger(__name__)
 
+# Stream errors worth retrying (HTTP answers them with 503 and Retry-After: 1).
+RETRYABLE = frozenset({ERR_ENGINE_BUSY, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST})
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 _CLOSE_WAIT_S = 1.0  # how long a close frame may wait on a client that does not read
@@ -157,7 +159,7 @@ class WsSession:
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
-            extra = {"retry_after_s": e.retry_after} if e.code == ERR_RATE_LIMITED else None
+            extra = {"retry_after_s": e.retry_after} if e.retry_after is not None else None
             await self.error(msg_id, e.code, e.message, e.param, extra)
         except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
             err = _broker_error(e)
@@ -240,7 +242,9 @@ class WsSession:
                         open_choices -= 1
                         await self.send(self._done(msg_id, gen, d, last=open_choices == 0))
         except GenerationError as e:
-            await self.error(msg_id, e.code, e.message)
+            # the engine side was full, late or lost: HTTP's Retry-After, as on the HTTP answer
+            retry = {"retry_after_s": 1} if e.code in RETRYABLE else None
+            await self.error(msg_id, e.code, e.message, extra=retry)
         finally:
             if self.gens.get(msg_id) is gen:
                 self.gens.pop(msg_id, None)
@@ -304,6 +308,7 @@ class WsSession:
             "max_tokens": c.max_tokens_limit,
             "max_n": c.max_n,
             "max_stop": c.max_stop,
+            "max_stop_len": c.max_stop_len,
             "max_context": await self.gw.max_model_len(),
         }
 
