@@ -69,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
             def build(c: EngineConfig = ecfg_m, name: str = name) -> LLMEngine:
                 llm = LLMEngine.from_config(c)
                 llm.model_name = name
+                llm.matchers.warm()  # structured output's index, off the engine thread
                 return llm
 
             side = broker.engine_side(name) if len(models) > 1 else broker
@@ -175,6 +176,7 @@ def engine(args: argparse.Namespace) -> int:
     llm = LLMEngine.from_config(dataclasses.replace(ecfg, model=(mcfg.model or [None])[0]))
     if mcfg.served_name:
         llm.model_name = mcfg.served_name
+    llm.matchers.warm()  # structured output's index, off the engine thread
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     url = rcfg.url()
     broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)

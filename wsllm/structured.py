@@ -14,6 +14,7 @@ What a spec accepts is in docs/protocol.md ("Structured output").
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -83,16 +84,40 @@ class Matchers:
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: LLTokenizer | None = None
         self._tokenizer_error: str | None = None
+        self._warming: threading.Thread | None = None
         self._compiled: OrderedDict[bytes, LLMatcher] = OrderedDict()  # spec -> a fresh matcher
         # Runtime errors say what failed, without a dump of the parser's state.
         self._limits = LLParserLimits(verbose_errors=False)
 
+    def warm(self) -> None:
+        """Build the tokenizer's index on a thread of its own now, so that the first
+        structured request does not stop every stream of the engine while it is built
+        (seconds for a 49k vocabulary on 2 cores). Servers call this once the model is
+        loaded; tests that never ask for structured output leave it."""
+        if self._tokenizer is None and self._warming is None:
+            # transformers resolves its names lazily, and not safely from two threads at
+            # once: resolve here the ones this and the gateway's tokenizers use.
+            import llguidance.hf  # noqa: F401
+            import transformers
+
+            _ = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
+            self._warming = threading.Thread(target=self._build, name="wsllm-llguidance-warm", daemon=True)
+            self._warming.start()
+
     def tokenizer(self) -> LLTokenizer:
-        """llguidance's view of the model's tokenizer, built on first use. Every id in
-        `eos_token_ids` ends a grammar that is complete."""
+        """llguidance's view of the model's tokenizer, built on first use (or by
+        `warm`). Every id in `eos_token_ids` ends a grammar that is complete."""
+        if self._warming is not None:
+            self._warming.join()  # at most what is left of the build
+            self._warming = None
         if self._tokenizer is None:
-            if self._tokenizer_error is not None:
-                raise ValueError(self._tokenizer_error)
+            self._build()
+        if self._tokenizer is None:
+            raise ValueError(self._tokenizer_error)
+        return self._tokenizer
+
+    def _build(self) -> None:
+        if self._tokenizer is None and self._tokenizer_error is None:
             try:
                 import llguidance.hf
                 from transformers import AutoTokenizer
@@ -106,8 +131,6 @@ class Matchers:
             except Exception as e:  # noqa: BLE001 - say why structured output is off here
                 log.exception("structured output: cannot load the tokenizer of %s", self.model_dir)
                 self._tokenizer_error = f"structured output is not available for this model: {e}"
-                raise ValueError(self._tokenizer_error) from None
-        return self._tokenizer
 
     def new(self, spec: Any) -> LLMatcher:
         """A matcher at the start of `spec`'s grammar; ValueError naming the problem

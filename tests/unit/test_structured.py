@@ -17,7 +17,7 @@ from hypothesis_jsonschema import from_schema
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
-from wsllm.structured import check_spec
+from wsllm.structured import Matchers, check_spec
 from wsllm.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplingParams
 
 PROMPT = [1, 504, 3456, 77, 9012]
@@ -26,7 +26,9 @@ PROMPT = [1, 504, 3456, 77, 9012]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
     cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.05, max_num_seqs=64)
-    return LLMEngine.from_config(cfg)
+    engine = LLMEngine.from_config(cfg)
+    engine.matchers.warm()  # as the servers do: the first structured request joins the build
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +316,15 @@ def test_a_bad_spec_is_a_clear_value_error(engine: LLMEngine, spec: dict[str, An
     with pytest.raises(ValueError, match="(?s)" + match):  # the engine checks again, and stays as it was
         engine.add_request("x", PROMPT, SamplingParams(structured=spec))
     assert (len(engine._requests), engine.block_manager.num_free_blocks) == before
+
+
+def test_a_model_whose_tokenizer_llguidance_cannot_read_fails_its_structured_requests(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # no tokenizer here
+    matchers = Matchers(tmp_path, 100, [0])
+    matchers.warm()  # the error is kept, not raised on the warming thread
+    for _ in range(2):  # and said again to every request, without a second try
+        with pytest.raises(ValueError, match="structured output is not available for this model"):
+            matchers.new({"regex": "a+"})
 
 
 @pytest.mark.parametrize(
