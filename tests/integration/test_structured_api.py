@@ -148,8 +148,11 @@ def test_a_required_tool_call_follows_the_functions_schema_streamed_and_not(
         max_tokens=200,
         temperature=0,
     )
+    counted = srv.metric("wsllm_requests_total", api="chat", finish_reason="tool_calls")
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    # the server counts the answer as the client was told it ended
+    assert srv.metric("wsllm_requests_total", api="chat", finish_reason="tool_calls") == counted + 1
     calls = r.choices[0].message.tool_calls or []
     assert len(calls) == 1 and calls[0].function.name == "lookup"
     jsonschema.validate(orjson.loads(calls[0].function.arguments), LOOKUP["function"]["parameters"])

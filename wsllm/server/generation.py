@@ -329,7 +329,10 @@ class Generation:
         m = self.svc.metrics
         m.e2e.observe(time.monotonic() - self._timing.arrival)
         m.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
-        m.finished(self.api, self.choices[0].finish_reason or FINISH_ABORT)
+        first = self.choices[0]
+        reason = first.finish_reason or FINISH_ABORT
+        # as the client was told it: a chat answer that made calls ended with "tool_calls"
+        m.finished(self.api, first.out.finish_reason(reason) if first.out is not None else reason)
 
     def _observe(self, ev: TokenEvent) -> None:
         t = self._timing
