@@ -7,8 +7,8 @@
 // answer format cannot be sent, e.g. a bad JSON Schema: nothing was sent).
 
 import { addReasoning, endReasoning, mergeToolCalls } from "./answer-data.js";
-import { isJsonOutput, outputFields, outputProblem } from "./output-format.js";
 import { describeError } from "./errors.js";
+import { isJsonOutput, outputFields, outputProblem } from "./output-format.js";
 import { optionalFields } from "./sampling.js";
 import { newConversation, newMessage } from "./store.js";
 

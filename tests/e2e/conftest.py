@@ -273,12 +273,15 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-@pytest.fixture
-def ui(browser: Any, ui_server: ServerProcess) -> Iterator[Ui]:
-    helper = Ui(browser, ui_server)
-    yield helper
+def _ui_on(browser: Any, server: ServerProcess) -> Iterator[Ui]:
+    yield Ui(browser, server)
     for ctx in list(browser.contexts):  # every page a test opened
         ctx.close()
+
+
+@pytest.fixture
+def ui(browser: Any, ui_server: ServerProcess) -> Iterator[Ui]:
+    yield from _ui_on(browser, ui_server)
 
 
 @pytest.fixture(scope="session")
@@ -299,7 +302,4 @@ def two_model_server(
 @pytest.fixture
 def ui2(browser: Any, two_model_server: TwoModelServer) -> Iterator[Ui]:
     """`ui` on the two-model server; pages need settings with an `api_key` of KEYS."""
-    helper = Ui(browser, two_model_server)
-    yield helper
-    for ctx in list(browser.contexts):
-        ctx.close()
+    yield from _ui_on(browser, two_model_server)

@@ -11,6 +11,8 @@ import orjson
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -60,6 +62,22 @@ class APIError(Exception):
         if self.retry_after is not None:
             headers["retry-after"] = str(self.retry_after)
         return Response(orjson.dumps(self.body()), self.status, headers, media_type="application/json")
+
+
+# A request the engine side could not serve for now (full, late or lost): 503 and
+# Retry-After on HTTP, `retry_after_s` on the WebSocket.
+_RETRY_LATER = frozenset({ERR_ENGINE_BUSY, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST})
+
+
+def from_generation(code: str, message: str) -> APIError:
+    """A failure reported for a running request (a GenerationError's code and message)
+    as the error to answer with: 400 when the engine refused the request, 503 to retry
+    when it was full, late or lost, 500 otherwise."""
+    if code == ERR_INVALID_REQUEST:
+        return APIError(400, code, message)
+    if code in _RETRY_LATER:
+        return APIError(503, code, message, retry_after=1)
+    return APIError(500, code, message)
 
 
 def from_validation(e: ValidationError, skip: int = 0) -> APIError:

@@ -21,13 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from wsllm.server.chat_output import assemble_tool_calls
-from wsllm.server.errors import APIError
+from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
 from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
-from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST, Usage
+from wsllm.server.tenants import Tenant
+from wsllm.types import Usage
 
 RESUME_TOKEN_HEADER = "x-resume-token"
 # Bodies larger than this are validated off the event loop.
@@ -227,14 +228,11 @@ class _Batch:
         if not self._pending:
             return []
         await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
-        got: list[Delta] | None = None
-        out: list[dict[str, Any]] = []
-        for i in sorted(self._pending):
-            if self._pending[i].done():
-                deltas = self._pending.pop(i).result()  # raises GenerationError
-                got = (got or []) + deltas
-                out += self.apis[i].choices_of(deltas)
-        return out if got else None
+        ready = [i for i in sorted(self._pending) if self._pending[i].done()]
+        got = [(i, self._pending.pop(i).result()) for i in ready]  # raises GenerationError
+        if not any(deltas for _, deltas in got):
+            return None  # every one that answered timed out
+        return [c for i, deltas in got for c in self.apis[i].choices_of(deltas)]
 
     async def close(self) -> None:
         """However the call ends: stop waiting, and free what still runs."""
@@ -296,14 +294,7 @@ async def _full_response(request: Request, apis: list[_Api]) -> Response:
     try:
         done, collected = await until_disconnect(request.receive, _collect_all([a.gen for a in apis]))
     except GenerationError as e:
-        # The engine refused the request (400), is full or lost it (503); anything else is ours.
-        status = {
-            ERR_INVALID_REQUEST: 400,
-            ERR_WORKER_LOST: 503,
-            ERR_ENGINE_BUSY: 503,
-            ERR_QUEUE_TIMEOUT: 503,
-        }.get(e.code, 500)
-        raise APIError(status, e.code, e.message, retry_after=1 if status == 503 else None) from None
+        raise from_generation(e.code, e.message) from None
     finally:
         for a in apis:
             await a.gen.cancel()  # no-op when it finished; frees the engine request otherwise
@@ -361,7 +352,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     tenant = request_tenant(request.state)
     batch = req.prompts if isinstance(req, CompletionRequest) else None
     if batch is not None:
-        return await _generate_batch(request, gw, req, batch)
+        return await _generate_batch(request, gw, req, batch, tenant)
     gen = await gw.start(req, "chat" if chat else "completions", tenant)
     api = (
         _completion_api(gw, gen, req)
@@ -370,7 +361,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     )
     if req.stream:
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
-        return _event_stream(gw, gen, sse_frames(gw, api, req.include_usage), headers)
+        return _event_stream(gw, sse_frames(gw, api, req.include_usage), _leave(gen), headers)
     return await _full_response(request, [api])
 
 
@@ -384,12 +375,11 @@ def _completion_api(gw: Gateway, gen: Generation, req: CompletionRequest) -> _Ap
 
 
 async def _generate_batch(
-    request: Request, gw: Gateway, req: CompletionRequest, prompts: list[str | list[int]]
+    request: Request, gw: Gateway, req: CompletionRequest, prompts: list[str | list[int]], tenant: Tenant
 ) -> Response:
     """A list of prompts: each is a request of its own (admitted, queued and rate
     limited as one); the answer is one response. Not resumable: a cut stream ends
     them all."""
-    tenant = request_tenant(request.state)
     gens: list[Generation] = []
     try:
         for i, p in enumerate(prompts):
@@ -406,12 +396,8 @@ async def _generate_batch(
     batch = _Batch([_completion_api(gw, g, req.one(p)) for g, p in zip(gens, prompts, strict=True)])
     if not req.stream:
         return await _full_response(request, batch.apis)
-    return EventStream(
-        sse_frames(gw, batch, req.include_usage),
-        on_close=batch.close,
-        send_timeout_s=gw.cfg.send_timeout_s,
-        on_timeout=lambda: gw.metrics.send_timeout("sse"),
-        headers=gens[-1].ratelimit_headers,
+    return _event_stream(
+        gw, sse_frames(gw, batch, req.include_usage), batch.close, gens[-1].ratelimit_headers
     )
 
 
@@ -424,13 +410,16 @@ def prompt_text(gen: Generation, req: CompletionRequest) -> str:
 
 
 def _event_stream(
-    gw: Gateway, gen: Generation, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None
+    gw: Gateway,
+    frames: AsyncIterator[bytes],
+    on_close: Callable[[], Awaitable[None]],
+    headers: dict[str, str] | None = None,
 ) -> EventStream:
-    """The SSE response of `gen`: when it ends early (the client left, or took no
-    data for --send-timeout-s), the request is detached or cancelled."""
+    """An SSE response; `on_close` runs however it ends (finished, the client left, or
+    took no data for --send-timeout-s): it detaches or cancels what still runs."""
     return EventStream(
         frames,
-        on_close=_leave(gen),
+        on_close=on_close,
         send_timeout_s=gw.cfg.send_timeout_s,
         on_timeout=lambda: gw.metrics.send_timeout("sse"),
         headers=headers,
@@ -473,7 +462,7 @@ async def resume_stream(request: Request) -> Response:
         )
     api = _Api(gen, _model(gw, gen), chat="chat" in gen.api)
     frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
-    return _event_stream(gw, gen, frames)
+    return _event_stream(gw, frames, _leave(gen))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -7,7 +7,7 @@ GatewayConfig; `sampling_params` turns a valid request into engine SamplingParam
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
@@ -59,6 +59,7 @@ _TEMPLATE_RESERVED = frozenset(
 # OpenAI's range for temperature (the engine takes up to types.MAX_TEMPERATURE).
 API_MAX_TEMPERATURE = 2.0
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+M = TypeVar("M", bound=BaseModel)
 TextPrompt = Annotated[str, Field(min_length=1)]
 IdsPrompt = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
@@ -413,23 +414,14 @@ class Detokenize(_Strict):
 
 def validate_tokenize(raw: bytes, cfg: GatewayConfig) -> TokenizeCompletion | TokenizeChat:
     """A /tokenize body: `prompt` (text) or `messages` (a chat), as vLLM takes them."""
-    obj = parse_json(raw)
-    if not isinstance(obj, dict):
-        raise APIError(400, "invalid_request", "the body must be a JSON object")
-    _check_message_count(obj, cfg)
-    model = TokenizeChat if "messages" in obj else TokenizeCompletion
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise from_validation(e) from None
+    obj = _body(raw, cfg)
+    if "messages" in obj:
+        return _validated(TokenizeChat, obj)
+    return _validated(TokenizeCompletion, obj)
 
 
-def validate_detokenize(raw: bytes) -> Detokenize:
-    obj = parse_json(raw)
-    try:
-        return Detokenize.model_validate(obj)
-    except ValidationError as e:
-        raise from_validation(e) from None
+def validate_detokenize(raw: bytes, cfg: GatewayConfig) -> Detokenize:
+    return _validated(Detokenize, _body(raw, cfg))
 
 
 # -- WebSocket messages (docs/protocol.md) ------------------------------------------------
@@ -481,16 +473,25 @@ def parse_json(raw: bytes | str) -> Any:
 
 def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
     """Parse and check a /v1/chat/completions or /v1/completions body."""
+    req = _validated(model, _body(raw, cfg))
+    check_limits(req, cfg)
+    return req
+
+
+def _body(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
+    """An HTTP body: a JSON object, its message count checked before its schema."""
     obj = parse_json(raw)
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "the body must be a JSON object")
     _check_message_count(obj, cfg)
+    return obj
+
+
+def _validated(model: type[M], obj: dict[str, Any]) -> M:
     try:
-        req = model.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation(e) from None
-    check_limits(req, cfg)
-    return req
 
 
 def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCancel | WsResume | WsPing:

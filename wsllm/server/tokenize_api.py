@@ -28,5 +28,5 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """`{"tokens": [...]}` -> `{"prompt": text}` (special tokens kept)."""
     gw: Gateway = request.app.state.gateway
-    req = validate_detokenize(await read_body(request, gw.cfg.max_body_bytes))
+    req = validate_detokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
     return JSONResponse({"prompt": await gw.detokenize(req, request_tenant(request.state))})

@@ -22,17 +22,15 @@ from starlette.websockets import WebSocket
 
 from wsllm.broker.base import BrokerClosed, BrokerError, BrokerUnavailable, QueueFull
 from wsllm.config import GatewayConfig
-from wsllm.server.errors import APIError
+from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_ENGINE_BUSY, ERR_INTERNAL, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST
+from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
 
-# Stream errors worth retrying (HTTP answers them with 503 and Retry-After: 1).
-RETRYABLE = frozenset({ERR_ENGINE_BUSY, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST})
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 _CLOSE_WAIT_S = 1.0  # how long a close frame may wait on a client that does not read
@@ -159,14 +157,18 @@ class WsSession:
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
-            extra = {"retry_after_s": e.retry_after} if e.retry_after is not None else None
-            await self.error(msg_id, e.code, e.message, e.param, extra)
+            await self.api_error(msg_id, e)
         except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
             err = _broker_error(e)
             await self.error(msg_id, err.code, err.message)
         except Exception:
             log.exception("a WebSocket message failed")
             await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
+
+    async def api_error(self, msg_id: str | None, e: APIError) -> None:
+        """`e` as an `error` message: with `retry_after_s` where HTTP has Retry-After."""
+        extra = {"retry_after_s": e.retry_after} if e.retry_after is not None else None
+        await self.error(msg_id, e.code, e.message, e.param, extra)
 
     async def error(
         self,
@@ -242,9 +244,7 @@ class WsSession:
                         open_choices -= 1
                         await self.send(self._done(msg_id, gen, d, last=open_choices == 0))
         except GenerationError as e:
-            # the engine side was full, late or lost: HTTP's Retry-After, as on the HTTP answer
-            retry = {"retry_after_s": 1} if e.code in RETRYABLE else None
-            await self.error(msg_id, e.code, e.message, extra=retry)
+            await self.api_error(msg_id, from_generation(e.code, e.message))
         finally:
             if self.gens.get(msg_id) is gen:
                 self.gens.pop(msg_id, None)
