@@ -19,7 +19,7 @@ from wsllm.server.metrics import Metrics
 from wsllm.server.reasoning import ThinkSplitter
 from wsllm.server.text import TextCodec
 from wsllm.server.tool_parsers import parse_tool_calls
-from wsllm.types import SamplingParams, TokenEvent
+from wsllm.types import Api, ResumeContext, SamplingParams, TokenEvent
 
 OUTPUT = (
     "<think>\nThe user wants the weather in Oslo and the time. Two calls.\n</think>\n\n"
@@ -46,7 +46,10 @@ def generate(
     async def go() -> tuple[list[Delta], Generation]:
         router = asyncio.create_task(gw.router.run())
         prompt = codec.encode_chat([{"role": "user", "content": "Weather and time in Oslo?"}])
-        gen = Generation(gw.svc, "r1", prompt, SamplingParams(), [], api, output=output)
+        params, out = SamplingParams(), output.to_context() if output is not None else None
+        gen = Generation(
+            gw.svc, "r1", prompt, params, ResumeContext.start(Api(api), "m", prompt, params, [], out)
+        )
         for seq, (a, b) in enumerate(spans):
             broker.publish([TokenEvent("r1", seq, ids[a:b], 0, "stop" if b == len(ids) else None)])
         await asyncio.sleep(0.05)
@@ -78,12 +81,12 @@ def test_without_tools_a_chat_still_splits_reasoning_and_keeps_tool_text(codec: 
     assert "".join(d.reasoning for d in deltas).startswith("The user wants")
     assert "".join(d.text for d in deltas).endswith("</tool_call>")
     assert deltas[-1].finish_reason == "stop" and not any(d.tool_calls for d in deltas)
-    assert gen.context["output"] == {"tool_parser": None, "reasoning": True}
+    assert gen.context.output == {"tool_parser": None, "reasoning": True}
 
 
 def test_a_completion_is_left_as_it_is(codec: TextCodec) -> None:
     deltas, gen = generate(codec, OUTPUT, None, random.Random(2), api="completions")
-    assert "".join(d.text for d in deltas) == OUTPUT and gen.context["output"] is None
+    assert "".join(d.text for d in deltas) == OUTPUT and gen.context.output is None
 
 
 def test_the_options_survive_a_resume_context() -> None:

@@ -14,7 +14,7 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics
 from wsllm.server.text import TextCodec
-from wsllm.types import SamplingParams, TokenEvent, Usage
+from wsllm.types import Api, ResumeContext, SamplingParams, TokenEvent, Usage
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,10 @@ def run(
 
     async def go() -> tuple[list[list[tuple[int, str, str | None, int]]], Generation]:
         router = asyncio.create_task(gw.router.run())
-        gen = Generation(gw.svc, "r1", codec.encode("Hi"), params, stops, "completions")
+        ids = codec.encode("Hi")
+        gen = Generation(
+            gw.svc, "r1", ids, params, ResumeContext.start(Api.COMPLETIONS, "m", ids, params, stops)
+        )
         for b in batches:
             broker.publish(b)
         await asyncio.sleep(0.05)  # the router queues every event before the first read
@@ -96,7 +99,8 @@ def test_an_engine_error_is_raised_once(codec: TextCodec) -> None:
 
     async def go() -> None:
         router = asyncio.create_task(gw.router.run())
-        gen = Generation(gw.svc, "r1", [1], SamplingParams(), [], "chat")
+        params = SamplingParams()
+        gen = Generation(gw.svc, "r1", [1], params, ResumeContext.start(Api.CHAT, "m", [1], params, []))
         broker.publish(
             [TokenEvent("r1", 0, [], finish_reason="error", error="no room", error_code="invalid_request")]
         )

@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from wsllm.broker.base import Broker, BrokerClosed, BrokerError, QueueFull
+from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
 from wsllm.server import openai_api, tokenize_api
-from wsllm.server.errors import APIError
+from wsllm.server.errors import APIError, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
 from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
@@ -58,7 +58,7 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     gw = _gateway(request)
     running = _reader_running(request)
-    engines = await gw.engines()
+    engines = await gw.models.engines()
     if not running or not engines:
         why = "the event reader is not running" if not running else "no engine is serving yet"
         return JSONResponse({"status": "not_ready", "reason": why}, 503, {"retry-after": "1"})
@@ -67,7 +67,7 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
-    await gw.refresh_gauges()
+    await gw.models.refresh_gauges()
     gw.metrics.buffered_events.set(gw.router.buffered_events())
     gw.metrics.reader_restarts.set(gw.router.restarts)
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -88,16 +88,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _broker_error(request: Request, exc: Exception) -> Response:
     """A broker error that no route turned into an answer: the broker is full, closing
     or unreachable; the client may retry."""
-    if isinstance(exc, QueueFull):
-        err = APIError(429, "queue_full", f"the server is busy: {exc}", retry_after=1)
-    else:
-        why = (
-            "the server is shutting down"
-            if isinstance(exc, BrokerClosed)
-            else "the broker is unreachable; retry"
-        )
-        err = APIError(503, "model_not_ready", why, retry_after=1)
-    return await _api_error(request, err)
+    assert isinstance(exc, BrokerError)
+    return await _api_error(request, from_broker(exc))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -11,6 +11,7 @@ import orjson
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from wsllm.broker.base import BrokerClosed, BrokerError, BrokerUnavailable, QueueFull
 from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST
 
 _TYPES = {
@@ -78,6 +79,20 @@ def from_generation(code: str, message: str) -> APIError:
     if code in _RETRY_LATER:
         return APIError(503, code, message, retry_after=1)
     return APIError(500, code, message)
+
+
+def from_broker(e: BrokerError) -> APIError:
+    """A broker error met while admitting, resuming or cancelling a request: 429 when
+    its queue is full, 503 otherwise (closing, unreachable); the client may retry."""
+    if isinstance(e, QueueFull):
+        return APIError(429, "queue_full", f"the server is busy: {e}", retry_after=1)
+    if isinstance(e, BrokerClosed):
+        why = "the server is shutting down"
+    elif isinstance(e, BrokerUnavailable):
+        why = "the broker is unreachable; retry"
+    else:
+        why = str(e)
+    return APIError(503, "model_not_ready", why, retry_after=1)
 
 
 def from_validation(e: ValidationError, skip: int = 0) -> APIError:

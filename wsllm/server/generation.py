@@ -29,15 +29,13 @@ from wsllm.types import (
     ERR_SLOW_CONSUMER,
     FINISH_ABORT,
     FINISH_STOP,
+    ResumeContext,
     SamplingParams,
     TokenEvent,
     Usage,
 )
 
 log = logging.getLogger(__name__)
-
-# Prompt tokens kept with a resumable request: the detokenizer's context on replay.
-CONTEXT_TAIL = 8
 
 
 @dataclass(slots=True)
@@ -108,25 +106,25 @@ class Generation:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        stops: list[str],
-        api: str,
-        prompt_len: int | None = None,
-        output: OutputOptions | None = None,
+        ctx: ResumeContext,
     ) -> None:
+        """A request whose prompt ends with `prompt_ids` (all of them, or the context's
+        tail after a resume); `ctx` says how its answer is read."""
         self.svc = svc
         self.request_id = request_id
-        self.api = api
-        self.prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         self.want_logprobs = params.logprobs is not None
         self.prompt_ids_for_logprobs = prompt_ids if params.prompt_logprobs is not None else []
         #: per prompt token (None for the first): filled once, from the engine's first event
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.prompt_logprobs_raw: list[Any] | None = None  # as the engine sent them (token ids)
-        if output is None and "chat" in api:
+        output = OutputOptions.from_context(ctx.output)
+        if output is None and ctx.api.is_chat:
             output = OutputOptions()  # no tools; <think> split off
+        ctx.output = output.to_context() if output is not None else None
         in_think = (
             output is not None and output.reasoning and prompt_opens_think(svc.codec.prompt_tail(prompt_ids))
         )
+        stops = ctx.stops
         self.choices = [
             _Choice(
                 i,
@@ -137,16 +135,7 @@ class Generation:
             for i in range(params.n)
         ]
         #: what another gateway needs to rebuild this Generation (resumable brokers)
-        self.context: dict[str, Any] = {
-            "api": api,
-            "n": params.n,
-            "logprobs": params.logprobs,
-            "stops": stops,
-            "prompt_len": self.prompt_len,
-            "prompt_tail": prompt_ids[-CONTEXT_TAIL:],
-            "created": int(time.time()),
-            "output": output.to_context() if output is not None else None,
-        }
+        self.context = ctx
         self.resume_token: str | None = None  # handed to the client that started it
         #: set at admission: hands back the tenant's concurrency lease and the unused part
         #: of its token charge (given the tokens used; None: no refund). Called once.
@@ -161,21 +150,13 @@ class Generation:
         self._inbox = svc.router.open(request_id)
 
     @classmethod
-    def from_context(cls, svc: Services, request_id: str, ctx: dict[str, Any]) -> Generation:
+    def from_context(cls, svc: Services, request_id: str, ctx: ResumeContext) -> Generation:
         """A Generation for a request started elsewhere, from its stored context."""
-        params = SamplingParams(n=int(ctx.get("n", 1)), logprobs=ctx.get("logprobs"))
-        gen = cls(
-            svc,
-            request_id,
-            [int(t) for t in ctx.get("prompt_tail", [])],
-            params,
-            [str(s) for s in ctx.get("stops", [])],
-            str(ctx.get("api", "")),
-            prompt_len=int(ctx.get("prompt_len", 0)),
-            output=OutputOptions.from_context(ctx.get("output")),
-        )
-        gen.context = dict(ctx)
-        return gen
+        return cls(svc, request_id, ctx.prompt_tail, SamplingParams(n=ctx.n, logprobs=ctx.logprobs), ctx)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.context.prompt_len
 
     @property
     def started(self) -> bool:
@@ -332,7 +313,9 @@ class Generation:
         first = self.choices[0]
         reason = first.finish_reason or FINISH_ABORT
         # as the client was told it: a chat answer that made calls ended with "tool_calls"
-        m.finished(self.api, first.out.finish_reason(reason) if first.out is not None else reason)
+        m.finished(
+            self.context.api.value, first.out.finish_reason(reason) if first.out is not None else reason
+        )
 
     def _observe(self, ev: TokenEvent) -> None:
         t = self._timing

@@ -28,7 +28,7 @@ from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
 from wsllm.server.tenants import Tenant
-from wsllm.types import Usage
+from wsllm.types import Api, Usage
 
 RESUME_TOKEN_HEADER = "x-resume-token"
 # Bodies larger than this are validated off the event loop.
@@ -127,7 +127,7 @@ class _Api:
         self.head = {
             "id": gen.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(gen.context.get("created") or time.time()),
+            "created": gen.context.created or int(time.time()),
             "model": model,
         }
         self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
@@ -353,7 +353,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     batch = req.prompts if isinstance(req, CompletionRequest) else None
     if batch is not None:
         return await _generate_batch(request, gw, req, batch, tenant)
-    gen = await gw.start(req, "chat" if chat else "completions", tenant)
+    gen = await gw.start(req, Api.CHAT if chat else Api.COMPLETIONS, tenant)
     api = (
         _completion_api(gw, gen, req)
         if isinstance(req, CompletionRequest)
@@ -366,7 +366,7 @@ async def _generate(request: Request, chat: bool) -> Response:
 
 
 def _model(gw: Gateway, gen: Generation) -> str:
-    return str(gen.context.get("model") or gw.model_name)
+    return gen.context.model or gw.model_name
 
 
 def _completion_api(gw: Gateway, gen: Generation, req: CompletionRequest) -> _Api:
@@ -384,7 +384,7 @@ async def _generate_batch(
     try:
         for i, p in enumerate(prompts):
             try:
-                gens.append(await gw.start(req.one(p), "completions", tenant))
+                gens.append(await gw.start(req.one(p), Api.COMPLETIONS, tenant))
             except APIError as e:
                 if e.param == "prompt":  # name the prompt of the batch
                     e.param, e.message = f"prompt.{i}", e.message.replace("prompt", f"prompt.{i}", 1)
@@ -460,8 +460,8 @@ async def resume_stream(request: Request) -> Response:
             f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
             "id",
         )
-    api = _Api(gen, _model(gw, gen), chat="chat" in gen.api)
-    frames = sse_frames(gw, api, bool(gen.context.get("include_usage")), after=int(raw))
+    api = _Api(gen, _model(gw, gen), chat=gen.context.api.is_chat)
+    frames = sse_frames(gw, api, gen.context.include_usage, after=int(raw))
     return _event_stream(gw, frames, _leave(gen))
 
 
@@ -474,23 +474,7 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """Every model a live engine serves (and the key may use), the default first,
-    each with the context length its engines allow. An alias is listed as a model of
-    its own (`parent`: the model it names), as vLLM lists served names."""
+    """Every model a live engine serves (and the key may use): `ServedModels.cards`."""
     gw: Gateway = request.app.state.gateway
-    tenant = request_tenant(request.state)
-    data: list[dict[str, object]] = []
-    for name, engines in (await gw.live_models()).items():
-        if not tenant.may_use(name):
-            continue
-        card: dict[str, object] = {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "wsllm",
-            "max_model_len": min(e.max_model_len for e in engines),
-        }
-        data.append(card)
-        aliases = sorted({a for e in engines for a in e.aliases} - {name})
-        data += [card | {"id": a, "parent": name} for a in aliases]
+    data = await gw.models.cards(request_tenant(request.state))
     return JSONResponse({"object": "list", "data": data})

@@ -3,7 +3,8 @@
 Pydantic does the schema work in strict mode (no "0.5" for a number, no 1.0 for an
 integer, no NaN), with the bounds of every numeric field from wsllm/types.py (the
 engine checks the same ones); `check_limits` applies the operator's limits from
-GatewayConfig; `sampling_params` turns a valid request into engine SamplingParams."""
+GatewayConfig. Turning a valid request into engine SamplingParams is preparation's
+(server/prepare.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
 from wsllm.types import (
-    GREEDY_BELOW,
     MAX_BEAM_WIDTH,
     MAX_ID_CHARS,
     MAX_LENGTH_PENALTY,
@@ -31,7 +31,6 @@ from wsllm.types import (
     MAX_TOKENS,
     MAX_TOP_K,
     SEED_LIMIT,
-    SamplingParams,
 )
 
 # Tools in one request, and tool calls in one message.
@@ -597,86 +596,3 @@ def _check_message(i: int, m: ChatMessage) -> None:
         raise _bad(f"{at}.tool_call_id", "required for a tool message (the id of the call it answers)")
     if m.tool_call_id is not None and m.role != "tool":
         raise _bad(f"{at}.tool_call_id", "only a tool message has tool_call_id")
-
-
-def sampling_params(
-    req: ChatRequest | CompletionRequest,
-    prompt_len: int,
-    max_model_len: int | None,
-    cfg: GatewayConfig,
-    structured: dict[str, Any] | None = None,
-) -> SamplingParams:
-    """Engine parameters for a checked request whose prompt has `prompt_len` tokens;
-    `structured` is the checked constraint (`req.structured` or a forced tool call)."""
-    room = None if max_model_len is None else max_model_len - prompt_len
-    param = "messages" if isinstance(req, ChatRequest) else "prompt"
-    if room is not None and room < 1:
-        raise APIError(
-            400,
-            "context_length_exceeded",
-            f"{param}: the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
-            param=param,
-        )
-    max_tokens = req.requested_max_tokens
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens if room is None else min(cfg.default_max_tokens, room)
-    elif room is not None and max_tokens > room:
-        raise APIError(
-            400,
-            "context_length_exceeded",
-            f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed this model's "
-            f"context of {max_model_len}",
-            param="max_tokens",
-        )
-    try:
-        return SamplingParams(
-            n=req.n or 1,
-            max_tokens=max_tokens,
-            min_tokens=min(req.min_tokens or 0, max_tokens),
-            # Below GREEDY_BELOW sampling is greedy: say so, rather than divide by ~0.
-            temperature=1.0
-            if req.temperature is None
-            else (0.0 if req.temperature < GREEDY_BELOW else req.temperature),
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if not req.top_k else req.top_k,
-            min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=req.num_top_logprobs,
-            structured=structured,
-            logit_bias=req.token_bias,
-            prompt_logprobs=_prompt_logprobs(req),
-            **_beam_fields(req),
-        )
-    except ValueError as e:  # SamplingParams' own checks: its message names the field
-        raise APIError(400, "invalid_request", str(e)) from None
-
-
-def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
-    """Prompt logprobs to compute: vLLM's `prompt_logprobs`, or `logprobs` with `echo`
-    (OpenAI then gives the prompt's tokens logprobs too)."""
-    if not isinstance(req, CompletionRequest):
-        return None
-    if req.prompt_logprobs is not None:
-        return (
-            max(req.prompt_logprobs, req.logprobs or 0)
-            if req.echo and req.logprobs is not None
-            else req.prompt_logprobs
-        )
-    return req.logprobs if req.echo and req.logprobs is not None else None
-
-
-def _beam_fields(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    if not isinstance(req, CompletionRequest) or not req.use_beam_search:
-        return {}
-    n = req.n or 1
-    return {
-        "use_beam_search": True,
-        "beam_width": req.beam_width or max(4, n),
-        "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
-        "early_stopping": bool(req.early_stopping),
-    }

@@ -8,6 +8,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from wsllm.server import prepare
 from wsllm.server.gateway import Gateway
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_api import read_body
@@ -19,9 +20,10 @@ async def tokenize(request: Request) -> Response:
     "token_strs"}` (`token_strs` with `"return_token_strs": true`, else null)."""
     gw: Gateway = request.app.state.gateway
     req = validate_tokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
-    ids, max_len, codec = await gw.tokenize(req, request_tenant(request.state))
+    model, max_len = await gw.models.resolve(req.model, request_tenant(request.state))
+    ids = await prepare.tokenize(req, model, gw.cfg)
     # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
-    strs = [codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
+    strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
 
 
@@ -29,4 +31,5 @@ async def detokenize(request: Request) -> Response:
     """`{"tokens": [...]}` -> `{"prompt": text}` (special tokens kept)."""
     gw: Gateway = request.app.state.gateway
     req = validate_detokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
-    return JSONResponse({"prompt": await gw.detokenize(req, request_tenant(request.state))})
+    model, _ = await gw.models.resolve(req.model, request_tenant(request.state))
+    return JSONResponse({"prompt": await prepare.detokenize(req, model.codec)})

@@ -20,14 +20,14 @@ import orjson
 from starlette.datastructures import Headers
 from starlette.websockets import WebSocket
 
-from wsllm.broker.base import BrokerClosed, BrokerError, BrokerUnavailable, QueueFull
+from wsllm.broker.base import BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server.errors import APIError, from_generation
+from wsllm.server.errors import APIError, from_broker, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_INTERNAL
+from wsllm.types import ERR_INTERNAL, Api
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,6 @@ async def ws_endpoint(websocket: WebSocket) -> None:
 
 class SendTimeout(Exception):
     """The client took no data for --send-timeout-s."""
-
-
-def _broker_error(e: BrokerError) -> APIError:
-    if isinstance(e, QueueFull):
-        return APIError(429, "queue_full", f"the server is busy: {e}", retry_after=1)
-    if isinstance(e, BrokerClosed):
-        return APIError(503, "model_not_ready", "the server is shutting down", retry_after=1)
-    if isinstance(e, BrokerUnavailable):
-        return APIError(503, "model_not_ready", "the broker is unreachable; retry", retry_after=1)
-    return APIError(503, "model_not_ready", str(e), retry_after=1)
 
 
 class WsSession:
@@ -159,7 +149,7 @@ class WsSession:
         except APIError as e:
             await self.api_error(msg_id, e)
         except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
-            err = _broker_error(e)
+            err = from_broker(e)
             await self.error(msg_id, err.code, err.message)
         except Exception:
             log.exception("a WebSocket message failed")
@@ -195,7 +185,7 @@ class WsSession:
 
     async def _start(self, msg: WsChat | WsCompletion) -> None:
         self._admit(msg.id)
-        api = "ws_chat" if isinstance(msg, WsChat) else "ws_completion"
+        api = Api.WS_CHAT if isinstance(msg, WsChat) else Api.WS_COMPLETION
         gen = await self.gw.start(msg, api, self.tenant)
         self.gens[msg.id] = gen
         started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
@@ -309,7 +299,7 @@ class WsSession:
             "max_n": c.max_n,
             "max_stop": c.max_stop,
             "max_stop_len": c.max_stop_len,
-            "max_context": await self.gw.max_model_len(),
+            "max_context": await self.gw.models.max_model_len(),
         }
 
 

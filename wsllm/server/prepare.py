@@ -1,0 +1,209 @@
+"""Preparation: a checked request and the model it goes to become what the engine and
+the gateway's text work need (`Prepared`): the prompt's token ids, the engine's
+SamplingParams, how the answer is read (the chat output plan) and the request's
+ResumeContext. The one stage that needs the model's tokenizer, so the 400s that need
+it come from here: the chat template's, token ids outside the vocabulary, a tool or
+response format that does not compile, and a prompt too long for the context.
+`/tokenize` and `/detokenize` use the same steps."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from wsllm.config import GatewayConfig
+from wsllm.server.chat_output import OutputOptions
+from wsllm.server.errors import APIError
+from wsllm.server.models import ServedModel
+from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
+from wsllm.server.text import TemplateError, TextCodec
+from wsllm.server.tools import checked, plan_chat, wanted_constraint
+from wsllm.types import GREEDY_BELOW, Api, ResumeContext, SamplingParams
+
+# Prompts longer than this (characters, counting each message's overhead) are
+# tokenized off the event loop.
+_TOKENIZE_INLINE_CHARS = 4096
+_MESSAGE_OVERHEAD_CHARS = 16
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready to submit."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    #: what a gateway needs to read its answer, here or after a resume
+    context: ResumeContext
+
+
+async def prepare(
+    req: ChatRequest | CompletionRequest, api: Api, model: ServedModel, max_len: int, cfg: GatewayConfig
+) -> Prepared:
+    """`req` (checked against its schema and the operator's limits) for `model`, whose
+    live engines allow `max_len` tokens of context. Raises APIError (400)."""
+    codec = model.codec
+    _check_vocab(codec, req)
+    plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
+    wanted = wanted_constraint(req, plan)
+    structured = None if wanted is None else await asyncio.to_thread(checked, *wanted)
+    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {})
+    params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
+    output: OutputOptions | None = plan.output if plan else None
+    encoded = output.to_context() if output is not None else None
+    ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
+    return Prepared(prompt_ids, params, ctx)
+
+
+async def tokenize(
+    req: TokenizeCompletion | TokenizeChat, model: ServedModel, cfg: GatewayConfig
+) -> list[int]:
+    """vLLM's /tokenize: the token ids of a prompt, or of a chat's messages through the
+    template as a chat request would have them."""
+    codec = model.codec
+    if isinstance(req, TokenizeChat):
+        chat = req.as_chat()
+        template = plan_chat(chat, codec, model.name, cfg.tool_parser).template | {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
+        return await _prompt_ids(chat, codec, template)
+    encode = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
+    return await _run_text(encode, req.prompt, len(req.prompt))
+
+
+async def detokenize(req: Detokenize, codec: TextCodec) -> str:
+    """vLLM's /detokenize: the text of token ids, special tokens kept."""
+    _vocab(codec, req.tokens, "tokens")
+    decode = functools.partial(codec.backend.decode, skip_special_tokens=False)
+    return str(await _run_text(decode, req.tokens, 4 * len(req.tokens)))
+
+
+def _check_vocab(codec: TextCodec, req: ChatRequest | CompletionRequest) -> None:
+    """Every token id a request gives is in the model's vocabulary (the schema only
+    bounds them): its stop ids, its prompt's ids, its logit_bias keys."""
+    _vocab(codec, req.stop_token_ids or [], "stop_token_ids")
+    if isinstance(req, CompletionRequest) and isinstance(req.single, list):
+        _vocab(codec, req.single, "prompt")
+    _vocab(codec, list(req.token_bias or {}), "logit_bias")
+
+
+def _vocab(codec: TextCodec, ids: list[int], param: str) -> None:
+    bad = next((t for t in ids if t >= codec.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            "invalid_request",
+            f"{param}: token id {bad} is not in the vocabulary (size {codec.vocab_size})",
+            param=param,
+        )
+
+
+async def _prompt_ids(
+    req: ChatRequest | CompletionRequest, codec: TextCodec, template: dict[str, Any]
+) -> list[int]:
+    if isinstance(req, CompletionRequest):
+        prompt = req.single
+        if isinstance(prompt, list):
+            return list(prompt)
+        return await _run_text(codec.encode, prompt, len(prompt))
+    messages = [m.as_template_input() for m in req.messages]
+    size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
+    try:
+        return await _run_text(functools.partial(codec.encode_chat, **template), messages, size)
+    except TemplateError as e:
+        raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
+
+
+async def _run_text(fn: Callable[[T], R], arg: T, size: int) -> R:
+    """`fn(arg)`, off the event loop when `arg` is large (`size` characters)."""
+    if size <= _TOKENIZE_INLINE_CHARS:
+        return fn(arg)
+    return await asyncio.to_thread(fn, arg)
+
+
+def sampling_params(
+    req: ChatRequest | CompletionRequest,
+    prompt_len: int,
+    max_model_len: int | None,
+    cfg: GatewayConfig,
+    structured: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """Engine parameters for a checked request whose prompt has `prompt_len` tokens;
+    `structured` is the checked constraint (`req.structured` or a forced tool call)."""
+    room = None if max_model_len is None else max_model_len - prompt_len
+    param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    if room is not None and room < 1:
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"{param}: the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+            param=param,
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = cfg.default_max_tokens if room is None else min(cfg.default_max_tokens, room)
+    elif room is not None and max_tokens > room:
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed this model's "
+            f"context of {max_model_len}",
+            param="max_tokens",
+        )
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            max_tokens=max_tokens,
+            min_tokens=min(req.min_tokens or 0, max_tokens),
+            # Below GREEDY_BELOW sampling is greedy: say so, rather than divide by ~0.
+            temperature=1.0
+            if req.temperature is None
+            else (0.0 if req.temperature < GREEDY_BELOW else req.temperature),
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if not req.top_k else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=req.num_top_logprobs,
+            structured=structured,
+            logit_bias=req.token_bias,
+            prompt_logprobs=_prompt_logprobs(req),
+            **_beam_fields(req),
+        )
+    except ValueError as e:  # SamplingParams' own checks: its message names the field
+        raise APIError(400, "invalid_request", str(e)) from None
+
+
+def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
+    """Prompt logprobs to compute: vLLM's `prompt_logprobs`, or `logprobs` with `echo`
+    (OpenAI then gives the prompt's tokens logprobs too)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    if req.prompt_logprobs is not None:
+        return (
+            max(req.prompt_logprobs, req.logprobs or 0)
+            if req.echo and req.logprobs is not None
+            else req.prompt_logprobs
+        )
+    return req.logprobs if req.echo and req.logprobs is not None else None
+
+
+def _beam_fields(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    if not isinstance(req, CompletionRequest) or not req.use_beam_search:
+        return {}
+    n = req.n or 1
+    return {
+        "use_beam_search": True,
+        "beam_width": req.beam_width or max(4, n),
+        "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
+        "early_stopping": bool(req.early_stopping),
+    }
