@@ -91,6 +91,28 @@ def test_eight_requests_on_one_socket_one_cancelled(srv: Any) -> None:
     srv.assert_no_blocks_held()
 
 
+def test_request_ids_say_chat_or_completion_as_openai_ids_do(srv: Any) -> None:
+    """A chat's request id starts `chatcmpl-` and a completion's `cmpl-`, as on the
+    HTTP routes (and in the answers OpenAI gives)."""
+
+    async def run() -> dict[str, str]:
+        async with connect(srv) as ws:
+            await hello(ws)
+            chat = {"type": "chat", "id": "a", "messages": [{"role": "user", "content": "hi"}]}
+            await send(ws, **chat, max_tokens=2)
+            await send(ws, **completion("b", max_tokens=2))
+            ids, done = {}, 0
+            while done < 2:
+                m = await recv(ws)
+                if m["type"] == "started":
+                    ids[m["id"]] = m["request_id"]
+                done += m["type"] == "done"
+            return ids
+
+    ids = asyncio.run(run())
+    assert ids["a"].startswith("chatcmpl-") and ids["b"].startswith("cmpl-"), ids
+
+
 def test_closing_the_socket_aborts_its_requests(srv: Any) -> None:
     async def run() -> list[str]:
         async with connect(srv) as ws:
