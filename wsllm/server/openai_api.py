@@ -10,25 +10,22 @@ the stream again needs it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from wsllm.server.chat_output import assemble_tool_calls
 from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
-from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
+from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
+from wsllm.server.openai_render import AnswerView, BatchView, prompt_text, usage_json, whole_answer
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
 from wsllm.server.tenants import Tenant
-from wsllm.types import Api, Usage
+from wsllm.types import Api
 
 RESUME_TOKEN_HEADER = "x-resume-token"
 # Bodies larger than this are validated off the event loop.
@@ -50,204 +47,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def usage_json(u: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-def chat_extras(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """A chat message's (or delta's) reasoning_content and tool_calls, when it has them."""
-    out: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
-    return out | ({"tool_calls": tool_calls} if tool_calls else {})
-
-
-def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-
-    def entry(token: str, lp: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
-
-    return {
-        "content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*x) for x in t.top]} for t in lps]
-    }
-
-
-def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    offsets = []
-    for t in lps:
-        offsets.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in lps],
-        "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [None if t.logprob is None else dict(t.top) for t in lps],
-        "text_offset": offsets,
-    }
-
-
-def _vllm_prompt_logprobs(gen: Generation) -> list[dict[str, Any] | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
-    {token id: {"logprob", "rank" (in the top list), "decoded_token"}} for the prompt's
-    token and the top ones."""
-    raw = gen.prompt_logprobs_raw
-    if raw is None:
-        return None
-    text = gen.svc.codec.token_text
-    out: list[dict[str, Any] | None] = []
-    for tid, e in zip(gen.prompt_ids_for_logprobs, raw, strict=False):
-        if e is None:
-            out.append(None)
-            continue
-        entry = {
-            str(t): {"logprob": float(lp), "rank": r, "decoded_token": text(int(t))}
-            for r, (t, lp) in enumerate(e[1], 1)
-        }
-        entry.setdefault(str(tid), {"logprob": float(e[0]), "decoded_token": text(tid)})
-        out.append(entry)
-    return out
-
-
-class _Api:
-    """Renders one request's deltas in the shape of its API (chat or completions)."""
-
-    def __init__(
-        self, gen: Generation, model: str, chat: bool, echo: str | None = None, prompt_logprobs: bool = False
-    ) -> None:
-        self.gen = gen
-        self.chat = chat
-        self.echo = echo  # completions with `echo`: the prompt's text, sent before each choice's answer
-        self.vllm_prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` field asked for
-        self.head = {
-            "id": gen.request_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": gen.context.created or int(time.time()),
-            "model": model,
-        }
-        self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
-        self.started: set[int] = set()  # chat: choices whose role was sent
-        self.first_index = 0  # in a batch of prompts: this prompt's index * n
-
-    @property
-    def finished(self) -> bool:
-        return self.gen.finished
-
-    @property
-    def usage(self) -> Usage:
-        return self.gen.usage
-
-    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
-        """The chunk choices of the next deltas; None when `timeout` passed first."""
-        deltas = await self.gen.next(timeout=timeout)
-        return None if not deltas else self.choices_of(deltas)
-
-    def choices_of(self, deltas: list[Delta]) -> list[dict[str, Any]]:
-        return [
-            self.chunk_choice(d)
-            for d in deltas
-            if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls
-        ]
-
-    def chunk_choice(self, d: Delta) -> dict[str, Any]:
-        if self.chat:
-            other = d.finish_reason or d.reasoning or d.tool_calls
-            delta: dict[str, Any] = {"content": d.text} if d.text or not other else {}
-            if d.index not in self.started:
-                self.started.add(d.index)
-                delta = {"role": "assistant", "content": d.text}
-            delta |= chat_extras(d.reasoning, d.tool_calls)
-            out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
-        else:
-            text, lps = d.text, d.logprobs
-            if d.index not in self.started:
-                self.started.add(d.index)
-                text, lps = self.echoed(text, lps)
-            out = {
-                "index": d.index,
-                "text": text,
-                "logprobs": _completion_logprobs(lps, self.offsets[d.index]),
-            }
-            if self.vllm_prompt_logprobs and d.index == 0 and self.offsets[0] == 0:
-                out["prompt_logprobs"] = _vllm_prompt_logprobs(self.gen)
-            self.offsets[d.index] += len(text)
-            out["finish_reason"] = d.finish_reason
-            out["index"] = d.index + self.first_index
-            return out
-        self.offsets[d.index] += len(d.text)
-        out["finish_reason"] = d.finish_reason
-        return out
-
-    def echoed(self, text: str, lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
-        """A choice's first text (and logprobs) with the prompt's before it, for `echo`."""
-        if self.echo is None:
-            return text, lps
-        if lps is not None:
-            lps = list(self.gen.prompt_logprobs or []) + lps
-        return self.echo + text, lps
-
-
-def _total(gens: list[Generation]) -> Usage:
-    us = [g.usage for g in gens]
-    return Usage(
-        sum(u.prompt_tokens for u in us),
-        sum(u.completion_tokens for u in us),
-        sum(u.cached_tokens for u in us),
-    )
-
-
-class _Batch:
-    """A list of prompts in one /v1/completions call: one request per prompt, their
-    choices numbered prompt's index * n + choice, their usage summed."""
-
-    def __init__(self, apis: list[_Api]) -> None:
-        self.apis = apis
-        self.head = apis[0].head
-        n = len(apis[0].gen.choices)
-        for i, a in enumerate(apis):
-            a.head, a.first_index = self.head, i * n
-        self._pending: dict[int, asyncio.Future[list[Delta]]] = {}
-
-    @property
-    def finished(self) -> bool:
-        return all(a.gen.finished for a in self.apis)
-
-    @property
-    def usage(self) -> Usage:
-        return _total([a.gen for a in self.apis])
-
-    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
-        for i, a in enumerate(self.apis):
-            if i not in self._pending and not a.gen.finished:
-                self._pending[i] = asyncio.ensure_future(a.gen.next(timeout=timeout))
-        if not self._pending:
-            return []
-        await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
-        ready = [i for i in sorted(self._pending) if self._pending[i].done()]
-        got = [(i, self._pending.pop(i).result()) for i in ready]  # raises GenerationError
-        if not any(deltas for _, deltas in got):
-            return None  # every one that answered timed out
-        return [c for i, deltas in got for c in self.apis[i].choices_of(deltas)]
-
-    async def close(self) -> None:
-        """However the call ends: stop waiting, and free what still runs."""
-        for f in self._pending.values():
-            f.cancel()
-        for f in self._pending.values():
-            with contextlib.suppress(BaseException):
-                await f
-        self._pending.clear()
-        for a in self.apis:
-            await a.gen.cancel()
-
-
 async def sse_frames(
-    gw: Gateway, api: _Api | _Batch, include_usage: bool, after: int = 0
+    gw: Gateway, api: AnswerView | BatchView, include_usage: bool, after: int = 0
 ) -> AsyncIterator[bytes]:
     """The SSE events of a request (or a batch of them); those numbered <= `after` (a
     resume's Last-Event-ID) are computed, to rebuild the text state, but not sent."""
@@ -289,8 +90,8 @@ async def _collect_all(gens: list[Generation]) -> list[list[list[Delta]]]:
     return list(await asyncio.gather(*(_collect(g) for g in gens)))
 
 
-async def _full_response(request: Request, apis: list[_Api]) -> Response:
-    """The whole answer of one request, or of a batch of prompts (one _Api each)."""
+async def _full_response(request: Request, apis: list[AnswerView]) -> Response:
+    """The whole answer of one request, or of a batch of prompts (one view each)."""
     try:
         done, collected = await until_disconnect(request.receive, _collect_all([a.gen for a in apis]))
     except GenerationError as e:
@@ -300,45 +101,9 @@ async def _full_response(request: Request, apis: list[_Api]) -> Response:
             await a.gen.cancel()  # no-op when it finished; frees the engine request otherwise
     if not done or collected is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = [c for api, per_choice in zip(apis, collected, strict=True) for c in _choices(api, per_choice)]
-    api = apis[0]
-    obj = "chat.completion" if api.chat else "text_completion"
-    body = api.head | {"object": obj, "choices": choices, "usage": usage_json(_total([a.gen for a in apis]))}
+    body = whole_answer(apis, collected)
     headers = apis[-1].gen.ratelimit_headers  # the last admitted: the freshest figures
     return Response(orjson.dumps(body), headers=headers, media_type="application/json")
-
-
-def _choices(api: _Api, per_choice: list[list[Delta]]) -> list[dict[str, Any]]:
-    gen = api.gen
-    choices = []
-    for i, deltas in enumerate(per_choice):
-        text = "".join(d.text for d in deltas)
-        lps = [lp for d in deltas for lp in (d.logprobs or [])] if gen.want_logprobs else None
-        finish = deltas[-1].finish_reason if deltas else None
-        if api.chat:
-            calls = assemble_tool_calls([c for d in deltas for c in d.tool_calls or []])
-            reasoning = "".join(d.reasoning for d in deltas)
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text or (None if calls else text)}
-                    | chat_extras(reasoning, calls),
-                    "logprobs": _chat_logprobs(lps),
-                    "finish_reason": finish,
-                }
-            )
-        else:
-            text, lps = api.echoed(text, lps)
-            choice = {
-                "index": api.first_index + i,
-                "text": text,
-                "logprobs": _completion_logprobs(lps, 0),
-                "finish_reason": finish,
-            }
-            if api.vllm_prompt_logprobs:
-                choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen)
-            choices.append(choice)
-    return choices
 
 
 async def _generate(request: Request, chat: bool) -> Response:
@@ -357,11 +122,11 @@ async def _generate(request: Request, chat: bool) -> Response:
     api = (
         _completion_api(gw, gen, req)
         if isinstance(req, CompletionRequest)
-        else _Api(gen, _model(gw, gen), chat)
+        else AnswerView(gen, _model(gw, gen), chat)
     )
     if req.stream:
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
-        return _event_stream(gw, sse_frames(gw, api, req.include_usage), _leave(gen), headers)
+        return _event_stream(gw, sse_frames(gw, api, req.include_usage), gen.leave, headers)
     return await _full_response(request, [api])
 
 
@@ -369,9 +134,9 @@ def _model(gw: Gateway, gen: Generation) -> str:
     return gen.context.model or gw.model_name
 
 
-def _completion_api(gw: Gateway, gen: Generation, req: CompletionRequest) -> _Api:
+def _completion_api(gw: Gateway, gen: Generation, req: CompletionRequest) -> AnswerView:
     echo = prompt_text(gen, req) if req.echo else None
-    return _Api(gen, _model(gw, gen), False, echo, req.prompt_logprobs is not None)
+    return AnswerView(gen, _model(gw, gen), False, echo, req.prompt_logprobs is not None)
 
 
 async def _generate_batch(
@@ -393,20 +158,12 @@ async def _generate_batch(
         for g in gens:
             await g.cancel()
         raise
-    batch = _Batch([_completion_api(gw, g, req.one(p)) for g, p in zip(gens, prompts, strict=True)])
+    batch = BatchView([_completion_api(gw, g, req.one(p)) for g, p in zip(gens, prompts, strict=True)])
     if not req.stream:
         return await _full_response(request, batch.apis)
     return _event_stream(
         gw, sse_frames(gw, batch, req.include_usage), batch.close, gens[-1].ratelimit_headers
     )
-
-
-def prompt_text(gen: Generation, req: CompletionRequest) -> str:
-    """The prompt as the client gave it: its text, or its token ids decoded."""
-    prompt = req.single
-    if isinstance(prompt, str):
-        return prompt
-    return str(gen.svc.codec.backend.decode(prompt, skip_special_tokens=False))
 
 
 def _event_stream(
@@ -424,13 +181,6 @@ def _event_stream(
         on_timeout=lambda: gw.metrics.send_timeout("sse"),
         headers=headers,
     )
-
-
-def _leave(gen: Generation) -> Callable[[], Awaitable[None]]:
-    async def close() -> None:
-        await gen.leave()  # nothing when it finished
-
-    return close
 
 
 async def resume_stream(request: Request) -> Response:
@@ -460,9 +210,9 @@ async def resume_stream(request: Request) -> Response:
             f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
             "id",
         )
-    api = _Api(gen, _model(gw, gen), chat=gen.context.api.is_chat)
+    api = AnswerView(gen, _model(gw, gen), chat=gen.context.api.is_chat)
     frames = sse_frames(gw, api, gen.context.include_usage, after=int(raw))
-    return _event_stream(gw, frames, _leave(gen))
+    return _event_stream(gw, frames, gen.leave)
 
 
 async def chat_completions(request: Request) -> Response:

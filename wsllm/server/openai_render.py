@@ -1,0 +1,262 @@
+"""OpenAI's shapes of one request's answer: stream chunks and whole responses of
+/v1/chat/completions and /v1/completions, with their logprobs (OpenAI's, and vLLM's
+`prompt_logprobs`), usage, `echo`, and a batch of prompts answered as one. The routes
+that send them are openai_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.generation import Delta, Generation, TokenLogprob
+from wsllm.server.schemas import CompletionRequest
+from wsllm.types import Usage
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def chat_extras(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A chat message's (or delta's) reasoning_content and tool_calls, when it has them."""
+    out: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+    return out | ({"tool_calls": tool_calls} if tool_calls else {})
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+
+    def entry(token: str, lp: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {
+        "content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*x) for x in t.top]} for t in lps]
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in lps],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [None if t.logprob is None else dict(t.top) for t in lps],
+        "text_offset": offsets,
+    }
+
+
+def _vllm_prompt_logprobs(gen: Generation) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+    {token id: {"logprob", "rank" (in the top list), "decoded_token"}} for the prompt's
+    token and the top ones."""
+    raw = gen.prompt_logprobs_raw
+    if raw is None:
+        return None
+    text = gen.svc.codec.token_text
+    out: list[dict[str, Any] | None] = []
+    for tid, e in zip(gen.prompt_ids_for_logprobs, raw, strict=False):
+        if e is None:
+            out.append(None)
+            continue
+        entry = {
+            str(t): {"logprob": float(lp), "rank": r, "decoded_token": text(int(t))}
+            for r, (t, lp) in enumerate(e[1], 1)
+        }
+        entry.setdefault(str(tid), {"logprob": float(e[0]), "decoded_token": text(tid)})
+        out.append(entry)
+    return out
+
+
+class AnswerView:
+    """Renders one request's deltas in the shape of its API (chat or completions)."""
+
+    def __init__(
+        self, gen: Generation, model: str, chat: bool, echo: str | None = None, prompt_logprobs: bool = False
+    ) -> None:
+        self.gen = gen
+        self.chat = chat
+        self.echo = echo  # completions with `echo`: the prompt's text, sent before each choice's answer
+        self.vllm_prompt_logprobs = prompt_logprobs  # vLLM's `prompt_logprobs` field asked for
+        self.head = {
+            "id": gen.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": gen.context.created or int(time.time()),
+            "model": model,
+        }
+        self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
+        self.started: set[int] = set()  # chat: choices whose role was sent
+        self.first_index = 0  # in a batch of prompts: this prompt's index * n
+
+    @property
+    def finished(self) -> bool:
+        return self.gen.finished
+
+    @property
+    def usage(self) -> Usage:
+        return self.gen.usage
+
+    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
+        """The chunk choices of the next deltas; None when `timeout` passed first."""
+        deltas = await self.gen.next(timeout=timeout)
+        return None if not deltas else self.choices_of(deltas)
+
+    def choices_of(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        return [
+            self.chunk_choice(d)
+            for d in deltas
+            if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls
+        ]
+
+    def chunk_choice(self, d: Delta) -> dict[str, Any]:
+        if self.chat:
+            other = d.finish_reason or d.reasoning or d.tool_calls
+            delta: dict[str, Any] = {"content": d.text} if d.text or not other else {}
+            if d.index not in self.started:
+                self.started.add(d.index)
+                delta = {"role": "assistant", "content": d.text}
+            delta |= chat_extras(d.reasoning, d.tool_calls)
+            out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
+        else:
+            text, lps = d.text, d.logprobs
+            if d.index not in self.started:
+                self.started.add(d.index)
+                text, lps = self.echoed(text, lps)
+            out = {
+                "index": d.index,
+                "text": text,
+                "logprobs": _completion_logprobs(lps, self.offsets[d.index]),
+            }
+            if self.vllm_prompt_logprobs and d.index == 0 and self.offsets[0] == 0:
+                out["prompt_logprobs"] = _vllm_prompt_logprobs(self.gen)
+            self.offsets[d.index] += len(text)
+            out["finish_reason"] = d.finish_reason
+            out["index"] = d.index + self.first_index
+            return out
+        self.offsets[d.index] += len(d.text)
+        out["finish_reason"] = d.finish_reason
+        return out
+
+    def echoed(self, text: str, lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
+        """A choice's first text (and logprobs) with the prompt's before it, for `echo`."""
+        if self.echo is None:
+            return text, lps
+        if lps is not None:
+            lps = list(self.gen.prompt_logprobs or []) + lps
+        return self.echo + text, lps
+
+
+def _total(gens: list[Generation]) -> Usage:
+    us = [g.usage for g in gens]
+    return Usage(
+        sum(u.prompt_tokens for u in us),
+        sum(u.completion_tokens for u in us),
+        sum(u.cached_tokens for u in us),
+    )
+
+
+class BatchView:
+    """A list of prompts in one /v1/completions call: one request per prompt, their
+    choices numbered prompt's index * n + choice, their usage summed."""
+
+    def __init__(self, apis: list[AnswerView]) -> None:
+        self.apis = apis
+        self.head = apis[0].head
+        n = len(apis[0].gen.choices)
+        for i, a in enumerate(apis):
+            a.head, a.first_index = self.head, i * n
+        self._pending: dict[int, asyncio.Future[list[Delta]]] = {}
+
+    @property
+    def finished(self) -> bool:
+        return all(a.gen.finished for a in self.apis)
+
+    @property
+    def usage(self) -> Usage:
+        return _total([a.gen for a in self.apis])
+
+    async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
+        for i, a in enumerate(self.apis):
+            if i not in self._pending and not a.gen.finished:
+                self._pending[i] = asyncio.ensure_future(a.gen.next(timeout=timeout))
+        if not self._pending:
+            return []
+        await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        ready = [i for i in sorted(self._pending) if self._pending[i].done()]
+        got = [(i, self._pending.pop(i).result()) for i in ready]  # raises GenerationError
+        if not any(deltas for _, deltas in got):
+            return None  # every one that answered timed out
+        return [c for i, deltas in got for c in self.apis[i].choices_of(deltas)]
+
+    async def close(self) -> None:
+        """However the call ends: stop waiting, and free what still runs."""
+        for f in self._pending.values():
+            f.cancel()
+        for f in self._pending.values():
+            with contextlib.suppress(BaseException):
+                await f
+        self._pending.clear()
+        for a in self.apis:
+            await a.gen.cancel()
+
+
+def _choices(api: AnswerView, per_choice: list[list[Delta]]) -> list[dict[str, Any]]:
+    gen = api.gen
+    choices = []
+    for i, deltas in enumerate(per_choice):
+        text = "".join(d.text for d in deltas)
+        lps = [lp for d in deltas for lp in (d.logprobs or [])] if gen.want_logprobs else None
+        finish = deltas[-1].finish_reason if deltas else None
+        if api.chat:
+            calls = assemble_tool_calls([c for d in deltas for c in d.tool_calls or []])
+            reasoning = "".join(d.reasoning for d in deltas)
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text or (None if calls else text)}
+                    | chat_extras(reasoning, calls),
+                    "logprobs": _chat_logprobs(lps),
+                    "finish_reason": finish,
+                }
+            )
+        else:
+            text, lps = api.echoed(text, lps)
+            choice = {
+                "index": api.first_index + i,
+                "text": text,
+                "logprobs": _completion_logprobs(lps, 0),
+                "finish_reason": finish,
+            }
+            if api.vllm_prompt_logprobs:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen)
+            choices.append(choice)
+    return choices
+
+
+def whole_answer(views: list[AnswerView], collected: list[list[list[Delta]]]) -> dict[str, Any]:
+    """The response body of one request, or of a batch of prompts (a view each), from
+    the deltas of each of its choices."""
+    choices = [c for v, per_choice in zip(views, collected, strict=True) for c in _choices(v, per_choice)]
+    obj = "chat.completion" if views[0].chat else "text_completion"
+    usage = usage_json(_total([v.gen for v in views]))
+    return views[0].head | {"object": obj, "choices": choices, "usage": usage}
+
+
+def prompt_text(gen: Generation, req: CompletionRequest) -> str:
+    """The prompt as the client gave it: its text, or its token ids decoded."""
+    prompt = req.single
+    if isinstance(prompt, str):
+        return prompt
+    return str(gen.svc.codec.backend.decode(prompt, skip_special_tokens=False))
