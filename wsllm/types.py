@@ -606,19 +606,8 @@ class ResumeContext:
         )
 
     def encode(self) -> dict[str, Any]:
-        return {
-            "api": self.api.value,
-            "model": self.model,
-            "n": self.n,
-            "logprobs": self.logprobs,
-            "stops": self.stops,
-            "prompt_len": self.prompt_len,
-            "prompt_tail": self.prompt_tail,
-            "created": self.created,
-            "output": self.output,
-            "include_usage": self.include_usage,
-            "token_sha256": self.token_sha256,
-        }
+        """A plain dict of JSON values (what the broker stores)."""
+        return asdict(self) | {"api": self.api.value}
 
     @classmethod
     def decode(cls, d: object) -> ResumeContext:
