@@ -14,7 +14,7 @@ import orjson
 import pytest
 import websockets
 
-from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.chat.output import assemble_tool_calls
 
 WEATHER = {
     "type": "function",

@@ -45,7 +45,8 @@ from wsllm.broker.base import (
 )
 from wsllm.broker.limits import Limiter
 from wsllm.config import GatewayConfig
-from wsllm.server.chat_output import OutputOptions
+from wsllm.server.chat.output import OutputOptions
+from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
@@ -61,7 +62,6 @@ from wsllm.server.schemas import (
 )
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TemplateError, TextCodec
-from wsllm.server.tools import checked, plan_chat, wanted_constraint
 from wsllm.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.chat.output import assemble_tool_calls
 from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError, TokenLogprob
