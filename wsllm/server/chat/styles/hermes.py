@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from wsllm.server.chat.calls import ToolStream, loads, partial_suffix
+from wsllm.server.chat.calls import ToolCall, ToolStream, loads, partial_suffix
 from wsllm.server.chat.style import ToolStyle, call_schema, compact, one_or_many
 
 
 class HermesStream(ToolStream):
+    """Calls in `<tool_call>` blocks, anywhere after the content; `_read` reads a block."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, id_seed: str = "", arg_types: dict[str, Any] | None = None) -> None:
@@ -43,11 +45,15 @@ class HermesStream(ToolStream):
             self._buf, self._in_call = buf[j + len(self.CLOSE) :], False
 
     def _close(self, body: str, close: str) -> None:
-        call = self._call(loads(body.strip()))
+        call = self._read(body.strip())
         if call is None:
             self._content(self.OPEN + body + close)
         else:
             self._emit([call])
+
+    def _read(self, body: str) -> ToolCall | None:
+        """The call in one block's body; None when it is not one."""
+        return self._call(loads(body))
 
 
 class HermesStyle(ToolStyle):

@@ -22,8 +22,9 @@ import json
 import re
 from typing import Any
 
-from wsllm.server.chat.calls import ToolStream, loads, partial_suffix
+from wsllm.server.chat.calls import ToolCall, loads
 from wsllm.server.chat.style import ToolStyle, compact, fields, functions, lark_literal, one_or_many
+from wsllm.server.chat.styles.hermes import HermesStream
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -83,45 +84,10 @@ def typed(raw: str, types: list[str] | None) -> Any:
     return value if same and _fits(value, types) else raw
 
 
-class Qwen3CoderStream(ToolStream):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+class Qwen3CoderStream(HermesStream):
+    """Hermes's `<tool_call>` blocks, with XML inside."""
 
-    def __init__(self, id_seed: str = "", arg_types: dict[str, Any] | None = None) -> None:
-        super().__init__(id_seed, arg_types)
-        self._in_call = False
-        self._from = 0  # where to look for CLOSE next
-
-    def _step(self, final: bool) -> None:
-        while True:
-            buf = self._buf
-            if not self._in_call:
-                i = buf.find(self.OPEN)
-                if i < 0:
-                    keep = 0 if final else partial_suffix(buf, self.OPEN)
-                    self._content(buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep :]
-                    return
-                self._content(buf[:i])
-                self._buf, self._in_call, self._from = buf[i + len(self.OPEN) :], True, 0
-                continue
-            j = buf.find(self.CLOSE, self._from)
-            if j < 0:
-                self._from = max(0, len(buf) - len(self.CLOSE) + 1)
-                if final:  # no closing tag: a call whose function closed still counts
-                    self._close(buf, "")
-                    self._buf = ""
-                return
-            self._close(buf[:j], self.CLOSE)
-            self._buf, self._in_call = buf[j + len(self.CLOSE) :], False
-
-    def _close(self, body: str, close: str) -> None:
-        call = self._read(body.strip())
-        if call is None:
-            self._content(self.OPEN + body + close)
-        else:
-            self._emit([call])
-
-    def _read(self, body: str) -> Any:
+    def _read(self, body: str) -> ToolCall | None:
         """The call in one block's body; None when it is not one."""
         m = _FUNCTION.fullmatch(body)
         if m is None:
