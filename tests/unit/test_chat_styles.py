@@ -249,18 +249,33 @@ def test_whole_text_parse(
     assert len({c.id for c in p.calls}) == len(p.calls)
 
 
-def feed_in_pieces(parser: str, text: str, rng: random.Random) -> Parsed:
+def feed(parser: str, pieces: list[str]) -> Parsed:
     stream = tool_stream(parser, "req-1")
     out = Parsed()
-    i = 0
-    while i < len(text):
-        j = i + rng.choice([0, 1, 1, 2, 3, 5, 8, 20])
-        got = stream.feed(text[i:j])
+    for piece in pieces:
+        got = stream.feed(piece)
         out.content += got.content
         out.calls += got.calls
-        i = j
     end = stream.finish()
     return Parsed(out.content + end.content, out.calls + end.calls)
+
+
+def feed_in_pieces(parser: str, text: str, rng: random.Random) -> Parsed:
+    cuts, i = [0], 0
+    while i < len(text):
+        i += rng.choice([0, 1, 1, 2, 3, 5, 8, 20])
+        cuts.append(i)
+    return feed(parser, [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)])
+
+
+@pytest.mark.parametrize(("parser", "text"), [(c[0], c[1]) for c in CASES])
+def test_streamed_in_two_pieces_cut_anywhere_or_by_the_character_equals_the_whole_parse(
+    parser: str, text: str
+) -> None:
+    whole = parse_tool_calls(parser, text, "req-1")
+    for i in range(len(text) + 1):
+        assert feed(parser, [text[:i], text[i:]]) == whole, i
+    assert feed(parser, list(text)) == whole
 
 
 @pytest.mark.parametrize(("parser", "text"), [(c[0], c[1]) for c in CASES])
