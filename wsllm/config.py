@@ -15,8 +15,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-# The tool-call output styles the gateway reads (wsllm/server/tool_parsers.py).
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+def tool_parser_choices() -> tuple[str, ...]:
+    """GatewayConfig.tool_parser's values: auto, or a style of the registry."""
+    # Imported on use: the engine reads this module too and must not load server code.
+    from wsllm.server.chat.registry import style_names
+
+    return ("auto", *style_names())
 
 
 @dataclass(slots=True)
@@ -131,16 +135,14 @@ class GatewayConfig:
     tool_parser: str = field(
         default="auto",
         metadata={
-            "help": "how tool calls are read from chat output: auto (from the model's chat template and name), "
-            + ", ".join(TOOL_PARSERS)
+            "help": "the tool-call style chat output is read in: auto (from the model's chat template and name)",
+            "choices": tool_parser_choices,
         },
     )
 
     def __post_init__(self) -> None:
-        if self.tool_parser != "auto" and self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(
-                f"tool_parser must be auto or one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
-            )
+        if self.tool_parser not in (choices := tool_parser_choices()):
+            raise ValueError(f"tool_parser must be one of {', '.join(choices)}, got {self.tool_parser!r}")
         positive = ("max_messages", "max_requests_per_socket", "max_buffered_events", "ws_outbox_messages")
         for name in positive:
             if getattr(self, name) < 1:
@@ -306,7 +308,8 @@ def _parse(t: type, raw: str) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of `cls` (a config dataclass); a list field's flag may
-    repeat. A field whose metadata says `flag: False` is set by the command itself."""
+    repeat. A field whose metadata says `flag: False` is set by the command itself; one
+    with `choices` (a function, called here) takes only those values."""
     for f in dataclasses.fields(cls):
         if f.metadata.get("flag", True) is False:
             continue
@@ -319,7 +322,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif typing.get_origin(t) is list:
             parser.add_argument(*flags, action="append", default=None, help=help_, dest=f.name)
         else:
-            parser.add_argument(*flags, type=t, default=None, help=help_, dest=f.name)
+            choices = f.metadata["choices"]() if "choices" in f.metadata else None
+            parser.add_argument(*flags, type=t, default=None, help=help_, dest=f.name, choices=choices)
 
 
 def _env_names(f: dataclasses.Field[Any]) -> list[str]:

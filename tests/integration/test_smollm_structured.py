@@ -23,8 +23,8 @@ import pytest
 import websockets
 from pydantic import BaseModel, Field
 
-from wsllm.server.chat_output import assemble_tool_calls
-from wsllm.server.reasoning import ThinkSplitter
+from wsllm.server.chat.output import assemble_tool_calls
+from wsllm.server.chat.reasoning import ThinkSplitter
 
 # Strings and lists are bounded so that every answer ends well within MAX_TOKENS.
 MAX_TOKENS = 400

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from pydantic import BaseModel, Field
 
-from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.chat.output import assemble_tool_calls
 
 MESSAGES = [{"role": "user", "content": "Describe a city."}]
 

@@ -1,6 +1,7 @@
 """Tool fields through the real app (tiny random model, the openai client): a tool
 round trip is accepted, streamed and plain answers agree, bad tool fields get a 400
-naming them, over HTTP and the WebSocket."""
+naming them, over HTTP and the WebSocket, and a required call round trips in every
+tool-call style."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import orjson
 import pytest
 import websockets
 
-from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.chat.output import assemble_tool_calls
+from wsllm.server.chat.registry import STYLES
 
 WEATHER = {
     "type": "function",
@@ -108,3 +111,73 @@ def test_a_round_trip_on_the_websocket_runs_to_done(srv: Any) -> None:
     assert got[0]["type"] == "started" and got[-1]["type"] == "done"
     seqs = [m["seq"] for m in got if m["type"] in ("delta", "reasoning")]
     assert seqs == list(range(len(seqs)))
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,  # else a random model writes more until max_tokens
+        },
+    },
+}
+
+
+@pytest.fixture
+def styled(srv: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The module's server, reading tool calls in the style named by the test's param
+    (--tool-parser, set on the running gateway)."""
+    srv.cfg.tool_parser, old = request.param, srv.cfg.tool_parser
+    try:
+        yield srv
+    finally:
+        srv.cfg.tool_parser = old
+
+
+@pytest.mark.parametrize("styled", list(STYLES), indirect=True)
+def test_a_required_call_round_trips_in_every_style(styled: Any) -> None:
+    """A random-weight model made to call in each style (the constraint, not the model,
+    makes the call): the call is read back, typed by its schema, streamed and not alike;
+    then its result goes back, written into the prompt in the same style."""
+    s = styled
+    c = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Oslo for 3 days?"}]
+    kw: dict[str, Any] = dict(
+        model=s.gateway.model_name,
+        messages=ask,
+        tools=[LOOKUP],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    choice = c.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "lookup" and calls[0].id
+    jsonschema.validate(orjson.loads(calls[0].function.arguments), LOOKUP["function"]["parameters"])
+    deltas = [
+        tc.model_dump(exclude_none=True)
+        for chunk in c.chat.completions.create(**kw, stream=True)
+        for ch in chunk.choices
+        for tc in ch.delta.tool_calls or []
+    ]
+    streamed = assemble_tool_calls(deltas)
+    assert [(x["function"]["name"], x["function"]["arguments"]) for x in streamed] == [
+        ("lookup", calls[0].function.arguments)
+    ]
+    assert streamed[0]["id"]
+    made = [x.model_dump(include={"id", "type", "function"}) for x in calls]
+    result = {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp_c": 18}'}
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": made}, result]
+    answer = c.chat.completions.create(
+        model=s.gateway.model_name, messages=history, tools=[LOOKUP], max_tokens=8, temperature=0
+    ).choices[0]
+    assert answer.message.role == "assistant" and answer.finish_reason in ("stop", "length", "tool_calls")

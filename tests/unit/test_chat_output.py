@@ -8,17 +8,18 @@ import asyncio
 import random
 from pathlib import Path
 
+import orjson
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
 from wsllm.config import GatewayConfig
-from wsllm.server.chat_output import OutputOptions, assemble_tool_calls
+from wsllm.server.chat.output import OutputOptions, assemble_tool_calls
+from wsllm.server.chat.reasoning import ThinkSplitter
+from wsllm.server.chat.registry import get_style
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation
 from wsllm.server.metrics import Metrics
-from wsllm.server.reasoning import ThinkSplitter
 from wsllm.server.text import TextCodec
-from wsllm.server.tool_parsers import parse_tool_calls
 from wsllm.types import Api, ResumeContext, SamplingParams, TokenEvent
 
 OUTPUT = (
@@ -64,7 +65,7 @@ def generate(
 
 def test_reasoning_content_and_calls_come_apart_however_the_tokens_arrive(codec: TextCodec) -> None:
     reasoning, answer = ThinkSplitter().split(OUTPUT)
-    whole = parse_tool_calls("hermes", answer, "r1/0")
+    whole = get_style("hermes").parse(answer, "r1/0")
     assert len(whole.calls) == 2 and whole.content == "I'll check both."
     rng = random.Random(0)
     for _ in range(10):
@@ -92,4 +93,6 @@ def test_a_completion_is_left_as_it_is(codec: TextCodec) -> None:
 def test_the_options_survive_a_resume_context() -> None:
     opts = OutputOptions(tool_parser="mistral", reasoning=False)
     assert OutputOptions.from_context(opts.to_context()) == opts
+    typed = OutputOptions(tool_parser="qwen3_coder", arg_types={"f": {"n": ["integer"]}})
+    assert OutputOptions.from_context(orjson.loads(orjson.dumps(typed.to_context()))) == typed
     assert OutputOptions.from_context(None) is None

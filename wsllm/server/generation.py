@@ -1,7 +1,7 @@
 """One request's text work in the gateway: its TokenEvents become text deltas
 (detokenization, stop strings, logprobs, usage, metrics), and the engine request is
 aborted when the client, a stop string or a failure ends it first. A chat answer's
-text is then split into reasoning, content and tool calls (chat_output.py).
+text is then split into reasoning, content and tool calls (chat/output.py).
 
 What a Generation needs is handed to it (`Services`: the codec, the metrics, the
 broker, the router and the grace-abort scheduler), not reached through the gateway.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsllm.broker.base import Broker, BrokerError
-from wsllm.server.chat_output import ChoiceOutput, OutputOptions
+from wsllm.server.chat.output import ChoiceOutput, OutputOptions
+from wsllm.server.chat.reasoning import prompt_opens_think
 from wsllm.server.metrics import Metrics
-from wsllm.server.reasoning import prompt_opens_think
 from wsllm.server.router import Router
 from wsllm.server.text import Detokenizer, StopMatcher, TextCodec
 from wsllm.types import (

@@ -10,7 +10,7 @@ import contextlib
 import time
 from typing import Any
 
-from wsllm.server.chat_output import assemble_tool_calls
+from wsllm.server.chat.output import assemble_tool_calls
 from wsllm.server.generation import Delta, Generation, TokenLogprob
 from wsllm.server.schemas import CompletionRequest
 from wsllm.types import Usage

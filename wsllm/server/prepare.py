@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wsllm.config import GatewayConfig
-from wsllm.server.chat_output import OutputOptions
+from wsllm.server.chat.output import OutputOptions
+from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.models import ServedModel
 from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
 from wsllm.server.text import TemplateError, TextCodec
-from wsllm.server.tools import checked, plan_chat, wanted_constraint
 from wsllm.types import GREEDY_BELOW, Api, ResumeContext, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are

@@ -32,7 +32,7 @@ class TemplateError(ValueError):
 
 class ToolPrompt(Protocol):
     """Writes tools and earlier calls into plain messages, for a chat template that
-    knows nothing of tools (tools.ToolFormat)."""
+    knows nothing of tools (the chat styles)."""
 
     def inline(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
 

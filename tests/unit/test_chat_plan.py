@@ -1,23 +1,20 @@
-"""Tool calling, request side: the schemas (tool messages, tool_choice), the parser
-chosen per model, the prompt of a template that knows no tools (the real SmolLM2
+"""A chat request's plan (wsllm/server/chat/plan.py): the tool fields' schemas (tool
+messages, tool_choice), the prompt of a template that knows no tools (the real SmolLM2
 template), and the constraint for tool_choice "required" or a named function."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import orjson
 import pytest
 
 from wsllm.config import GatewayConfig
+from wsllm.server.chat.plan import plan_chat
 from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, validate_http
 from wsllm.server.text import TextCodec
-from wsllm.server.tool_parsers import parse_tool_calls
-from wsllm.server.tools import ToolFormat, call_schema, choose_parser, plan_chat, tool_structured
 
 CFG = GatewayConfig()
 WEATHER = {
@@ -117,36 +114,6 @@ def test_max_completion_tokens_is_max_tokens() -> None:
     assert req.requested_max_tokens == 7
 
 
-@pytest.mark.parametrize(
-    ("template", "name", "parser"),
-    [
-        ("{%- if tools %}<tools>{% endif %}<tool_call>", "Qwen2.5-7B-Instruct", "hermes"),
-        ("{{ '[AVAILABLE_TOOLS]' }}...[TOOL_CALLS]", "whatever", "mistral"),
-        ("{%- if builtin_tools %}<|python_tag|>{% endif %}", "meta", "llama3_json"),
-        ("", "mistralai/Mistral-7B-Instruct-v0.3", "mistral"),
-        ("", "meta-llama/Llama-3.1-8B-Instruct", "llama3_json"),
-        ("<|im_start|>", "SmolLM2-135M-Instruct", "hermes"),
-    ],
-)
-def test_parser_per_model(template: str, name: str, parser: str) -> None:
-    assert choose_parser("auto", template, name) == parser
-    assert choose_parser("mistral", template, name) == "mistral"  # the flag wins
-
-
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
-def test_calls_written_into_a_prompt_read_back_as_the_same_calls(parser: str) -> None:
-    calls = [
-        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
-        {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {}}},
-    ]
-    parsed = parse_tool_calls(parser, ToolFormat(parser).render_calls(calls))
-    assert parsed.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
-        ("get_weather", {"city": "Oslo"}),
-        ("get_time", {}),
-    ]
-
-
 @pytest.fixture(scope="module")
 def codec(smollm_dir: Path) -> TextCodec:
     return TextCodec(str(smollm_dir))
@@ -185,67 +152,14 @@ def test_required_and_named_come_with_a_structured_constraint(codec: TextCodec) 
     assert "get_weather" not in named.sampling["structured"]["grammar"]
 
 
-def test_call_schema_accepts_what_the_parser_reads_and_nothing_else() -> None:
-    tools = [WEATHER, TIME]
-    schema = call_schema(tools, "hermes")
-    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}, schema)
-    jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
-    for bad in (
-        {"name": "get_weather", "arguments": {}},
-        {"name": "other", "arguments": {}},
-        {"name": "get_time"},
-    ):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(bad, schema)
-    llama = call_schema(tools, "llama3_json", only="get_time")
-    jsonschema.validate({"name": "get_time", "parameters": {}}, llama)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_weather", "parameters": {"city": "x"}}, llama)
-
-
-# Outputs each style's constraint must allow, read back by that style's parser. The
-# grammars inside Lark write compact JSON (a model must not pad a call with whitespace).
-FORCED_OUTPUTS = {
-    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>\n'
-    '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>',
-    "llama3_json": '{"name":"get_weather","parameters":{"city":"Oslo"}}; {"name":"get_time","parameters":{}}',
-    "mistral": '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]',
-}
-
-
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
-def test_the_constraint_holds_exactly_the_parser_s_calls(codec: TextCodec, parser: str) -> None:
-    """With llguidance (the structured-output backend): the constraint compiles,
-    accepts two calls in the style (which the parser reads back), and refuses prose."""
-    llguidance = pytest.importorskip("llguidance")
-    hf = pytest.importorskip("llguidance.hf")
-
-    tok = hf.from_tokenizer(codec.hf)
-    text = FORCED_OUTPUTS[parser]
-    assert len(parse_tool_calls(parser, text).calls) == 2
-
-    def matcher(structured: dict[str, Any]) -> Any:
-        ((kind, value),) = structured.items()
-        grammar = llguidance.grammar_from(
-            "json_schema" if kind == "json" else "lark", value if kind == "grammar" else json.dumps(value)
-        )
-        m = llguidance.LLMatcher(tok, grammar)
-        assert not m.is_error(), m.get_error()
-        return m
-
-    def accepts(structured: dict[str, Any], out: str) -> bool:
-        m = matcher(structured)
-        ok = m.consume_tokens(codec.backend.encode(out, add_special_tokens=False).ids)
-        return bool(ok) and not m.is_error() and m.is_accepting()
-
-    tools = [WEATHER, TIME]
-    assert accepts(tool_structured(tools, parser, "", parallel=True), text)
-    assert not accepts(tool_structured(tools, parser, "", parallel=False), text)  # one call only
-    assert not accepts(tool_structured(tools, parser, "get_time", parallel=True), text)  # the named one only
-    assert not accepts(tool_structured(tools, parser, "", parallel=True), "The weather is nice.")
-
-
-def test_the_tool_parser_option_takes_only_known_styles() -> None:
-    assert GatewayConfig(tool_parser="llama3_json").tool_parser == "llama3_json"
-    with pytest.raises(ValueError, match="tool_parser"):
-        GatewayConfig(tool_parser="xml")
+def test_a_style_that_writes_values_bare_gets_their_types(codec: TextCodec) -> None:
+    """qwen3_coder reads a value by its parameter's type: the plan keeps the types with
+    the output options (and so in the resume context), and the earlier call is written
+    in its style."""
+    req = validate({"messages": ROUND_TRIP, "tools": [WEATHER, TIME]})
+    plan = plan_chat(req, codec, "m", tool_parser="qwen3_coder")
+    assert plan.output.tool_parser == "qwen3_coder"
+    assert plan.output.arg_types == {"get_weather": {"city": ["string"], "unit": ["string"]}, "get_time": {}}
+    ids = codec.encode_chat([m.as_template_input() for m in req.messages], **plan.template)
+    prompt = codec.backend.decode(ids, skip_special_tokens=False)
+    assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>" in prompt

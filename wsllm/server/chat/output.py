@@ -1,9 +1,10 @@
 """What a chat answer's text becomes, per choice: the `<think>` block split off as
-reasoning (reasoning.py), then tool calls parsed out of the rest (tool_parsers.py).
+reasoning (reasoning.py), then tool calls parsed out of the rest by the request's
+tool-call style (styles/, by name from registry.py).
 
 `ChoiceOutput.feed(text, final)` takes the text after stop strings and returns a
 `Piece`: content, reasoning and OpenAI-shaped `tool_calls` deltas. A call goes out as
-two deltas, when its JSON is complete: the first with its `index`, `id`, `type` and
+two deltas, when it is complete: the first with its `index`, `id`, `type` and
 function `name` (`arguments` ""), the second with the `arguments`. A client that
 appends `arguments` per `index` (the OpenAI SDK, LangChain) gets the same calls as the
 answer that was not streamed."""
@@ -13,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsllm.server.reasoning import ThinkSplitter
-from wsllm.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolStream, tool_stream
+from wsllm.server.chat.calls import ToolCall, ToolStream
+from wsllm.server.chat.reasoning import ThinkSplitter
+from wsllm.server.chat.registry import STYLES, get_style
 from wsllm.types import FINISH_STOP
 
 FINISH_TOOL_CALLS = "tool_calls"
@@ -25,24 +27,32 @@ class OutputOptions:
     """How a request's chat output is read; kept in the request's context so that a
     gateway that resumes it reads it the same way."""
 
-    #: parse tool calls in this style (one of TOOL_PARSERS); None: no tools were offered
+    #: parse tool calls in this style (a name in registry.STYLES); None: no tools were offered
     tool_parser: str | None = None
     #: split a leading `<think>…</think>` into reasoning
     reasoning: bool = True
+    #: what the style needs to know of the offered tools to read calls (ToolStyle.arg_types)
+    arg_types: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
+        if self.tool_parser is not None and self.tool_parser not in STYLES:
             raise ValueError(f"unknown tool parser {self.tool_parser!r}")
 
     def to_context(self) -> dict[str, Any]:
-        return {"tool_parser": self.tool_parser, "reasoning": self.reasoning}
+        ctx: dict[str, Any] = {"tool_parser": self.tool_parser, "reasoning": self.reasoning}
+        return ctx | ({"arg_types": self.arg_types} if self.arg_types else {})
 
     @classmethod
     def from_context(cls, ctx: Any) -> OutputOptions | None:
         if not isinstance(ctx, dict):
             return None
         parser = ctx.get("tool_parser")
-        return cls(parser if isinstance(parser, str) else None, bool(ctx.get("reasoning", True)))
+        types = ctx.get("arg_types")
+        return cls(
+            parser if isinstance(parser, str) else None,
+            bool(ctx.get("reasoning", True)),
+            types if isinstance(types, dict) else {},
+        )
 
 
 @dataclass(slots=True)
@@ -82,7 +92,9 @@ class ChoiceOutput:
 
     def __init__(self, opts: OutputOptions, id_seed: str, in_think: bool = False) -> None:
         self._think = ThinkSplitter(in_think) if opts.reasoning else None
-        self._tools: ToolStream | None = tool_stream(opts.tool_parser, id_seed) if opts.tool_parser else None
+        self._tools: ToolStream | None = (
+            get_style(opts.tool_parser).stream(id_seed, opts.arg_types) if opts.tool_parser else None
+        )
         self.num_calls = 0
 
     def feed(self, text: str, final: bool) -> Piece:

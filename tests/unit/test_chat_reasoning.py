@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from wsllm.server.chat_output import ChoiceOutput, OutputOptions
-from wsllm.server.reasoning import ThinkSplitter, prompt_opens_think
+from wsllm.server.chat.output import ChoiceOutput, OutputOptions
+from wsllm.server.chat.reasoning import ReasoningTags, ThinkSplitter, prompt_opens_think
 
 # (output, starts inside the block, reasoning, content)
 CASES = [
@@ -64,6 +64,20 @@ def test_split_streamed_in_random_pieces(text: str, in_think: bool) -> None:
             r, c, i = r + dr, c + dc, j
         dr, dc = s.finish()
         assert (r + dr, c + dc) == whole
+
+
+def test_other_tags_split_the_same_way() -> None:
+    """The splitter is its tags: a model that writes other ones is split by them, and
+    <think> is then text."""
+    tags = ReasoningTags("<reasoning>", "</reasoning>")
+    text = "<reasoning>\nIt is 4.\n</reasoning>\n\n<think>4</think>"
+    assert ThinkSplitter(tags=tags).split(text) == ("It is 4.\n", "<think>4</think>")
+    s, r, c = ThinkSplitter(tags=tags), "", ""
+    for ch in text:  # one character at a time: every tag is split
+        dr, dc = s.feed(ch)
+        r, c = r + dr, c + dc
+    assert (r, c) == ("It is 4.\n", "<think>4</think>")
+    assert prompt_opens_think("<reasoning>\n", tags) and not prompt_opens_think("<think>\n", tags)
 
 
 def test_prompt_opens_think() -> None:
