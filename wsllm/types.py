@@ -7,8 +7,9 @@ gateway imports this module and must stay light. Nothing is ever pickled.
 Decoding is strict (`decode`): an entry that is not exactly a wire message (a
 string where a number goes, a missing or unknown field, a value out of its bounds)
 raises `WireError` naming the field, so that a bad entry costs its own request and
-nothing else. The bounds of every numeric field live here, once, and the gateway's
-validator (server/schemas.py) uses the same ones.
+nothing else. Every bound of a number is declared here once (SAMPLING_BOUNDS,
+REQUEST_BOUNDS); the gateway's validator (server/schemas.py) and the UI (through the
+WebSocket hello) read the same declaration.
 """
 
 from __future__ import annotations
@@ -113,10 +114,8 @@ def check_structured_shape(spec: object) -> None:
         ok, allowed = value is True or isinstance(value, dict), "a JSON schema object or true"
     elif kind == "choice":
         ok = isinstance(value, list) and 1 <= len(value) <= MAX_CHOICES
-        ok, allowed = (
-            ok and all(isinstance(c, str) and c for c in value),
-            f"a list of 1 to {MAX_CHOICES} non-empty strings",
-        )
+        ok = ok and all(isinstance(c, str) and c for c in value)
+        allowed = f"a list of 1 to {MAX_CHOICES} non-empty strings"
     else:
         ok, allowed = isinstance(value, str) and value != "", "a non-empty string"
     _check(ok, where, allowed, _summary(value))
@@ -124,12 +123,8 @@ def check_structured_shape(spec: object) -> None:
         size = len(orjson.dumps(value))
     except TypeError as e:  # a key that is not a string, an object JSON has no word for
         raise ValueError(f"{where} must be plain JSON: {e}") from None
-    _check(
-        size <= MAX_STRUCTURED_BYTES,
-        where,
-        f"at most {MAX_STRUCTURED_BYTES} bytes as JSON",
-        _Summary(f"{size} bytes"),
-    )
+    most = f"at most {MAX_STRUCTURED_BYTES} bytes as JSON"
+    _check(size <= MAX_STRUCTURED_BYTES, where, most, _Summary(f"{size} bytes"))
 
 
 def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
@@ -173,7 +168,8 @@ class Bound:
             ok = ok and len(v) <= self.items and all(self.holds(x) for x in v.values())
         else:
             ok = isinstance(v, list) and len(v) <= self.items and all(self.holds(x) for x in v)
-        _check(ok, name, self.describe(), _summary(v))
+        if not ok:  # the message only when it is needed: this runs for every field of every request
+            raise ValueError(f"{name} must be {self.describe()}, got {_summary(v)!r}")
 
     def describe(self) -> str:
         span = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
@@ -252,9 +248,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name, bound in SAMPLING_BOUNDS.items():
             bound.check(name, getattr(self, name))
-        _check(
-            self.min_tokens <= self.max_tokens, "min_tokens", "an integer in [0, max_tokens]", self.min_tokens
-        )
+        fits = self.min_tokens <= self.max_tokens
+        _check(fits, "min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
         for name in ("ignore_eos", "use_beam_search", "early_stopping"):
             _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
         if self.structured is not None:
@@ -299,12 +294,10 @@ class GenerateRequest:
         return 0.0 < self.queue_deadline <= now
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.request_id, str) and 1 <= len(self.request_id) <= MAX_ID_CHARS,
-            "request_id",
-            f"a string of 1 to {MAX_ID_CHARS} characters",
-            self.request_id,
-        )
+        for name, least in (("request_id", 1), ("model", 0), ("tenant", 0)):
+            v = getattr(self, name)
+            ok = isinstance(v, str) and least <= len(v) <= MAX_ID_CHARS
+            _check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
         _check(
             _token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
             "prompt_token_ids",
@@ -312,9 +305,6 @@ class GenerateRequest:
             _summary(self.prompt_token_ids),
         )
         _check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
-        for name in ("model", "tenant"):
-            v = getattr(self, name)
-            _check(isinstance(v, str) and len(v) <= MAX_ID_CHARS, name, "a short string", v)
         for name, bound in REQUEST_BOUNDS.items():
             bound.check(name, getattr(self, name))
 
