@@ -237,7 +237,7 @@ function main() {
     view.refresh();
   });
   ws.addEventListener("hello", () => {
-    settings.setLimits(ws.hello?.limits);
+    settings.setServer(ws.hello); // the ranges of the sampling settings, the server's limits
     showSummary();
     loadModels();
   });

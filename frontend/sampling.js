@@ -1,7 +1,10 @@
 // The sampling parameters the UI sends on the WebSocket (docs/protocol.md, "Client →
-// server"): one table with each parameter's protocol range, and the three things done
-// with it: normalize a stored value, check a typed one (with the server's limits from
-// its `hello`), and build the request's fields.
+// server"): one table of how each is shown, and the three things done with it:
+// normalize a stored value, check a typed one, and build the request's fields.
+//
+// Their ranges are the server's: its `hello` carries `bounds` (each parameter's range,
+// declared once on the server) and `limits` (the operator's, tighter); `setBounds` takes
+// them. Until the hello has come, values are only checked to be numbers.
 //
 // `always` parameters are sent with every request. The others may be left empty, which
 // means "the server's default": they are not sent at all.
@@ -11,23 +14,23 @@ export const STOP_LEN_FALLBACK = 128; // --max-stop-len's default, for a server 
 
 /** kind: "range" (a slider), "int" or "num" (a number box), "stop" (the stop strings). */
 export const PARAMS = Object.freeze([
-  { key: "temperature", label: "Temperature", kind: "range", min: 0, max: 2, step: 0.05, dflt: 0.7, always: true,
+  { key: "temperature", label: "Temperature", kind: "range", step: 0.05, dflt: 0.7, always: true,
     hint: "0 always picks the likeliest token; higher is more varied" },
-  { key: "top_p", label: "Top p", kind: "range", min: 0.05, max: 1, step: 0.05, dflt: 1, always: true,
+  { key: "top_p", label: "Top p", kind: "range", step: 0.05, dflt: 1, always: true,
     hint: "sample from the smallest set of tokens whose probability adds up to this" },
-  { key: "max_tokens", label: "Max tokens", kind: "int", min: 1, max: 1_000_000, dflt: 512, always: true,
+  { key: "max_tokens", label: "Max tokens", kind: "int", dflt: 512, always: true,
     hint: "the longest answer, in tokens" },
-  { key: "top_k", label: "Top k", kind: "int", min: -1, max: 2 ** 20, placeholder: "off",
+  { key: "top_k", label: "Top k", kind: "int", placeholder: "off",
     hint: "only the k likeliest tokens; -1 or 0 is off" },
-  { key: "min_p", label: "Min p", kind: "num", min: 0, max: 1, step: 0.01, placeholder: "0",
+  { key: "min_p", label: "Min p", kind: "num", step: 0.01, placeholder: "0",
     hint: "drop tokens less likely than this times the likeliest" },
-  { key: "presence_penalty", label: "Presence penalty", kind: "num", min: -2, max: 2, step: 0.1, placeholder: "0",
+  { key: "presence_penalty", label: "Presence penalty", kind: "num", step: 0.1, placeholder: "0",
     hint: "above 0: new topics; below: stay on them" },
-  { key: "frequency_penalty", label: "Frequency penalty", kind: "num", min: -2, max: 2, step: 0.1, placeholder: "0",
+  { key: "frequency_penalty", label: "Frequency penalty", kind: "num", step: 0.1, placeholder: "0",
     hint: "above 0: fewer repeated words" },
-  { key: "repetition_penalty", label: "Repetition penalty", kind: "num", min: 0, max: 2, step: 0.05, minExclusive: true,
+  { key: "repetition_penalty", label: "Repetition penalty", kind: "num", step: 0.05,
     placeholder: "1", hint: "above 1: fewer repeats of the prompt and the answer" },
-  { key: "seed", label: "Seed", kind: "int", min: 0, max: MAX_SAFE_SEED, placeholder: "random",
+  { key: "seed", label: "Seed", kind: "int", placeholder: "random",
     hint: "the same seed and settings give the same answer" },
   { key: "stop", label: "Stop strings", kind: "stop", hint: "one per line; write \\n for a line break" },
 ]);
@@ -39,19 +42,45 @@ export const SAMPLING_DEFAULTS = Object.freeze(
   Object.fromEntries(PARAMS.map((p) => [p.key, p.kind === "stop" ? [] : (p.dflt ?? null)])),
 );
 
+let announced = {}; // key -> {min, max, integer, min_exclusive?, max_exclusive?}: the hello's `bounds`
+
+/** The ranges from the server's hello (`hello.bounds`); a missing or odd table: none known. */
+export function setBounds(table) {
+  announced = table && typeof table === "object" ? table : {};
+}
+
+/** The range a value must be in: the server's (its hello's `bounds`), tightened by its
+ * limits (`hello.limits`) and, for the seed, by what a JS number holds exactly. Null
+ * before the hello. `server`: whether the operator's limit is the tighter one. */
+export function bounds(p, limits) {
+  const b = announced[p.key];
+  if (!b || !Number.isFinite(b.min) || !Number.isFinite(b.max)) return null;
+  let max = b.max_exclusive && p.kind === "int" ? b.max - 1 : b.max;
+  if (p.key === "seed") max = Math.min(max, MAX_SAFE_SEED);
+  const limit = p.key === "max_tokens" ? limits?.max_tokens : null;
+  const server = Number.isInteger(limit) && limit > 0 && limit < max;
+  if (server) max = limit;
+  return { min: b.min, max, minExclusive: Boolean(b.min_exclusive), server };
+}
+
 const isEmpty = (v) => v === null || v === undefined || (typeof v === "string" && v.trim() === "");
 
 function clamp(p, v) {
   const n = typeof v === "string" ? Number(v.trim()) : Number(v);
   if (typeof v === "boolean" || !Number.isFinite(n)) return p.dflt ?? null;
-  const lo = p.minExclusive ? p.min + 0.01 : p.min;
-  const x = Math.min(p.max, Math.max(lo, n));
+  const b = bounds(p);
+  let x = n;
+  if (b) {
+    // the least value above an open lower end: one slider step, else a hundredth
+    const lo = b.minExclusive ? b.min + (p.kind === "range" ? p.step : 0.01) : b.min;
+    x = Math.min(b.max, Math.max(lo, n));
+  }
   return p.kind === "int" ? Math.round(x) : x;
 }
 
 /** Stored (or seeded) values into valid ones, never throwing: out of range is clamped
- * to the protocol's range, garbage is the default. The server's own, tighter limits are
- * checked by `check` when a value is typed. */
+ * to the server's range (once its hello has come), garbage is the default. The server's
+ * own, tighter limits are checked by `check` when a value is typed. */
 export function normalizeSampling(raw) {
   const out = {};
   for (const p of PARAMS) {
@@ -60,13 +89,6 @@ export function normalizeSampling(raw) {
     else out[p.key] = isEmpty(v) ? (p.dflt ?? null) : clamp(p, v);
   }
   return out;
-}
-
-/** The bounds a typed value must meet: the protocol's, tightened by the hello's limits. */
-export function bounds(p, limits) {
-  let { min, max } = p;
-  if (p.key === "max_tokens" && Number.isInteger(limits?.max_tokens) && limits.max_tokens > 0) max = limits.max_tokens;
-  return { min, max };
 }
 
 function fmt(n) {
@@ -79,13 +101,15 @@ export function checkNumber(p, raw, limits) {
   const text = String(raw ?? "").trim();
   if (text === "") return p.always ? { error: `${p.label} is needed.` } : { value: null };
   const n = Number(text);
-  const { min, max } = bounds(p, limits);
-  const server = p.key === "max_tokens" && max !== p.max ? " (the server's limit)" : "";
-  const range = p.minExclusive ? `above ${fmt(min)} and at most ${fmt(max)}` : `from ${fmt(min)} to ${fmt(max)}`;
+  const b = bounds(p, limits);
   const whole = p.kind === "int" ? "a whole number" : "a number";
-  const error = `${p.label} must be ${whole} ${range}${server}.`;
+  let error = `${p.label} must be ${whole}.`;
+  if (b) {
+    const range = b.minExclusive ? `above ${fmt(b.min)} and at most ${fmt(b.max)}` : `from ${fmt(b.min)} to ${fmt(b.max)}`;
+    error = `${p.label} must be ${whole} ${range}${b.server ? " (the server's limit)" : ""}.`;
+  }
   if (!Number.isFinite(n) || (p.kind === "int" && !Number.isInteger(n))) return { error };
-  if (n > max || n < min || (p.minExclusive && n <= min)) return { error };
+  if (b && (n > b.max || n < b.min || (b.minExclusive && n <= b.min))) return { error };
   return { value: n };
 }
 

@@ -1,10 +1,10 @@
 // The settings dialog: the model for new chats, every sampling parameter of the
 // protocol (built from sampling.js's table), the API key. A valid change is saved at
-// once; a value out of bounds (the protocol's, tightened by the server's `hello.limits`)
-// shows a message under its field and is not saved, so the last valid value stays.
+// once; a value out of bounds (the server's, from its hello: `bounds`, tightened by
+// `limits`) shows a message under its field and is not saved, so the last valid value stays.
 
 import { fillModelSelect } from "./models.js";
-import { BY_KEY, bounds, checkNumber, checkStop, PARAMS, SAMPLING_DEFAULTS, stopToText } from "./sampling.js";
+import { BY_KEY, bounds, checkNumber, checkStop, PARAMS, SAMPLING_DEFAULTS, setBounds, stopToText } from "./sampling.js";
 import { normalizeSettings } from "./store.js";
 
 const idOf = (key) => key.replace(/_/g, "-");
@@ -16,7 +16,8 @@ function el(tag, attrs = {}, text = "") {
   return e;
 }
 
-/** One field of the sampling table: label, control, hint, and a slot for its error. */
+/** One field of the sampling table: label, control, hint, and a slot for its error. Its
+ * range comes with the server's hello (`SettingsPanel.setServer`). */
 function buildField(p) {
   const id = idOf(p.key);
   const field = el("div", { class: `field field-${p.kind}` });
@@ -28,7 +29,7 @@ function buildField(p) {
   let input;
   if (p.kind === "range") {
     label.appendChild(el("output", { id: `out-${id}`, for: `set-${id}` }));
-    input = el("input", { id: `set-${id}`, type: "range", min: p.min, max: p.max, step: p.step, "aria-describedby": described });
+    input = el("input", { id: `set-${id}`, type: "range", step: p.step, "aria-describedby": described });
   } else if (p.kind === "stop") {
     label.appendChild(el("span", { class: "muted", id: "stop-limit" }));
     input = el("textarea", { id: `set-${id}`, rows: 2, spellcheck: "false", placeholder: "none", "aria-describedby": described });
@@ -37,8 +38,6 @@ function buildField(p) {
     input = el("input", {
       id: `set-${id}`,
       type: "number",
-      min: p.minExclusive ? undefined : p.min,
-      max: p.max,
       step: p.kind === "int" ? 1 : "any",
       inputmode: p.kind === "int" ? "numeric" : "decimal",
       placeholder: p.placeholder,
@@ -89,13 +88,30 @@ export class SettingsPanel {
     if (focusId) this.dialog.querySelector(`#${focusId}`)?.focus();
   }
 
-  /** The server's limits from its hello: the bounds of max tokens and of the stop strings. */
-  setLimits(limits) {
-    this.limits = limits && typeof limits === "object" ? limits : null;
-    const { max } = bounds(BY_KEY.max_tokens, this.limits);
-    this.inputs.max_tokens.max = String(max);
+  /** The server's hello: the range of every parameter (`bounds`) and its own limits
+   * (`limits`: max tokens, the stop strings). Stored values out of range are clamped. */
+  setServer(hello) {
+    setBounds(hello?.bounds);
+    this.limits = hello?.limits && typeof hello.limits === "object" ? hello.limits : null;
+    for (const p of PARAMS) {
+      const b = p.kind === "stop" ? null : bounds(p, this.limits);
+      const input = this.fields[p.key].input;
+      for (const [attr, value] of [["min", b?.min], ["max", b?.max]]) {
+        // a number box's open lower end is checked by checkNumber, not by `min`
+        const shown = attr === "min" && b?.minExclusive ? (p.kind === "range" ? b.min + p.step : undefined) : value;
+        if (shown === undefined) input.removeAttribute(attr);
+        else input.setAttribute(attr, String(shown));
+      }
+    }
+    const b = bounds(BY_KEY.max_tokens, this.limits);
     const maxHint = this.dialog.querySelector("#max-tokens-limit");
-    maxHint.textContent = max !== BY_KEY.max_tokens.max ? `(server max ${max.toLocaleString("en-US")})` : "";
+    maxHint.textContent = b?.server ? `(server max ${b.max.toLocaleString("en-US")})` : "";
+    const clamped = normalizeSettings(this.settings);
+    if (JSON.stringify(clamped) !== JSON.stringify(this.settings)) {
+      this.settings = clamped; // e.g. a stored value the server's range leaves out
+      this._save();
+      this._fill();
+    }
     const most = this.limits?.max_stop;
     this.dialog.querySelector("#stop-limit").textContent = Number.isInteger(most) ? `(at most ${most})` : "";
     this._validateShown();

@@ -7,8 +7,9 @@ gateway imports this module and must stay light. Nothing is ever pickled.
 Decoding is strict (`decode`): an entry that is not exactly a wire message (a
 string where a number goes, a missing or unknown field, a value out of its bounds)
 raises `WireError` naming the field, so that a bad entry costs its own request and
-nothing else. The bounds of every numeric field live here, once, and the gateway's
-validator (server/schemas.py) uses the same ones.
+nothing else. Every bound of a number is declared here once (SAMPLING_BOUNDS,
+REQUEST_BOUNDS); the gateway's validator (server/schemas.py) and the UI (through the
+WebSocket hello) read the same declaration.
 """
 
 from __future__ import annotations
@@ -46,26 +47,16 @@ ERR_RATE_LIMITED = "rate_limited"  # refused at admission: the tenant is over a 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1
 
-# -- bounds of every numeric field (shared by the gateway's validator and the engine) ----
+# -- bounds: the numbers that more than one table uses --------------------------------------
 
-MAX_N = 128
 MAX_TOKENS = 1 << 20
-MAX_TEMPERATURE = 100.0
 #: temperatures below this sample greedily, as vLLM does: dividing logits by 1e-300
 #: would turn them into inf and NaN
 GREEDY_BELOW = 1e-5
 MAX_TOP_K = 1 << 20  # -1 (off) or 1..MAX_TOP_K; the engine clamps it to its vocabulary
-MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY]
-MAX_REPETITION_PENALTY = 2.0  # (0, MAX_REPETITION_PENALTY]
-SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are in [0, MAX_TOKEN_ID]; the vocabulary is checked later
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGPROBS = 20
-MAX_BEAM_WIDTH = 16
-MAX_LENGTH_PENALTY = 10.0  # [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY]
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_CHARS = 256  # request ids, model and tenant names
-MAX_PRIORITY = 1_000_000  # priorities are integers in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
 LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as OpenAI's
 #: the kinds of `structured` output, each the one key of its dict (see wsllm/structured.py)
@@ -100,10 +91,6 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _in(x: object, lo: float, hi: float) -> bool:
-    return _is_num(x) and lo <= x <= hi  # type: ignore[operator]
-
-
 class _Summary(str):
     def __repr__(self) -> str:
         return str(self)
@@ -127,30 +114,20 @@ def check_structured_shape(spec: object) -> None:
     kind, value = next(iter(spec.items()))
     where = f"structured.{kind}"
     if kind == "json":
-        _check(
-            value is True or isinstance(value, dict), where, "a JSON schema object or true", _summary(value)
-        )
+        ok, allowed = value is True or isinstance(value, dict), "a JSON schema object or true"
     elif kind == "choice":
-        _check(
-            isinstance(value, list)
-            and 1 <= len(value) <= MAX_CHOICES
-            and all(isinstance(c, str) and c for c in value),
-            where,
-            f"a list of 1 to {MAX_CHOICES} non-empty strings",
-            _summary(value),
-        )
+        ok = isinstance(value, list) and 1 <= len(value) <= MAX_CHOICES
+        ok = ok and all(isinstance(c, str) and c for c in value)
+        allowed = f"a list of 1 to {MAX_CHOICES} non-empty strings"
     else:
-        _check(isinstance(value, str) and value != "", where, "a non-empty string", _summary(value))
+        ok, allowed = isinstance(value, str) and value != "", "a non-empty string"
+    _check(ok, where, allowed, _summary(value))
     try:
         size = len(orjson.dumps(value))
     except TypeError as e:  # a key that is not a string, an object JSON has no word for
         raise ValueError(f"{where} must be plain JSON: {e}") from None
-    _check(
-        size <= MAX_STRUCTURED_BYTES,
-        where,
-        f"at most {MAX_STRUCTURED_BYTES} bytes as JSON",
-        _Summary(f"{size} bytes"),
-    )
+    most = f"at most {MAX_STRUCTURED_BYTES} bytes as JSON"
+    _check(size <= MAX_STRUCTURED_BYTES, where, most, _Summary(f"{size} bytes"))
 
 
 def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
@@ -159,6 +136,79 @@ def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
     if not all(_is_int(t) for t in ids):
         return False
     return not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID)
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The range of one number of a wire message, declared once (SAMPLING_BOUNDS,
+    REQUEST_BOUNDS) and read by the message's own checks, the gateway's request schema
+    (its 400s) and, through the WebSocket hello's `bounds`, the chat UI."""
+
+    lo: float
+    hi: float
+    integer: bool = False
+    lo_open: bool = False  # lo itself is out
+    hi_open: bool = False  # hi itself is out
+    nullable: bool = False  # None is allowed (on the wire; in a request None is "the default")
+    off: int | None = None  # one more value, below lo, that turns the parameter off (top_k's -1)
+    api_hi: float | None = None  # a request's tighter upper end (temperature: OpenAI's 2)
+    items: int | None = None  # a list of at most this many values in range
+    keyed: bool = False  # with `items`: a map from token ids to values in range
+
+    def holds(self, v: Any) -> bool:
+        """One value (not a list) is in range."""
+        if not (_is_int(v) if self.integer else _is_num(v)):
+            return False
+        above = v > self.lo if self.lo_open else v >= self.lo
+        return v == self.off or (above and (v < self.hi if self.hi_open else v <= self.hi))
+
+    def check(self, name: str, v: Any) -> None:
+        """ValueError naming the field and its range when `v` is out of it."""
+        if v is None or self.items is None:
+            ok = self.nullable if v is None else self.holds(v)
+        elif self.keyed:
+            ok = isinstance(v, dict) and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v)
+            ok = ok and len(v) <= self.items and all(self.holds(x) for x in v.values())
+        else:
+            ok = isinstance(v, list) and len(v) <= self.items and all(self.holds(x) for x in v)
+        if not ok:  # the message only when it is needed: this runs for every field of every request
+            raise ValueError(f"{name} must be {self.describe()}, got {_summary(v)!r}")
+
+    def describe(self) -> str:
+        span = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        one = f"{'an integer' if self.integer else 'a number'} in {span}"
+        if self.keyed:
+            one = f"a map of at most {self.items} token ids in [0, {MAX_TOKEN_ID}] to numbers in {span}"
+        elif self.items is not None:
+            one = f"a list of at most {self.items} {'integers' if self.integer else 'numbers'} in {span}"
+        elif self.off is not None:
+            one = f"{self.off} (off) or {one}"
+        return f"null or {one}" if self.nullable else one
+
+
+#: Every bound of SamplingParams, each declared here once. Its keys are SamplingParams'
+#: fields; a request's max_completion_tokens, top_logprobs and a completion's logprobs
+#: take the bound of max_tokens and logprobs.
+SAMPLING_BOUNDS: dict[str, Bound] = {
+    "n": Bound(1, 128, integer=True),
+    "max_tokens": Bound(1, MAX_TOKENS, integer=True),
+    "min_tokens": Bound(0, MAX_TOKENS, integer=True),  # and at most max_tokens
+    "temperature": Bound(0.0, 100.0, api_hi=2.0),  # a request: OpenAI's [0, 2]
+    "top_p": Bound(0.0, 1.0, lo_open=True),
+    "top_k": Bound(1, MAX_TOP_K, integer=True, off=-1),
+    "min_p": Bound(0.0, 1.0),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.0, 2.0, lo_open=True),
+    "seed": Bound(0, 2**63, integer=True, hi_open=True, nullable=True),
+    "stop_token_ids": Bound(0, MAX_TOKEN_ID, integer=True, items=64),
+    "logprobs": Bound(0, 20, integer=True, nullable=True),  # top logprobs per token
+    "prompt_logprobs": Bound(0, 20, integer=True, nullable=True),
+    "beam_width": Bound(1, 16, integer=True),
+    "length_penalty": Bound(-10.0, 10.0),
+    "logit_bias": Bound(-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, items=MAX_LOGIT_BIAS, keyed=True, nullable=True),
+}
+BEAM_ALONE = "structured and logit_bias cannot be combined with use_beam_search"
 
 
 @dataclass(slots=True)
@@ -199,119 +249,29 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        self._check_counts()
-        self._check_sampling()
-        self._check_constraints()
-
-    def _check_counts(self) -> None:
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
-        _check(
-            _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS,
-            "max_tokens",
-            f"an integer in [1, {MAX_TOKENS}]",
-            self.max_tokens,
-        )
-        _check(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            "an integer in [0, max_tokens]",
-            self.min_tokens,
-        )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"null or an integer in [0, {MAX_LOGPROBS}]",
-            self.logprobs,
-        )
-        _check(
-            self.prompt_logprobs is None
-            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            "prompt_logprobs",
-            f"null or an integer in [0, {MAX_LOGPROBS}]",
-            self.prompt_logprobs,
-        )
-        _check(
-            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
-            "beam_width",
-            f"an integer in [1, {MAX_BEAM_WIDTH}]",
-            self.beam_width,
-        )
-        _check(
-            _token_ids_ok(self.stop_token_ids, MAX_STOP_TOKEN_IDS),
-            "stop_token_ids",
-            f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_TOKEN_ID}]",
-            self.stop_token_ids,
-        )
+        for name, bound in SAMPLING_BOUNDS.items():
+            bound.check(name, getattr(self, name))
+        fits = self.min_tokens <= self.max_tokens
+        _check(fits, "min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
         for name in ("ignore_eos", "use_beam_search", "early_stopping"):
             _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
-
-    def _check_sampling(self) -> None:
-        _check(
-            _in(self.temperature, 0.0, MAX_TEMPERATURE),
-            "temperature",
-            f"a finite number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)",
-            self.temperature,
-        )
-        _check(_in(self.top_p, 0.0, 1.0) and self.top_p > 0.0, "top_p", "in (0, 1]", self.top_p)
-        _check(
-            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K),
-            "top_k",
-            f"-1 (off) or an integer in [1, {MAX_TOP_K}]",
-            self.top_k,
-        )
-        _check(_in(self.min_p, 0.0, 1.0), "min_p", "in [0, 1]", self.min_p)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            _check(_in(v, -MAX_PENALTY, MAX_PENALTY), name, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", v)  # fmt: skip
-        _check(
-            _in(self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            f"in (0, {MAX_REPETITION_PENALTY:g}]",
-            self.repetition_penalty,
-        )
-        _check(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
-            "seed",
-            "null or an integer in [0, 2**63)",
-            self.seed,
-        )
-        _check(
-            _in(self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
-            "length_penalty",
-            f"a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
-            self.length_penalty,
-        )
-
-    def _check_constraints(self) -> None:
         if self.structured is not None:
             check_structured_shape(self.structured)
-        lb = self.logit_bias
-        _check(
-            lb is None
-            or (
-                isinstance(lb, dict)
-                and len(lb) <= MAX_LOGIT_BIAS
-                and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in lb)
-                and all(_in(v, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT) for v in lb.values())
-            ),
-            "logit_bias",
-            f"null or a map of at most {MAX_LOGIT_BIAS} token ids in [0, {MAX_TOKEN_ID}] to numbers "
-            f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
-            _summary(lb),
-        )
         if self.use_beam_search and (self.structured is not None or self.logit_bias):
-            raise ValueError("structured and logit_bias cannot be combined with use_beam_search")
+            raise ValueError(BEAM_ALONE)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(**d)
+#: The bounds of GenerateRequest's numbers (the gateway's schema takes `priority`'s).
+REQUEST_BOUNDS: dict[str, Bound] = {
+    "arrival_time": Bound(0.0, 1e12),  # time.time()
+    "queue_deadline": Bound(0.0, 1e12),
+    "priority": Bound(-1_000_000, 1_000_000, integer=True),
+    "skip_tokens": Bound(0, MAX_TOKENS, integer=True),
+}
 
 
 @dataclass(slots=True)
@@ -337,12 +297,10 @@ class GenerateRequest:
         return 0.0 < self.queue_deadline <= now
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.request_id, str) and 1 <= len(self.request_id) <= MAX_ID_CHARS,
-            "request_id",
-            f"a string of 1 to {MAX_ID_CHARS} characters",
-            self.request_id,
-        )
+        for name, least in (("request_id", 1), ("model", 0), ("tenant", 0)):
+            v = getattr(self, name)
+            ok = isinstance(v, str) and least <= len(v) <= MAX_ID_CHARS
+            _check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
         _check(
             _token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
             "prompt_token_ids",
@@ -350,34 +308,8 @@ class GenerateRequest:
             _summary(self.prompt_token_ids),
         )
         _check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
-        _check(
-            isinstance(self.model, str) and len(self.model) <= MAX_ID_CHARS,
-            "model",
-            "a short string",
-            self.model,
-        )
-        _check(_in(self.arrival_time, 0.0, 1e12), "arrival_time", "a time in seconds", self.arrival_time)
-        _check(
-            _in(self.queue_deadline, 0.0, 1e12), "queue_deadline", "a time in seconds", self.queue_deadline
-        )
-        _check(
-            _is_int(self.priority) and abs(self.priority) <= MAX_PRIORITY,
-            "priority",
-            f"an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
-            self.priority,
-        )
-        _check(
-            isinstance(self.tenant, str) and len(self.tenant) <= MAX_ID_CHARS,
-            "tenant",
-            "a short string",
-            self.tenant,
-        )
-        _check(
-            _is_int(self.skip_tokens) and 0 <= self.skip_tokens <= MAX_TOKENS,
-            "skip_tokens",
-            f"an integer in [0, {MAX_TOKENS}]",
-            self.skip_tokens,
-        )
+        for name, bound in REQUEST_BOUNDS.items():
+            bound.check(name, getattr(self, name))
 
 
 @dataclass(slots=True)

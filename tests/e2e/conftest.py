@@ -303,3 +303,29 @@ def two_model_server(
 def ui2(browser: Any, two_model_server: TwoModelServer) -> Iterator[Ui]:
     """`ui` on the two-model server; pages need settings with an `api_key` of KEYS."""
     yield from _ui_on(browser, two_model_server)
+
+
+class NarrowBoundServer(ServerProcess):
+    """`wsllm serve` with one sampling bound declared narrower, in its one place
+    (wsllm.types.SAMPLING_BOUNDS: presence_penalty in [-0.5, 0.5]), before anything reads it."""
+
+    PATCH = (
+        "import sys; import wsllm.types as t; "
+        "t.SAMPLING_BOUNDS['presence_penalty'] = t.Bound(-0.5, 0.5); "
+        "from wsllm.cli import main; sys.exit(main())"
+    )
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.PATCH, "serve", "--model", str(self.model), "--port", str(self.port),
+                "--kv-cache-gb", "0.05", "--threads", "1"]  # fmt: skip
+
+
+@pytest.fixture
+def ui_narrow(browser: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ui]:
+    """`ui` on a NarrowBoundServer (started for the test that asks for it)."""
+    srv = NarrowBoundServer(tiny_model_dir, free_port(), tmp_path_factory.mktemp("ui-narrow") / "server.log")
+    srv.start()
+    try:
+        yield from _ui_on(browser, srv)
+    finally:
+        srv.stop()

@@ -12,6 +12,7 @@ import pytest
 from wsllm.types import (
     GREEDY_BELOW,
     MAX_TOP_K,
+    SAMPLING_BOUNDS,
     GenerateRequest,
     SamplingParams,
     TokenEvent,
@@ -100,6 +101,40 @@ FIELD_CASES: list[tuple[dict[str, Any], str]] = [
 def test_every_numeric_field_is_bounded_on_both_sides(fields: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         SamplingParams(**fields)
+
+
+def test_every_number_of_sampling_params_has_one_declared_bound() -> None:
+    numbers = {f for f, t in SamplingParams.__annotations__.items() if "int" in t or "float" in t}
+    assert set(SAMPLING_BOUNDS) == numbers
+
+
+def edges(name: str) -> tuple[list[Any], list[Any]]:
+    """Values a field's declared bound lets in, and the nearest ones it keeps out."""
+    b = SAMPLING_BOUNDS[name]
+    step = 1 if b.integer else 1e-9
+    lo_in, hi_in = (b.lo + step if b.lo_open else b.lo), (b.hi - step if b.hi_open else b.hi)
+    inside, outside = [lo_in, hi_in], [b.hi + step if not b.hi_open else b.hi]
+    outside.append(b.lo if b.lo_open else b.lo - step)
+    if b.integer:
+        inside, outside = [int(v) for v in inside], [int(v) for v in outside]
+    if b.off is not None:  # top_k: -1 is off, 0 is out, as is anything below -1
+        inside.append(b.off)
+        outside.append(b.off - 1)
+    if b.items is not None:
+        key = (lambda v: {7: v}) if b.keyed else (lambda v: [v])
+        inside, outside = [key(v) for v in inside], [key(v) for v in outside]
+    return inside, outside
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_BOUNDS))
+def test_sampling_params_take_exactly_their_declared_bounds(name: str) -> None:
+    inside, outside = edges(name)
+    base = {"max_tokens": 2**20} if name == "min_tokens" else {}
+    for v in inside:
+        assert getattr(SamplingParams(**base, **{name: v}), name) == v
+    for v in outside:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**base, **{name: v})
 
 
 def test_a_tiny_temperature_is_greedy() -> None:

@@ -1,9 +1,13 @@
 """Request schemas and the one validator that HTTP, SSE and the WebSocket share.
 
+Every 400 that needs no tokenizer is raised here, while a request is validated.
 Pydantic does the schema work in strict mode (no "0.5" for a number, no 1.0 for an
-integer, no NaN), with the bounds of every numeric field from wsllm/types.py (the
-engine checks the same ones); `check_limits` applies the operator's limits from
-GatewayConfig. Turning a valid request into engine SamplingParams is preparation's
+integer, no NaN), each number bounded by its one declaration in wsllm/types.py
+(SAMPLING_BOUNDS, which SamplingParams checks again on the wire); a request's
+structured-output constraint and logit_bias are worked out as it is validated; then
+`validate_http` and `validate_ws` apply the operator's limits (GatewayConfig) and what
+the schema cannot say about a chat's conversation (server/conversation.py).
+Turning a valid request into engine SamplingParams is preparation's
 (server/prepare.py)."""
 
 from __future__ import annotations
@@ -11,118 +15,59 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from wsllm.config import GatewayConfig
+from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
+from wsllm.server.conversation import (
+    MAX_TOOLS,
+    ChatMessage,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDef,
+    check_conversation,
+)
 from wsllm.server.errors import APIError, from_validation
+from wsllm.server.fields import Inert, Strict, invalid, ranged, wire_check
 from wsllm.types import (
-    MAX_BEAM_WIDTH,
+    BEAM_ALONE,
     MAX_ID_CHARS,
-    MAX_LENGTH_PENALTY,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_PENALTY,
-    MAX_PRIORITY,
     MAX_PROMPT_TOKENS,
-    MAX_REPETITION_PENALTY,
-    MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
-    MAX_TOKENS,
-    MAX_TOP_K,
-    SEED_LIMIT,
+    REQUEST_BOUNDS,
 )
 
-# Tools in one request, and tool calls in one message.
-MAX_TOOLS = 128
-# apply_chat_template's own arguments: not for chat_template_kwargs to set.
-_TEMPLATE_RESERVED = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
-# OpenAI's range for temperature (the engine takes up to types.MAX_TEMPERATURE).
-API_MAX_TEMPERATURE = 2.0
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 M = TypeVar("M", bound=BaseModel)
 TextPrompt = Annotated[str, Field(min_length=1)]
 IdsPrompt = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 
-class _Strict(BaseModel):
-    # An unknown field is a 400 naming it (errors.from_validation): nothing a client asks
-    # for is dropped without a word. OpenAI fields that have no effect here are declared
-    # as `Inert` on the models that take them (docs/protocol.md, "Fields with no effect").
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
-
-
-# A field that is accepted and has no effect here (OpenAI's bookkeeping fields, and what
-# clients send back in an assistant message they got); never used, never dumped.
-Inert = Annotated[Any, Field(None, exclude=True)]
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: Inert  # OpenAI's padding of stream chunks: none here
 
 
-class JsonSchemaFormat(_Strict):
-    name: str = Field("response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # the output always follows the schema here
-
-
-class ResponseFormat(_Strict):
-    """OpenAI's `response_format`."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(_Strict):
-    """vLLM's `structured_outputs`: exactly one of the four."""
-
-    json_: dict[str, Any] | bool | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # Lark or GBNF
-
-
-class SamplingFields(_Strict):
+class SamplingFields(Strict):
     """The parameters every generate request accepts (OpenAI names, vLLM extensions).
     None means "the default"."""
 
     model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    temperature: float | None = Field(None, ge=0.0, le=API_MAX_TEMPERATURE)  # below 1e-5: greedy
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    max_tokens: int | None = ranged("max_tokens")
+    max_completion_tokens: int | None = ranged("max_tokens")
+    temperature: float | None = ranged("temperature")  # below 1e-5: greedy
+    top_p: float | None = ranged("top_p")
+    top_k: int | None = ranged("top_k")  # -1 or 0: off
+    min_p: float | None = ranged("min_p")
+    presence_penalty: float | None = ranged("presence_penalty")
+    frequency_penalty: float | None = ranged("frequency_penalty")
+    repetition_penalty: float | None = ranged("repetition_penalty")
+    seed: int | None = ranged("seed")
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop_token_ids: list[TokenId] | None = ranged("stop_token_ids")
+    n: int | None = ranged("n")
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    min_tokens: int | None = ranged("min_tokens")
     user: str | None = Field(None, max_length=256)
     # OpenAI's, accepted with no effect here (docs/protocol.md, "Fields with no effect"):
     store: Inert  # stored completions
@@ -131,57 +76,35 @@ class SamplingFields(_Strict):
     safety_identifier: Inert  # the newer name of `user`
     prompt_cache_key: Inert  # prefix caching is automatic here
     # vLLM's extension; higher is admitted first. The gateway caps it per key.
-    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    priority: int = ranged("priority", REQUEST_BOUNDS, 0)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # OpenAI's shape: token id (a string key) -> bias in [-100, 100]
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, float] | None = ranged("logit_bias")
+    # Worked out while the request is validated (see `structured` and `token_bias`).
+    _structured: tuple[dict[str, Any], str] | None = PrivateAttr(None)
+    _token_bias: dict[int, float] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _constraints(self) -> SamplingFields:
+        self._structured = asked_structure(self.structured_outputs, self.response_format)
+        self._token_bias = token_bias(self.logit_bias)
+        if getattr(self, "use_beam_search", None) and (self._structured or self._token_bias):
+            raise APIError(400, "invalid_request", BEAM_ALONE)
+        return self
 
     @property
     def structured(self) -> tuple[dict[str, Any], str] | None:
         """The SamplingParams.structured spec the request asks for, with the field that
         asked (for a 400 naming it); None for free text."""
-        if self.structured_outputs is not None:
-            so = self.structured_outputs
-            given = {
-                k: v
-                for k, v in (
-                    ("json", so.json_),
-                    ("regex", so.regex),
-                    ("choice", so.choice),
-                    ("grammar", so.grammar),
-                )
-                if v is not None
-            }
-            if len(given) != 1:
-                raise _bad("structured_outputs", "give exactly one of json, regex, choice, grammar")
-            if self.response_format is not None and self.response_format.type != "text":
-                raise _bad(
-                    "structured_outputs", "give either structured_outputs or response_format, not both"
-                )
-            return given, "structured_outputs"
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object":
-            return {"json": True}, "response_format"
-        if rf.json_schema is None:
-            raise _bad("response_format.json_schema", 'required with "type": "json_schema"')
-        schema = rf.json_schema.schema_
-        return {"json": True if schema is None else schema}, "response_format.json_schema.schema"
+        return self._structured
 
     @property
     def token_bias(self) -> dict[int, float] | None:
-        if not self.logit_bias:
-            return None
-        out: dict[int, float] = {}
-        for key, value in self.logit_bias.items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
-                raise _bad("logit_bias", f"keys are token ids (0 to {MAX_TOKEN_ID}), got {key!r}")
-            out[int(key)] = value
-        return out
+        """logit_bias with token ids for keys; None when empty."""
+        return self._token_bias
 
     @property
     def stops(self) -> list[str]:
@@ -203,107 +126,10 @@ class SamplingFields(_Strict):
         return None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class ToolDef(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
-def _choice_kind(v: Any) -> str:
-    return "named-function" if isinstance(v, dict | NamedToolChoice) else "mode-word"
-
-
-# A string, or an object naming a function; an error names the branch the input meant
-# (tags that are not identifiers stay out of the error's `param`).
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("mode-word")]
-    | Annotated[NamedToolChoice, Tag("named-function")],
-    Discriminator(_choice_kind),
-]
-
-
-class CalledFunction(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCallIn(_Strict):
-    """A call of an earlier assistant turn, sent back in `messages`."""
-
-    id: str = Field(max_length=MAX_ID_CHARS)
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # None only on an assistant message that made tool calls (checked in check_chat)
-    content: str | list[TextPart] | None = None
-    name: str | None = Field(None, max_length=256)
-    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # role "tool": the call it answers
-    # What clients send back in an assistant message they got (OpenAI's fields, and the
-    # reasoning of a reasoning model): accepted, not shown to the model.
-    refusal: Inert
-    annotations: Inert
-    audio: Inert
-    function_call: Inert
-    reasoning_content: Inert
-
-    @property
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def as_template_input(self) -> dict[str, Any]:
-        # Templates know "system"; OpenAI's newer "developer" role means the same.
-        out: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": self.text,
-        }
-        if self.tool_calls:
-            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
-            out["name"] = self.name
-        return out
-
-
-def _template_call(c: ToolCallIn) -> dict[str, Any]:
-    # Chat templates expect the arguments as a mapping (they write them with `tojson`).
-    try:
-        args: Any = orjson.loads(c.function.arguments)
-    except orjson.JSONDecodeError:
-        args = c.function.arguments
-    return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
-
-
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = ranged("logprobs")
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -329,6 +155,10 @@ class ChatRequest(SamplingFields):
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def check_chat(self) -> None:
+        """What the schema cannot say about the messages, tools and tool_choice."""
+        check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs)
+
 
 class CompletionRequest(SamplingFields):
     # A string, or token ids; or a list of either (a batch, /v1/completions only: one
@@ -339,15 +169,15 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TextPrompt], Field(min_length=1)]
         | Annotated[list[IdsPrompt], Field(min_length=1)]
     )
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = ranged("logprobs")
     # the prompt's text before the answer (and, with logprobs, its tokens' logprobs)
     echo: bool | None = None
     # vLLM's: the logprobs of each prompt token and its top N, in `prompt_logprobs`
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = ranged("logprobs")
     # Beam search (vLLM's extension); the n best beams come back as the choices.
     use_beam_search: bool | None = None
-    beam_width: int | None = Field(None, ge=1, le=MAX_BEAM_WIDTH)
-    length_penalty: float | None = Field(None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
+    beam_width: int | None = ranged("beam_width")
+    length_penalty: float | None = ranged("length_penalty")
     early_stopping: bool | None = None
 
     @property
@@ -377,14 +207,14 @@ class CompletionRequest(SamplingFields):
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------
 
 
-class TokenizeCompletion(_Strict):
+class TokenizeCompletion(Strict):
     model: str | None = Field(None, max_length=MAX_ID_CHARS)
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChat(_Strict):
+class TokenizeChat(Strict):
     model: str | None = Field(None, max_length=MAX_ID_CHARS)
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -400,13 +230,13 @@ class TokenizeChat(_Strict):
         req = ChatRequest.model_construct(
             messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
         )
-        check_chat(req)
+        req.check_chat()
         if self.add_generation_prompt and self.continue_final_message:
-            raise _bad("continue_final_message", "cannot be combined with add_generation_prompt")
+            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt")
         return req
 
 
-class Detokenize(_Strict):
+class Detokenize(Strict):
     model: str | None = Field(None, max_length=MAX_ID_CHARS)
     tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
 
@@ -438,19 +268,19 @@ class WsCompletion(CompletionRequest):
     id: WsId
 
 
-class WsCancel(_Strict):
+class WsCancel(Strict):
     type: Literal["cancel"]
     id: WsId
 
 
-class WsResume(_Strict):
+class WsResume(Strict):
     type: Literal["resume"]
     id: WsId
     after_seq: int = Field(ge=-1, le=2**31)
     resume_token: str = Field(min_length=1, max_length=512)  # from the request's `started`
 
 
-class WsPing(_Strict):
+class WsPing(Strict):
     type: Literal["ping"]
 
 
@@ -473,7 +303,7 @@ def parse_json(raw: bytes | str) -> Any:
 def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
     """Parse and check a /v1/chat/completions or /v1/completions body."""
     req = _validated(model, _body(raw, cfg))
-    check_limits(req, cfg)
+    _check_limits(req, cfg)
     return req
 
 
@@ -505,7 +335,7 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
         tagged = obj.get("type") in ("chat", "completion", "cancel", "resume", "ping")
         raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
-        check_limits(msg, cfg)
+        _check_limits(msg, cfg)
     return msg
 
 
@@ -522,8 +352,9 @@ def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:
         )
 
 
-def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
-    """The operator's limits (GatewayConfig), beyond what the schema says."""
+def _check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
+    """The operator's limits (GatewayConfig), beyond what the schema says; then, for a
+    chat, what the schema cannot say about its conversation."""
 
     def bad(param: str, message: str) -> APIError:
         return APIError(400, "invalid_request", f"{param}: {message}", param=param)
@@ -550,8 +381,11 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
     width = getattr(req, "beam_width", None)
     if width is not None and width > cfg.max_n:
         raise bad("beam_width", f"at most {cfg.max_n} (got {width})")
-    if getattr(req, "use_beam_search", None) and req.n is not None and req.n > (width or cfg.max_n):
-        raise bad("n", "must not exceed beam_width with use_beam_search")
+    if getattr(req, "use_beam_search", None):
+        if req.n is not None and req.n > (width or cfg.max_n):
+            raise bad("n", "must not exceed beam_width with use_beam_search")
+        if width is None:
+            wire_check("beam_width", req.n or 1)  # the width it gets is at least n
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
         raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
     batch = req.prompts if isinstance(req, CompletionRequest) else None
@@ -561,38 +395,4 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
         if not 1 <= len(batch) <= cfg.max_prompts:
             raise bad("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
     if isinstance(req, ChatRequest):
-        check_chat(req)
-
-
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, "invalid_request", f"{param}: {message}", param=param)
-
-
-def check_chat(req: ChatRequest) -> None:
-    """What the schema cannot say about messages, tools and tool_choice."""
-    for i, m in enumerate(req.messages):
-        _check_message(i, m)
-    names = [t.function.name for t in req.tools or []]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise _bad(f"tools.{i}.function.name", f"{name!r} is declared twice")
-    forced = req.forced_tool
-    if forced is not None and not names:
-        raise _bad("tool_choice", "needs `tools` (there is no function to call)")
-    if forced and forced not in names:
-        raise _bad("tool_choice.function.name", f"{forced!r} is not one of the declared tools")
-    for key in req.chat_template_kwargs or {}:
-        if key in _TEMPLATE_RESERVED:
-            raise _bad(f"chat_template_kwargs.{key}", "is set by the server; use the request's own field")
-
-
-def _check_message(i: int, m: ChatMessage) -> None:
-    at = f"messages.{i}"
-    if m.content is None and not (m.role == "assistant" and m.tool_calls):
-        raise _bad(f"{at}.content", f"required for a {m.role} message (null only with tool_calls)")
-    if m.tool_calls is not None and m.role != "assistant":
-        raise _bad(f"{at}.tool_calls", "only an assistant message has tool_calls")
-    if m.role == "tool" and not m.tool_call_id:
-        raise _bad(f"{at}.tool_call_id", "required for a tool message (the id of the call it answers)")
-    if m.tool_call_id is not None and m.role != "tool":
-        raise _bad(f"{at}.tool_call_id", "only a tool message has tool_call_id")
+        req.check_chat()

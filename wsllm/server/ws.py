@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket
 from wsllm.broker.base import BrokerError
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError, from_broker, from_generation
+from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
@@ -115,7 +116,12 @@ class WsSession:
                 return
 
     async def _read(self) -> None:
-        await self.send({"type": "hello", "model": self.gw.model_name, "limits": await self._limits()})
+        # `bounds`: every sampling parameter's range, as declared once (types.SAMPLING_BOUNDS);
+        # `limits`: the operator's, tighter (the UI takes both from here)
+        limits = await self._limits()
+        await self.send(
+            {"type": "hello", "model": self.gw.model_name, "limits": limits, "bounds": bounds_table()}
+        )
         limit = self.cfg.max_ws_message_bytes
         while True:
             message = await self.ws.receive()
