@@ -11,7 +11,7 @@ One iteration:
 
 `drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
 what it holds for a while, then hands the rest back to the broker for another engine
-(`Broker.release`); what the broker cannot take back ends with `worker_lost`.
+(`BrokerSide.release`); what the broker cannot take back ends with `worker_lost`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from wsllm.broker.base import Broker, EngineInfo
 from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_INTERNAL,
@@ -32,6 +31,7 @@ from wsllm.types import (
     ERR_QUEUE_TIMEOUT,
     ERR_WORKER_LOST,
     EngineBusy,
+    EngineInfo,
     GenerateRequest,
     SamplingParams,
     TokenEvent,
@@ -66,6 +66,23 @@ class Engine(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+class BrokerSide(Protocol):
+    """The engine's side of a broker, as this worker uses it. The broker package
+    declares the same calls (`broker.base.EngineBroker`, whose docstrings say what
+    each promises); every broker satisfies this Protocol without the engine importing
+    the broker (tests/unit/test_broker_contract.py checks it)."""
+
+    def pull(
+        self, max_n: int, timeout: float = 0.0, rank: Callable[[GenerateRequest], Any] | None = None
+    ) -> list[GenerateRequest]: ...
+    def aborts(self) -> list[str]: ...
+    def publish(self, events: list[TokenEvent]) -> None: ...
+    def heartbeat(self, info: EngineInfo) -> None: ...
+    def deregister(self, engine_id: str) -> None: ...
+    def dead_letter(self, item: object, reason: str) -> None: ...
+    def release(self, request_ids: list[str]) -> list[str]: ...
+
+
 @dataclass(slots=True)
 class _Live:
     """What the worker remembers of a request the engine holds."""
@@ -78,7 +95,7 @@ class EngineWorker:
     def __init__(
         self,
         engine: Engine,
-        broker: Broker,
+        broker: BrokerSide,
         *,
         engine_id: str | None = None,
         idle_wait_s: float = 0.05,
@@ -115,7 +132,7 @@ class EngineWorker:
         return self._thread
 
     @classmethod
-    def spawn(cls, build: Callable[[], Engine], broker: Broker, **kwargs: Any) -> EngineWorker:
+    def spawn(cls, build: Callable[[], Engine], broker: BrokerSide, **kwargs: Any) -> EngineWorker:
         """Build the engine and run its loop on one new daemon thread; returns once the
         engine is built, raising what `build` raised.
 
