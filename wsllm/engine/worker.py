@@ -21,9 +21,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from wsllm.engine.outputs import EngineStats
 from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_INTERNAL,
@@ -63,7 +64,7 @@ class Engine(Protocol):
     def step(self) -> list[Any]: ...
     def has_unfinished(self) -> bool: ...
     def free_capacity(self) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
 
 
 class BrokerSide(Protocol):
@@ -368,7 +369,7 @@ class EngineWorker:
             model=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
             aliases=self.aliases,
-            stats=dict(self.engine.stats()),
+            stats=asdict(self.engine.stats()),
         )
 
 
