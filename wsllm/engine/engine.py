@@ -310,16 +310,10 @@ class LLMEngine:
         rows: list[int] = []
         out: list[Sequence] = []
         for i, seq in enumerate(seqs):
-            rows.append(i)
-            out.append(seq)
             req = self._requests.get(seq.request_id)
-            if req is None or not req.pending or seq is not req.seqs[0]:
-                continue
-            for child in req.pending:
-                self.scheduler.fork(seq, child)
-                rows.append(i)
-                out.append(child)
-            req.pending = []
+            children = [] if req is None else req.fork_pending(seq, self.scheduler)
+            rows += [i] * (1 + len(children))
+            out += [seq, *children]
         if len(out) == len(seqs):
             return seqs, logits
         return out, logits[torch.tensor(rows)]

@@ -16,6 +16,7 @@ import torch
 
 from wsllm.engine.beam import BeamState
 from wsllm.engine.outputs import CompletionOutput, RequestOutput
+from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
 from wsllm.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -69,6 +70,16 @@ class Request:
         else:
             req.pending = req.seqs[1:]
         return req
+
+    def fork_pending(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
+        """Once choice 0 (`seq`) has computed its prompt, choices 1..n-1 fork from it,
+        sharing its blocks; returns them (they sample from choice 0's logits row)."""
+        if not self.pending or seq is not self.seqs[0]:
+            return []
+        children, self.pending = self.pending, []
+        for child in children:
+            scheduler.fork(seq, child)
+        return children
 
     # -- prompt logprobs ---------------------------------------------------------
     def wants_prompt_logprobs(self) -> bool:
