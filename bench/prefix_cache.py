@@ -85,7 +85,7 @@ def run(model_dir: str, caching: bool, convs: int, turns: int, out_len: int) -> 
         "tok_s": tokens / elapsed,
         "ttft_mean": statistics.mean(ttfts),
         "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
-        "hit_rate": engine.stats()["prefix_hit_rate"],
+        "hit_rate": engine.stats().prefix_hit_rate,
     }
 
 

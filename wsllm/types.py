@@ -378,6 +378,44 @@ class TokenEvent:
         return self.finish_reason == FINISH_ERROR or (self.whole_request and self.finish_reason is not None)
 
 
+@dataclass(slots=True)
+class EngineInfo:
+    """What an engine worker tells the gateways about itself, refreshed by heartbeats
+    (through the broker: JSON on Redis)."""
+
+    engine_id: str
+    model: str
+    max_model_len: int
+    #: other names the model answers to (`--model-name A --model-name B`: B)
+    aliases: list[str] = field(default_factory=list)
+    # num_running, num_waiting, kv_usage, num_free_blocks, ... (the engine's EngineStats)
+    stats: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0  # time.time() of the last heartbeat
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
+        """From a heartbeat; ValueError when it is not one."""
+        if not isinstance(d, dict):
+            raise ValueError("an engine heartbeat must be a JSON object")
+        info = cls(**d)
+        ok = (
+            isinstance(info.engine_id, str)
+            and isinstance(info.model, str)
+            and isinstance(info.max_model_len, int)
+            and info.max_model_len > 0
+            and isinstance(info.aliases, list)
+            and all(isinstance(a, str) for a in info.aliases)
+            and isinstance(info.stats, dict)
+            and isinstance(info.last_seen, (int, float))
+        )
+        if not ok:
+            raise ValueError(f"not an engine heartbeat: {d!r:.200}")
+        return info
+
+
 # -- the codec ------------------------------------------------------------------------------
 
 

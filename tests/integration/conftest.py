@@ -145,7 +145,7 @@ def _serve_on(engine: Any, cfg: GatewayConfig) -> Iterator[LiveServer]:
         _busy.discard(id(engine))
     stats = engine.stats()
     assert not engine.has_unfinished()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], f"KV blocks leaked: {stats}"
+    assert stats.num_free_blocks == stats.num_total_blocks, f"KV blocks leaked: {stats}"
 
 
 def _wait_ready(base: str, api_key: str | None, timeout: float = 30.0) -> None:

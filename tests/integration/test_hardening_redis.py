@@ -63,7 +63,7 @@ class Deployment:
             assert time.monotonic() < deadline, f"the engine still runs requests: {self.engine.stats()}"
             time.sleep(0.05)
         s = self.engine.stats()
-        assert s["num_free_blocks"] == s["num_total_blocks"], s
+        assert s.num_free_blocks == s.num_total_blocks, s
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -248,3 +249,29 @@ def test_memory_engine_sides_take_only_their_models_work_and_see_every_abort() -
         asyncio.run(b.abort("a1"))  # pulled already: a broadcast, as on Redis
         assert side_a.aborts() == ["a1"] and side_b.aborts() == ["a1"]
         assert side_a.aborts() == []
+
+
+def _engine_side_classes() -> list[type]:
+    from wsllm.broker.base import EngineBroker
+    from wsllm.broker.redis import RedisBroker
+
+    with memory_broker() as b:
+        model_side = type(b.engine_side("A"))
+    return [EngineBroker, MemoryBroker, model_side, RedisBroker]
+
+
+@pytest.mark.parametrize("side", _engine_side_classes(), ids=lambda c: c.__name__)
+def test_every_engine_side_offers_what_the_worker_calls(side: type) -> None:
+    """The worker declares the broker it uses (worker.BrokerSide) and does not import
+    the broker package: each engine side must take the same calls, argument for argument."""
+    from wsllm.engine.worker import BrokerSide
+
+    wanted = [n for n, v in vars(BrokerSide).items() if callable(v) and not n.startswith("_")]
+    assert {"pull", "aborts", "publish", "heartbeat", "release"} <= set(wanted)
+    for name in wanted:
+        want = inspect.signature(getattr(BrokerSide, name)).parameters
+        got = inspect.signature(getattr(side, name)).parameters
+        shape = lambda ps: [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in ps.values()]  # noqa: E731
+        assert shape(got) == shape(want), (
+            f"{side.__name__}.{name}{list(got)} is not the worker's {list(want)}"
+        )

@@ -80,7 +80,7 @@ def test_preemption_gives_the_same_outputs_and_frees_every_block(tiny_model_dir:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     big = make_engine(tiny_model_dir, kv_cache_gb=0.05, enable_prefix_caching=False)
     expected = run_with_top2(big, prompts, params)
-    assert big.stats()["num_preemptions"] == 0
+    assert big.stats().num_preemptions == 0
     # 24 blocks of 8 tokens: far fewer than the ~60 the batch needs at once.
     small = make_engine(
         tiny_model_dir,
@@ -93,12 +93,12 @@ def test_preemption_gives_the_same_outputs_and_frees_every_block(tiny_model_dir:
     got = run_with_top2(small, prompts, params)
     assert_same_but_for_ties(got, expected)
     stats = small.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     if mode == "swap":
-        assert stats["num_swaps"] > 0
+        assert stats.num_swaps > 0
         swap = small.scheduler.swapper
         assert swap is not None and swap.num_free_blocks == swap.num_blocks, "CPU swap blocks leaked"
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_free_blocks == stats.num_total_blocks
     small.block_manager.check_invariants()
 
 

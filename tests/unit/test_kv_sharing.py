@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,21 +32,23 @@ def finish(engine: LLMEngine, peak: list[int] | None = None) -> dict[str, list[l
     return out
 
 
-def test_prefix_cache_second_request_computes_only_new_tokens(tiny_model_dir: Path) -> None:
+def test_prefix_cache_second_request_computes_only_new_tokens(
+    tiny_model_dir: Path, record_steps: Callable[[LLMEngine], list[dict[str, int]]]
+) -> None:
     system = rand_tokens(500, 1)
     a, b = system + rand_tokens(9, 2), system + rand_tokens(13, 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     on = make_engine(tiny_model_dir, kv_cache_gb=0.05, block_size=16)
-    on.record_steps = True
+    step_log = record_steps(on)
     on.add_request("a", a, greedy)
     first = finish(on)
     on.add_request("b", b, greedy)
     second = finish(on)
-    computed_b = sum(step.get("b/0", 0) for step in on.step_log)
+    computed_b = sum(step.get("b/0", 0) for step in step_log)
     hit = (500 // 16) * 16
     # b computes its prompt past the cached blocks, then one token per output but the last
     assert computed_b == len(b) - hit + 15
-    assert on.stats()["prefix_hit_tokens"] >= hit
+    assert on.stats().prefix_hit_tokens >= hit
     off = make_engine(tiny_model_dir, kv_cache_gb=0.05, block_size=16, enable_prefix_caching=False)
     off.add_request("a", a, greedy)
     off.add_request("b", b, greedy)
@@ -65,7 +68,7 @@ def test_n4_seeded_is_batch_invariant_shares_blocks_and_copies_on_write(tiny_mod
     peak: list[int] = []
     alone = finish(e, peak)["x"]
     assert len(alone) == 4 and len({tuple(t) for t in alone}) > 1
-    assert e.stats()["num_cow"] > 0
+    assert e.stats().num_cow > 0
     assert max(peak) < 4 * max(single_peak)
     for i in range(8):
         e.add_request(
@@ -77,19 +80,21 @@ def test_n4_seeded_is_batch_invariant_shares_blocks_and_copies_on_write(tiny_mod
     e.block_manager.check_invariants()
 
 
-def test_chunked_prefill_keeps_decodes_streaming(tiny_model_dir: Path) -> None:
+def test_chunked_prefill_keeps_decodes_streaming(
+    tiny_model_dir: Path, record_steps: Callable[[LLMEngine], list[dict[str, int]]]
+) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     shorts = [rand_tokens(8 + i, 30 + i) for i in range(8)]
     long = rand_tokens(2000, 99)
     e = make_engine(tiny_model_dir, kv_cache_gb=0.1, max_num_batched_tokens=256)
-    e.record_steps = True
+    step_log = record_steps(e)
     for i, p in enumerate(shorts):
         e.add_request(f"s{i}", p, greedy)
     e.step()  # the 8 prompts are computed and now decode
     e.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    start = len(e.step_log)
+    start = len(step_log)
     got = finish(e)
-    steps = e.step_log[start:]
+    steps = step_log[start:]
     chunks = [s["long/0"] for s in steps if "long/0" in s]
     assert len(chunks) > 5, "the long prompt was not split over steps"
     prefill_steps = [s for s in steps if s.get("long/0", 0) > 1]

@@ -3,6 +3,7 @@ in chunks, equal to the log_softmax of HF's logits over the prompt, returned onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,16 @@ def assert_equals_hf(hf: Any, ids: list[int], got: list[Any], top: int, first_to
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
-def test_prompt_logprobs_equal_hf_log_softmax(tiny_model_dir: Path, hf: Any, chunked: bool) -> None:
+def test_prompt_logprobs_equal_hf_log_softmax(
+    tiny_model_dir: Path, hf: Any, chunked: bool, record_steps: Callable[[LLMEngine], list[dict[str, int]]]
+) -> None:
     budget = 16 if chunked else 2048  # 16: the 40- and 75-token prompts take several steps
     engine = make_engine(tiny_model_dir, kv_cache_gb=0.05, max_num_batched_tokens=budget)
-    engine.record_steps = True
+    step_log = record_steps(engine)
     prompts = prompts_of(LENGTHS)
     params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=k) for k in TOPS]
     results = run(engine, prompts, params)
-    prefill_steps = sum(1 for step in engine.step_log if step.get("r4/0", 1) > 1)
+    prefill_steps = sum(1 for step in step_log if step.get("r4/0", 1) > 1)
     assert prefill_steps > 1 if chunked else prefill_steps == 1
     for i, (ids, top) in enumerate(zip(prompts, TOPS, strict=True)):
         outs, tokens = results[f"r{i}"]
@@ -118,8 +121,8 @@ def test_prompt_logprobs_survive_recompute_preemption(tiny_model_dir: Path, hf: 
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
     results = run(engine, prompts, [params] * len(prompts))
     stats = engine.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
     for i, ids in enumerate(prompts):
         outs, tokens = results[f"r{i}"]
         assert_equals_hf(hf, ids, the_prompt_logprobs(outs), 1, tokens[0])

@@ -37,7 +37,7 @@ def rig(engine: Any) -> Iterator[tuple[EngineWorker, MemoryBroker, list[TokenEve
     worker.drain()
     broker.close()
     stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def submit(broker: MemoryBroker, rid: str, prompt: list[int] | None = None, **params: Any) -> None:
@@ -106,7 +106,7 @@ def test_pull_only_what_the_engine_can_admit(rig: Any) -> None:
     for i in range(10):
         submit(broker, f"r{i}", max_tokens=50)
     worker.run_once()
-    assert asyncio.run(broker.pending()) == 10 - worker.engine.stats()["num_running"]
+    assert asyncio.run(broker.pending()) == 10 - worker.engine.stats().num_running
     assert asyncio.run(broker.pending()) >= 6  # max_num_seqs is 4
 
 
@@ -307,7 +307,7 @@ def _steps_until_b_starts(
     for i in range(64):
         send(f"a{i}", "a")
     worker.run_once()
-    assert worker.engine.stats()["num_running"] == 4
+    assert worker.engine.stats().num_running == 4
     for i in range(4):
         send(f"b{i}", b)
     sent_at, first = worker.steps, {}

@@ -1,16 +1,18 @@
 """The broker contract: how requests reach engines and TokenEvents come back.
 
-Two sides share one object:
+Two contracts, one per side:
 
-- the gateway (asyncio) calls `submit`, `abort`, and iterates `events()`; it reads
-  `engines()` to know whether anything can serve it (`/ready`, gauges, limits);
-- an engine worker (a plain thread or process, no asyncio) calls `pull`, `aborts`,
-  `publish` and `heartbeat`.
+- `GatewayBroker`, the gateway's side (asyncio): `submit`, `abort`, iterate `events()`;
+  `engines()` tells whether anything can serve it (`/ready`, gauges, limits);
+- `EngineBroker`, the engine's side (a plain thread or process, no asyncio): `pull`,
+  `aborts`, `publish` and `heartbeat`.
 
 A gateway-side call never blocks the event loop for long; an engine-side call may
 block, always with a timeout, so that the worker can notice it was asked to stop.
-The memory broker and the Redis broker implement this same contract and pass the same
-tests (tests/unit/test_broker_contract.py).
+The memory broker and the Redis broker implement both (`Broker`) and pass the same
+tests (tests/unit/test_broker_contract.py). The engine worker does not import this
+module: it declares the engine side it uses as a Protocol (wsllm/engine/worker.py),
+which every `EngineBroker` satisfies.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import abc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from wsllm.broker.limits import Limiter, MemoryLimiter
-from wsllm.types import GenerateRequest, TokenEvent
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
 #: the files of a model directory that make its tokenizer (what `TextCodec` reads)
 TOKENIZER_FILES = (
@@ -82,51 +84,11 @@ class Resumable:
     context: dict[str, Any]
 
 
-@dataclass(slots=True)
-class EngineInfo:
-    """What an engine worker tells the gateways about itself, refreshed by heartbeats."""
-
-    engine_id: str
-    model: str
-    max_model_len: int
-    #: other names the model answers to (`--model-name A --model-name B`: B)
-    aliases: list[str] = field(default_factory=list)
-    # num_running, num_waiting, kv_usage, num_free_blocks, ... (engine.stats())
-    stats: dict[str, Any] = field(default_factory=dict)
-    last_seen: float = 0.0  # time.time() of the last heartbeat
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
-        """From a heartbeat; ValueError when it is not one."""
-        if not isinstance(d, dict):
-            raise ValueError("an engine heartbeat must be a JSON object")
-        info = cls(**d)
-        ok = (
-            isinstance(info.engine_id, str)
-            and isinstance(info.model, str)
-            and isinstance(info.max_model_len, int)
-            and info.max_model_len > 0
-            and isinstance(info.aliases, list)
-            and all(isinstance(a, str) for a in info.aliases)
-            and isinstance(info.stats, dict)
-            and isinstance(info.last_seen, (int, float))
-        )
-        if not ok:
-            raise ValueError(f"not an engine heartbeat: {d!r:.200}")
-        return info
-
-
-class Broker(abc.ABC):
-    """One broker object per process side. See the module docstring."""
+class GatewayBroker(abc.ABC):
+    """The gateway's side of a broker; call it from the asyncio loop."""
 
     #: an engine whose last heartbeat is older than this is not counted as alive
     engine_ttl_s: float = 10.0
-
-    # -- gateway side (call from the asyncio loop) ---------------------------------
-
     #: True when a request outlives its client's connection: its events stay readable
     #: (`lookup`, `follow`) for a retention time, from any gateway of the deployment.
     resumable: bool = False
@@ -203,7 +165,18 @@ class Broker(abc.ABC):
         process (the default), or shared through the store every gateway uses."""
         return MemoryLimiter()
 
-    # -- engine side (call from a worker thread or process) ------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop everything: events() ends, submit() raises (and, on a broker that
+        is both sides, pull() returns [] and publish() drops)."""
+
+    def _alive(self, infos: list[EngineInfo]) -> list[EngineInfo]:
+        now = time.time()
+        return [i for i in infos if now - i.last_seen <= self.engine_ttl_s]
+
+
+class EngineBroker(abc.ABC):
+    """The engine's side of a broker; call it from a worker thread or process."""
 
     @abc.abstractmethod
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
@@ -245,12 +218,11 @@ class Broker(abc.ABC):
         fails them with `worker_lost`."""
         return list(request_ids)
 
-    # -- both ----------------------------------------------------------------------
-
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop everything: events() ends, pull() returns [], submit() raises."""
+        """Stop everything: pull() returns [], publish() drops what it is given."""
 
-    def _alive(self, infos: list[EngineInfo]) -> list[EngineInfo]:
-        now = time.time()
-        return [i for i in infos if now - i.last_seen <= self.engine_ttl_s]
+
+class Broker(GatewayBroker, EngineBroker):
+    """Both sides in one object, as the memory and Redis brokers are: a process uses
+    the side it plays (a gateway, an engine worker, or both in `wsllm serve`)."""

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 from threading import Condition, Lock
 from typing import Any
 
-from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull, Rank
-from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent
+from wsllm.broker.base import Broker, BrokerClosed, EngineBroker, QueueFull, Rank
+from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class MemoryBroker(Broker):
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
         return self._pull(max_n, timeout, rank, None)
 
-    def engine_side(self, model: str) -> Broker:
+    def engine_side(self, model: str) -> EngineBroker:
         """The engine side of one model's engines: `pull` takes only the requests for
         `model`. Register each model's view before the gateway submits."""
         with self._lock:
@@ -250,31 +250,13 @@ class MemoryBroker(Broker):
             self._loop.call_soon_threadsafe(self._wakeup.set)
 
 
-class _ModelSide(Broker):
+class _ModelSide(EngineBroker):
     """One model's engine side of a shared MemoryBroker (see `engine_side`): its own
     pull filter and abort queue; everything else is the broker's."""
 
     def __init__(self, hub: MemoryBroker, model: str) -> None:
         self.hub = hub
         self.model = model
-        self.engine_ttl_s = hub.engine_ttl_s
-
-    async def submit(
-        self,
-        request: GenerateRequest,
-        *,
-        context: dict[str, Any] | None = None,
-    ) -> None:
-        await self.hub.submit(request, context=context)
-
-    async def abort(self, request_id: str) -> None:
-        await self.hub.abort(request_id)
-
-    def events(self) -> AsyncIterator[list[TokenEvent]]:
-        return self.hub.events()
-
-    async def engines(self) -> list[EngineInfo]:
-        return await self.hub.engines()
 
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
         return self.hub._pull(max_n, timeout, rank, self.model)

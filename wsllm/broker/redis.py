@@ -2,9 +2,10 @@
 stream, results come back through one stream per request, and any gateway can pick
 a request up again (resume) within the retention time.
 
-One object per process side, like the memory broker: a gateway uses the asyncio
-half (`redis_gateway.GatewaySide`), an engine worker the blocking half
-(`redis_engine.EngineSide`). The key layout is in `redis_keys.py`; recovery of a
+One object per process side, like the memory broker; it implements both contracts
+of base.py: a gateway uses the asyncio half (`redis_gateway.GatewaySide`, the
+`GatewayBroker` methods), an engine worker the blocking half (`redis_engine.EngineSide`,
+the `EngineBroker` methods). The key layout is in `redis_keys.py`; recovery of a
 crashed engine's requests is in `redis_recovery.py` and `replay.py`; the reasons for
 the layout are in docs/architecture.md.
 
@@ -20,14 +21,14 @@ from typing import Any
 
 import redis
 
-from wsllm.broker.base import Broker, EngineInfo, Rank, Resumable
+from wsllm.broker.base import Broker, Rank, Resumable
 from wsllm.broker.limits import Limiter
 from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
 from wsllm.broker.redis_limits import RedisLimiter
 from wsllm.config import RedisConfig
-from wsllm.types import GenerateRequest, TokenEvent
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,20 @@ import orjson
 import redis
 import redis.exceptions
 
-from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import EXPIRE_WAITING, GROUP, REFRESH, UNAVAILABLE, Keys
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
-from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireError, decode_request, encode
+from wsllm.types import (
+    ERR_QUEUE_TIMEOUT,
+    EngineInfo,
+    GenerateRequest,
+    TokenEvent,
+    WireError,
+    decode_request,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from wsllm.broker.base import BrokerClosed, BrokerUnavailable, EngineInfo, QueueFull, Resumable
+from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.redis_keys import (
     ABORT,
     ENGINES,
@@ -37,7 +37,7 @@ from wsllm.broker.redis_keys import (
     client_options,
 )
 from wsllm.config import RedisConfig
-from wsllm.types import GenerateRequest, TokenEvent, WireError, decode_events, encode
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError, decode_events, encode
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The KV cache tensors: per layer K and V `[num_blocks, block_size, num_kv_heads,
-head_dim]`, sized from a memory budget. Also does block copies (copy-on-write)
-and swaps between device and CPU blocks."""
+head_dim]`, sized from a memory budget (`num_kv_blocks`). Also does block copies
+(copy-on-write) and swaps between device and CPU blocks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from wsllm.config import EngineConfig
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,26 @@ def bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 
 def num_blocks_for_budget(c: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
     return max(1, int(budget_bytes // bytes_per_block(c, block_size, dtype)))
+
+
+def num_kv_blocks(
+    config: EngineConfig, c: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(device blocks, CPU swap blocks) for this engine: `num_kv_blocks` when set, else
+    what fits in the budget: a share (`gpu_memory_utilization`) of the GPU memory free
+    now, or `kv_cache_gb` on a CPU. Swap blocks (`swap_space_gb`) only when preemption
+    swaps."""
+    bs = config.block_size
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        num_blocks = num_blocks_for_budget(c, bs, dtype, free * config.gpu_memory_utilization)
+    else:
+        num_blocks = num_blocks_for_budget(c, bs, dtype, config.kv_cache_gb * 2**30)
+    swap = config.preemption_mode == "swap"
+    num_cpu = num_blocks_for_budget(c, bs, dtype, config.swap_space_gb * 2**30) if swap else 0
+    return num_blocks, num_cpu
 
 
 class CacheEngine:

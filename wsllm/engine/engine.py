@@ -1,4 +1,5 @@
-"""LLMEngine: one step = schedule -> run the model -> sample -> postprocess.
+"""LLMEngine: one step = schedule -> run the model -> postprocess (sample, append,
+report).
 
 Contract: `add_request`, `abort`, `step() -> list[RequestOutput]`,
 `has_unfinished()`, `free_capacity()`. Queues, blocks and tensors stay private.
@@ -10,22 +11,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from wsllm import kernels
 from wsllm.config import EngineConfig
-from wsllm.engine.beam import BeamSearcher, BeamState
+from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.cache_engine import CacheEngine, num_blocks_for_budget
+from wsllm.engine.cache_engine import CacheEngine, num_kv_blocks
 from wsllm.engine.model_runner import ModelRunner, PromptLogprobs
-from wsllm.engine.outputs import CompletionOutput, RequestOutput
+from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
-from wsllm.engine.sequence import SeqStatus, Sequence
+from wsllm.engine.sequence import Sequence
 from wsllm.models import cpu_linear, loader
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers
@@ -34,28 +34,11 @@ from wsllm.types import (
     ERR_INVALID_REQUEST,
     FINISH_ABORT,
     FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     EngineBusy,
     SamplingParams,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    pending: list[Sequence] = field(default_factory=list)  # choices not forked yet
-    beam: BeamState | None = None
-    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> row, this round
-    reported_queue_time: bool = False
-    # params.prompt_logprobs: per prompt token so far ([None] for the first); None when not
-    # asked for or once reported
-    prompt_logprobs: list[Any] | None = None
 
 
 def _pick_device(name: str) -> torch.device:
@@ -113,18 +96,7 @@ class LLMEngine:
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         bs = config.block_size
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        elif device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            num_blocks = num_blocks_for_budget(mc, bs, dtype, free * config.gpu_memory_utilization)
-        else:
-            num_blocks = num_blocks_for_budget(mc, bs, dtype, config.kv_cache_gb * 2**30)
-        num_cpu = (
-            num_blocks_for_budget(mc, bs, dtype, config.swap_space_gb * 2**30)
-            if config.preemption_mode == "swap"
-            else 0
-        )
+        num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
         swapper = None
@@ -143,12 +115,10 @@ class LLMEngine:
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids)  # loads nothing until used
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
-        self._requests: dict[str, _Request] = {}
-        self._aborted: list[_Request] = []
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
         self.num_aborted_total = 0
         self.num_steps = 0
-        self.step_log: list[dict[str, int]] = []  # {request_id: num_tokens} per step, when enabled
-        self.record_steps = False
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
@@ -193,25 +163,9 @@ class LLMEngine:
         # the spec compiles (or raises ValueError) here; choices 1..n-1 copy choice 0's matcher
         matcher = self.matchers.new(params.structured) if params.structured is not None else None
         now = arrival_time if arrival_time is not None else time.time()
-        req = _Request(request_id, list(prompt_token_ids), params)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
-        for i in range(params.n):
-            seq = Sequence(request_id, i, req.prompt_token_ids, params, now, priority=priority, tenant=tenant)
-            req.seqs.append(seq)
+        req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
         req.seqs[0].matcher = matcher
         self._requests[request_id] = req
-        if params.use_beam_search:
-            req.seqs = req.seqs[:1]
-            req.beam = BeamState(
-                params.beam_width,
-                params.length_penalty,
-                params.early_stopping,
-                params.max_tokens,
-                [] if params.ignore_eos else self.eos_token_ids,
-            )
-        else:  # choices 1..n-1 fork from choice 0 once its prompt is computed
-            req.pending = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -258,12 +212,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        for seq in req.seqs:
-            if not seq.finished:
-                self.scheduler.remove(seq)
-                seq.status = SeqStatus.FINISHED
-                seq.finish_reason = FINISH_ABORT
-            seq.matcher = None
+        self._end(req, FINISH_ABORT)
         self._aborted.append(req)
         self.num_aborted_total += 1
         return True
@@ -295,97 +244,63 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
-            if self.record_steps:
-                self.step_log.append({f"{s.request_id}/{s.index}": n for s, n in sched.scheduled})
-            seqs, logits, prompt = self.runner.run(
-                sched.scheduled, self.block_manager.block_tables, self._want_prompt_logprobs(sched.scheduled)
-            )
-            self._keep_prompt_logprobs(prompt)
-            outputs += self._sample(seqs, logits)
-            self.scheduler.finish_step(sched.scheduled)
-            outputs += self._collect(sched.scheduled)
+            want = self._want_prompt_logprobs(sched.scheduled)
+            seqs, logits, prompt = self.runner.run(sched.scheduled, self.block_manager.block_tables, want)
+            outputs += self._postprocess(sched.scheduled, seqs, logits, prompt)
         self.num_steps += 1
         return outputs
 
-    # -- internals ----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len({q.request_id for q in s.running}),
+            num_waiting=len({q.request_id for q in s.waiting}),
+            num_swapped=len({q.request_id for q in s.swapped}),
+            kv_usage=bm.usage(),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_swaps=s.num_swaps,
+            num_cow=bm.num_cow,
+            num_aborted_total=self.num_aborted_total,
+            prefix_hit_rate=bm.hit_rate,
+            prefix_hit_tokens=bm.hit_tokens,
+            prefix_queried_tokens=bm.queried_tokens,
+            num_steps=self.num_steps,
+        )
+
+    # -- one step's postprocess ----------------------------------------------
+    def _postprocess(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        seqs: list[Sequence],
+        logits: torch.Tensor | None,
+        prompt: list[PromptLogprobs],
+    ) -> list[RequestOutput]:
+        """After the forward pass: keep the prompt logprobs computed, give the rows
+        that caught up their next token, advance the scheduler, and report every
+        request that got tokens or ended."""
+        for c in prompt:
+            if (req := self._requests.get(c.seq.request_id)) is not None:
+                req.keep_prompt_logprobs(c.first, c.entries)
+        outputs: list[RequestOutput] = []
+        if logits is not None:
+            seqs, rest, searched = self.beams.split(seqs, logits, self._requests)
+            outputs += [self._beam_output(r) for r in searched if r.beam and r.beam.done]  # type: ignore[arg-type]
+            if rest is not None and seqs:
+                seqs, rest = self._fork_children(seqs, rest)
+                outputs += [self._fail(req, code, why) for req, code, why in self._sample(seqs, rest)]
+        self.scheduler.finish_step(scheduled)
+        return outputs + self._collect(scheduled)
+
     def _want_prompt_logprobs(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int] | None:
         """seq_id -> top N, for the sequences whose prompt logprobs are not all computed."""
-        want = None
+        want: dict[int, int] = {}
         for seq, _ in scheduled:
-            if seq.params.prompt_logprobs is None:
-                continue
             req = self._requests.get(seq.request_id)
-            plp = None if req is None else req.prompt_logprobs
-            if req is not None and plp is not None and len(plp) < len(req.prompt_token_ids):
-                want = want or {}
+            if req is not None and seq.params.prompt_logprobs is not None and req.wants_prompt_logprobs():
                 want[seq.seq_id] = seq.params.prompt_logprobs
-        return want
-
-    def _keep_prompt_logprobs(self, computed: list[PromptLogprobs]) -> None:
-        for c in computed:
-            req = self._requests.get(c.seq.request_id)
-            if req is None or req.prompt_logprobs is None:
-                continue
-            have = len(req.prompt_logprobs)
-            if c.first <= have:  # a recompute after preemption repeats the ones it has
-                req.prompt_logprobs += c.entries[have - c.first :]
-
-    @staticmethod
-    def _take_prompt_logprobs(req: _Request) -> list[Any] | None:
-        """The prompt logprobs, once, when every prompt token has its entry."""
-        plp = req.prompt_logprobs
-        if plp is None or len(plp) < len(req.prompt_token_ids):
-            return None
-        req.prompt_logprobs = None
-        return plp
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
-        """Next tokens for the rows that caught up: beams advance their search, n > 1
-        choices fork, the rest go through the batched sampler. Returns the outputs of
-        requests that ended here (beam searches, requests whose sampling failed)."""
-        outputs: list[RequestOutput] = []
-        if logits is None:
-            return outputs
-        seqs, rest, advanced = self.beams.split(seqs, logits, self._requests)
-        outputs += [self._beam_output(req) for req in advanced if req.beam and req.beam.done]  # type: ignore[arg-type]
-        if rest is None or not seqs:
-            return outputs
-        seqs, rest = self._fork_children(seqs, rest)
-        result, failed = self.sampler.sample_isolated(rest, seqs)
-        bad = [(seqs[i], ERR_INTERNAL, reason) for i, reason in failed.items()]
-        for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
-            if i not in failed and (error := self._append_token(seq, tok, lp)):
-                bad.append((seq, ERR_INVALID_REQUEST, error))
-        for seq, code, reason in bad:
-            req = self._requests.get(seq.request_id)
-            if req is not None:
-                outputs.append(self._fail(req, code, reason))
-        return outputs
-
-    def _beam_output(self, req: _Request) -> RequestOutput:
-        assert req.beam is not None
-        del self._requests[req.request_id]
-        comps = [
-            CompletionOutput(
-                i,
-                list(h.token_ids),
-                len(h.token_ids),
-                FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH,
-                token_ids=h.token_ids,
-            )
-            for i, h in enumerate(req.beam.best(req.params.n))
-        ]
-        first = req.seqs[0]
-        qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)
-        return RequestOutput(
-            req.request_id,
-            len(req.prompt_token_ids),
-            comps,
-            True,
-            first.num_cached_tokens,
-            qt,
-            prompt_logprobs=self._take_prompt_logprobs(req),
-        )
+        return want or None
 
     def _fork_children(
         self, seqs: list[Sequence], logits: torch.Tensor
@@ -395,126 +310,61 @@ class LLMEngine:
         rows: list[int] = []
         out: list[Sequence] = []
         for i, seq in enumerate(seqs):
-            rows.append(i)
-            out.append(seq)
             req = self._requests.get(seq.request_id)
-            if req is None or not req.pending or seq is not req.seqs[0]:
-                continue
-            for child in req.pending:
-                self.scheduler.fork(seq, child)
-                rows.append(i)
-                out.append(child)
-            req.pending = []
+            children = [] if req is None else req.fork_pending(seq, self.scheduler)
+            rows += [i] * (1 + len(children))
+            out += [seq, *children]
         if len(out) == len(seqs):
             return seqs, logits
         return out, logits[torch.tensor(rows)]
 
-    def _fail(self, req: _Request, code: str, message: str) -> RequestOutput:
-        """End a request the engine could not serve, freeing its blocks now."""
-        self._requests.pop(req.request_id, None)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Request, str, str]]:
+        """Sample each row's next token and append it to its sequence, which decides
+        whether it stops. Returns the requests that must fail, with a code and why."""
+        result, failed = self.sampler.sample_isolated(logits, seqs)
+        bad = {seqs[i].request_id: (ERR_INTERNAL, reason) for i, reason in failed.items()}
+        for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
+            if i in failed:
+                continue
+            if error := seq.append_token(tok, lp, self.eos_token_ids, self.max_model_len):
+                bad.setdefault(seq.request_id, (ERR_INVALID_REQUEST, error))
+        return [(self._requests[rid], code, why) for rid, (code, why) in bad.items() if rid in self._requests]
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        del self._requests[req.request_id]
+        return req.beam_output()
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Finish every choice of `req` now, freeing its blocks."""
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.remove(seq)
-                seq.status = SeqStatus.FINISHED
-                seq.finish_reason = FINISH_ERROR
-            seq.matcher = None
-        out = self._output(req)
+            seq.end(reason)
+
+    def _fail(self, req: Request, code: str, message: str) -> RequestOutput:
+        """End a request the engine could not serve, freeing its blocks now."""
+        self._requests.pop(req.request_id, None)
+        self._end(req, FINISH_ERROR)
+        out = req.output()
         out.error_code, out.error = code, message
         return out
 
-    def _append_token(self, seq: Sequence, tok: int, lp: Any) -> str | None:
-        """Add a sampled token and decide whether the sequence ends. Returns why its
-        request must fail, when its grammar could not take the token."""
-        seq.output_token_ids.append(tok)
-        seq.new_token_ids.append(tok)
-        if lp is not None:
-            seq.new_logprobs.append(lp)
-            seq.cumulative_logprob += lp[0]
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        complete = False  # a grammar that takes nothing more (its EOS included) ends it
-        if seq.matcher is not None:
-            # (an errored matcher allows only EOS, and may take it: is_error says)
-            if not seq.matcher.consume_token(tok) or seq.matcher.is_error():
-                return f"structured output failed: {seq.matcher.get_error() or 'the grammar refused a token'}"
-            complete = seq.matcher.is_stopped()
-        if complete or (
-            n_out >= p.min_tokens
-            and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids))
-        ):
-            seq.finish_reason = FINISH_STOP
-        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FINISH_LENGTH
-        if seq.finish_reason is not None:
-            seq.status = SeqStatus.FINISHED
-            seq.matcher = None
-        return None
-
     def _collect(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         for seq, _ in scheduled:
             if seq.new_token_ids and seq.request_id in self._requests:
                 touched[seq.request_id] = self._requests[seq.request_id]
         outs = []
         for rid, req in touched.items():
-            outs.append(self._output(req))
+            outs.append(req.output())
             if outs[-1].finished:
                 del self._requests[rid]
         return outs
 
-    def _output(self, req: _Request) -> RequestOutput:
-        comps = []
-        for s in req.seqs:
-            comps.append(
-                CompletionOutput(
-                    s.index,
-                    s.new_token_ids,
-                    len(s.output_token_ids),
-                    s.finish_reason,
-                    s.new_logprobs if s.params.logprobs is not None else None,
-                    list(s.output_token_ids) if s.finished else [],
-                )
-            )
-            s.new_token_ids = []
-            s.new_logprobs = []
-        qt = None
-        first = req.seqs[0]
-        if not req.reported_queue_time and first.first_scheduled_time is not None:
-            qt = max(0.0, first.first_scheduled_time - first.arrival_time)
-            req.reported_queue_time = True
-        return RequestOutput(
-            req.request_id,
-            len(req.prompt_token_ids),
-            comps,
-            all(s.finished for s in req.seqs),
-            first.num_cached_tokens,
-            qt,
-            prompt_logprobs=self._take_prompt_logprobs(req),
-        )
-
     def _flush_aborted(self) -> list[RequestOutput]:
-        outs = [self._output(r) for r in self._aborted]
+        outs = [r.output() for r in self._aborted]
         self._aborted.clear()
         return outs
 
-    def stats(self) -> dict[str, Any]:
-        s, bm = self.scheduler, self.block_manager
-        return {
-            "num_running": len({q.request_id for q in s.running}),
-            "num_waiting": len({q.request_id for q in s.waiting}),
-            "num_swapped": len({q.request_id for q in s.swapped}),
-            "kv_usage": bm.usage(),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_blocks,
-            "num_preemptions": s.num_preemptions,
-            "num_swaps": s.num_swaps,
-            "num_cow": bm.num_cow,
-            "num_aborted_total": self.num_aborted_total,
-            "prefix_hit_rate": bm.hit_rate,
-            "prefix_hit_tokens": bm.hit_tokens,
-            "prefix_queried_tokens": bm.queried_tokens,
-            "num_steps": self.num_steps,
-        }
 
-
-__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput", "EngineStats"]

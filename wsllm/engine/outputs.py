@@ -35,4 +35,25 @@ class RequestOutput:
     error: str | None = None
 
 
-__all__ = ["CompletionOutput", "RequestOutput"]
+@dataclass(slots=True)
+class EngineStats:
+    """What `LLMEngine.stats()` reports. The worker sends it with each heartbeat (as a
+    JSON object: `EngineInfo.stats`), where the gateway's gauges and /ready read it."""
+
+    num_running: int  # requests with a running sequence
+    num_waiting: int  # requests with a sequence waiting for its (re)admission
+    num_swapped: int  # requests with a sequence swapped out to CPU blocks
+    kv_usage: float  # share of the KV blocks in use, 0..1
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int  # since the engine started (as are all the counters below)
+    num_swaps: int  # swaps out and in
+    num_cow: int  # copy-on-write block copies
+    num_aborted_total: int
+    prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    num_steps: int
+
+
+__all__ = ["CompletionOutput", "EngineStats", "RequestOutput"]

@@ -48,9 +48,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
-
 
 class Scheduler:
     def __init__(

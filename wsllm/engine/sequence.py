@@ -1,5 +1,5 @@
-"""A sequence is one choice of one request: its tokens and how far the KV cache
-has caught up with them."""
+"""A sequence is one choice of one request: its tokens, how far the KV cache has
+caught up with them, and when it stops (`append_token`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsllm.types import SamplingParams
+from wsllm.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 _ids = itertools.count()
 
@@ -67,7 +67,6 @@ class Sequence:
     num_preemptions: int = 0
     new_token_ids: list[int] = field(default_factory=list)  # produced in this step
     new_logprobs: list[Any] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     priority: int = 0  # higher is admitted first (and preempted last)
     tenant: str = ""  # who asked: the batch is shared fairly between tenants
     # Structured output: an llguidance LLMatcher that has consumed exactly output_token_ids
@@ -95,3 +94,40 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def append_token(
+        self, tok: int, logprob: Any, eos_token_ids: list[int], max_model_len: int
+    ) -> str | None:
+        """Add a sampled token and end the sequence when it stops: its grammar is
+        complete, a stop token or EOS (past min_tokens), max_tokens, or the model's
+        context. Returns why its request must fail when its grammar refused the token."""
+        self.output_token_ids.append(tok)
+        self.new_token_ids.append(tok)
+        if logprob is not None:
+            self.new_logprobs.append(logprob)
+        p = self.params
+        n_out = len(self.output_token_ids)
+        complete = False  # a grammar that takes nothing more (its EOS included) ends it
+        if self.matcher is not None:
+            # (an errored matcher allows only EOS, and may take it: is_error says)
+            if not self.matcher.consume_token(tok) or self.matcher.is_error():
+                why = self.matcher.get_error() or "the grammar refused a token"
+                return f"structured output failed: {why}"
+            complete = self.matcher.is_stopped()
+        if complete or (
+            n_out >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids))
+        ):
+            self.finish_reason = FINISH_STOP
+        elif n_out >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FINISH_LENGTH
+        if self.finish_reason is not None:
+            self.status = SeqStatus.FINISHED
+            self.matcher = None
+        return None
+
+    def end(self, reason: str) -> None:
+        """Mark it finished with `reason` (its blocks are the scheduler's to free)."""
+        if not self.finished:
+            self.status = SeqStatus.FINISHED
+            self.finish_reason = reason
+        self.matcher = None

@@ -11,7 +11,7 @@ One iteration:
 
 `drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
 what it holds for a while, then hands the rest back to the broker for another engine
-(`Broker.release`); what the broker cannot take back ends with `worker_lost`.
+(`BrokerSide.release`); what the broker cannot take back ends with `worker_lost`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from wsllm.broker.base import Broker, EngineInfo
+from wsllm.engine.outputs import EngineStats
 from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_INTERNAL,
@@ -32,6 +32,7 @@ from wsllm.types import (
     ERR_QUEUE_TIMEOUT,
     ERR_WORKER_LOST,
     EngineBusy,
+    EngineInfo,
     GenerateRequest,
     SamplingParams,
     TokenEvent,
@@ -63,7 +64,24 @@ class Engine(Protocol):
     def step(self) -> list[Any]: ...
     def has_unfinished(self) -> bool: ...
     def free_capacity(self) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
+
+
+class BrokerSide(Protocol):
+    """The engine's side of a broker, as this worker uses it. The broker package
+    declares the same calls (`broker.base.EngineBroker`, whose docstrings say what
+    each promises); every broker satisfies this Protocol without the engine importing
+    the broker (tests/unit/test_broker_contract.py checks it)."""
+
+    def pull(
+        self, max_n: int, timeout: float = 0.0, rank: Callable[[GenerateRequest], Any] | None = None
+    ) -> list[GenerateRequest]: ...
+    def aborts(self) -> list[str]: ...
+    def publish(self, events: list[TokenEvent]) -> None: ...
+    def heartbeat(self, info: EngineInfo) -> None: ...
+    def deregister(self, engine_id: str) -> None: ...
+    def dead_letter(self, item: object, reason: str) -> None: ...
+    def release(self, request_ids: list[str]) -> list[str]: ...
 
 
 @dataclass(slots=True)
@@ -78,7 +96,7 @@ class EngineWorker:
     def __init__(
         self,
         engine: Engine,
-        broker: Broker,
+        broker: BrokerSide,
         *,
         engine_id: str | None = None,
         idle_wait_s: float = 0.05,
@@ -115,7 +133,7 @@ class EngineWorker:
         return self._thread
 
     @classmethod
-    def spawn(cls, build: Callable[[], Engine], broker: Broker, **kwargs: Any) -> EngineWorker:
+    def spawn(cls, build: Callable[[], Engine], broker: BrokerSide, **kwargs: Any) -> EngineWorker:
         """Build the engine and run its loop on one new daemon thread; returns once the
         engine is built, raising what `build` raised.
 
@@ -351,7 +369,7 @@ class EngineWorker:
             model=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
             aliases=self.aliases,
-            stats=dict(self.engine.stats()),
+            stats=asdict(self.engine.stats()),
         )
 
 
