@@ -4,25 +4,19 @@ vocabulary they speak (finish reasons, error codes, whole-request events).
 Plain dataclasses, encoded with orjson and a schema version. No torch here: the
 gateway imports this module and must stay light. Nothing is ever pickled.
 
-Decoding is strict (`decode`): an entry that is not exactly a wire message (a
-string where a number goes, a missing or unknown field, a value out of its bounds)
-raises `WireError` naming the field, so that a bad entry costs its own request and
-nothing else. Every bound of a number is declared here once (SAMPLING_BOUNDS,
+The codec is wsllm/wire.py: decoding is strict, and a bad entry raises `WireError`
+naming the field, so that it costs its own request and nothing else. Every bound of a number is declared here once (SAMPLING_BOUNDS,
 REQUEST_BOUNDS); the gateway's validator (server/schemas.py) and the UI (through the
 WebSocket hello) read the same declaration.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
 
 SCHEMA_VERSION = 1
 
@@ -66,7 +60,12 @@ MAX_CHOICES = 1024  # strings of a structured {"choice": [...]}
 
 # Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
 # field the type does not have. (pydantic reads this from the dataclasses.)
-_STRICT = {"strict": True, "extra": "forbid", "allow_inf_nan": False, "revalidate_instances": "always"}
+STRICT_DECODING = {
+    "strict": True,
+    "extra": "forbid",
+    "allow_inf_nan": False,
+    "revalidate_instances": "always",
+}
 
 
 class WireError(ValueError):
@@ -216,7 +215,7 @@ class SamplingParams:
     """How to pick tokens. Validated on construction; a bad field raises ValueError
     whose message names the field and the allowed range."""
 
-    __pydantic_config__ = _STRICT
+    __pydantic_config__ = STRICT_DECODING
 
     n: int = 1
     max_tokens: int = 16
@@ -278,7 +277,7 @@ REQUEST_BOUNDS: dict[str, Bound] = {
 class GenerateRequest:
     """A request as it travels from a gateway to an engine: token ids only."""
 
-    __pydantic_config__ = _STRICT
+    __pydantic_config__ = STRICT_DECODING
 
     request_id: str
     prompt_token_ids: list[int]
@@ -314,7 +313,7 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class Usage:
-    __pydantic_config__ = _STRICT
+    __pydantic_config__ = STRICT_DECODING
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -335,7 +334,7 @@ class TokenEvent:
     `failure`); `ends_request` says whether an event ends every choice at once.
     """
 
-    __pydantic_config__ = _STRICT
+    __pydantic_config__ = STRICT_DECODING
 
     request_id: str
     seq: int
@@ -414,196 +413,3 @@ class EngineInfo:
         if not ok:
             raise ValueError(f"not an engine heartbeat: {d!r:.200}")
         return info
-
-
-# -- the codec ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _RequestMsg:
-    __pydantic_config__ = _STRICT
-    v: Literal[1]
-    kind: Literal["request"]
-    item: GenerateRequest
-
-
-@dataclass(slots=True)
-class _EventsMsg:
-    __pydantic_config__ = _STRICT
-    v: Literal[1]
-    kind: Literal["events"]
-    items: list[TokenEvent]
-
-
-_requests: TypeAdapter[_RequestMsg] = TypeAdapter(_RequestMsg)
-_events: TypeAdapter[_EventsMsg] = TypeAdapter(_EventsMsg)
-_request_object: TypeAdapter[GenerateRequest] = TypeAdapter(GenerateRequest)
-
-
-def encode(obj: GenerateRequest | list[TokenEvent]) -> bytes:
-    """One codec for everything that crosses a process."""
-    if isinstance(obj, list):
-        return orjson.dumps({"v": SCHEMA_VERSION, "kind": "events", "items": [_event_dict(e) for e in obj]})
-    # logit_bias maps integer token ids: JSON writes its keys as strings ("50256"), which
-    # decoding turns back into integers
-    return orjson.dumps(
-        {"v": SCHEMA_VERSION, "kind": "request", "item": _request_dict(obj)}, option=orjson.OPT_NON_STR_KEYS
-    )
-
-
-# Optional fields added within schema version 1 are left out of the encoding while unset,
-# so that a peer that predates them reads every message that does not use them (and one
-# that uses them fails loudly there, naming the field).
-
-
-def _event_dict(e: TokenEvent) -> dict[str, Any]:
-    d = asdict(e)
-    if d["prompt_logprobs"] is None:
-        del d["prompt_logprobs"]
-    return d
-
-
-def _request_dict(r: GenerateRequest) -> dict[str, Any]:
-    d = asdict(r)
-    for name in ("prompt_logprobs", "structured", "logit_bias"):
-        if d["params"][name] is None:
-            del d["params"][name]
-    return d
-
-
-def _wire_error(e: ValidationError, what: str) -> WireError:
-    first = e.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first["loc"]) or what
-    msg = str(first["msg"]).removeprefix("Value error, ")
-    return WireError(f"{where}: {msg}")
-
-
-def decode_request(data: bytes | str) -> GenerateRequest:
-    """A GenerateRequest from the wire; WireError when it is not exactly one."""
-    try:
-        return _requests.validate_json(data).item
-    except ValidationError as e:
-        raise _wire_error(e, "request") from None
-
-
-def decode_events(data: bytes | str) -> list[TokenEvent]:
-    """A batch of TokenEvents from the wire; WireError when it is not exactly one."""
-    try:
-        return _events.validate_json(data).items
-    except ValidationError as e:
-        raise _wire_error(e, "events") from None
-
-
-def check_request(request: object) -> GenerateRequest:
-    """The same strict checks for a request handed over in-process (memory broker)."""
-    if not isinstance(request, GenerateRequest):
-        raise WireError(f"not a GenerateRequest: {type(request).__name__}")
-    try:
-        return _request_object.validate_python(request)
-    except ValidationError as e:
-        raise _wire_error(e, "request") from None
-
-
-# -- the gateway's own records --------------------------------------------------------------
-
-
-class Api(enum.StrEnum):
-    """The API a request came in through: it names the request's metrics label and
-    decides its id's prefix and whether its output is read as a chat answer."""
-
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-    WS_CHAT = "ws_chat"
-    WS_COMPLETION = "ws_completion"
-
-    @property
-    def is_chat(self) -> bool:
-        return self in (Api.CHAT, Api.WS_CHAT)
-
-    @property
-    def id_prefix(self) -> str:
-        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion."""
-        return "chatcmpl" if self.is_chat else "cmpl"
-
-
-# Prompt tokens kept with a resumable request: the detokenizer's context on replay.
-CONTEXT_TAIL = 8
-
-
-@dataclass(slots=True)
-class ResumeContext:
-    """What a gateway needs to rebuild a request's text work that another gateway (or
-    connection) started: stored with the request by a resumable broker, as the plain
-    dict of `encode`. Its keys are those older gateways wrote, so either reads the
-    other's; unknown keys are ignored."""
-
-    api: Api
-    model: str
-    n: int = 1
-    logprobs: int | None = None  # top logprobs per token; None: none asked
-    stops: list[str] = field(default_factory=list)
-    prompt_len: int = 0
-    prompt_tail: list[int] = field(default_factory=list)  # the last CONTEXT_TAIL prompt tokens
-    created: int = 0  # unix seconds, OpenAI's `created`
-    #: how a chat answer is read (the chat output options' own encoding); None: as text
-    output: dict[str, Any] | None = None
-    include_usage: bool = False  # SSE: a last chunk with the usage
-    token_sha256: str = ""  # hash of the resume token's secret; set at submission
-
-    @classmethod
-    def start(
-        cls,
-        api: Api,
-        model: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        stops: list[str],
-        output: dict[str, Any] | None = None,
-        include_usage: bool = False,
-    ) -> ResumeContext:
-        """The context of a request that starts now."""
-        return cls(
-            api,
-            model,
-            params.n,
-            params.logprobs,
-            list(stops),
-            len(prompt_ids),
-            list(prompt_ids[-CONTEXT_TAIL:]),
-            int(time.time()),
-            output,
-            include_usage,
-        )
-
-    def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores)."""
-        return asdict(self) | {"api": self.api.value}
-
-    @classmethod
-    def decode(cls, d: object) -> ResumeContext:
-        """From `encode`'s dict; ValueError naming the field when it is not one."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a resume context must be an object, got {type(d).__name__}")
-
-        def get(key: str, default: Any, ok: Callable[[Any], bool]) -> Any:
-            value = d.get(key, default)
-            if not ok(value):
-                raise ValueError(f"resume context: bad {key} {value!r:.80}")
-            return value
-
-        def whole(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        return cls(
-            Api(get("api", None, lambda x: isinstance(x, str))),  # ValueError for an unknown API
-            get("model", "", lambda x: isinstance(x, str)),
-            get("n", 1, whole),
-            get("logprobs", None, lambda x: x is None or whole(x)),
-            get("stops", [], lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x)),
-            get("prompt_len", 0, whole),
-            get("prompt_tail", [], lambda x: isinstance(x, list) and all(whole(t) for t in x)),
-            get("created", 0, whole),
-            get("output", None, lambda x: x is None or isinstance(x, dict)),
-            get("include_usage", False, lambda x: isinstance(x, bool)),
-            get("token_sha256", "", lambda x: isinstance(x, str)),
-        )

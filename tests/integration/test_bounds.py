@@ -20,15 +20,8 @@ import orjson
 import pytest
 import websockets
 
-from wsllm.types import (
-    SAMPLING_BOUNDS,
-    Bound,
-    GenerateRequest,
-    SamplingParams,
-    WireError,
-    decode_request,
-    encode,
-)
+from wsllm.types import SAMPLING_BOUNDS, Bound, GenerateRequest, SamplingParams, WireError
+from wsllm.wire import decode_request, encode
 
 # One bound changed in one place, before anything else reads it: a server started so.
 NARROW = Bound(-0.5, 0.5)

@@ -19,8 +19,9 @@ from wsllm.server.chat.registry import get_style
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation
 from wsllm.server.metrics import Metrics
+from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.text import TextCodec
-from wsllm.types import Api, ResumeContext, SamplingParams, TokenEvent
+from wsllm.types import SamplingParams, TokenEvent
 
 OUTPUT = (
     "<think>\nThe user wants the weather in Oslo and the time. Two calls.\n</think>\n\n"

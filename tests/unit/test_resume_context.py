@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from wsllm.types import CONTEXT_TAIL, Api, ResumeContext, SamplingParams
+from wsllm.server.resume import CONTEXT_TAIL, Api, ResumeContext
+from wsllm.types import SamplingParams
 
 
 def test_a_context_survives_the_broker_as_json() -> None:

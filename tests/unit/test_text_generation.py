@@ -13,8 +13,9 @@ from wsllm.config import GatewayConfig
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics
+from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.text import TextCodec
-from wsllm.types import Api, ResumeContext, SamplingParams, TokenEvent, Usage
+from wsllm.types import SamplingParams, TokenEvent, Usage
 
 
 @pytest.fixture(scope="module")

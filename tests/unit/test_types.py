@@ -18,11 +18,8 @@ from wsllm.types import (
     TokenEvent,
     Usage,
     WireError,
-    check_request,
-    decode_events,
-    decode_request,
-    encode,
 )
+from wsllm.wire import check_request, decode_events, decode_request, encode
 
 
 def good() -> GenerateRequest:

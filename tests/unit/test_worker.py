@@ -15,7 +15,8 @@ import pytest
 from wsllm.broker.memory import MemoryBroker
 from wsllm.config import EngineConfig
 from wsllm.engine.worker import EngineWorker
-from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, decode_events, encode
+from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
+from wsllm.wire import decode_events, encode
 
 
 @pytest.fixture(scope="module")

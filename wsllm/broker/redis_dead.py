@@ -11,7 +11,8 @@ import orjson
 
 from wsllm.broker.redis_keys import DEAD_ABORT, GROUP, UNAVAILABLE, Keys
 from wsllm.config import RedisConfig
-from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent, encode
+from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
+from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 

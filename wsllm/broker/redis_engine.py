@@ -5,7 +5,7 @@ worker loop (no asyncio).
   `COUNT` = the engine's free capacity. On its first call it drains its own pending
   entries (a restart under the same `--engine-id`), and every few seconds it takes
   entries whose engine stopped refreshing its lease (`redis_recovery.py` decides,
-  this side applies). Every entry is decoded strictly (`types.decode_request`); one
+  this side applies). Every entry is decoded strictly (`wire.decode_request`); one
   that is not a valid request goes to the dead-letter stream with the reason, and so
   does a malformed entry of the abort stream.
 - `publish` sends one engine step in one pipelined round trip: one `XADD` per request
@@ -34,15 +34,8 @@ from wsllm.broker.redis_keys import EXPIRE_WAITING, GROUP, REFRESH, UNAVAILABLE,
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
-from wsllm.types import (
-    ERR_QUEUE_TIMEOUT,
-    EngineInfo,
-    GenerateRequest,
-    TokenEvent,
-    WireError,
-    decode_request,
-    encode,
-)
+from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent, WireError
+from wsllm.wire import decode_request, encode
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from wsllm.broker.redis_keys import (
     client_options,
 )
 from wsllm.config import RedisConfig
-from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError, decode_events, encode
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError
+from wsllm.wire import decode_events, encode
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from typing import Any
 from wsllm.broker.redis_keys import GROUP, Keys
 from wsllm.broker.replay import History, Plan, Replay, error_event, plan
 from wsllm.config import RedisConfig
-from wsllm.types import GenerateRequest, TokenEvent, WireError, decode_events, decode_request
+from wsllm.types import GenerateRequest, TokenEvent, WireError
+from wsllm.wire import decode_events, decode_request
 
 log = logging.getLogger(__name__)
 

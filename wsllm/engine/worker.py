@@ -3,7 +3,7 @@ own thread, in a deployment it is the engine process's main loop.
 
 One iteration:
   1. pull as many requests as the engine can admit now (`free_capacity()`), check each
-     against the wire schema (`types.check_request`; what fails goes to the broker's
+     against the wire schema (`wire.check_request`; what fails goes to the broker's
      dead letters) and add it; a request the engine refuses, or that fails while it
      is added, becomes an error event for that request only, never a crash;
   2. apply aborts (after the adds, so an abort that raced a pull still lands);
@@ -38,8 +38,8 @@ from wsllm.types import (
     TokenEvent,
     Usage,
     WireError,
-    check_request,
 )
+from wsllm.wire import check_request
 
 log = logging.getLogger(__name__)
 

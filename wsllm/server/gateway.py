@@ -40,11 +40,12 @@ from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import Ticket, admit
+from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TextCodec
-from wsllm.types import Api, GenerateRequest, ResumeContext
+from wsllm.types import GenerateRequest
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from wsllm.broker.base import Broker, BrokerError
 from wsllm.server.chat.output import ChoiceOutput, OutputOptions
 from wsllm.server.chat.reasoning import prompt_opens_think
 from wsllm.server.metrics import Metrics
+from wsllm.server.resume import ResumeContext
 from wsllm.server.router import Router
 from wsllm.server.text import Detokenizer, StopMatcher, TextCodec
 from wsllm.types import (
@@ -29,7 +30,6 @@ from wsllm.types import (
     ERR_SLOW_CONSUMER,
     FINISH_ABORT,
     FINISH_STOP,
-    ResumeContext,
     SamplingParams,
     TokenEvent,
     Usage,

@@ -22,10 +22,10 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_render import AnswerView, BatchView, prompt_text, usage_json, whole_answer
+from wsllm.server.resume import Api
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
 from wsllm.server.sse import DONE, KEEPALIVE, EventStream, frame, until_disconnect
 from wsllm.server.tenants import Tenant
-from wsllm.types import Api
 
 RESUME_TOKEN_HEADER = "x-resume-token"
 # Bodies larger than this are validated off the event loop.

@@ -19,9 +19,10 @@ from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.models import ServedModel
+from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
 from wsllm.server.text import TemplateError, TextCodec
-from wsllm.types import GREEDY_BELOW, Api, ResumeContext, SamplingParams
+from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
 # tokenized off the event loop.

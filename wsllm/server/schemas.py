@@ -29,13 +29,7 @@ from wsllm.server.conversation import (
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged, wire_check
-from wsllm.types import (
-    BEAM_ALONE,
-    MAX_ID_CHARS,
-    MAX_PROMPT_TOKENS,
-    MAX_TOKEN_ID,
-    REQUEST_BOUNDS,
-)
+from wsllm.types import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 M = TypeVar("M", bound=BaseModel)

@@ -27,8 +27,9 @@ from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
+from wsllm.server.resume import Api
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
-from wsllm.types import ERR_INTERNAL, Api
+from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
 

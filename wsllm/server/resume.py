@@ -1,0 +1,115 @@
+"""The gateway's own records of a request: the API it came in through and what a
+gateway needs to rebuild its text work on a resume (stored with the request by a
+resumable broker as a plain dict; the broker never reads it)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from wsllm.types import SamplingParams
+
+
+class Api(enum.StrEnum):
+    """The API a request came in through: it names the request's metrics label and
+    decides its id's prefix and whether its output is read as a chat answer."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    WS_CHAT = "ws_chat"
+    WS_COMPLETION = "ws_completion"
+
+    @property
+    def is_chat(self) -> bool:
+        return self in (Api.CHAT, Api.WS_CHAT)
+
+    @property
+    def id_prefix(self) -> str:
+        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion."""
+        return "chatcmpl" if self.is_chat else "cmpl"
+
+
+# Prompt tokens kept with a resumable request: the detokenizer's context on replay.
+CONTEXT_TAIL = 8
+
+
+@dataclass(slots=True)
+class ResumeContext:
+    """What a gateway needs to rebuild a request's text work that another gateway (or
+    connection) started: stored with the request by a resumable broker, as the plain
+    dict of `encode`. Its keys are those older gateways wrote, so either reads the
+    other's; unknown keys are ignored."""
+
+    api: Api
+    model: str
+    n: int = 1
+    logprobs: int | None = None  # top logprobs per token; None: none asked
+    stops: list[str] = field(default_factory=list)
+    prompt_len: int = 0
+    prompt_tail: list[int] = field(default_factory=list)  # the last CONTEXT_TAIL prompt tokens
+    created: int = 0  # unix seconds, OpenAI's `created`
+    #: how a chat answer is read (the chat output options' own encoding); None: as text
+    output: dict[str, Any] | None = None
+    include_usage: bool = False  # SSE: a last chunk with the usage
+    token_sha256: str = ""  # hash of the resume token's secret; set at submission
+
+    @classmethod
+    def start(
+        cls,
+        api: Api,
+        model: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        output: dict[str, Any] | None = None,
+        include_usage: bool = False,
+    ) -> ResumeContext:
+        """The context of a request that starts now."""
+        return cls(
+            api,
+            model,
+            params.n,
+            params.logprobs,
+            list(stops),
+            len(prompt_ids),
+            list(prompt_ids[-CONTEXT_TAIL:]),
+            int(time.time()),
+            output,
+            include_usage,
+        )
+
+    def encode(self) -> dict[str, Any]:
+        """A plain dict of JSON values (what the broker stores)."""
+        return asdict(self) | {"api": self.api.value}
+
+    @classmethod
+    def decode(cls, d: object) -> ResumeContext:
+        """From `encode`'s dict; ValueError naming the field when it is not one."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a resume context must be an object, got {type(d).__name__}")
+
+        def get(key: str, default: Any, ok: Callable[[Any], bool]) -> Any:
+            value = d.get(key, default)
+            if not ok(value):
+                raise ValueError(f"resume context: bad {key} {value!r:.80}")
+            return value
+
+        def whole(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        return cls(
+            Api(get("api", None, lambda x: isinstance(x, str))),  # ValueError for an unknown API
+            get("model", "", lambda x: isinstance(x, str)),
+            get("n", 1, whole),
+            get("logprobs", None, lambda x: x is None or whole(x)),
+            get("stops", [], lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x)),
+            get("prompt_len", 0, whole),
+            get("prompt_tail", [], lambda x: isinstance(x, list) and all(whole(t) for t in x)),
+            get("created", 0, whole),
+            get("output", None, lambda x: x is None or isinstance(x, dict)),
+            get("include_usage", False, lambda x: isinstance(x, bool)),
+            get("token_sha256", "", lambda x: isinstance(x, str)),
+        )
