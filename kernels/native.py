@@ -4,7 +4,7 @@ The build goes through `torch.utils.cpp_extension.load` (g++ and ninja) into
 
     $WSLLM_CACHE_DIR/ext/<hash of the sources, torch's version, the compiler's version>/
 
-(default ~/.cache/wsllm). Flags: -O3 and no -march: the sources pick AVX-512 VNNI, AVX2 or
+(default ~/.cache/wsllm; $WSLLM_KERNELS_DIR replaces the ext/ directory). Flags: -O3 and no -march: the sources pick AVX-512 VNNI, AVX2 or
 scalar code per function at run time (`__attribute__((target))` + `__builtin_cpu_supports`),
 so one build runs on any x86-64 CPU. -ffp-contract=off keeps the float operations in the
 order kernels/quant_ref.py writes them (no fused multiply-adds), so results equal the
@@ -41,6 +41,9 @@ _state: dict[str, object] = {}  # "module": ModuleType | None, "failure": str
 
 
 def cache_root() -> Path:
+    """$WSLLM_KERNELS_DIR (an image builds there, outside the cache volume), else the cache's ext/."""
+    if os.environ.get("WSLLM_KERNELS_DIR"):
+        return Path(os.environ["WSLLM_KERNELS_DIR"])
     return Path(os.environ.get("WSLLM_CACHE_DIR") or Path.home() / ".cache" / "wsllm") / "ext"
 
 
