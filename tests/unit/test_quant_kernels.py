@@ -174,3 +174,21 @@ def test_without_a_compiler_the_torch_path_answers(tmp_path) -> None:
     assert result["ok"] is False and "compiler" in result["why"] and "g++" in result["why"]
     assert result["path"] == "torch" and result["same"]
     assert proc.stderr.count("quantized CPU kernels unavailable") == 1  # logged once
+
+
+def test_a_built_extension_loads_without_the_compiler(tmp_path) -> None:
+    # `make install` (or the image) builds once; the server then needs no compiler
+    from wsllm.kernels import native
+
+    if not quant.native_status()[0]:
+        pytest.skip(quant.native_status()[1])
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env.update(PATH=str(empty), WSLLM_KERNELS_DIR=str(native.cache_root()))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True and result["path"] != "torch" and result["same"]
