@@ -63,12 +63,29 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """-> float32 [N, K], equal to gguf.quants.dequantize of the GGUF bytes."""
-        f = packed_fields(self.qtype, self.packed)
-        return dequantize_fields(self.qtype, f)[: self.out_features]
+        ext = native.extension()
+        if ext is not None:
+            rows = torch.arange(self.out_features)
+            return ext.dequant_rows(self.packed, _QTYPE_ID[self.qtype], self.out_features, rows)
+        return self.dequantize_torch()
+
+    def dequantize_torch(self) -> torch.Tensor:
+        """dequantize() in plain torch (no native build)."""
+        return dequantize_fields(self.qtype, packed_fields(self.qtype, self.packed))[: self.out_features]
 
     def select_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup: rows int [R] -> float32 [R, K]; unpacks only the groups it needs."""
+        """Embedding lookup: rows int [R] -> float32 [R, K], the rows of dequantize()."""
+        rows = rows.reshape(-1).long().contiguous()
+        ext = native.extension()
+        if ext is not None:
+            return ext.dequant_rows(self.packed, _QTYPE_ID[self.qtype], self.out_features, rows)
+        return self.select_rows_torch(rows)
+
+    def select_rows_torch(self, rows: torch.Tensor) -> torch.Tensor:
+        """select_rows() in plain torch: unpacks only the groups of 8 rows it needs."""
         rows = rows.reshape(-1).long()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
+            raise IndexError(f"row index out of range for {self}")
         groups, inverse = torch.unique(rows // 8, return_inverse=True)
         f = packed_fields(self.qtype, self.packed[groups])
         deq = dequantize_fields(self.qtype, f)  # [len(groups) * 8, K]

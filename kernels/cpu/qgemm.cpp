@@ -128,6 +128,29 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   return out;
 }
 
+// rows int64 [R] -> float32 [R, K]: embedding lookups and whole-weight dequantization.
+torch::Tensor dequant_rows(torch::Tensor packed, int64_t qtype, int64_t n, torch::Tensor rows) {
+  TORCH_CHECK(qtype >= 0 && qtype < kNumQTypes, "unknown quantization type id ", qtype);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.size(2) == packed_bytes(int(qtype)),
+              "packed weights must be contiguous uint8 [groups, blocks, bytes]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.is_contiguous(), "rows: int64 [R]");
+  const int64_t R = rows.size(0), nb = packed.size(1), groups = packed.size(0);
+  const int64_t K = nb * block_values(int(qtype));
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK_INDEX(rp[i] >= 0 && rp[i] < n, "row ", rp[i], " out of range [0, ", n, ")");
+  auto out = torch::empty({R, K}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const size_t group_bytes = size_t(nb) * packed_bytes(int(qtype));
+  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      dequant_row(int(qtype), wp + (rp[i] / kRows) * group_bytes, int(nb), int(rp[i] % kRows), op + i * K);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace wsq
 
@@ -135,5 +158,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32 @ packed weights -> [M, n] float32", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
+  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

@@ -53,4 +53,7 @@ const GroupFn* kernels_scalar();
 const GroupFn* kernels_avx2();
 const GroupFn* kernels_avx512();
 
+// Row r (0..7) of a group -> nb * block_values floats, bit-equal to gguf.quants.dequantize.
+void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out);
+
 }  // namespace wsq

@@ -97,11 +97,61 @@ void group_kernel(const uint8_t* g, const Act& a, int m0, int mt, float* out) {
   }
 }
 
+// Row r of a group, dequantized in gguf.quants' order of float operations (bit-equal).
+template <int QT>
+void dequant(const uint8_t* g, int nb, int r, float* out) {
+  constexpr int BV = block_values(QT), PB = packed_bytes(QT);
+  for (int b = 0; b < nb; ++b, out += BV) {
+    const uint8_t* blk = g + (size_t)b * PB;
+    const float d = h2f(blk + 2 * r);
+    if (QT == Q8_0) {
+      for (int l = 0; l < 32; ++l) out[l] = float(int8_t(ub(blk + 16, r, l))) * d;
+    } else if (QT == Q4_0 || QT == Q4_1) {
+      const uint8_t* qs = blk + (QT == Q4_0 ? 16 : 32);
+      const float m = QT == Q4_1 ? h2f(blk + 16 + 2 * r) : 0.0f;
+      for (int l = 0; l < 16; ++l) {
+        const int lo = ub(qs, r, l) & 15, hi = ub(qs, r, l) >> 4;
+        out[l] = QT == Q4_0 ? d * float(lo - 8) : (d * float(lo)) + m;
+        out[16 + l] = QT == Q4_0 ? d * float(hi - 8) : (d * float(hi)) + m;
+      }
+    } else if (QT == Q4_K || QT == Q5_K) {
+      const float dmin = h2f(blk + 16 + 2 * r);
+      const uint8_t* qs = blk + (QT == Q4_K ? 160 : 416);
+      for (int j = 0; j < 8; ++j) {
+        const float ds = d * float(blk[32 + j * 8 + r]), dm = dmin * float(blk[96 + j * 8 + r]);
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = ub(qs, r, (j >> 1) * 32 + l);
+          int q = (j & 1) ? byte >> 4 : byte & 15;
+          if (QT == Q5_K) q |= ((ub(blk + 160, r, l) >> j) & 1) << 4;
+          out[j * 32 + l] = ds * float(q) - dm;
+        }
+      }
+    } else {  // Q6_K
+      for (int jj = 0; jj < 16; ++jj) {
+        const int h = jj >> 3, t = (jj & 7) >> 1, half = jj & 1;
+        const float ds = d * float(int8_t(blk[16 + jj * 8 + r]));
+        for (int l = half * 16; l < half * 16 + 16; ++l) {
+          const uint8_t lo = ub(blk + 144, r, h * 64 + (t & 1) * 32 + l);
+          const int q = (t >= 2 ? lo >> 4 : lo & 15) | (((ub(blk + 1168, r, h * 32 + l) >> (2 * t)) & 3) << 4);
+          out[h * 128 + t * 32 + l] = ds * float(q - 32);
+        }
+      }
+    }
+  }
+}
+
 const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>,
                                     group_kernel<Q4_K>, group_kernel<Q5_K>, group_kernel<Q6_K>};
 
 }  // namespace
 
 const GroupFn* kernels_scalar() { return kTable; }
+
+void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out) {
+  using Fn = void (*)(const uint8_t*, int, int, float*);
+  static const Fn table[kNumQTypes] = {dequant<Q4_0>, dequant<Q4_1>, dequant<Q8_0>,
+                                       dequant<Q4_K>, dequant<Q5_K>, dequant<Q6_K>};
+  table[qt](group, nb, r, out);
+}
 
 }  // namespace wsq

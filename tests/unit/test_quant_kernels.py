@@ -105,7 +105,8 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype: str) -> None:
     assert np.array_equal(quant.dequantize_raw(qtype, raw, (n, k)).numpy(), expected)
     w = quant.pack(qtype, raw, (n, k))
     assert (w.qtype, w.out_features, w.in_features) == (qtype, n, k)
-    assert np.array_equal(w.dequantize().numpy(), expected)
+    assert np.array_equal(w.dequantize().numpy(), expected)  # native when built
+    assert np.array_equal(w.dequantize_torch().numpy(), expected)
 
 
 @pytest.mark.parametrize("qtype", GGUF_CAN_QUANTIZE)
@@ -126,6 +127,12 @@ def test_state_round_trip_and_select_rows() -> None:
     assert torch.equal(again.dequantize(), w.dequantize())
     rows = torch.tensor([20, 0, 7, 8, 20])
     assert torch.equal(again.select_rows(rows), w.dequantize()[rows])
+    assert torch.equal(again.select_rows_torch(rows), w.dequantize()[rows])
+    for bad in (21, 23, -1):  # 21..23 exist as the last group's padding, but are no rows
+        with pytest.raises(IndexError):
+            w.select_rows(torch.tensor([bad]))
+        with pytest.raises(IndexError):
+            w.select_rows_torch(torch.tensor([bad]))
     with pytest.raises(ValueError):
         quant.QuantWeight.from_state("Q6_K", (n + 8, k), w.state())
 
