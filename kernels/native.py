@@ -127,10 +127,11 @@ def extension() -> ModuleType | None:
             try:
                 _state["module"] = _build()
             except Exception as e:  # a failed build must never fail the caller
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                _state["failure"] = f"quantized CPU kernels unavailable: {reason}"
+                text = str(e).strip() or type(e).__name__
+                _state["failure"] = f"quantized CPU kernels unavailable: {text.splitlines()[-1]}"
                 _state["module"] = None
-                logger.warning("%s; using the torch reference path", _state["failure"])
+                detail = f"\n{text[-3000:]}" if len(text.splitlines()) > 1 else ""
+                logger.warning("%s; using the torch reference path%s", _state["failure"], detail)
     return _state["module"]  # type: ignore[return-value]
 
 

@@ -11,7 +11,6 @@ The arithmetic is written down in kernels/quant_ref.py and docs/kernels.md.
 
 from __future__ import annotations
 
-import gguf
 import torch
 
 from . import native
@@ -34,7 +33,8 @@ __all__ = [
 
 ISAS = ("avx512_vnni", "avx2", "scalar")
 _QTYPE_ID = {name: i for i, name in enumerate(QTYPES)}  # the C++ side's numbering
-_forced: str | None = None
+_forced: str | None = None  # force_isa's pin
+_chosen: int | None = None  # the ISA qlinear runs, once known (index into ISAS)
 
 
 class QuantWeight:
@@ -138,7 +138,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -
         return qlinear_reference(x, w, bias)
     xf = x.float().contiguous()
     b = None if bias is None else bias.float().contiguous()
-    out = ext.qlinear(xf, w.packed, _QTYPE_ID[w.qtype], w.out_features, b, ISAS.index(kernel_path()))
+    out = ext.qlinear(xf, w.packed, _QTYPE_ID[w.qtype], w.out_features, b, _isa_id(ext))
     return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
@@ -155,25 +155,30 @@ def _cpu_has(isa: str) -> bool:
     return ext is not None and bool(ext.cpu_has(ISAS.index(isa)))
 
 
+def _isa_id(ext) -> int:  # type: ignore[no-untyped-def]
+    global _chosen
+    if _chosen is None:
+        _chosen = (
+            ISAS.index(_forced)
+            if _forced is not None
+            else next(i for i in range(len(ISAS)) if ext.cpu_has(i))
+        )
+    return _chosen
+
+
 def kernel_path() -> str:
     """ "avx512_vnni", "avx2" or "scalar": what qlinear runs; "torch" without a native build."""
-    if native.extension() is None:
-        return "torch"
-    if _forced is not None:
-        return _forced
-    return next(isa for isa in ISAS if _cpu_has(isa))
+    ext = native.extension()
+    return "torch" if ext is None else ISAS[_isa_id(ext)]
 
 
 def force_isa(name: str | None) -> None:
     """Pin one path ("avx512_vnni", "avx2", "scalar"), for tests; None: the best the CPU has."""
-    global _forced
+    global _forced, _chosen
     if name is not None:
         if name not in ISAS:
             raise ValueError(f"unknown ISA {name!r}; one of {', '.join(ISAS)}")
         if not _cpu_has(name):
             raise RuntimeError(f"this CPU (or build) cannot run the {name} path")
     _forced = name
-
-
-def gguf_qtype(qtype: str) -> gguf.GGMLQuantizationType:
-    return gguf.GGMLQuantizationType[qtype]
+    _chosen = None

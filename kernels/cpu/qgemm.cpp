@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#include <vector>
+#include <memory>
 
 #include "qgemm.h"
 
@@ -31,10 +31,18 @@ bool cpu_has(int isa) {
 
 // x rows -> int8 blocks, as quant_ref.quantize_activations: d = amax * (1/127), q = round(x / d)
 // written round(x * (1 / d)), ties to even (nearbyint under the default rounding mode).
+template <class T>
+struct Buffer {  // uninitialised (std::vector would zero what is written next anyway)
+  std::unique_ptr<T[]> p;
+  void resize(size_t n) { p.reset(new T[n]); }
+  T* data() { return p.get(); }
+  T& operator[](size_t i) { return p[i]; }
+};
+
 struct ActBuffers {
-  std::vector<float> d;
-  std::vector<int32_t> s16;
-  std::vector<int8_t> q, qx;
+  Buffer<float> d;
+  Buffer<int32_t> s16;
+  Buffer<int8_t> q, qx;
 };
 
 void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, bool expand, ActBuffers& buf) {
