@@ -14,7 +14,16 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .quant_formats import BLOCK, QTYPES, block_parts, check_shape, dequantize_fields, pack_raw, packed_fields
+from .quant_formats import (
+    BLOCK,
+    QTYPES,
+    ROWS,
+    block_parts,
+    check_shape,
+    dequantize_fields,
+    pack_raw,
+    packed_fields,
+)
 from .quant_formats import raw_fields as _raw_fields
 from .quant_ref import qlinear_parts, quantize_blocks
 
@@ -45,7 +54,7 @@ class QuantWeight:
     def __init__(self, qtype: str, shape: tuple[int, int], packed: torch.Tensor) -> None:
         n, k = check_shape(qtype, shape)
         nb = k // BLOCK[qtype][0]
-        groups = -(-n // 8)
+        groups = -(-n // ROWS)
         if packed.dtype is not torch.uint8 or packed.dim() != 3 or tuple(packed.shape[:2]) != (groups, nb):
             raise ValueError(
                 f"packed {qtype} [{n}, {k}] must be uint8 [{groups}, {nb}, *], got {packed.shape}"
@@ -82,14 +91,14 @@ class QuantWeight:
         return self.select_rows_torch(rows)
 
     def select_rows_torch(self, rows: torch.Tensor) -> torch.Tensor:
-        """select_rows() in plain torch: unpacks only the groups of 8 rows it needs."""
+        """select_rows() in plain torch: unpacks only the groups of rows it needs."""
         rows = rows.reshape(-1).long()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
             raise IndexError(f"row index out of range for {self}")
-        groups, inverse = torch.unique(rows // 8, return_inverse=True)
+        groups, inverse = torch.unique(rows // ROWS, return_inverse=True)
         f = packed_fields(self.qtype, self.packed[groups])
         deq = dequantize_fields(self.qtype, f)  # [len(groups) * 8, K]
-        return deq[inverse * 8 + rows % 8]
+        return deq[inverse * ROWS + rows % ROWS]
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed}

@@ -42,10 +42,10 @@ struct Buffer {  // uninitialised (std::vector would zero what is written next a
 struct ActBuffers {
   Buffer<float> d;
   Buffer<int32_t> s16;
-  Buffer<int8_t> q, qx;
+  Buffer<int8_t> q;
 };
 
-void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, bool expand, ActBuffers& buf) {
+void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers& buf) {
   const float inv127 = float(1.0 / 127.0);
   const int nb = K / bv;
   for (int64_t m = m0; m < m1; ++m) {
@@ -66,12 +66,6 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, bool e
       int32_t s = 0;
       for (int l = 0; l < 16; ++l) s += q[g * 16 + l];
       buf.s16[m * (K / 16) + g] = s;
-    }
-    if (expand) {
-      int8_t* e = buf.qx.data() + m * K * 8;
-      for (int c = 0; c < K / 4; ++c)
-        for (int r = 0; r < kRows; ++r)
-          for (int j = 0; j < 4; ++j) e[c * 32 + r * 4 + j] = q[c * 4 + j];
     }
   }
 }
@@ -95,22 +89,19 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
     bptr = bias->data_ptr<float>();
   }
   const GroupFn fn = (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
-  const bool expand = isa != kScalar;
 
   ActBuffers buf;
   buf.d.resize(M * (K / bv));
   buf.s16.resize(M * (K / 16));
   buf.q.resize(M * K);
-  if (expand) buf.qx.resize(M * K * 8);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { quantize_rows(xp, m0, m1, int(K), bv, expand, buf); });
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { quantize_rows(xp, m0, m1, int(K), bv, buf); });
   Act a;
   a.K = int(K);
   a.nb = int(K / bv);
   a.d = buf.d.data();
   a.s16 = buf.s16.data();
   a.q = buf.q.data();
-  a.qx = expand ? buf.qx.data() : nullptr;
 
   auto out = torch::empty({M, n}, x.options());
   float* op = out.data_ptr<float>();

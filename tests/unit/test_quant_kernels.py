@@ -37,8 +37,8 @@ def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def shape_for(qtype: str) -> tuple[int, int]:
-    # N = 21: two full groups of 8 rows and a tail of 5; K: three blocks or two super-blocks
-    return (21, 96) if BLOCK[qtype][0] == 32 else (21, 512)
+    # N = 37: two full groups of 16 rows and a tail of 5; K: three blocks or two super-blocks
+    return (37, 96) if BLOCK[qtype][0] == 32 else (37, 512)
 
 
 def available_isas() -> list[str]:
@@ -128,13 +128,13 @@ def test_state_round_trip_and_select_rows() -> None:
     rows = torch.tensor([20, 0, 7, 8, 20])
     assert torch.equal(again.select_rows(rows), w.dequantize()[rows])
     assert torch.equal(again.select_rows_torch(rows), w.dequantize()[rows])
-    for bad in (21, 23, -1):  # 21..23 exist as the last group's padding, but are no rows
+    for bad in (21, 31, -1):  # 21..31 exist as the last group's padding, but are no rows
         with pytest.raises(IndexError):
             w.select_rows(torch.tensor([bad]))
         with pytest.raises(IndexError):
             w.select_rows_torch(torch.tensor([bad]))
     with pytest.raises(ValueError):
-        quant.QuantWeight.from_state("Q6_K", (n + 8, k), w.state())
+        quant.QuantWeight.from_state("Q6_K", (n + 16, k), w.state())
 
 
 def test_memory_is_ggufs() -> None:
