@@ -17,8 +17,8 @@ struct Vec {
   using VI = __m256i;
   using VF = __m256;
   static constexpr int L = 8;
-  // x rows per tile: the K-quants keep two sets of sums per row, so fewer rows fit 16 registers
-  static constexpr int tile(int qt) { return qt == Q4_K || qt == Q5_K ? 2 : 4; }
+  // x rows per tile: the K-quants keep several sums per row, so fewer rows fit 16 registers
+  static constexpr int tile(int qt) { return qt >= Q4_K ? 2 : 4; }
   WSQ_TARGET static VI load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   WSQ_TARGET static VI bcast4(const int8_t* p) {
     int32_t v;
@@ -37,6 +37,9 @@ struct Vec {
     const VI v = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(char(mask)));
     return _mm256_slli_epi16(v, 4);
   }
+  WSQ_TARGET static VI shl16(VI v, int n) { return _mm256_slli_epi16(v, n); }
+  WSQ_TARGET static VI shr16(VI v, int n) { return _mm256_srli_epi16(v, n); }
+  WSQ_TARGET static VI and8(VI v, int m) { return _mm256_and_si256(v, _mm256_set1_epi8(char(m))); }
   WSQ_TARGET static VI u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }

@@ -36,6 +36,9 @@ struct Vec {
     const VI v = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(char(mask)));
     return _mm512_slli_epi16(v, 4);
   }
+  WSQ_TARGET static VI shl16(VI v, int n) { return _mm512_slli_epi16(v, n); }
+  WSQ_TARGET static VI shr16(VI v, int n) { return _mm512_srli_epi16(v, n); }
+  WSQ_TARGET static VI and8(VI v, int m) { return _mm512_and_si512(v, _mm512_set1_epi8(char(m))); }
   WSQ_TARGET static VI u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -6,7 +6,8 @@
 //   bcast4(p)       4 quants of x in every lane
 //   dot(acc, u, s)  acc += per lane, the sum of 4 (unsigned byte u) * (signed byte s)
 //   dot_s           the same with signed w (Q8_0)
-//   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte
+//   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte,
+//   shl16, shr16 (16-bit lanes, constant counts), and8(v, byte mask)
 //   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
 //   add, sub, mullo, set1 on VI; cvt, fmul, fadd, fsub, fset1, fzero, store on VF
 // A unit holds 4 bytes of each of the 16 rows of a group: lane r = row r, and the same 4
@@ -121,6 +122,7 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
 
 // Q6_K: 16 groups of 16 with int8 scales; 4 low bits from ql, 2 high bits from qh (see
 // quant_formats.quant_values), unsigned 0..63 here and the -32 taken out with the sums of x.
+// One pass over a half's units loads each ql and qh unit once for the 4 quants they hold.
 template <int MT>
 WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(Q6_K);
@@ -129,28 +131,35 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
     VI isum[MT][R];
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
-    for (int jj = 0; jj < 16; ++jj) {
-      const int hf = jj >> 3, tq = (jj & 7) >> 1, half = jj & 1;
-      VI s[MT][R];
+    for (int hq = 0; hq < 4; ++hq) {  // quarter: half hf = hq / 2 of the block, 16-groups half = hq % 2
+      const int hf = hq >> 1, half = hq & 1;
+      VI s[MT][R][4];  // [x row][row vector][t]: the 16-groups hf * 8 + t * 2 + half
       for (int i = 0; i < MT; ++i)
-        for (int h = 0; h < R; ++h) s[i][h] = Vec::zero();
+        for (int h = 0; h < R; ++h)
+          for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::zero();
       for (int v = half * 4; v < half * 4 + 4; ++v) {
-        VI q[R];
         for (int h = 0; h < R; ++h) {
-          const VI wl = Vec::load(blk + o.qs + (hf * 16 + (tq & 1) * 8 + v) * kUnit + h * L * 4);
+          const VI la = Vec::load(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4);
+          const VI lb = Vec::load(blk + o.qs + (hf * 16 + 8 + v) * kUnit + h * L * 4);
           const VI qh = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
-          q[h] = Vec::or_(tq >= 2 ? Vec::hi4(wl) : Vec::lo4(wl), Vec::bits(qh, 2 * tq, 3));
-        }
-        for (int i = 0; i < MT; ++i) {
-          const VI x = Vec::bcast4(a.qrow(m0 + i) + b * 256 + hf * 128 + tq * 32 + 4 * v);
-          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot(s[i][h], q[h], x);
+          const VI q[4] = {Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(qh, 4), 0x30)),
+                           Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(qh, 2), 0x30)),
+                           Vec::or_(Vec::hi4(la), Vec::and8(qh, 0x30)),
+                           Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(qh, 2), 0x30))};
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = a.qrow(m0 + i) + b * 256 + hf * 128 + 4 * v;
+            for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::dot(s[i][h][t], q[t], Vec::bcast4(x + t * 32));
+          }
         }
       }
-      for (int h = 0; h < R; ++h) {
-        const VI sc = Vec::s8(blk + o.sc + jj * kRows + h * L);
-        for (int i = 0; i < MT; ++i) {
-          const VI d16 = Vec::sub(s[i][h], Vec::set1(32 * a.sums(m0 + i)[b * 16 + jj]));
-          isum[i][h] = Vec::add(isum[i][h], Vec::mullo(sc, d16));
+      for (int t = 0; t < 4; ++t) {
+        const int jj = hf * 8 + t * 2 + half;
+        for (int h = 0; h < R; ++h) {
+          const VI sc = Vec::s8(blk + o.sc + jj * kRows + h * L);
+          for (int i = 0; i < MT; ++i) {
+            const VI d16 = Vec::sub(s[i][h][t], Vec::set1(32 * a.sums(m0 + i)[b * 16 + jj]));
+            isum[i][h] = Vec::add(isum[i][h], Vec::mullo(sc, d16));
+          }
         }
       }
     }
