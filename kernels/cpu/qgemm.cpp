@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -109,7 +110,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   const size_t group_bytes = size_t(K / bv) * pb;
   // Batch 1 streams every weight once: split the groups evenly over the threads. Larger M:
   // each group's blocks stay in cache while all rows of x go by, kMaxTile rows at a time.
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  // A thread's share must outweigh the fork/join (a few microseconds): at least ~64K
+  // multiply-adds per chunk, so a small layer at batch 1 runs on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRows * K * M));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     float tile[kMaxTile * kRows];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kRows;
