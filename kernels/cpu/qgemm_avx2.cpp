@@ -29,6 +29,11 @@ struct Vec {
   WSQ_TARGET static VI dot(VI acc, VI u, VI s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
+  // 4 * 63 * 127 < 2**15: two vpmaddubsw results add in int16 before one vpmaddwd
+  WSQ_TARGET static VI dot2(VI acc, VI u1, VI s1, VI u2, VI s2) {
+    const VI pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
   WSQ_TARGET static VI dot_s(VI acc, VI w, VI s) { return dot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
   WSQ_TARGET static VI lo4(VI w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   WSQ_TARGET static VI hi4(VI w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }

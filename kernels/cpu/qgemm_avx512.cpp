@@ -24,6 +24,7 @@ struct Vec {
   }
   WSQ_TARGET static VI zero() { return _mm512_setzero_si512(); }
   WSQ_TARGET static VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  WSQ_TARGET static VI dot2(VI acc, VI u1, VI s1, VI u2, VI s2) { return dot(dot(acc, u1, s1), u2, s2); }
   WSQ_TARGET static VI dot_s(VI acc, VI w, VI s) {
     // |w| as unsigned bytes (-128 -> 128) and x negated where w < 0
     const __mmask64 neg = _mm512_movepi8_mask(w);

@@ -5,7 +5,8 @@
 //   load(p)         L * 4 bytes: a unit's slice for L rows
 //   bcast4(p)       4 quants of x in every lane
 //   dot(acc, u, s)  acc += per lane, the sum of 4 (unsigned byte u) * (signed byte s)
-//   dot_s           the same with signed w (Q8_0)
+//   dot2(acc, u1, s1, u2, s2)  two dots; u below 64, so AVX2 may add the int16 pairs first
+//   dot_s           the same as dot with signed w (Q8_0)
 //   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte,
 //   shl16, shr16 (16-bit lanes, constant counts), and8(v, byte mask)
 //   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
@@ -43,7 +44,7 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
           for (int h = 0; h < R; ++h) s[i][h] = Vec::dot_s(s[i][h], lo[h], xl);
         } else {
           const VI xh = Vec::bcast4(x + 16 + 4 * v);
-          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot(Vec::dot(s[i][h], lo[h], xl), hi[h], xh);
+          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot2(s[i][h], lo[h], xl, hi[h], xh);
         }
       }
     }
@@ -76,24 +77,23 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
       VI s0[MT][R], s1[MT][R];
       for (int i = 0; i < MT; ++i)
         for (int h = 0; h < R; ++h) s0[i][h] = s1[i][h] = Vec::zero();
-      for (int v = 0; v < 8; ++v) {
-        VI lo[R], hi[R];
+      for (int v = 0; v < 8; v += 2) {  // two units of the same sub-blocks per dot2
         for (int h = 0; h < R; ++h) {
-          const VI w = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
-          lo[h] = Vec::lo4(w);
-          hi[h] = Vec::hi4(w);
+          const VI wa = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
+          const VI wb = Vec::load(blk + o.qs + (p * 8 + v + 1) * kUnit + h * L * 4);
+          VI loa = Vec::lo4(wa), hia = Vec::hi4(wa), lob = Vec::lo4(wb), hib = Vec::hi4(wb);
           if (QT == Q5_K) {
-            const VI qh = Vec::load(blk + o.qh + v * kUnit + h * L * 4);
-            lo[h] = Vec::or_(lo[h], Vec::bits(qh, 2 * p, 1));
-            hi[h] = Vec::or_(hi[h], Vec::bits(qh, 2 * p + 1, 1));
+            const VI qa = Vec::load(blk + o.qh + v * kUnit + h * L * 4);
+            const VI qb = Vec::load(blk + o.qh + (v + 1) * kUnit + h * L * 4);
+            loa = Vec::or_(loa, Vec::bits(qa, 2 * p, 1));
+            hia = Vec::or_(hia, Vec::bits(qa, 2 * p + 1, 1));
+            lob = Vec::or_(lob, Vec::bits(qb, 2 * p, 1));
+            hib = Vec::or_(hib, Vec::bits(qb, 2 * p + 1, 1));
           }
-        }
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* x = a.qrow(m0 + i) + b * 256 + p * 64 + 4 * v;
-          const VI x0 = Vec::bcast4(x), x1 = Vec::bcast4(x + 32);
-          for (int h = 0; h < R; ++h) {
-            s0[i][h] = Vec::dot(s0[i][h], lo[h], x0);
-            s1[i][h] = Vec::dot(s1[i][h], hi[h], x1);
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = a.qrow(m0 + i) + b * 256 + p * 64 + 4 * v;
+            s0[i][h] = Vec::dot2(s0[i][h], loa, Vec::bcast4(x), lob, Vec::bcast4(x + 4));
+            s1[i][h] = Vec::dot2(s1[i][h], hia, Vec::bcast4(x + 32), hib, Vec::bcast4(x + 36));
           }
         }
       }
