@@ -123,6 +123,15 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
 // Q6_K: 16 groups of 16 with int8 scales; 4 low bits from ql, 2 high bits from qh (see
 // quant_formats.quant_values), unsigned 0..63 here and the -32 taken out with the sums of x.
 // One pass over a half's units loads each ql and qh unit once for the 4 quants they hold.
+// The 4 quants (t = 0..3, unsigned 0..63) in a ql unit, its partner 8 units on, and a qh unit.
+WSQ_TARGET inline void six_bits(const uint8_t* ql, const uint8_t* qh, VI* q) {
+  const VI la = Vec::load(ql), lb = Vec::load(ql + 8 * kUnit), h = Vec::load(qh);
+  q[0] = Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(h, 4), 0x30));
+  q[1] = Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(h, 2), 0x30));
+  q[2] = Vec::or_(Vec::hi4(la), Vec::and8(h, 0x30));
+  q[3] = Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(h, 2), 0x30));
+}
+
 template <int MT>
 WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(Q6_K);
@@ -137,18 +146,16 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
       for (int i = 0; i < MT; ++i)
         for (int h = 0; h < R; ++h)
           for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::zero();
-      for (int v = half * 4; v < half * 4 + 4; ++v) {
+      for (int v = half * 4; v < half * 4 + 4; v += 2) {  // units v, v + 1: one dot2 per t
         for (int h = 0; h < R; ++h) {
-          const VI la = Vec::load(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4);
-          const VI lb = Vec::load(blk + o.qs + (hf * 16 + 8 + v) * kUnit + h * L * 4);
-          const VI qh = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
-          const VI q[4] = {Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(qh, 4), 0x30)),
-                           Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(qh, 2), 0x30)),
-                           Vec::or_(Vec::hi4(la), Vec::and8(qh, 0x30)),
-                           Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(qh, 2), 0x30))};
+          VI qa[4], qb[4];
+          six_bits(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4, qa);
+          six_bits(blk + o.qs + (hf * 16 + v + 1) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v + 1) * kUnit + h * L * 4,
+                   qb);
           for (int i = 0; i < MT; ++i) {
             const int8_t* x = a.qrow(m0 + i) + b * 256 + hf * 128 + 4 * v;
-            for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::dot(s[i][h][t], q[t], Vec::bcast4(x + t * 32));
+            for (int t = 0; t < 4; ++t)
+              s[i][h][t] = Vec::dot2(s[i][h][t], qa[t], Vec::bcast4(x + t * 32), qb[t], Vec::bcast4(x + t * 32 + 4));
           }
         }
       }
