@@ -66,7 +66,8 @@ def our_paths(w: torch.Tensor, isas: list[str]) -> dict[str, Callable[[torch.Ten
 
 
 def _pinned(isa: str, x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
-    quant.force_isa(isa)
+    if quant.kernel_path() != isa:  # pinning costs a few microseconds: only when it changes
+        quant.force_isa(isa)
     return quant.qlinear(x, qw)
 
 
