@@ -145,10 +145,11 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -
     ext = native.extension()
     if ext is None:
         return qlinear_reference(x, w, bias)
-    xf = x.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    out = ext.qlinear(xf, w.packed, _QTYPE_ID[w.qtype], w.out_features, b, _isa_id(ext))
-    return out if x.dtype is torch.float32 else out.to(x.dtype)
+    # float32 and bfloat16 go in and come out as they are (no conversion ops around the call)
+    native_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    xin = x.contiguous() if native_dtype else x.float().contiguous()
+    out = ext.qlinear(xin, w.packed, _QTYPE_ID[w.qtype], w.out_features, bias, _isa_id(ext))
+    return out if native_dtype else out.to(x.dtype)
 
 
 def native_status() -> tuple[bool, str]:

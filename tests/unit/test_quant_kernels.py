@@ -88,6 +88,17 @@ def test_qlinear_equals_reference(qtype: str, isa_path: str) -> None:
                 assert rel_err(y, ref) <= 1e-5, (qtype, isa_path, m, dtype)
 
 
+def test_other_dtypes_and_strided_x() -> None:
+    # fp16 goes through float32; a strided view (a slice of a fused output) is made contiguous
+    n, k = shape_for("Q4_1")
+    w = quant.pack("Q4_1", gguf_bytes("Q4_1", n, k), (n, k))
+    x = torch.randn(5, 2 * k, generator=torch.Generator().manual_seed(4))[:, ::2]
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        y = quant.qlinear(x.to(dtype), w, torch.ones(n, dtype=dtype))
+        assert y.dtype == dtype
+        assert torch.equal(y, quant.qlinear_reference(x.to(dtype), w, torch.ones(n, dtype=dtype)))
+
+
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 def test_reference_is_close_to_float_matmul(qtype: str) -> None:
     # int8 activations cost well under 1% against the dequantized weights in fp32
