@@ -22,6 +22,7 @@ from .quant_formats import (
     check_shape,
     dequantize_fields,
     pack_raw,
+    packed_block_bytes,
     packed_fields,
 )
 from .quant_formats import raw_fields as _raw_fields
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 ISAS = ("avx512_vnni", "avx2", "scalar")
+LAYOUT_VERSION = 1  # bump when quant_formats' packed layout changes: cached states then refuse to load
 _QTYPE_ID = {name: i for i, name in enumerate(QTYPES)}  # the C++ side's numbering
 _forced: str | None = None  # force_isa's pin
 _chosen: int | None = None  # the ISA qlinear runs, once known (index into ISAS)
@@ -55,9 +57,10 @@ class QuantWeight:
         n, k = check_shape(qtype, shape)
         nb = k // BLOCK[qtype][0]
         groups = -(-n // ROWS)
-        if packed.dtype is not torch.uint8 or packed.dim() != 3 or tuple(packed.shape[:2]) != (groups, nb):
+        want = (groups, nb, packed_block_bytes(qtype))
+        if packed.dtype is not torch.uint8 or tuple(packed.shape) != want:
             raise ValueError(
-                f"packed {qtype} [{n}, {k}] must be uint8 [{groups}, {nb}, *], got {packed.shape}"
+                f"packed {qtype} [{n}, {k}] must be uint8 {list(want)}, got {list(packed.shape)}"
             )
         self.qtype = qtype
         self.out_features = n
@@ -101,10 +104,18 @@ class QuantWeight:
         return deq[inverse * ROWS + rows % ROWS]
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {"packed": self.packed}
+        """For caching (safetensors): the packed bytes and the layout's version."""
+        return {"packed": self.packed, "layout": torch.tensor([LAYOUT_VERSION, ROWS], dtype=torch.int32)}
 
     @classmethod
     def from_state(cls, qtype: str, shape: tuple[int, int], state: dict[str, torch.Tensor]) -> QuantWeight:
+        """ValueError when the state was packed by another layout (the caller packs again)."""
+        layout = state.get("layout")
+        if layout is None or layout.tolist() != [LAYOUT_VERSION, ROWS]:
+            got = None if layout is None else layout.tolist()
+            raise ValueError(
+                f"cached {qtype} weight has layout {got}, this code packs {[LAYOUT_VERSION, ROWS]}"
+            )
         return cls(qtype, shape, state["packed"])
 
 

@@ -146,6 +146,8 @@ def test_state_round_trip_and_select_rows() -> None:
             w.select_rows_torch(torch.tensor([bad]))
     with pytest.raises(ValueError):
         quant.QuantWeight.from_state("Q6_K", (n + 16, k), w.state())
+    with pytest.raises(ValueError, match="layout"):  # a cache written by another layout
+        quant.QuantWeight.from_state("Q6_K", (n, k), {"packed": w.state()["packed"]})
 
 
 def test_memory_is_ggufs() -> None:
