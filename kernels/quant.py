@@ -11,6 +11,9 @@ The arithmetic is written down in kernels/quant_ref.py and docs/kernels.md.
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import torch
 
 from . import native
@@ -119,10 +122,21 @@ class QuantWeight:
         return cls(qtype, shape, state["packed"])
 
 
-def pack(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> QuantWeight:
-    """raw: uint8, the GGUF bytes of N rows of K values -> the kernels' layout."""
+def _bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """GGUF bytes as a flat uint8 tensor; a read-only numpy array (GGUFReader's memory map) is
+    read, never written, so torch's warning about it does not apply."""
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
+    return raw.reshape(-1).view(torch.uint8)
+
+
+def pack(qtype: str, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+    """raw: uint8, the GGUF bytes of N rows of K values (a tensor or GGUFReader's numpy array)
+    -> the kernels' layout."""
     n, k = check_shape(qtype, shape)
-    return QuantWeight(qtype, (n, k), pack_raw(qtype, torch.as_tensor(raw), n, k))
+    return QuantWeight(qtype, (n, k), pack_raw(qtype, _bytes(raw), n, k))
 
 
 def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -134,11 +148,11 @@ def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
     return quantize_blocks(qtype, blocks).reshape(n, k // bs * ts)
 
 
-def dequantize_raw(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def dequantize_raw(qtype: str, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
     """GGUF bytes -> float32 [N, K], bit-equal to gguf.quants.dequantize."""
     n, k = check_shape(qtype, shape)
     bs, ts = BLOCK[qtype]
-    blocks = torch.as_tensor(raw).reshape(-1).view(torch.uint8).reshape(n, k // bs, ts)
+    blocks = _bytes(raw).reshape(n, k // bs, ts)
     return dequantize_fields(qtype, _raw_fields(qtype, blocks))
 
 

@@ -116,6 +116,9 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype: str) -> None:
     assert np.array_equal(quant.dequantize_raw(qtype, raw, (n, k)).numpy(), expected)
     w = quant.pack(qtype, raw, (n, k))
     assert (w.qtype, w.out_features, w.in_features) == (qtype, n, k)
+    read_only = raw.numpy().copy()  # as GGUFReader maps a file
+    read_only.setflags(write=False)
+    assert torch.equal(quant.pack(qtype, read_only, (n, k)).packed, w.packed)
     assert np.array_equal(w.dequantize().numpy(), expected)  # native when built
     assert np.array_equal(w.dequantize_torch().numpy(), expected)
 
