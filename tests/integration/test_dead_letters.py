@@ -11,11 +11,8 @@ import time
 from typing import Any
 
 import orjson
+from bodies import completion
 from redis_fixtures import Deployment, Result, sse_text
-
-
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
 
 
 def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
@@ -24,7 +21,7 @@ def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
     dep = redis_deployment
     r = dep.redis
     queue, aborts, dead = f"wsllm:q:{dep.model}", "wsllm:aborts", f"wsllm:dead:{dep.model}"
-    good = body([31, 32, 33], 150)
+    good = completion([31, 32, 33], 150)
     (alone,) = [asyncio.run(sse_text(dep.a, good))]
     valid = orjson.loads(r.xrange(queue)[0][1][b"r"]) if r.xlen(queue) else None
     template = valid or {
@@ -71,6 +68,6 @@ def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
     assert any("arrival_time" in x for x in reasons)
     # the same engine, still stepping, serves the next request
     assert dep.worker._thread is thread and thread.is_alive() and dep.worker.steps > steps
-    assert asyncio.run(sse_text(dep.b, body([1, 2], 5))).finish_reason == "length"
+    assert asyncio.run(sse_text(dep.b, completion([1, 2], 5))).finish_reason == "length"
     assert r.xlen(queue) == 0
     dep.engine_idle()

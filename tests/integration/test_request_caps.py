@@ -12,6 +12,7 @@ import httpx
 import orjson
 import pytest
 import websockets
+from bodies import completion
 
 CAPS = dict(max_requests_per_socket=3, max_messages=64)
 
@@ -20,10 +21,6 @@ CAPS = dict(max_requests_per_socket=3, max_messages=64)
 def srv(live_server: Any, tiny_engine: Any) -> Iterator[Any]:
     with live_server(tiny_engine, **CAPS) as s:
         yield s
-
-
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
 
 
 def test_a_body_of_many_tiny_messages_is_refused_by_count(srv: Any) -> None:
@@ -43,7 +40,7 @@ def test_a_resume_counts_against_the_sockets_request_cap(srv: Any) -> None:
             await ws.recv()
             for i in range(3):
                 await ws.send(
-                    orjson.dumps({"type": "completion", "id": f"q{i}"} | body([3, i], 2000)).decode()
+                    orjson.dumps({"type": "completion", "id": f"q{i}"} | completion([3, i], 2000)).decode()
                 )
             await ws.send(
                 orjson.dumps({"type": "resume", "id": "r", "after_seq": -1, "resume_token": "x.y"}).decode()

@@ -9,10 +9,7 @@ from typing import Any
 
 import httpx
 import orjson
-
-
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
+from bodies import completion
 
 
 async def stream_text(http: httpx.AsyncClient, b: dict[str, Any]) -> tuple[str, str | None]:
@@ -31,7 +28,7 @@ async def stream_text(http: httpx.AsyncClient, b: dict[str, Any]) -> tuple[str, 
 def test_a_huge_top_k_is_a_400_and_the_streams_beside_it_go_on(tiny_server: Any) -> None:
     """The issue's reproduction: two streams run when a request with top_k = 2**64 - 1
     comes. It is refused, naming the field; the two finish as they would alone."""
-    goods = [body([11, 12, 13], 80), body([21, 22], 80, temperature=0.7, seed=5)]
+    goods = [completion([11, 12, 13], 80), completion([21, 22], 80, temperature=0.7, seed=5)]
 
     async def go() -> tuple[list[tuple[str, str | None]], list[tuple[str, str | None]], httpx.Response]:
         async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=120) as http:
@@ -50,9 +47,11 @@ def test_a_huge_top_k_is_a_400_and_the_streams_beside_it_go_on(tiny_server: Any)
 
 
 def test_a_tiny_temperature_is_greedy(tiny_server: Any) -> None:
-    greedy = httpx.post(f"{tiny_server.base_url}/v1/completions", json=body([5, 6, 7], 12), timeout=60)
+    greedy = httpx.post(f"{tiny_server.base_url}/v1/completions", json=completion([5, 6, 7], 12), timeout=60)
     tiny = httpx.post(
-        f"{tiny_server.base_url}/v1/completions", json=body([5, 6, 7], 12, temperature=1e-300), timeout=60
+        f"{tiny_server.base_url}/v1/completions",
+        json=completion([5, 6, 7], 12, temperature=1e-300),
+        timeout=60,
     )
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]

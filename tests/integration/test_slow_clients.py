@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from bodies import completion
 from rawclients import sse_post, ws_connect, ws_send
 
 # A stalled reader is cut off by whichever comes first: --send-timeout-s without a byte
@@ -27,10 +28,6 @@ LIMITS = dict(
 def srv(live_server: Any, tiny_engine: Any) -> Iterator[Any]:
     with live_server(tiny_engine, **LIMITS) as s:
         yield s
-
-
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
 
 
 def _wait_metric(srv: Any, name: str, at_least: float, timeout: float = 30.0, **labels: str) -> float:
@@ -61,7 +58,7 @@ def test_a_websocket_client_that_never_reads_is_dropped_and_its_requests_freed(s
     sock = ws_connect(srv.base_url)
     try:
         for i in range(3):  # 3 x 8 choices x 2000 tokens with logprobs: far more than any buffer
-            ws_send(sock, {"type": "completion", "id": f"s{i}"} | body([7, i], 2000, n=8, logprobs=20))
+            ws_send(sock, {"type": "completion", "id": f"s{i}"} | completion([7, i], 2000, n=8, logprobs=20))
         most = _watch_until_forgotten(srv, 3)
     finally:
         with contextlib.suppress(OSError):
@@ -74,7 +71,7 @@ def test_a_websocket_client_that_never_reads_is_dropped_and_its_requests_freed(s
 
 def test_an_sse_client_that_never_reads_is_dropped_and_its_request_freed(srv: Any) -> None:
     timeouts = srv.metric("wsllm_send_timeouts_total", transport="sse")
-    sock = sse_post(srv.base_url, "/v1/completions", body([9, 9], 2000, n=8, logprobs=20))
+    sock = sse_post(srv.base_url, "/v1/completions", completion([9, 9], 2000, n=8, logprobs=20))
     try:
         most = _watch_until_forgotten(srv, 1)
     finally:

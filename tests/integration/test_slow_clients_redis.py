@@ -9,20 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 import httpx
+from bodies import completion
 from rawclients import ws_connect, ws_send
 from redis_fixtures import Deployment, sse_text
 
 
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
-
-
 def test_a_client_that_never_reads_leaves_the_gateway_memory_bounded(redis_deployment: Deployment) -> None:
     dep = redis_deployment
-    asyncio.run(sse_text(dep.b, body([1, 2], 20, logprobs=20, n=8)))  # warm: code paths, caches
+    asyncio.run(sse_text(dep.b, completion([1, 2], 20, logprobs=20, n=8)))  # warm: code paths, caches
     before = dep.gateway_b_rss()
     timeouts = metric(dep.b, "wsllm_send_timeouts_total", 'transport="ws"')
     sock = ws_connect(dep.b)
@@ -30,7 +26,8 @@ def test_a_client_that_never_reads_leaves_the_gateway_memory_bounded(redis_deplo
     try:
         for i in range(8):  # 8 requests x 8 choices x 2000 tokens, 20 logprobs each: ~300 MB of events
             ws_send(
-                sock, {"type": "completion", "id": f"slow{i}"} | body([70 + i, 1], 2000, n=8, logprobs=20)
+                sock,
+                {"type": "completion", "id": f"slow{i}"} | completion([70 + i, 1], 2000, n=8, logprobs=20),
             )
         deadline = time.monotonic() + 120
         while metric(dep.b, "wsllm_send_timeouts_total", 'transport="ws"') == timeouts:

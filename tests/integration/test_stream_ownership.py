@@ -14,11 +14,8 @@ from typing import Any
 import httpx
 import orjson
 import websockets
+from bodies import completion
 from redis_fixtures import Deployment, Result, read_sse, sse_text, ws_messages, ws_url
-
-
-def body(prompt: list[int], n_tokens: int, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True} | kw
 
 
 async def ws_send_and_wait(url: str, msg: dict[str, Any], until: str = "error") -> dict[str, Any]:
@@ -30,8 +27,8 @@ async def ws_send_and_wait(url: str, msg: dict[str, Any], until: str = "error") 
 
 def test_nobody_without_the_token_can_resume_read_or_cancel_a_stream(redis_deployment: Deployment) -> None:
     dep = redis_deployment
-    msg = {"type": "completion", "id": "a1"} | body([41, 42], 120)
-    whole = asyncio.run(sse_text(dep.a, body([41, 42], 120))).text
+    msg = {"type": "completion", "id": "a1"} | completion([41, 42], 120)
+    whole = asyncio.run(sse_text(dep.a, completion([41, 42], 120))).text
 
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[httpx.Response]]:
         refused: list[dict[str, Any]] = []
@@ -73,7 +70,7 @@ def test_nobody_without_the_token_can_resume_read_or_cancel_a_stream(redis_deplo
 
 def test_the_owner_reads_its_sse_stream_again_with_its_token_only(redis_deployment: Deployment) -> None:
     dep = redis_deployment
-    b = body([51, 52], 60)
+    b = completion([51, 52], 60)
 
     async def go() -> tuple[Result, httpx.Response, Result]:
         first = Result()
@@ -107,7 +104,9 @@ def test_a_non_ascii_last_event_id_is_refused_before_anything_starts(redis_deplo
         first = Result()
         async with (
             httpx.AsyncClient(timeout=60) as http,
-            http.stream("POST", f"{dep.a}/v1/completions", json=body([61, 62], 2000) | {"stream": True}) as r,
+            http.stream(
+                "POST", f"{dep.a}/v1/completions", json=completion([61, 62], 2000) | {"stream": True}
+            ) as r,
         ):
             token = r.headers["x-resume-token"]
             await read_sse(r, first, stop_after=2)
