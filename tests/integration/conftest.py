@@ -6,6 +6,7 @@ in another, joined by the memory broker, exactly as `wsllm serve` runs them.
 
 Engines are loaded once per session. One engine serves one live server at a time
 (the engine is not thread-safe); servers are module-scoped, so modules take turns.
+`redis_deployment` is the same on Redis, with a second gateway in a child process.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
+from redis_fixtures import Cluster, Deployment
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import EngineConfig, GatewayConfig
+from wsllm.broker.redis import RedisBroker
+from wsllm.config import EngineConfig, GatewayConfig, RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.server.app import create_app, uvicorn_config
 from wsllm.server.gateway import Gateway
@@ -193,7 +197,50 @@ def tiny_server(live_server: Any, tiny_engine: Any) -> Iterator[LiveServer]:
         yield srv
 
 
+@pytest.fixture(scope="module")
+def tiny_openai(tiny_server: LiveServer) -> openai.OpenAI:
+    """The official client on `tiny_server`."""
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def uvicorn_thread() -> Callable[..., contextlib.AbstractContextManager[tuple[str, Any]]]:
     """`run_uvicorn` for tests that build their own app (no engine behind it)."""
     return run_uvicorn
+
+
+# Gateway B's limits: a client that never reads is dropped in 2 s, its pings notwithstanding.
+GATEWAY_B_FLAGS = ["--send-timeout-s", "2", "--heartbeat-s", "60", "--max-buffered-events", "1024"]
+
+
+@pytest.fixture(scope="module")
+def redis_deployment(
+    redis_server: Any, tiny_engine: Any, tiny_model_dir: Path, uvicorn_thread: Any, tmp_path_factory: Any
+) -> Iterator[Deployment]:
+    """The tiny engine's worker and gateway A in this process, gateway B a child process,
+    on the session's (flushed) Redis. Module-scoped: the engine serves one module at a time."""
+    redis_server.client().flushall()
+    model = tiny_model_dir.name
+    assert tiny_engine.model_name == model
+    if id(tiny_engine) in _busy:
+        raise RuntimeError("the tiny engine already serves a live server; use module-scoped fixtures")
+    grace_s = 1.0
+    rcfg = RedisConfig(resume_grace_s=grace_s, stream_retention_s=30, engine_ttl_s=5)
+    engine_side = RedisBroker(redis_server.url, model=model, cfg=rcfg, engine_id="engine-h")
+    worker = EngineWorker(tiny_engine, engine_side, engine_id="engine-h", heartbeat_s=0.2)
+    worker.start()
+    gateway_a = RedisBroker(redis_server.url, model=model, cfg=rcfg)
+    cluster = Cluster(redis_server.url, tiny_model_dir, tmp_path_factory.mktemp("deployment-logs"))
+    _busy.add(id(tiny_engine))
+    try:
+        cluster.start_gateway(*GATEWAY_B_FLAGS)
+        app_for = lambda c: create_app(c, gateway_a, tiny_model_dir, model)  # noqa: E731
+        with uvicorn_thread(app_for, GatewayConfig(frontend=False)) as (a, app):
+            cluster.wait_ready(1)
+            yield Deployment(a, cluster.urls[0], app, worker, tiny_engine, cluster, model, grace_s)
+    finally:
+        cluster.stop()
+        worker.stop()
+        gateway_a.close()
+        engine_side.close()
+        _busy.discard(id(tiny_engine))

@@ -7,6 +7,9 @@ checks (text, seq, finish reason, error code).
     cluster.start(gateways=2, engines=2)
     ...
     cluster.stop()
+
+`Deployment` is the mixed one of the `redis_deployment` fixture (tests/integration/
+conftest.py): the engine and gateway A in this process, gateway B a child process.
 """
 
 from __future__ import annotations
@@ -156,6 +159,40 @@ class Cluster:
             p.stop()
 
 
+@dataclass
+class Deployment:
+    """An engine worker and gateway A in this process (their state can be inspected),
+    gateway B a `wsllm gateway` child process (its memory can be measured), on one Redis."""
+
+    a: str  # gateway A's base URL (in this process)
+    b: str  # gateway B's base URL (a child process)
+    app_a: Any
+    worker: Any  # the EngineWorker stepping `engine`
+    engine: Any
+    cluster: Cluster
+    model: str
+    grace_s: float  # gateway A's --resume-grace-s
+
+    @property
+    def redis(self) -> Any:
+        return self.cluster.redis()
+
+    def gateway_b_rss(self) -> int:
+        (proc,) = self.cluster.gateways.values()
+        for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def engine_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished():
+            assert time.monotonic() < deadline, f"the engine still runs requests: {self.engine.stats()}"
+            time.sleep(0.05)
+        s = self.engine.stats()
+        assert s.num_free_blocks == s.num_total_blocks, s
+
+
 # -- clients ------------------------------------------------------------------------------
 
 
@@ -176,6 +213,12 @@ async def sse_completion(http: httpx.AsyncClient, base: str, body: dict[str, Any
         assert r.status_code == 200, await r.aread()
         await read_sse(r, res)
     return res
+
+
+async def sse_text(base: str, body: dict[str, Any]) -> Result:
+    """One streamed completion on a fresh client, read to its end."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        return await sse_completion(http, base, body)
 
 
 async def read_sse(r: httpx.Response, res: Result, stop_after: int | None = None) -> Result:

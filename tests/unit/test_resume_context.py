@@ -1,6 +1,7 @@
-"""The ResumeContext (wsllm/types.py) that crosses Redis with a resumable request: what
-one gateway writes another reads back the same, a context written by a gateway that
-predates the type still reads, and one that is not a context is refused by name."""
+"""The ResumeContext (wsllm/server/resume.py) that crosses Redis with a resumable
+request: what one gateway writes another reads back the same, a context written by a
+gateway that predates the type still reads, and one that is not a context is refused
+by name."""
 
 from __future__ import annotations
 
