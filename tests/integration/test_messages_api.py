@@ -11,6 +11,7 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
+import orjson
 import pytest
 
 KEY = "messages-test-key"
@@ -183,3 +184,17 @@ def test_bad_requests_are_a_400_in_anthropic_shape_naming_the_field(
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"].startswith(param) and words in err["error"]["message"]
+
+
+def test_closing_a_streamed_message_aborts_its_engine_request(srv: Any) -> None:
+    """Nothing resumes a message stream: a client that leaves frees the engine request."""
+    aborts = srv.metric("wsllm_request_aborts_total")
+    body = _body(srv, max_tokens=2000, stream=True)
+    with httpx.stream("POST", f"{srv.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+        events = (orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+        rid = next(events)["message"]["id"]  # message_start: sent before the engine has it
+        next(e for e in events if e["type"] == "content_block_delta")
+        assert srv.engine.is_known(rid)
+    srv.assert_engine_forgot(rid)
+    assert srv.metric("wsllm_request_aborts_total") - aborts == 1
+    srv.assert_no_blocks_held()
