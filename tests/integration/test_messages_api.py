@@ -198,3 +198,19 @@ def test_closing_a_streamed_message_aborts_its_engine_request(srv: Any) -> None:
     srv.assert_engine_forgot(rid)
     assert srv.metric("wsllm_request_aborts_total") - aborts == 1
     srv.assert_no_blocks_held()
+
+
+def test_output_config_format_gives_json_that_follows_the_schema(
+    srv: Any, client: anthropic.Anthropic
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 8}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "schema": schema}}
+    msg = client.messages.create(**_kw(srv, max_tokens=60, output_config=fmt))
+    (block,) = msg.content
+    assert block.type == "text" and msg.stop_reason == "end_turn"
+    jsonschema.validate(orjson.loads(block.text), schema)

@@ -51,6 +51,9 @@ def _anthropic_errors(
             err = from_broker(e)
         except APIError as e:
             err = e
+        except Exception:
+            log.exception("unhandled error on %s", request.url.path)
+            err = APIError(500, "internal_error", "internal error; see the server log")
         gw.metrics.error(err.code)
         return anthropic_response(err)
 
