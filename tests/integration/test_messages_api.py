@@ -214,3 +214,12 @@ def test_output_config_format_gives_json_that_follows_the_schema(
     (block,) = msg.content
     assert block.type == "text" and msg.stop_reason == "end_turn"
     jsonschema.validate(orjson.loads(block.text), schema)
+
+
+def test_a_route_not_served_under_messages_is_anthropic_shaped(srv: Any) -> None:
+    """Batches are not served: the UI's static mount answers 405, in Anthropic's shape."""
+    r = httpx.post(f"{srv.base_url}/v1/messages/batches", json={}, headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "Method Not Allowed"},
+    }

@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
 from wsllm.server import messages_api, openai_api, tokenize_api
-from wsllm.server.errors import APIError, from_broker
+from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
 from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
@@ -82,7 +82,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail)).response()
+    err = APIError(exc.status_code, code, str(exc.detail))
+    return anthropic_response(err) if request.url.path.startswith(ANTHROPIC_PREFIX) else err.response()
 
 
 async def _broker_error(request: Request, exc: Exception) -> Response:
