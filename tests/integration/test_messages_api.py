@@ -210,7 +210,9 @@ def test_output_config_format_gives_json_that_follows_the_schema(
         "additionalProperties": False,
     }
     fmt = {"format": {"type": "json_schema", "schema": schema}}
-    msg = client.messages.create(**_kw(srv, max_tokens=60, output_config=fmt))
+    kw = _kw(srv, max_tokens=60)
+    kw["extra_body"]["output_config"] = fmt  # newer SDKs take it as a parameter too
+    msg = client.messages.create(**kw)
     (block,) = msg.content
     assert block.type == "text" and msg.stop_reason == "end_turn"
     jsonschema.validate(orjson.loads(block.text), schema)
