@@ -112,6 +112,10 @@ def test_sampling_fields_and_thinking_carry_over() -> None:
             {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
             "messages.0.content.0.type",
         ),
+        (
+            {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi,"}]},
+            "messages.1.role",
+        ),
     ],
 )
 def test_a_bad_field_is_a_400_naming_the_messages_field(body: dict[str, Any], param: str) -> None:

@@ -212,6 +212,13 @@ def chat_body(req: CountTokensRequest) -> tuple[dict[str, Any], list[int]]:
         converted = _assistant(m, i, names) if m.role == "assistant" else _user(m, i, names)
         messages += converted
         origin += [i] * len(converted)
+    if req.messages[-1].role == "assistant":
+        # Anthropic continues a final assistant turn (prefill); the chat path here would
+        # answer it with a new turn instead, so say so rather than answer otherwise.
+        at = f"messages.{len(req.messages) - 1}"
+        raise invalid(
+            f"{at}.role", "a final assistant turn (prefill) is not supported here; end with a user turn"
+        )
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.tools:
         body["tools"] = [_tool(t) for t in req.tools]
