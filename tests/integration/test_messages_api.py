@@ -73,6 +73,12 @@ def test_create_streamed_and_not_give_the_same_message(srv: Any, client: anthrop
     assert _blocks(streamed) == _blocks(msg)
     assert (streamed.stop_reason, streamed.usage.output_tokens) == (msg.stop_reason, msg.usage.output_tokens)
     assert streamed.usage.input_tokens == msg.usage.input_tokens
+    raw = list(client.messages.create(**kw, stream=True))  # the raw events, no helper
+    text = "".join(
+        e.delta.text for e in raw if e.type == "content_block_delta" and e.delta.type == "text_delta"
+    )
+    assert text == "".join(b.text for b in msg.content if b.type == "text")
+    assert [e.type for e in raw][-2:] == ["message_delta", "message_stop"]
 
 
 def test_count_tokens_equals_the_prompt_tokens_a_create_reports(
