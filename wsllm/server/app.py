@@ -24,8 +24,8 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import openai_api, tokenize_api
-from wsllm.server.errors import APIError, from_broker
+from wsllm.server import messages_api, openai_api, tokenize_api
+from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
 from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
@@ -82,7 +82,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail)).response()
+    err = APIError(exc.status_code, code, str(exc.detail))
+    return anthropic_response(err) if request.url.path.startswith(ANTHROPIC_PREFIX) else err.response()
 
 
 async def _broker_error(request: Request, exc: Exception) -> Response:
@@ -144,6 +145,8 @@ def create_app(
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/streams/{request_id}", openai_api.resume_stream),
+        Route("/v1/messages", messages_api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", ws_endpoint),

@@ -126,3 +126,31 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Anthropic's error types by status (its Messages routes answer in its shape).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"  # the routes that answer errors in Anthropic's shape
+
+
+def anthropic_body(err: APIError) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def anthropic_response(err: APIError) -> Response:
+    """`err` in Anthropic's shape, with its status and headers (Retry-After too)."""
+    headers = dict(err.headers)
+    if err.retry_after is not None:
+        headers["retry-after"] = str(err.retry_after)
+    return Response(orjson.dumps(anthropic_body(err)), err.status, headers, media_type="application/json")

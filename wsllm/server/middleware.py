@@ -9,7 +9,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from wsllm.server.errors import APIError
+from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response
 from wsllm.server.tenants import ANONYMOUS, Tenant, Tenants
 
 # Paths the key protects: the API, the WebSocket, (de)tokenize, metrics and readiness. The chat
@@ -35,7 +35,8 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, err: APIError) -> 
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
         return
-    await err.response()(scope, receive, send)
+    anthropic = route_path(scope).startswith(ANTHROPIC_PREFIX)
+    await (anthropic_response(err) if anthropic else err.response())(scope, receive, send)
 
 
 class HostMiddleware:
@@ -71,7 +72,8 @@ class HostMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` (or, on the WebSocket handshake, where
+    """Requires `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's
+    header) (or, on the WebSocket handshake, where
     browsers cannot set headers, `?api_key=<key>`) to be a key of one of `tenants`,
     compared in constant time, and puts that tenant in `scope["state"]["tenant"]`
     (`request.state.tenant`): only this middleware sets it, from the key, never from
@@ -98,10 +100,14 @@ class ApiKeyMiddleware:
     def _tenant(self, scope: Scope) -> Tenant | None:
         if self.tenants is None:
             return ANONYMOUS
-        auth = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = auth.partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":
             found = self.tenants.authenticate(token.strip())
+            if found is not None:
+                return found
+        if "x-api-key" in headers:  # Anthropic's clients send the key here
+            found = self.tenants.authenticate(headers["x-api-key"].strip())
             if found is not None:
                 return found
         if scope["type"] == "websocket":

@@ -21,14 +21,18 @@ class Api(enum.StrEnum):
     COMPLETIONS = "completions"
     WS_CHAT = "ws_chat"
     WS_COMPLETION = "ws_completion"
+    MESSAGES = "messages"  # Anthropic's /v1/messages: a chat answer in its own shapes
 
     @property
     def is_chat(self) -> bool:
-        return self in (Api.CHAT, Api.WS_CHAT)
+        return self in (Api.CHAT, Api.WS_CHAT, Api.MESSAGES)
 
     @property
     def id_prefix(self) -> str:
-        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion."""
+        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion; Anthropic's
+        `msg` for a message."""
+        if self is Api.MESSAGES:
+            return "msg"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 

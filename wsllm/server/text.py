@@ -169,13 +169,15 @@ class StopMatcher:
     """Finds stop strings in streamed text. Text that could still be the start of a
     stop string is held back until the next delta settles it."""
 
-    __slots__ = ("_stops", "_firsts", "_held", "_longest")
+    __slots__ = ("_stops", "_firsts", "_held", "_longest", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._firsts = {s[0] for s in self._stops}
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
+        #: the stop string that ended the text (Anthropic's `stop_sequence` names it)
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to send now, whether a stop string matched). After a
@@ -183,10 +185,10 @@ class StopMatcher:
         The earliest-starting stop string wins, however the text was split: a match
         waits while an earlier-starting one could still complete."""
         buf = self._held + text
-        hit = self._first_match(buf)
+        hit, stop = self._first_match(buf)
         start = len(buf) - self._partial_suffix(buf)  # where a still-open match begins
         if 0 <= hit <= start:
-            self._held = ""
+            self._held, self.matched = "", stop
             return buf[:hit], True
         self._held = buf[start:]
         return buf[:start], False
@@ -195,11 +197,17 @@ class StopMatcher:
         """At the end of the stream: the held text, cut at a stop string that was
         waiting on an earlier, longer one that never completed."""
         buf, self._held = self._held, ""
-        hit = self._first_match(buf)
-        return (buf[:hit], True) if hit >= 0 else (buf, False)
+        hit, stop = self._first_match(buf)
+        if hit < 0:
+            return buf, False
+        self.matched = stop
+        return buf[:hit], True
 
-    def _first_match(self, buf: str) -> int:
-        return min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+    def _first_match(self, buf: str) -> tuple[int, str | None]:
+        """Where the earliest stop string starts in `buf` and which it is (the first
+        listed on a tie); (-1, None) when none does."""
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        return min(hits, key=lambda h: h[0]) if hits else (-1, None)
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
