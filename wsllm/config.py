@@ -96,6 +96,10 @@ class GatewayConfig:
     max_stop: int = field(default=8, metadata={"help": "most stop strings"})
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
+    max_prompt_logprobs: int = field(
+        default=65536,
+        metadata={"help": "largest prompt-logprobs table: prompt tokens x (prompt_logprobs + 1) entries"},
+    )
     max_messages: int = field(default=1024, metadata={"help": "most chat messages in one request"})
     max_prompts: int = field(
         default=16, metadata={"help": "most prompts in one /v1/completions call (a list of prompts)"}

@@ -41,6 +41,18 @@ class Prepared:
     #: what a gateway needs to read its answer, here or after a resume
     context: ResumeContext
 
+    @property
+    def prompt_logprobs_entries(self) -> int:
+        """Entries of the prompt-logprobs table this request asks for (0: none): work the
+        engine computes and the gateway renders, for the tenant's charge."""
+        return prompt_logprobs_entries(self.params, len(self.prompt_ids))
+
+
+def prompt_logprobs_entries(params: SamplingParams, prompt_len: int) -> int:
+    """Prompt tokens x (top N + 1): the size of a request's prompt-logprobs table."""
+    k = params.prompt_logprobs
+    return 0 if k is None else prompt_len * (k + 1)
+
 
 async def prepare(
     req: ChatRequest | CompletionRequest, api: Api, model: ServedModel, max_len: int, cfg: GatewayConfig
@@ -157,7 +169,7 @@ def sampling_params(
             param="max_tokens",
         )
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n or 1,
             max_tokens=max_tokens,
             min_tokens=min(req.min_tokens or 0, max_tokens),
@@ -182,6 +194,22 @@ def sampling_params(
         )
     except ValueError as e:  # SamplingParams' own checks: its message names the field
         raise APIError(400, "invalid_request", str(e)) from None
+    _check_table(params, prompt_len, cfg)
+    return params
+
+
+def _check_table(params: SamplingParams, prompt_len: int, cfg: GatewayConfig) -> None:
+    """A prompt-logprobs table within --max-prompt-logprobs entries (a 400 past it): it is
+    computed by the engine, sent on the wire and rendered as JSON by the gateway."""
+    entries = prompt_logprobs_entries(params, prompt_len)
+    if entries > cfg.max_prompt_logprobs:
+        raise APIError(
+            400,
+            "invalid_request",
+            f"prompt_logprobs: {prompt_len} prompt tokens x ({params.prompt_logprobs} + 1) is {entries} "
+            f"entries; this server's limit is {cfg.max_prompt_logprobs}",
+            param="prompt_logprobs",
+        )
 
 
 def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
