@@ -96,6 +96,10 @@ class GatewayConfig:
     max_stop: int = field(default=8, metadata={"help": "most stop strings"})
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
+    template_timeout_s: float = field(
+        default=5.0,
+        metadata={"help": "longest a chat template may render (and tokenize) one request: 400 past it"},
+    )
     max_prompt_logprobs: int = field(
         default=65536,
         metadata={"help": "largest prompt-logprobs table: prompt tokens x (prompt_logprobs + 1) entries"},

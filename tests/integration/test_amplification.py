@@ -6,6 +6,8 @@ the CSP and `frame-ancestors` as headers)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +21,7 @@ TABLE_LIMIT = 2000  # --max-prompt-logprobs for these tests
 
 @pytest.fixture(scope="module")
 def srv(live_server: Any, tiny_engine: Any) -> Iterator[Any]:
-    with live_server(tiny_engine, max_prompt_logprobs=TABLE_LIMIT) as s:
+    with live_server(tiny_engine, max_prompt_logprobs=TABLE_LIMIT, template_timeout_s=1.0) as s:
         yield s
 
 
@@ -121,3 +123,50 @@ def test_a_batch_with_n_carries_each_prompt_table_once(srv: Any) -> None:
     assert [len(t) for t in tables] == [len(PROMPT), 4]
     assert choices[0]["prompt_logprobs"] and choices[3]["prompt_logprobs"]
     assert r.content.count(b'"decoded_token"') == sum(len(e) for t in tables for e in t if e is not None)
+
+
+# -- chat templates ------------------------------------------------------------------
+
+LOOPING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_looping_chat_template_is_a_400_within_its_limit_and_streams_go_on(srv: Any) -> None:
+    """A model's template that loops (a hostile download) rendered on the event loop
+    stalled every stream of the gateway for as long as it ran."""
+    codec = srv.gateway.codec
+    good = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def go() -> tuple[httpx.Response, float, float]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+            gaps: list[float] = []
+
+            async def bystander() -> None:
+                async with http.stream("POST", "/v1/completions", json=good) as r:
+                    last = time.monotonic()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            now = time.monotonic()
+                            gaps.append(now - last)
+                            last = now
+
+            stream = asyncio.create_task(bystander())
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            bad = await http.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            took = time.monotonic() - t0
+            await stream
+            return bad, took, max(gaps[1:])
+
+    old = codec.hf.chat_template
+    codec.hf.chat_template = LOOPING_TEMPLATE
+    try:
+        bad, took, worst_gap = asyncio.run(go())
+    finally:
+        codec.hf.chat_template = old
+    assert bad.status_code == 400, bad.text
+    assert "longer than 1s" in bad.json()["error"]["message"]
+    assert took < 2.0
+    assert worst_gap < 0.5, f"a stream stalled {worst_gap:.2f}s while the template ran"

@@ -21,13 +21,12 @@ from wsllm.server.errors import APIError
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
-from wsllm.server.text import TemplateError, TextCodec
+from wsllm.server.text import TemplateError, TextCodec, run_with_deadline
 from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
 # tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
-_MESSAGE_OVERHEAD_CHARS = 16
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -64,7 +63,7 @@ async def prepare(
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
     structured = None if wanted is None else await asyncio.to_thread(checked, *wanted)
-    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {})
+    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
@@ -84,7 +83,7 @@ async def tokenize(
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
         }
-        return await _prompt_ids(chat, codec, template)
+        return await _prompt_ids(chat, codec, template, cfg.template_timeout_s)
     encode = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
     return await _run_text(encode, req.prompt, len(req.prompt))
 
@@ -117,7 +116,10 @@ def _vocab(codec: TextCodec, ids: list[int], param: str) -> None:
 
 
 async def _prompt_ids(
-    req: ChatRequest | CompletionRequest, codec: TextCodec, template: dict[str, Any]
+    req: ChatRequest | CompletionRequest,
+    codec: TextCodec,
+    template: dict[str, Any],
+    template_timeout_s: float,
 ) -> list[int]:
     if isinstance(req, CompletionRequest):
         prompt = req.single
@@ -125,9 +127,9 @@ async def _prompt_ids(
             return list(prompt)
         return await _run_text(codec.encode, prompt, len(prompt))
     messages = [m.as_template_input() for m in req.messages]
-    size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
-    try:
-        return await _run_text(functools.partial(codec.encode_chat, **template), messages, size)
+    encode = functools.partial(codec.encode_chat, messages, **template)
+    try:  # a template is a program: always off the loop, always with a deadline
+        return await run_with_deadline(encode, template_timeout_s, "chat-template")
     except TemplateError as e:
         raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
 
