@@ -56,6 +56,12 @@ class EngineConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
+    structured_compile_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "longest a request waits for its structured-output spec to compile: an error past it"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
     def __post_init__(self) -> None:
@@ -99,6 +105,12 @@ class GatewayConfig:
     template_timeout_s: float = field(
         default=5.0,
         metadata={"help": "longest a chat template may render (and tokenize) one request: 400 past it"},
+    )
+    spec_check_timeout_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "longest a structured-output spec may take to check (waiting included): 400 past it"
+        },
     )
     max_prompt_logprobs: int = field(
         default=65536,

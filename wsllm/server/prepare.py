@@ -39,6 +39,8 @@ class Prepared:
     params: SamplingParams
     #: what a gateway needs to read its answer, here or after a resume
     context: ResumeContext
+    #: seconds the gateway spent checking its structured-output spec (0: none), for the charge
+    compile_s: float = 0.0
 
     @property
     def prompt_logprobs_entries(self) -> int:
@@ -62,13 +64,15 @@ async def prepare(
     _check_vocab(codec, req)
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
-    structured = None if wanted is None else await asyncio.to_thread(checked, *wanted)
+    structured, compile_s = (
+        (None, 0.0) if wanted is None else await checked(*wanted, cfg.spec_check_timeout_s)
+    )
     prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
-    return Prepared(prompt_ids, params, ctx)
+    return Prepared(prompt_ids, params, ctx, compile_s)
 
 
 async def tokenize(
