@@ -300,4 +300,4 @@ def prompt_text(gen: Generation, req: CompletionRequest) -> str:
     prompt = req.single
     if isinstance(prompt, str):
         return prompt
-    return str(gen.svc.codec.backend.decode(prompt, skip_special_tokens=False))
+    return gen.svc.codec.decode(prompt)

@@ -95,8 +95,7 @@ async def tokenize(
 async def detokenize(req: Detokenize, codec: TextCodec) -> str:
     """vLLM's /detokenize: the text of token ids, special tokens kept."""
     _vocab(codec, req.tokens, "tokens")
-    decode = functools.partial(codec.backend.decode, skip_special_tokens=False)
-    return str(await _run_text(decode, req.tokens, 4 * len(req.tokens)))
+    return await _run_text(codec.decode, req.tokens, 4 * len(req.tokens))
 
 
 def _check_vocab(codec: TextCodec, req: ChatRequest | CompletionRequest) -> None:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens given to each detokenizer as context (leading spaces, merges).
 _CONTEXT_TOKENS = 5
+# Texts longer than this go through the tokenizer's batch calls, which release the GIL.
+_GIL_FREE_ABOVE = 4096
 # Stand-ins for message contents while a template renders (private-use characters,
 # which no template trims or escapes).
 _MARK = re.compile("\ue000(\\d+)\ue001")
@@ -134,7 +136,13 @@ class TextCodec:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return _encode(self.backend, text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (/detokenize, a token-id prompt's echo)."""
+        if len(token_ids) <= _GIL_FREE_ABOVE // 4:
+            return str(self.backend.decode(token_ids, skip_special_tokens=False))
+        return str(self.backend.decode_batch([token_ids], skip_special_tokens=False)[0])  # frees the GIL
 
     @property
     def chat_template(self) -> str:
@@ -188,7 +196,7 @@ class TextCodec:
             ms, tools, template_kwargs, add_generation_prompt, continue_final_message
         )
         if not any(sp in m["content"] for m in messages for sp in self._specials):
-            return list(self.backend.encode(render(messages), add_special_tokens=False).ids)
+            return _encode(self.backend, render(messages), False)
         # Render with a mark per content, then tokenize the template's own text with its
         # special tokens and each content as plain text.
         marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
@@ -199,9 +207,9 @@ class TextCodec:
         ids: list[int] = []
         for k, part in enumerate(parts):
             if k % 2 == 0:
-                ids += self.backend.encode(part, add_special_tokens=False).ids
+                ids += _encode(self.backend, part, False)
             else:
-                ids += self._literal.encode(messages[int(part)]["content"], add_special_tokens=False).ids
+                ids += _encode(self._literal, messages[int(part)]["content"], False)
         return ids
 
     def detokenizer(self, prompt_token_ids: list[int]) -> Detokenizer:
@@ -215,6 +223,15 @@ class TextCodec:
             if len(self._token_text) < 65536:
                 self._token_text[token_id] = text
         return text
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode`, which holds the GIL throughout (seconds for a megabyte: on a
+    thread it still stops the event loop), or for a long text `encode_batch`, which
+    releases it: the same ids."""
+    if len(text) <= _GIL_FREE_ABOVE:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 class Detokenizer:
