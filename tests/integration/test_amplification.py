@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,3 +171,32 @@ def test_a_looping_chat_template_is_a_400_within_its_limit_and_streams_go_on(srv
     assert "longer than 1s" in bad.json()["error"]["message"]
     assert took < 2.0
     assert worst_gap < 0.5, f"a stream stalled {worst_gap:.2f}s while the template ran"
+
+
+# -- structured output ---------------------------------------------------------------
+
+
+def test_a_spec_that_does_not_compile_in_time_is_a_400(srv: Any) -> None:
+    """A schema past the gateway's deadline (here a few milliseconds; seconds by
+    default) is refused before it reaches an engine."""
+    tag = uuid.uuid4().hex[:8]
+    heavy = {"regex": "(" + "|".join(f"w{tag}{i}[a-z]{{2,5}}" for i in range(5000)) + ")"}
+    old = srv.gateway.cfg.spec_check_timeout_s
+    srv.gateway.cfg.spec_check_timeout_s = 0.005
+    try:
+        r = httpx.post(
+            f"{srv.base_url}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 4, "structured_outputs": heavy},
+            timeout=60,
+        )
+    finally:
+        srv.gateway.cfg.spec_check_timeout_s = old
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "structured_outputs" and "did not compile within" in err["message"]
+    ok = httpx.post(
+        f"{srv.base_url}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"regex": "[a-z]{2,5}"}},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
