@@ -72,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.structured_compile_timeout_s > 0:
+            raise ValueError(
+                f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
@@ -169,6 +173,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
+        if not self.template_timeout_s > 0 or not self.spec_check_timeout_s > 0:
+            raise ValueError("template_timeout_s and spec_check_timeout_s must be > 0")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 
