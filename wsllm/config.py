@@ -56,6 +56,12 @@ class EngineConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
+    structured_compile_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "longest a request waits for its structured-output spec to compile: an error past it"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
     def __post_init__(self) -> None:
@@ -66,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.structured_compile_timeout_s > 0:
+            raise ValueError(
+                f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
@@ -96,6 +106,20 @@ class GatewayConfig:
     max_stop: int = field(default=8, metadata={"help": "most stop strings"})
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
+    template_timeout_s: float = field(
+        default=5.0,
+        metadata={"help": "longest a chat template may render (and tokenize) one request: 400 past it"},
+    )
+    spec_check_timeout_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "longest a structured-output spec may take to check (waiting included): 400 past it"
+        },
+    )
+    max_prompt_logprobs: int = field(
+        default=65536,
+        metadata={"help": "largest prompt-logprobs table: prompt tokens x (prompt_logprobs + 1) entries"},
+    )
     max_messages: int = field(default=1024, metadata={"help": "most chat messages in one request"})
     max_prompts: int = field(
         default=16, metadata={"help": "most prompts in one /v1/completions call (a list of prompts)"}
@@ -149,6 +173,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
+        if not self.template_timeout_s > 0 or not self.spec_check_timeout_s > 0:
+            raise ValueError("template_timeout_s and spec_check_timeout_s must be > 0")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 

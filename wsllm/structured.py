@@ -4,18 +4,24 @@ Shared by the gateway and the engine, and torch-free (llguidance's core is Rust)
 - `check_spec(spec)`: ValueError with a clear message when the schema, regex or grammar
   cannot be compiled, so that the gateway answers 400 naming the problem;
 - `grammar_for(spec)`: the llguidance grammar of a spec;
-- `Matchers`: the engine's factory of per-sequence matchers. It builds the tokenizer
-  (about a second) the first time a structured request arrives, and keeps the last
-  compiled specs so that a repeated schema costs a copy, not a compile.
+- `Matchers`: the engine's factory of per-sequence matchers, compiling on a helper
+  thread (never the engine's step thread). It builds the tokenizer (about a second)
+  once, and keeps the last compiled specs so that a repeated schema costs a copy, not
+  a compile;
+- `check_spec_within(spec, limit_s)`: the gateway's check, off the event loop on a
+  thread of its own, with a deadline.
 
 What a spec accepts is in docs/protocol.md ("Structured output").
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
+import time
 from collections import OrderedDict
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +76,38 @@ def check_spec(spec: Any) -> None:
         raise ValueError(f"structured.{next(iter(spec))}: {_cut(messages[0])}")
 
 
+_checks: ThreadPoolExecutor | None = None  # the gateway's checks: a thread of their own
+
+
+async def check_spec_within(spec: Any, limit_s: float) -> float:
+    """`check_spec` off the event loop, on one thread kept for it (a flood of unique
+    schemas queues there, not in front of the gateway's tokenization), within `limit_s`
+    seconds of waiting and compiling: ValueError past it, as for a spec that does not
+    compile. Returns the seconds it took, for the tenant's charge."""
+    global _checks
+    if _checks is None:
+        _checks = ThreadPoolExecutor(1, thread_name_prefix="wsllm-spec-check")
+    t0 = time.monotonic()
+    pending = asyncio.get_running_loop().run_in_executor(_checks, check_spec, spec)
+    try:
+        await asyncio.wait_for(pending, limit_s)  # one not begun yet is dropped
+    except TimeoutError:
+        raise ValueError(f"structured.{next(iter(spec))}: did not compile within {limit_s:g}s") from None
+    return time.monotonic() - t0
+
+
 def _canonical(spec: Any) -> bytes:
     return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)
 
 
 class Matchers:
-    """One engine's source of llguidance matchers, one per sequence. Not thread-safe
-    (the engine's one thread uses it)."""
+    """One engine's source of llguidance matchers, one per sequence. Compiling happens
+    on a helper thread of its own (`start` hands back a Future): the tokenizer's index
+    (seconds), each spec's compile (milliseconds, or hundreds for a large one) and the
+    cache of compiled specs all live there, so the engine's step thread never waits on
+    them and every stream of the engine goes on while a unique schema compiles. One
+    thread: a flood of unique schemas queues behind itself (each request bounded by the
+    engine's deadline), not beside the model on every core."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.model_dir = str(model_dir)
@@ -84,34 +115,43 @@ class Matchers:
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: LLTokenizer | None = None
         self._tokenizer_error: str | None = None
-        self._warming: threading.Thread | None = None
+        self._warmed = False
         self._compiled: OrderedDict[bytes, LLMatcher] = OrderedDict()  # spec -> a fresh matcher
         # Runtime errors say what failed, without a dump of the parser's state.
         self._limits = LLParserLimits(verbose_errors=False)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="wsllm-llguidance")
 
     def warm(self) -> None:
-        """Build the tokenizer's index on a thread of its own now, so that the first
-        structured request does not stop every stream of the engine while it is built
-        (seconds for a 49k vocabulary on 2 cores). Servers call this once the model is
-        loaded; tests that never ask for structured output leave it."""
-        if self._tokenizer is None and self._warming is None:
+        """Build the tokenizer's index on the helper thread now, so that the first
+        structured request does not wait seconds for it. Servers call this once the
+        model is loaded; tests that never ask for structured output leave it."""
+        if not self._warmed:
+            self._warmed = True
             # transformers resolves its names lazily, and not safely from two threads at
             # once: resolve here the ones this and the gateway's tokenizers use.
             import llguidance.hf  # noqa: F401
             import transformers
 
             _ = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
-            self._warming = threading.Thread(target=self._build, name="wsllm-llguidance-warm", daemon=True)
-            self._warming.start()
+            self._pool.submit(self._build)
 
-    def tokenizer(self) -> LLTokenizer:
-        """llguidance's view of the model's tokenizer, built on first use (or by
-        `warm`). Every id in `eos_token_ids` ends a grammar that is complete."""
-        if self._warming is not None:
-            self._warming.join()  # at most what is left of the build
-            self._warming = None
-        if self._tokenizer is None:
-            self._build()
+    def start(self, spec: Any) -> Future[LLMatcher]:
+        """A matcher at the start of `spec`'s grammar, compiled on the helper thread: the
+        Future raises ValueError naming the problem when the spec does not compile (or
+        the model's tokenizer cannot be read). Cancel it to drop a compile not begun."""
+        return self._pool.submit(self._new, spec)
+
+    def new(self, spec: Any) -> LLMatcher:
+        """`start(spec)`, waited for: for callers with nothing else to do meanwhile."""
+        return self.start(spec).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _tokenizer_now(self) -> LLTokenizer:
+        """llguidance's view of the model's tokenizer (on the helper thread). Every id in
+        `eos_token_ids` ends a grammar that is complete."""
+        self._build()
         if self._tokenizer is None:
             raise ValueError(self._tokenizer_error)
         return self._tokenizer
@@ -132,14 +172,12 @@ class Matchers:
                 log.exception("structured output: cannot load the tokenizer of %s", self.model_dir)
                 self._tokenizer_error = f"structured output is not available for this model: {e}"
 
-    def new(self, spec: Any) -> LLMatcher:
-        """A matcher at the start of `spec`'s grammar; ValueError naming the problem
-        when the spec does not compile."""
+    def _new(self, spec: Any) -> LLMatcher:
         key = _canonical(spec)
         fresh = self._compiled.get(key)
         if fresh is None:
             grammar = grammar_for(spec)
-            fresh = LLMatcher(self.tokenizer(), grammar, log_level=0, limits=self._limits)
+            fresh = LLMatcher(self._tokenizer_now(), grammar, log_level=0, limits=self._limits)
             if fresh.is_error():
                 raise ValueError(f"structured.{next(iter(spec))}: {_cut(fresh.get_error())}")
             self._compiled[key] = fresh
@@ -150,4 +188,51 @@ class Matchers:
         return fresh.deep_copy()
 
 
-__all__ = ["JSON_DEFAULTS", "Matchers", "check_spec", "grammar_for"]
+class PendingCompiles:
+    """The engine's requests whose matcher is compiling (`Matchers.start`), each with
+    its deadline. The step thread polls them; it waits only when it has nothing else to
+    run, so that an idle engine does not spin while a spec compiles."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: dict[str, tuple[Future[LLMatcher], float]] = {}  # request id -> (compile, deadline)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, request_id: str, compiling: Future[LLMatcher]) -> None:
+        self._pending[request_id] = (compiling, time.monotonic() + self.timeout_s)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (aborted): its compile is dropped if it has not begun."""
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            entry[0].cancel()
+
+    def poll(self, wait_s: float = 0.0) -> tuple[list[tuple[str, LLMatcher]], list[tuple[str, str]]]:
+        """(request id, matcher) of the compiles done, and (request id, why) of those that
+        failed or passed their deadline; waits up to `wait_s` for one to end."""
+        if wait_s > 0 and self._pending:
+            futures.wait([f for f, _ in self._pending.values()], wait_s, futures.FIRST_COMPLETED)
+        ready: list[tuple[str, LLMatcher]] = []
+        failed: list[tuple[str, str]] = []
+        now = time.monotonic()
+        for rid, (compiling, deadline) in list(self._pending.items()):
+            if compiling.done():
+                del self._pending[rid]
+                try:
+                    ready.append((rid, compiling.result()))
+                except ValueError as e:
+                    failed.append((rid, str(e)))
+                except Exception as e:  # noqa: BLE001 - llguidance failing is this request's failure
+                    log.exception("structured output: compiling a spec failed")
+                    failed.append((rid, f"structured output failed to compile: {e}"))
+            elif now >= deadline:
+                self.drop(rid)
+                failed.append(
+                    (rid, f"structured output: the spec did not compile within {self.timeout_s:g}s")
+                )
+        return ready, failed
+
+
+__all__ = ["JSON_DEFAULTS", "Matchers", "PendingCompiles", "check_spec", "check_spec_within", "grammar_for"]

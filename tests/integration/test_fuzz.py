@@ -140,13 +140,29 @@ FIELDS = [
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "n", "ignore_eos", "min_tokens",
     "user", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "use_beam_search", "beam_width",
     "length_penalty", "early_stopping", "messages", "prompt", "type", "id", "after_seq", "resume_token",
+    "prompt_logprobs", "logit_bias", "response_format", "structured_outputs", "tools", "tool_choice",
+    "chat_template_kwargs", "tokens", "add_special_tokens", "add_generation_prompt",
 ]  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}}}
 BASES = [
     {"messages": MSGS, "max_tokens": 4},
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
     {"prompt": "Once upon", "max_tokens": 4, "n": 2, "stop": ["\n"]},
     {"prompt": [1, 2, 3], "max_tokens": 3, "use_beam_search": True, "beam_width": 2},
+    # issue 23's amplifications: prompt tables, structured output, logit_bias keys
+    {"prompt": "Once upon a time", "max_tokens": 3, "prompt_logprobs": 5, "logprobs": 2, "echo": True},
+    {"messages": MSGS, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+    {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"regex": "[a-z]{1,4}"}, "logit_bias": {"42": 5}},
+    {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"choice": ["yes", "no"]}},
+    # /tokenize and /detokenize
+    {"prompt": "Once upon a time", "add_special_tokens": False},
+    {"messages": MSGS, "add_generation_prompt": True},
+    {"tokens": [1, 2, 3, 4]},
 ]  # fmt: skip
+JSON_TYPE = "application/json"
+PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+# What a browser's simple request sends: refused with 415 before anything else.
+CONTENT_TYPES = ["application/json"] * 17 + ["text/plain", "application/x-www-form-urlencoded", ""]
 
 
 @st.composite
@@ -209,17 +225,32 @@ def fuzz_http(srv: Any) -> None:
 
     @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(
-        path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+        path=st.sampled_from(PATHS),
         body=mutated(),
         raw=st.integers(0, 19),
+        ctype=st.sampled_from(CONTENT_TYPES),
     )
-    @example("/v1/chat/completions", {"messages": MSGS, "top_k": 18446744073709551615}, 1)  # the issue's case
-    @example("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 1e-300, "top_k": 2**63}, 1)
-    @example("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 5000}, 1)
-    def one(path: str, body: Any, raw: int) -> None:
+    @example(
+        "/v1/chat/completions", {"messages": MSGS, "top_k": 18446744073709551615}, 1, JSON_TYPE
+    )  # the issue's case
+    @example(
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 8, "temperature": 1e-300, "top_k": 2**63},
+        1,
+        JSON_TYPE,
+    )
+    @example("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 5000}, 1, JSON_TYPE)
+    @example("/v1/completions", {"prompt": "hi" * 200, "prompt_logprobs": 20, "max_tokens": 2}, 1, JSON_TYPE)
+    @example("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 1, JSON_TYPE)  # issue 23: "²"
+    @example("/v1/completions", {"prompt": "hi", "max_tokens": 2}, 1, "text/plain")
+    @example("/tokenize", {"prompt": "x" * 60000}, 1, JSON_TYPE)
+    def one(path: str, body: Any, raw: int, ctype: str) -> None:
         data = json.dumps(body).encode()  # stdlib: any integer, as a client may send
         content = data if raw else data[: max(1, len(data) // 2)]
-        check_http(http.post(path, content=content, headers={"content-type": "application/json"}))
+        r = http.post(path, content=content, headers={"content-type": ctype} if ctype else {})
+        check_http(r)
+        if ctype != JSON_TYPE:
+            assert r.status_code == 415, r.text
 
     try:
         one()

@@ -28,7 +28,7 @@ from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
 from wsllm.models import cpu_linear, loader
 from wsllm.models.llama import LlamaForCausalLM
-from wsllm.structured import Matchers
+from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
     ERR_INTERNAL,
     ERR_INVALID_REQUEST,
@@ -113,6 +113,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids)  # loads nothing until used
+        self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
         self._requests: dict[str, Request] = {}
@@ -160,13 +161,13 @@ class LLMEngine:
         A higher `priority` is admitted first; within a priority, `tenant`s share the
         batch by tokens served (see Scheduler)."""
         self._validate(request_id, prompt_token_ids, params)
-        # the spec compiles (or raises ValueError) here; choices 1..n-1 copy choice 0's matcher
-        matcher = self.matchers.new(params.structured) if params.structured is not None else None
         now = arrival_time if arrival_time is not None else time.time()
         req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
-        req.seqs[0].matcher = matcher
         self._requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
+        if params.structured is not None:  # compiled off this thread; step() schedules it when done
+            self.compiling.add(request_id, self.matchers.start(params.structured))
+        else:
+            self.scheduler.add(req.seqs[0])
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -212,6 +213,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self.compiling.drop(request_id)
         self._end(req, FINISH_ABORT)
         self._aborted.append(req)
         self.num_aborted_total += 1
@@ -232,7 +234,7 @@ class LLMEngine:
         """How many more requests to admit now: room in the running batch plus what
         the free KV blocks could start, minus what already waits."""
         s = self.scheduler
-        waiting = len(s.waiting) + len(s.swapped)
+        waiting = len(s.waiting) + len(s.swapped) + len(self.compiling)
         room = self.config.max_num_seqs - len(s.running) - waiting
         bm = self.block_manager
         avg = max(1, bm.blocks_for(256))
@@ -240,7 +242,7 @@ class LLMEngine:
         return max(0, min(room, max(kv_room, 1 if not s.running and not waiting else 0)))
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._flush_aborted()
+        outputs = self._flush_aborted() + self._admit_compiled()
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
@@ -360,6 +362,23 @@ class LLMEngine:
             if outs[-1].finished:
                 del self._requests[rid]
         return outs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose structured-output spec compiled join the scheduler, with choice
+        0's matcher (choices 1..n-1 copy it when they fork); those whose spec failed or
+        missed its deadline end with an invalid_request error."""
+        s = self.scheduler
+        idle = not (s.running or s.waiting or s.swapped)
+        ready, failed = self.compiling.poll(wait_s=0.01 if idle else 0.0)
+        for rid, matcher in ready:
+            if (req := self._requests.get(rid)) is not None:
+                req.seqs[0].matcher = matcher
+                s.add(req.seqs[0])
+        return [
+            self._fail(self._requests[rid], ERR_INVALID_REQUEST, why)
+            for rid, why in failed
+            if rid in self._requests
+        ]
 
     def _flush_aborted(self) -> list[RequestOutput]:
         outs = [r.output() for r in self._aborted]

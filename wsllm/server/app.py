@@ -28,7 +28,12 @@ from wsllm.server import messages_api, openai_api, tokenize_api
 from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
-from wsllm.server.middleware import ApiKeyMiddleware, HostMiddleware
+from wsllm.server.middleware import (
+    ApiKeyMiddleware,
+    HostMiddleware,
+    JsonBodyMiddleware,
+    SecurityHeadersMiddleware,
+)
 from wsllm.server.tenants import Tenants
 from wsllm.server.text import TextCodec
 from wsllm.server.ws import ws_endpoint
@@ -157,8 +162,10 @@ def create_app(
     app = Starlette(
         routes=routes,
         middleware=[
+            Middleware(SecurityHeadersMiddleware),
             Middleware(HostMiddleware, allowed_hosts=cfg.allowed_hosts, bind_host=cfg.host),
             Middleware(ApiKeyMiddleware, tenants=tenants),
+            Middleware(JsonBodyMiddleware),
         ],
         exception_handlers={
             APIError: _api_error,

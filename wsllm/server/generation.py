@@ -114,9 +114,9 @@ class Generation:
         self.request_id = request_id
         self.want_logprobs = params.logprobs is not None
         self.prompt_ids_for_logprobs = prompt_ids if params.prompt_logprobs is not None else []
-        #: per prompt token (None for the first): filled once, from the engine's first event
-        self.prompt_logprobs: list[TokenLogprob] | None = None
-        self.prompt_logprobs_raw: list[Any] | None = None  # as the engine sent them (token ids)
+        #: per prompt token (None for the first), as the engine sent them (token ids): kept
+        #: once, from its first event, and rendered by the transport off the event loop
+        self.prompt_logprobs_raw: list[Any] | None = None
         output = OutputOptions.from_context(ctx.output)
         if output is None and ctx.api.is_chat:
             output = OutputOptions()  # no tools; <think> split off
@@ -257,9 +257,8 @@ class Generation:
                 ev.error_code or ERR_INTERNAL, ev.error or f"bad event for choice {ev.index}"
             )
         self._observe(ev)
-        if ev.prompt_logprobs is not None and self.prompt_logprobs is None:  # a replay sends them again
+        if ev.prompt_logprobs is not None and self.prompt_logprobs_raw is None:  # a replay sends them again
             self.prompt_logprobs_raw = ev.prompt_logprobs
-            self.prompt_logprobs = self._prompt_lps(ev.prompt_logprobs)
         c = self.choices[ev.index]
         if ev.usage is not None:
             self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
@@ -330,7 +329,12 @@ class Generation:
             t.queue_time = ev.queue_time
             self.svc.metrics.queue.observe(ev.queue_time)
 
-    def _prompt_lps(self, entries: list[Any]) -> list[TokenLogprob]:
+    def prompt_token_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs as tokens' text (for `echo`); a table of prompt tokens x
+        (top N + 1) entries: call it off the event loop."""
+        entries = self.prompt_logprobs_raw
+        if entries is None:
+            return None
         text = self.svc.codec.token_text
         return [
             TokenLogprob(text(tid), None, [])

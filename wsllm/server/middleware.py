@@ -131,3 +131,68 @@ def _drop_key_from_query(scope: Scope) -> None:
         return
     query = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
     scope["query_string"] = urlencode([(k, v) for k, v in query if k != "api_key"]).encode("latin-1")
+
+
+# The UI's policy, sent as headers: a <meta> tag cannot carry `frame-ancestors` (so a
+# page could frame the UI and click through it), and it covers only HTML pages.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; img-src 'self' data:; connect-src 'self' ws: wss:; "
+    "style-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = (
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),  # frame-ancestors for browsers that predate it
+)
+# POST routes whose body is JSON: under these prefixes, every POST.
+JSON_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class SecurityHeadersMiddleware:
+    """Adds the content security policy, `frame-ancestors 'none'` and `nosniff` to every
+    HTTP response (the UI's pages, the API's JSON, its errors)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in names]
+                message = message | {"headers": list(message.get("headers", [])) + extra}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class JsonBodyMiddleware:
+    """A POST to a JSON route must say `Content-Type: application/json` (415 otherwise).
+    A form or `text/plain` POST is a "simple" request that any web page can send
+    cross-origin without a CORS preflight: served, it would let any site queue work on
+    a keyless gateway on localhost. A JSON one needs the preflight, which we never grant."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and _is_json_route(scope):
+            ctype = Headers(scope=scope).get("content-type", "")
+            if ctype.partition(";")[0].strip().lower() != "application/json":
+                err = APIError(
+                    415,
+                    "unsupported_media_type",
+                    f"this route takes a JSON body: Content-Type must be application/json (got {ctype!r})",
+                )
+                await _refuse(scope, receive, send, err)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_json_route(scope: Scope) -> bool:
+    path = route_path(scope)
+    return path.startswith(JSON_PREFIXES)

@@ -101,9 +101,12 @@ async def _full_response(request: Request, apis: list[AnswerView]) -> Response:
             await a.gen.cancel()  # no-op when it finished; frees the engine request otherwise
     if not done or collected is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    body = whole_answer(apis, collected)
     headers = apis[-1].gen.ratelimit_headers  # the last admitted: the freshest figures
-    return Response(orjson.dumps(body), headers=headers, media_type="application/json")
+    if any(a.gen.prompt_logprobs_raw is not None for a in apis):  # megabytes: off the loop
+        raw = await asyncio.to_thread(lambda: orjson.dumps(whole_answer(apis, collected)))
+    else:
+        raw = orjson.dumps(whole_answer(apis, collected))
+    return Response(raw, headers=headers, media_type="application/json")
 
 
 async def _generate(request: Request, chat: bool) -> Response:

@@ -10,6 +10,8 @@ import contextlib
 import time
 from typing import Any
 
+import orjson
+
 from wsllm.server.chat.output import assemble_tool_calls
 from wsllm.server.generation import Delta, Generation, TokenLogprob
 from wsllm.server.schemas import CompletionRequest
@@ -58,10 +60,11 @@ def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[st
     }
 
 
-def _vllm_prompt_logprobs(gen: Generation) -> list[dict[str, Any] | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+def _vllm_prompt_logprobs(gen: Generation) -> orjson.Fragment | None:
+    """vLLM's `prompt_logprobs`, serialized: per prompt token, None for the first, else
     {token id: {"logprob", "rank" (in the top list), "decoded_token"}} for the prompt's
-    token and the top ones."""
+    token and the top ones. Prompt tokens x (top N + 1) entries (bounded by
+    --max-prompt-logprobs): built once per prompt, off the event loop."""
     raw = gen.prompt_logprobs_raw
     if raw is None:
         return None
@@ -77,7 +80,27 @@ def _vllm_prompt_logprobs(gen: Generation) -> list[dict[str, Any] | None] | None
         }
         entry.setdefault(str(tid), {"logprob": float(e[0]), "decoded_token": text(tid)})
         out.append(entry)
-    return out
+    return orjson.Fragment(orjson.dumps(out))
+
+
+class _PromptTables:
+    """One prompt's logprob tables, each rendered once (off the loop: `build`) when the
+    engine's first event brings them, then reused by every chunk and choice."""
+
+    __slots__ = ("echo", "vllm")
+
+    def __init__(self) -> None:
+        self.vllm: orjson.Fragment | None = None  # vLLM's `prompt_logprobs`
+        self.echo: list[TokenLogprob] | None = None  # OpenAI's, before an echoed answer
+
+    def ready(self, gen: Generation) -> bool:
+        return gen.prompt_logprobs_raw is None or self.vllm is not None
+
+    def build(self, gen: Generation, vllm: bool, echo: bool) -> None:
+        if gen.prompt_logprobs_raw is None or self.vllm is not None:
+            return
+        self.echo = gen.prompt_token_logprobs() if echo else None
+        self.vllm = _vllm_prompt_logprobs(gen) if vllm else orjson.Fragment(b"null")
 
 
 class AnswerView:
@@ -99,6 +122,8 @@ class AnswerView:
         self.offsets = [0] * len(gen.choices)  # characters sent per choice (text_offset)
         self.started: set[int] = set()  # chat: choices whose role was sent
         self.first_index = 0  # in a batch of prompts: this prompt's index * n
+        self.tables = _PromptTables()
+        self.table_sent = False  # streamed: vLLM's table goes out once, in the first chunk after it came
 
     @property
     def finished(self) -> bool:
@@ -111,7 +136,18 @@ class AnswerView:
     async def next_choices(self, timeout: float) -> list[dict[str, Any]] | None:
         """The chunk choices of the next deltas; None when `timeout` passed first."""
         deltas = await self.gen.next(timeout=timeout)
-        return None if not deltas else self.choices_of(deltas)
+        return None if not deltas else await self.render(deltas)
+
+    async def render(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        """The chunk choices of `deltas`, the prompt's tables built first (off the loop:
+        a long prompt's table is megabytes of JSON)."""
+        if not self.tables.ready(self.gen):
+            await asyncio.to_thread(self.build_tables)
+        return self.choices_of(deltas)
+
+    def build_tables(self) -> None:
+        want_echo = self.echo is not None and self.gen.want_logprobs
+        self.tables.build(self.gen, self.vllm_prompt_logprobs, want_echo)
 
     def choices_of(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         return [
@@ -139,8 +175,10 @@ class AnswerView:
                 "text": text,
                 "logprobs": _completion_logprobs(lps, self.offsets[d.index]),
             }
-            if self.vllm_prompt_logprobs and d.index == 0 and self.offsets[0] == 0:
-                out["prompt_logprobs"] = _vllm_prompt_logprobs(self.gen)
+            if self.vllm_prompt_logprobs and d.index == 0 and not self.table_sent:
+                self.build_tables()  # a no-op when render() built them
+                out["prompt_logprobs"] = self.tables.vllm
+                self.table_sent = self.tables.vllm is not None
             self.offsets[d.index] += len(text)
             out["finish_reason"] = d.finish_reason
             out["index"] = d.index + self.first_index
@@ -154,7 +192,8 @@ class AnswerView:
         if self.echo is None:
             return text, lps
         if lps is not None:
-            lps = list(self.gen.prompt_logprobs or []) + lps
+            self.build_tables()  # a no-op when render() built them
+            lps = list(self.tables.echo or []) + lps
         return self.echo + text, lps
 
 
@@ -198,7 +237,7 @@ class BatchView:
         got = [(i, self._pending.pop(i).result()) for i in ready]  # raises GenerationError
         if not any(deltas for _, deltas in got):
             return None  # every one that answered timed out
-        return [c for i, deltas in got for c in self.apis[i].choices_of(deltas)]
+        return [c for i, deltas in got for c in await self.apis[i].render(deltas)]
 
     async def close(self) -> None:
         """However the call ends: stop waiting, and free what still runs."""
@@ -239,15 +278,17 @@ def _choices(api: AnswerView, per_choice: list[list[Delta]]) -> list[dict[str, A
                 "logprobs": _completion_logprobs(lps, 0),
                 "finish_reason": finish,
             }
-            if api.vllm_prompt_logprobs:
-                choice["prompt_logprobs"] = _vllm_prompt_logprobs(gen)
+            if api.vllm_prompt_logprobs:  # the prompt's table: built once, on its first choice
+                api.build_tables()
+                choice["prompt_logprobs"] = api.tables.vllm if i == 0 else None
             choices.append(choice)
     return choices
 
 
 def whole_answer(views: list[AnswerView], collected: list[list[list[Delta]]]) -> dict[str, Any]:
     """The response body of one request, or of a batch of prompts (a view each), from
-    the deltas of each of its choices."""
+    the deltas of each of its choices. Its prompt tables can be megabytes: call it (and
+    serialize its result) off the event loop when they were asked for."""
     choices = [c for v, per_choice in zip(views, collected, strict=True) for c in _choices(v, per_choice)]
     obj = "chat.completion" if views[0].chat else "text_completion"
     usage = usage_json(_total([v.gen for v in views]))
@@ -259,4 +300,4 @@ def prompt_text(gen: Generation, req: CompletionRequest) -> str:
     prompt = req.single
     if isinstance(prompt, str):
         return prompt
-    return str(gen.svc.codec.backend.decode(prompt, skip_special_tokens=False))
+    return gen.svc.codec.decode(prompt)

@@ -21,13 +21,12 @@ from wsllm.server.errors import APIError
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
-from wsllm.server.text import TemplateError, TextCodec
+from wsllm.server.text import TemplateError, TextCodec, run_with_deadline
 from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
 # tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
-_MESSAGE_OVERHEAD_CHARS = 16
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -40,6 +39,20 @@ class Prepared:
     params: SamplingParams
     #: what a gateway needs to read its answer, here or after a resume
     context: ResumeContext
+    #: seconds the gateway spent checking its structured-output spec (0: none), for the charge
+    compile_s: float = 0.0
+
+    @property
+    def prompt_logprobs_entries(self) -> int:
+        """Entries of the prompt-logprobs table this request asks for (0: none): work the
+        engine computes and the gateway renders, for the tenant's charge."""
+        return prompt_logprobs_entries(self.params, len(self.prompt_ids))
+
+
+def prompt_logprobs_entries(params: SamplingParams, prompt_len: int) -> int:
+    """Prompt tokens x (top N + 1): the size of a request's prompt-logprobs table."""
+    k = params.prompt_logprobs
+    return 0 if k is None else prompt_len * (k + 1)
 
 
 async def prepare(
@@ -51,13 +64,15 @@ async def prepare(
     _check_vocab(codec, req)
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
-    structured = None if wanted is None else await asyncio.to_thread(checked, *wanted)
-    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {})
+    structured, compile_s = (
+        (None, 0.0) if wanted is None else await checked(*wanted, cfg.spec_check_timeout_s)
+    )
+    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
-    return Prepared(prompt_ids, params, ctx)
+    return Prepared(prompt_ids, params, ctx, compile_s)
 
 
 async def tokenize(
@@ -72,7 +87,7 @@ async def tokenize(
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
         }
-        return await _prompt_ids(chat, codec, template)
+        return await _prompt_ids(chat, codec, template, cfg.template_timeout_s)
     encode = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
     return await _run_text(encode, req.prompt, len(req.prompt))
 
@@ -80,8 +95,7 @@ async def tokenize(
 async def detokenize(req: Detokenize, codec: TextCodec) -> str:
     """vLLM's /detokenize: the text of token ids, special tokens kept."""
     _vocab(codec, req.tokens, "tokens")
-    decode = functools.partial(codec.backend.decode, skip_special_tokens=False)
-    return str(await _run_text(decode, req.tokens, 4 * len(req.tokens)))
+    return await _run_text(codec.decode, req.tokens, 4 * len(req.tokens))
 
 
 def _check_vocab(codec: TextCodec, req: ChatRequest | CompletionRequest) -> None:
@@ -105,7 +119,10 @@ def _vocab(codec: TextCodec, ids: list[int], param: str) -> None:
 
 
 async def _prompt_ids(
-    req: ChatRequest | CompletionRequest, codec: TextCodec, template: dict[str, Any]
+    req: ChatRequest | CompletionRequest,
+    codec: TextCodec,
+    template: dict[str, Any],
+    template_timeout_s: float,
 ) -> list[int]:
     if isinstance(req, CompletionRequest):
         prompt = req.single
@@ -113,9 +130,9 @@ async def _prompt_ids(
             return list(prompt)
         return await _run_text(codec.encode, prompt, len(prompt))
     messages = [m.as_template_input() for m in req.messages]
-    size = sum(len(m["content"]) + _MESSAGE_OVERHEAD_CHARS for m in messages)
-    try:
-        return await _run_text(functools.partial(codec.encode_chat, **template), messages, size)
+    encode = functools.partial(codec.encode_chat, messages, **template)
+    try:  # a template is a program: always off the loop, always with a deadline
+        return await run_with_deadline(encode, template_timeout_s, "chat-template")
     except TemplateError as e:
         raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
 
@@ -157,7 +174,7 @@ def sampling_params(
             param="max_tokens",
         )
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n or 1,
             max_tokens=max_tokens,
             min_tokens=min(req.min_tokens or 0, max_tokens),
@@ -182,6 +199,22 @@ def sampling_params(
         )
     except ValueError as e:  # SamplingParams' own checks: its message names the field
         raise APIError(400, "invalid_request", str(e)) from None
+    _check_table(params, prompt_len, cfg)
+    return params
+
+
+def _check_table(params: SamplingParams, prompt_len: int, cfg: GatewayConfig) -> None:
+    """A prompt-logprobs table within --max-prompt-logprobs entries (a 400 past it): it is
+    computed by the engine, sent on the wire and rendered as JSON by the gateway."""
+    entries = prompt_logprobs_entries(params, prompt_len)
+    if entries > cfg.max_prompt_logprobs:
+        raise APIError(
+            400,
+            "invalid_request",
+            f"prompt_logprobs: {prompt_len} prompt tokens x ({params.prompt_logprobs} + 1) is {entries} "
+            f"entries; this server's limit is {cfg.max_prompt_logprobs}",
+            param="prompt_logprobs",
+        )
 
 
 def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:

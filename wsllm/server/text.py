@@ -10,9 +10,13 @@ because the window starts inside the prompt.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
 import re
-from typing import Any, Protocol
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -21,13 +25,83 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens given to each detokenizer as context (leading spaces, merges).
 _CONTEXT_TOKENS = 5
+# Texts longer than this go through the tokenizer's batch calls, which release the GIL.
+_GIL_FREE_ABOVE = 4096
 # Stand-ins for message contents while a template renders (private-use characters,
 # which no template trims or escapes).
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
+T = TypeVar("T")
+
+
 class TemplateError(ValueError):
     """The chat template refused the messages (e.g. roles that must alternate)."""
+
+
+class TemplateTimeout(TemplateError):
+    """The chat template (with the tokenization after it) ran past its time limit."""
+
+
+async def run_with_deadline(fn: Callable[[], T], limit_s: float, what: str) -> T:
+    """`fn()` on a thread of its own, off the event loop; TemplateTimeout after
+    `limit_s`, and the thread is interrupted. A chat template is a program (jinja2 in a
+    sandbox, but loops are allowed): one that loops must cost neither the loop nor, for
+    ever, a core. The interrupt is an exception raised in that thread at its next Python
+    bytecode (CPython's PyThreadState_SetAsyncExc), which jinja2's compiled loops reach
+    at every iteration; a C call already running finishes first."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    lock = threading.Lock()
+    state = {"finished": False}
+
+    def settle(ok: bool, value: Any) -> None:
+        if done.done():
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+    def run() -> None:
+        try:
+            try:
+                result: Any = fn()
+                ok = True
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+                result, ok = e, False
+            with lock:
+                state["finished"] = True
+            loop.call_soon_threadsafe(settle, ok, result)
+        except BaseException:  # noqa: BLE001, S110 - an interrupt that came as it finished
+            pass
+
+    def stop() -> None:
+        with lock:
+            if not state["finished"] and worker.ident is not None:
+                _interrupt(worker.ident)
+
+    # Whoever gives up on it, nobody reads its late outcome: do not log it as lost.
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())
+    worker = threading.Thread(target=run, name=f"wsllm-{what}", daemon=True)
+    worker.start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), limit_s)
+    except TimeoutError:
+        stop()
+        log.warning("%s ran past its limit of %.1fs and was interrupted", what, limit_s)
+        raise TemplateTimeout(f"the chat template took longer than {limit_s:g}s on these messages") from None
+    except asyncio.CancelledError:  # the client left: its work stops too
+        stop()
+        raise
+
+
+class _Interrupted(BaseException):
+    """Raised in a thread that ran past its deadline (never caught by `except Exception`)."""
+
+
+def _interrupt(thread_id: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(_Interrupted))
 
 
 class ToolPrompt(Protocol):
@@ -62,7 +136,13 @@ class TextCodec:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return _encode(self.backend, text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (/detokenize, a token-id prompt's echo)."""
+        if len(token_ids) <= _GIL_FREE_ABOVE // 4:
+            return str(self.backend.decode(token_ids, skip_special_tokens=False))
+        return str(self.backend.decode_batch([token_ids], skip_special_tokens=False)[0])  # frees the GIL
 
     @property
     def chat_template(self) -> str:
@@ -116,7 +196,7 @@ class TextCodec:
             ms, tools, template_kwargs, add_generation_prompt, continue_final_message
         )
         if not any(sp in m["content"] for m in messages for sp in self._specials):
-            return list(self.backend.encode(render(messages), add_special_tokens=False).ids)
+            return _encode(self.backend, render(messages), False)
         # Render with a mark per content, then tokenize the template's own text with its
         # special tokens and each content as plain text.
         marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
@@ -127,9 +207,9 @@ class TextCodec:
         ids: list[int] = []
         for k, part in enumerate(parts):
             if k % 2 == 0:
-                ids += self.backend.encode(part, add_special_tokens=False).ids
+                ids += _encode(self.backend, part, False)
             else:
-                ids += self._literal.encode(messages[int(part)]["content"], add_special_tokens=False).ids
+                ids += _encode(self._literal, messages[int(part)]["content"], False)
         return ids
 
     def detokenizer(self, prompt_token_ids: list[int]) -> Detokenizer:
@@ -143,6 +223,15 @@ class TextCodec:
             if len(self._token_text) < 65536:
                 self._token_text[token_id] = text
         return text
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode`, which holds the GIL throughout (seconds for a megabyte: on a
+    thread it still stops the event loop), or for a long text `encode_batch`, which
+    releases it: the same ids."""
+    if len(text) <= _GIL_FREE_ABOVE:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 class Detokenizer:

@@ -14,7 +14,7 @@ from wsllm.server.chat.registry import choose_style
 from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TextCodec
-from wsllm.structured import check_spec
+from wsllm.structured import check_spec_within
 
 
 @dataclass(slots=True)
@@ -68,11 +68,11 @@ def wanted_constraint(
     return None if forced is None else (forced, "tool_choice")
 
 
-def checked(spec: dict[str, Any], param: str) -> dict[str, Any]:
-    """`spec`, compiled once with llguidance: one that does not compile is a 400 naming
-    `param`. Milliseconds for ordinary schemas; run it off the event loop."""
+async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
+    """`spec` and the seconds its check took, compiled once with llguidance off the event
+    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
     try:
-        check_spec(spec)
+        took = await check_spec_within(spec, limit_s)
     except ValueError as e:
         raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
-    return spec
+    return spec, took

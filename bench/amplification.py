@@ -1,0 +1,347 @@
+"""Can one tenant's cheap requests make the gateway or the engine do so much work that
+everyone else's streams stall? (issue 23, acceptance 3)
+
+One server in its own process (a real engine on a worker thread and the gateway, joined
+by the in-process broker, as `wsllm serve`), with a keys file of three tenants:
+`bystander`, `attacker` (limits high enough never to refuse) and `refused` (an rpm of 1,
+so nearly all its requests are 429s). The engine prefills long prompts in chunks of
+`--batched-tokens`, so that a step's length is bounded whoever sends them. 16 bystander streams (greedy, `ignore_eos`, fixed
+length) run twice: alone, then while the attacker sends 200 requests, a few at a time,
+each trying one amplification:
+
+- `prompt_logprobs`: a ~1,500-token prompt with `prompt_logprobs: 20`, streamed, 40
+  output tokens forced to a special token by `logit_bias` with `logprobs` (the issue's
+  84 MB reproduction);
+- `schema`: a chat request whose `response_format` is a JSON schema never seen before
+  (nothing cached: every one compiles);
+- `tokenize`: a prompt of most of `--max-body-bytes` to `/tokenize`;
+- `refused`: a long prompt with a unique schema from the rate-limited tenant (work done
+  before the 429 is work no limit covers).
+
+For each phase it reports the bystanders' worst and p99 gap between two chunks (after
+their first token) and their tokens/s, and the ratio of the attacked phase to the quiet
+one; the issue's bar is a worst gap less than 2x. Phases alternate over `--repeat` runs
+so both see the same background load; the best run of each counts. It prints; it never
+asserts.
+
+    python bench/amplification.py                    # SmolLM2, print the table
+    python bench/amplification.py --smoke            # a few requests, to check it runs
+    python bench/amplification.py --write-docs       # and put the table in docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"bystander": "sk-bystander", "attacker": "sk-attacker", "refused": "sk-refused"}
+KINDS = ("prompt_logprobs", "schema", "tokenize", "refused")
+FOX = "The quick brown fox jumps over the lazy dog while the river runs to the sea. "
+
+
+def keys_file() -> str:
+    limits = {
+        "bystander": (10**6, 10**10, 1000),
+        "attacker": (10**6, 10**10, 1000),
+        "refused": (1, 10**10, 1000),
+    }
+    text = "".join(
+        f'[tenants.{name}]\nkeys = ["{KEYS[name]}"]\nrpm = {rpm}\ntpm = {tpm}\nmax_concurrent = {conc}\n'
+        'models = ["*"]\n\n'
+        for name, (rpm, tpm, conc) in limits.items()
+    )
+    path = Path(tempfile.mkdtemp()) / "keys.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# -- server side --------------------------------------------------------------------------------
+
+
+def serve(port: int, model: str | None, threads: int | None, batched_tokens: int) -> None:
+    import uvicorn
+
+    from wsllm.broker.memory import MemoryBroker
+    from wsllm.config import EngineConfig, GatewayConfig
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.engine.worker import EngineWorker
+    from wsllm.server.app import create_app, uvicorn_config
+
+    broker = MemoryBroker(max_queue_depth=4096)
+    # the engine loads on the thread that runs it, as in `wsllm serve` (EngineWorker.spawn)
+    worker = EngineWorker.spawn(
+        lambda: LLMEngine.from_config(
+            EngineConfig(model=model, threads=threads, max_num_seqs=64, max_num_batched_tokens=batched_tokens)
+        ),
+        broker,
+    )
+    engine: Any = worker.engine
+    engine.matchers.warm()
+    cfg = GatewayConfig(
+        host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False, api_keys_file=keys_file()
+    )
+    app = create_app(cfg, broker, engine.model_dir, engine.model_name)
+    uvicorn.Server(uvicorn_config(app, cfg, log_level="warning")).run()
+
+
+def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve", "--port", str(port)] + (
+        ["--model", args.model] if args.model else []
+    )
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    cmd += ["--batched-tokens", str(args.batched_tokens)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            auth = {"authorization": f"Bearer {KEYS['bystander']}"}
+            if httpx.get(f"http://127.0.0.1:{port}/ready", headers=auth, timeout=1).status_code == 200:
+                return port, proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- client side --------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    gaps_ms: list[float] = field(default_factory=list)  # between a bystander's chunks, after its first
+    tokens: int = 0
+    seconds: float = 0.0
+    attacks: Counter[tuple[str, int]] = field(default_factory=Counter)  # (kind, status) -> count
+    attack_bytes: int = 0
+
+    @property
+    def worst_ms(self) -> float:
+        return max(self.gaps_ms, default=float("nan"))
+
+    @property
+    def p99_ms(self) -> float:
+        s = sorted(self.gaps_ms)
+        return s[min(len(s) - 1, int(0.99 * len(s)))] if s else float("nan")
+
+
+def auth(tenant: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[tenant]}"}
+
+
+async def bystander(http: httpx.AsyncClient, i: int, n_tokens: int, out: Phase) -> None:
+    body = {"prompt": f"Story {i}: {FOX}", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    last: float | None = None
+    async with http.stream("POST", "/v1/completions", json=body, headers=auth("bystander")) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            chunk = orjson.loads(line[6:])
+            if chunk.get("usage"):
+                out.tokens += chunk["usage"]["completion_tokens"]
+            elif last is not None:
+                out.gaps_ms.append((now - last) * 1000)
+            last = now
+
+
+def unique_schema(n_props: int) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:10]
+    props: dict[str, Any] = {
+        f"f_{tag}_{k}": {"type": random.choice(["string", "integer", "number", "boolean"])}
+        for k in range(n_props)
+    }
+    props[f"code_{tag}"] = {"type": "string", "pattern": f"^{tag}[a-z]{{2,8}}-[0-9]{{1,4}}$"}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def attack(kind: str, eos: int, tokenize_chars: int) -> tuple[str, dict[str, Any], str]:
+    """(path, body, tenant) of one amplification attempt."""
+    long_prompt = FOX * 100  # ~1,500 tokens
+    if kind == "prompt_logprobs":
+        body = {"prompt": long_prompt, "max_tokens": 40, "prompt_logprobs": 20, "logprobs": 1, "ignore_eos": True,
+                "logit_bias": {str(eos): 100}, "stream": True}  # fmt: skip
+        return "/v1/completions", body, "attacker"
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": unique_schema(40)}}
+    if kind == "schema":
+        body = {
+            "messages": [{"role": "user", "content": "Fill the form."}],
+            "max_tokens": 16,
+            "response_format": fmt,
+        }
+        return "/v1/chat/completions", body, "attacker"
+    if kind == "tokenize":
+        words = [uuid.uuid4().hex[: random.randint(3, 9)] for _ in range(tokenize_chars // 7)]
+        return "/tokenize", {"prompt": " ".join(words)[:tokenize_chars]}, "attacker"
+    body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 16, "response_format": fmt}
+    return "/v1/chat/completions", body, "refused"
+
+
+async def one_attack(http: httpx.AsyncClient, kind: str, eos: int, tokenize_chars: int, out: Phase) -> None:
+    path, body, tenant = attack(kind, eos, tokenize_chars)
+    size = 0
+    try:
+        async with http.stream("POST", path, json=body, headers=auth(tenant)) as r:
+            async for chunk in r.aiter_bytes():
+                size += len(chunk)
+            out.attacks[(kind, r.status_code)] += 1
+    except httpx.HTTPError:
+        out.attacks[(kind, 0)] += 1
+    out.attack_bytes += size
+
+
+async def run_phase(port: int, args: argparse.Namespace, eos: int, attacked: bool) -> Phase:
+    out = Phase()
+    limits = httpx.Limits(max_connections=args.streams + args.concurrency + 4)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
+        attacks = [KINDS[i % len(KINDS)] for i in range(args.attacks)] if attacked else []
+        random.shuffle(attacks)
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for a in attacks:
+            queue.put_nowait(a)
+
+        async def attacker() -> None:
+            while not queue.empty():
+                await one_attack(http, queue.get_nowait(), eos, args.tokenize_chars, out)
+
+        t0 = time.perf_counter()
+        by = [asyncio.create_task(bystander(http, i, args.tokens, out)) for i in range(args.streams)]
+        await asyncio.sleep(args.lead_s)  # the bystanders are streaming before the attack starts
+        await asyncio.gather(*(attacker() for _ in range(args.concurrency)), *by)
+        out.seconds = time.perf_counter() - t0
+    return out
+
+
+def eos_id(model: str | None) -> int:
+    from transformers import PreTrainedTokenizerFast
+
+    from wsllm.models.loader import resolve_model_dir
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(resolve_model_dir(model)))
+    return int(tok.eos_token_id)
+
+
+def measure(args: argparse.Namespace) -> tuple[Phase, Phase]:
+    eos = eos_id(args.model)
+    port, proc = start(args)
+    best: dict[bool, Phase] = {}
+    try:
+        asyncio.run(
+            run_phase(port, argparse.Namespace(**vars(args) | {"streams": 2, "tokens": 4}), eos, False)
+        )
+        for _, attacked in tqdm(
+            [(r, a) for r in range(args.repeat) for a in (False, True)], desc="amplification"
+        ):
+            got = asyncio.run(run_phase(port, args, eos, attacked))
+            if attacked not in best or got.worst_ms < best[attacked].worst_ms:
+                best[attacked] = got
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return best[False], best[True]
+
+
+def table(quiet: Phase, attacked: Phase, args: argparse.Namespace) -> str:
+    rows = [
+        "| bystanders | worst gap ms | p99 gap ms | tokens/s |",
+        "| --- | ---: | ---: | ---: |",
+        f"| alone | {quiet.worst_ms:.0f} | {quiet.p99_ms:.0f} | {quiet.tokens / quiet.seconds:,.0f} |",
+        f"| with {args.attacks} amplification attempts | {attacked.worst_ms:.0f} | {attacked.p99_ms:.0f} | "
+        f"{attacked.tokens / attacked.seconds:,.0f} |",
+    ]
+    ratio = attacked.worst_ms / quiet.worst_ms
+    answers = ", ".join(f"{k} {s}: {n}" for (k, s), n in sorted(attacked.attacks.items()))
+    verdict = "under" if ratio < 2 else "**over**"
+    return (
+        "\n".join(rows)
+        + f"\n\nThe attempts move the bystanders' worst inter-token gap **{ratio:.2f}x** ({verdict} the 2x bar) "
+        f"and their p99 {attacked.p99_ms / quiet.p99_ms:.2f}x. {args.streams} bystander streams of {args.tokens} "
+        f"tokens; {args.attacks} attempts, {args.concurrency} at a time ({answers}; "
+        f"{attacked.attack_bytes / 1e6:.1f} MB sent back to the attacker). Best of {args.repeat} runs of each phase, "
+        "alternating."
+    )
+
+
+def write_docs(text: str, command: str) -> None:
+    path = ROOT / "docs" / "benchmarks.md"
+    section = (
+        "## Amplification\n\n"
+        f"`{command}` ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{time.strftime('%Y-%m-%d')}).\n\n{text}\n"
+    )
+    old = path.read_text()
+    pattern = re.compile(r"^## Amplification\n.*?(?=^## |\Z)", re.S | re.M)
+    new = (
+        pattern.sub(lambda _: section + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + section
+    )
+    path.write_text(new.rstrip() + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model (default: the bundled SmolLM2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    p.add_argument(
+        "--batched-tokens",
+        type=int,
+        default=512,
+        help="the engine's max_num_batched_tokens: long prompts are prefilled in chunks of this many tokens",
+    )
+    p.add_argument("--streams", type=int, default=16, help="bystander streams")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per bystander stream")
+    p.add_argument("--attacks", type=int, default=200, help="amplification attempts in the attacked phase")
+    p.add_argument("--concurrency", type=int, default=8, help="attempts in flight at once")
+    p.add_argument("--tokenize-chars", type=int, default=900_000, help="characters of each /tokenize prompt")
+    p.add_argument(
+        "--lead-s", type=float, default=2.0, help="seconds the bystanders stream before the attack"
+    )
+    p.add_argument("--repeat", type=int, default=2, help="runs of each phase, alternating")
+    p.add_argument("--smoke", action="store_true", help="a few requests of each kind, to check it runs")
+    p.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        return serve(args.port, args.model, args.threads, args.batched_tokens)
+    if args.smoke:
+        args.streams, args.tokens, args.attacks, args.concurrency, args.repeat = 2, 24, 8, 2, 1
+        args.tokenize_chars, args.lead_s = 20_000, 0.5
+    text = table(*measure(args), args)
+    print(text)
+    if args.write_docs:
+        flags = " ".join(a for a in sys.argv[1:] if a != "--write-docs")
+        write_docs(text, f"python bench/amplification.py {flags}".strip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Structured-output specs compile off the engine's step thread, with a deadline
+(issue 23): a unique schema used to compile inside `add_request`, on the thread that
+steps every stream of the engine, with no limit (and 64 cached specs: unique schemas
+always miss). Now the request waits outside the scheduler while the matchers' thread
+compiles it, and one that does not compile in time ends with invalid_request (a 400);
+the gateway's check has a deadline of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wsllm.config import EngineConfig
+from wsllm.engine.engine import LLMEngine
+from wsllm.engine.outputs import RequestOutput
+from wsllm.structured import check_spec_within
+from wsllm.types import SamplingParams
+
+PROMPT = [1, 504, 3456, 77, 9012]
+
+
+def heavy_spec() -> dict[str, Any]:
+    """A regex of thousands of alternatives, unique (no cache hit): 0.1-0.3 s to compile."""
+    tag = uuid.uuid4().hex[:8]
+    return {"regex": "(" + "|".join(f"w{tag}{i}[a-z]{{2,5}}" for i in range(5000)) + ")"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.05, max_num_seqs=16)
+    engine = LLMEngine.from_config(cfg)
+    engine.matchers.new({"regex": "a"})  # the tokenizer's index built before the timings
+    return engine
+
+
+def drain(engine: LLMEngine, max_step_s: list[float] | None = None) -> dict[str, RequestOutput]:
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        t = time.monotonic()
+        outs = engine.step()
+        if max_step_s is not None:
+            max_step_s.append(time.monotonic() - t)
+        final |= {o.request_id: o for o in outs if o.finished}
+    return final
+
+
+def test_a_unique_spec_compiles_off_the_step_thread_and_the_request_still_matches(
+    engine: LLMEngine,
+) -> None:
+    engine.add_request("plain", PROMPT, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    engine.step()  # its prompt
+    spec = heavy_spec()
+    t0 = time.monotonic()
+    engine.add_request("heavy", PROMPT, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+    took = time.monotonic() - t0
+    assert took < 0.05, f"add_request compiled on the step thread for {took:.3f}s"
+    streamed_meanwhile = 0  # the other stream's tokens while the spec compiled
+    while len(engine.compiling):
+        streamed_meanwhile += sum(
+            len(o.outputs[0].new_token_ids) for o in engine.step() if o.request_id == "plain"
+        )
+    assert streamed_meanwhile > 0
+    final = drain(engine)
+    assert final["plain"].outputs[0].num_tokens == 60 and final["heavy"].error_code is None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine.matchers.model_dir)
+    text = tok.decode(final["heavy"].outputs[0].token_ids, skip_special_tokens=True)
+    assert re.fullmatch(spec["regex"], text), text
+
+
+def test_a_spec_that_misses_its_deadline_is_an_invalid_request_and_others_go_on(engine: LLMEngine) -> None:
+    deadline = engine.compiling.timeout_s
+    engine.compiling.timeout_s = 0.001
+    try:
+        engine.add_request("plain", PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        engine.add_request("slow", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec()))
+        final = drain(engine)
+    finally:
+        engine.compiling.timeout_s = deadline
+    assert final["slow"].error_code == "invalid_request"
+    assert "did not compile within" in (final["slow"].error or "")
+    assert final["plain"].error_code is None and final["plain"].outputs[0].num_tokens == 20
+    assert not engine.block_manager.block_tables and len(engine.compiling) == 0
+
+
+def test_aborting_a_request_whose_spec_compiles_forgets_it(engine: LLMEngine) -> None:
+    engine.add_request("gone", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec()))
+    assert engine.abort("gone")
+    final = drain(engine)
+    assert final["gone"].outputs[0].finish_reason == "abort"
+    assert len(engine.compiling) == 0 and not engine.has_unfinished()
+
+
+def test_the_gateway_check_has_a_deadline() -> None:
+    async def go() -> None:
+        assert await check_spec_within({"regex": "[a-z]+"}, 5.0) < 5.0
+        with pytest.raises(ValueError, match=r"structured\.regex: did not compile within 0\.001s"):
+            await check_spec_within(heavy_spec(), 0.001)
+
+    asyncio.run(go())
