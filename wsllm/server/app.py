@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import openai_api, tokenize_api
+from wsllm.server import openai_api, responses_api, tokenize_api
 from wsllm.server.errors import APIError, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -144,6 +144,9 @@ def create_app(
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/streams/{request_id}", openai_api.resume_stream),
+        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", ws_endpoint),

@@ -21,14 +21,18 @@ class Api(enum.StrEnum):
     COMPLETIONS = "completions"
     WS_CHAT = "ws_chat"
     WS_COMPLETION = "ws_completion"
+    RESPONSES = "responses"
 
     @property
     def is_chat(self) -> bool:
-        return self in (Api.CHAT, Api.WS_CHAT)
+        return self in (Api.CHAT, Api.WS_CHAT, Api.RESPONSES)
 
     @property
     def id_prefix(self) -> str:
-        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion."""
+        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion, `resp`
+        for a Responses answer (its response id is `resp_` and the same hex)."""
+        if self is Api.RESPONSES:
+            return "resp"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 

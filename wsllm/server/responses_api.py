@@ -1,0 +1,191 @@
+"""OpenAI's Responses API: `POST /v1/responses` (streamed or not), `GET` and `DELETE
+/v1/responses/{id}`.
+
+A Responses request is translated into the chat request every other route prepares
+(responses_schema.to_chat) and goes through the same path (prepare, admit, submit);
+its answer is rendered by responses_render. A response with `store` (the default) is
+kept by the broker's response store for --response-ttl-s, readable only with a key of
+the tenant that made it (another key gets 404, as for an unknown id): the response
+itself, and its conversation (input and output, in the kept shape) for a next turn's
+`previous_response_id`. It is stored before its last event is sent, so a client can
+continue the moment it has read `response.completed`.
+
+Cancellation: `background` is not served, so a response runs only while its client
+waits for it; closing the stream (or the connection of a call that was not streamed)
+cancels it and frees its engine request, as on the chat route. A response is not
+resumable (no `starting_after`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from wsllm.broker.base import BrokerError
+from wsllm.server.errors import APIError, from_generation
+from wsllm.server.gateway import Gateway
+from wsllm.server.generation import Generation, GenerationError
+from wsllm.server.middleware import request_tenant
+from wsllm.server.openai_api import read_body
+from wsllm.server.responses_render import Event, ResponseBuilder, output_turns, settings
+from wsllm.server.responses_schema import Turn, renamed, stored_turns, to_chat, turns, validate_responses
+from wsllm.server.resume import Api
+from wsllm.server.sse import KEEPALIVE, EventStream, until_disconnect
+from wsllm.server.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+# Bodies larger than this are validated off the event loop (as on the chat route).
+_VALIDATE_INLINE_BYTES = 64 * 1024
+
+
+def _sse(ev: Event) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (ev["type"].encode(), orjson.dumps(ev))
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(
+        404,
+        "response_not_found" if param == "response_id" else "previous_response_not_found",
+        f"{param}: no response {response_id!r} (unknown, expired, not stored, or another key's)",
+        param,
+    )
+
+
+class _Keeper:
+    """Stores a finished response with its conversation, when the request asked."""
+
+    def __init__(self, gw: Gateway, tenant: Tenant, conversation: list[Turn], store: bool) -> None:
+        self.gw, self.tenant, self.conversation, self.store = gw, tenant, conversation, store
+
+    async def keep(self, b: ResponseBuilder) -> None:
+        if not self.store:
+            return
+        record = {"response": b.response, "conversation": self.conversation + output_turns(b.output)}
+        try:
+            await self.gw.responses.put(
+                b.id, self.tenant.name, orjson.dumps(record), self.gw.cfg.response_ttl_s
+            )
+        except BrokerError:  # the answer is still the client's; only a next turn will miss it
+            log.exception("response %s could not be stored", b.id)
+
+
+async def create_response(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    raw = await read_body(request, gw.cfg.max_body_bytes)
+    if len(raw) <= _VALIDATE_INLINE_BYTES:
+        req = validate_responses(raw, gw.cfg)
+    else:  # a large body must not hold up the other streams
+        req = await asyncio.to_thread(validate_responses, raw, gw.cfg)
+    tenant = request_tenant(request.state)
+    history = await _history(gw, req.previous_response_id, tenant)
+    conversation = history + turns(req)
+    chat = to_chat(req, history, gw.cfg)
+    try:
+        gen = await gw.start(chat, Api.RESPONSES, tenant)
+    except APIError as e:
+        raise renamed(e) from None
+    response_id = "resp_" + gen.request_id.partition("-")[2]
+    builder = ResponseBuilder(
+        response_id, settings(req, gen.context.model or gw.model_name), gen.context.created
+    )
+    keeper = _Keeper(gw, tenant, conversation, req.store)
+    if req.stream:
+        return EventStream(
+            _frames(gw, gen, builder, keeper),
+            on_close=gen.cancel,  # not resumable: a closed stream ends the response
+            send_timeout_s=gw.cfg.send_timeout_s,
+            on_timeout=lambda: gw.metrics.send_timeout("sse"),
+            headers=gen.ratelimit_headers,
+        )
+    try:
+        done, _ = await until_disconnect(request.receive, _drain(_run(gen, builder, None)))
+    except GenerationError as e:
+        raise from_generation(e.code, e.message) from None
+    finally:
+        await gen.cancel()  # no-op when it finished; frees the engine request otherwise
+    if not done:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    await keeper.keep(builder)
+    return Response(
+        orjson.dumps(builder.response), headers=gen.ratelimit_headers, media_type="application/json"
+    )
+
+
+async def _history(gw: Gateway, previous: str | None, tenant: Tenant) -> list[Turn]:
+    """The conversation a `previous_response_id` continues; 404 when the key cannot see it."""
+    if previous is None:
+        return []
+    raw = await gw.responses.get(previous, tenant.name)
+    if raw is None:
+        raise _not_found(previous, "previous_response_id")
+    return stored_turns(orjson.loads(raw)["conversation"])
+
+
+async def _run(gen: Generation, b: ResponseBuilder, heartbeat_s: float | None) -> AsyncIterator[list[Event]]:
+    """The events of a response as its deltas come: a batch per step of the answer,
+    [] when `heartbeat_s` passed with nothing new. Raises GenerationError."""
+    yield b.start()
+    reason = None
+    while not gen.finished:
+        deltas = await gen.next(timeout=heartbeat_s)
+        events: list[Event] = []
+        for d in deltas:
+            if d.index == 0:  # a response has one choice
+                events += b.feed(d)
+                reason = d.finish_reason or reason
+        yield events
+    yield b.finish(reason, gen.usage)
+
+
+async def _drain(events: AsyncIterator[list[Event]]) -> None:
+    async for _ in events:
+        pass
+
+
+async def _frames(gw: Gateway, gen: Generation, b: ResponseBuilder, keeper: _Keeper) -> AsyncIterator[bytes]:
+    """The SSE frames of a streamed response; a failure mid-way is `response.failed`."""
+    events = _run(gen, b, gw.cfg.heartbeat_s)
+    held: list[Event] = []  # the closing events wait until the response is stored
+    try:
+        async for batch in events:
+            if b.response["status"] != "in_progress":  # the last batch: the closing events
+                held = batch
+            elif not batch:
+                yield KEEPALIVE
+            else:
+                for ev in batch:
+                    yield _sse(ev)
+    except GenerationError as e:
+        gw.metrics.error(e.code)
+        held = b.fail(e.code, e.message)
+    await keeper.keep(b)
+    for ev in held:
+        yield _sse(ev)
+
+
+async def get_response(request: Request) -> Response:
+    """A stored response, for a key of the tenant that made it."""
+    gw: Gateway = request.app.state.gateway
+    rid = request.path_params["response_id"]
+    if request.query_params.get("stream", "false").lower() == "true":
+        raise APIError(
+            400, "invalid_request", "stream: only background responses stream again; none run here", "stream"
+        )
+    raw = await gw.responses.get(rid, request_tenant(request.state).name)
+    if raw is None:
+        raise _not_found(rid, "response_id")
+    body = orjson.loads(raw)["response"]
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def delete_response(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    rid = request.path_params["response_id"]
+    if not await gw.responses.delete(rid, request_tenant(request.state).name):
+        raise _not_found(rid, "response_id")
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
