@@ -24,9 +24,11 @@ from typing import Any
 from wsllm.server.chat.output import FINISH_TOOL_CALLS
 from wsllm.server.generation import Delta, TokenLogprob
 from wsllm.server.responses_schema import ResponsesRequest, Turn
-from wsllm.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Usage
+from wsllm.types import ERR_INVALID_REQUEST, ERR_RATE_LIMITED, FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Usage
 
 Event = dict[str, Any]
+# our error codes as the words of OpenAI's `ResponseError.code` (the rest: server_error)
+_ERROR_CODES = {ERR_RATE_LIMITED: "rate_limit_exceeded", ERR_INVALID_REQUEST: "invalid_prompt"}
 
 
 def settings(req: ResponsesRequest, model: str) -> dict[str, Any]:
@@ -56,7 +58,7 @@ def settings(req: ResponsesRequest, model: str) -> dict[str, Any]:
 def usage_json(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": u.total_tokens,
@@ -130,9 +132,12 @@ class ResponseBuilder:
         return [*events, self._snapshot("response.completed")]
 
     def fail(self, code: str, message: str) -> list[Event]:
+        """A failure mid-way: the open item is incomplete and the response failed. Its
+        `error.code` is one of the words OpenAI's clients know; ours leads the message."""
         events = self._close("incomplete")
         self.response["status"] = "failed"
-        self.response["error"] = {"code": code, "message": message}
+        known = _ERROR_CODES.get(code, "server_error")
+        self.response["error"] = {"code": known, "message": f"{code}: {message}"}
         return [*events, self._snapshot("response.failed")]
 
     # -- items -------------------------------------------------------------------------
