@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -32,7 +33,15 @@ from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_api import read_body
 from wsllm.server.responses_render import Event, ResponseBuilder, output_turns, settings
-from wsllm.server.responses_schema import Turn, renamed, stored_turns, to_chat, turns, validate_responses
+from wsllm.server.responses_schema import (
+    ResponsesRequest,
+    Turn,
+    renamed,
+    stored_turns,
+    to_chat,
+    turns,
+    validate_responses,
+)
 from wsllm.server.resume import Api
 from wsllm.server.sse import KEEPALIVE, EventStream, until_disconnect
 from wsllm.server.tenants import Tenant
@@ -74,6 +83,66 @@ class _Keeper:
             log.exception("response %s could not be stored", b.id)
 
 
+class ResponseRun:
+    """One response on its way: its engine request, its event machine, its keeper."""
+
+    def __init__(self, gen: Generation, builder: ResponseBuilder, keeper: _Keeper) -> None:
+        self.gen, self.builder, self.keeper = gen, builder, keeper
+
+    async def batches(self, heartbeat_s: float | None) -> AsyncIterator[list[Event]]:
+        """The response's events in batches as its answer comes ([] when `heartbeat_s`
+        passed with nothing new). The last batch holds the closing events, sent once
+        the response is stored; a failure mid-way ends it with `response.failed`."""
+        b, held = self.builder, []
+        try:
+            async for batch in self.steps(heartbeat_s):
+                if b.response["status"] == "in_progress":
+                    yield batch
+                else:
+                    held = batch
+        except GenerationError as e:
+            self.keeper.gw.metrics.error(e.code)
+            held = b.fail(e.code, e.message)
+        await self.keeper.keep(b)
+        yield held
+
+    async def steps(self, heartbeat_s: float | None) -> AsyncIterator[list[Event]]:
+        """The events of each step of the answer, the closing ones last. Raises
+        GenerationError."""
+        gen, b = self.gen, self.builder
+        yield b.start()
+        reason = None
+        while not gen.finished:
+            events: list[Event] = []
+            for d in await gen.next(timeout=heartbeat_s):
+                if d.index == 0:  # a response has one choice
+                    events += b.feed(d)
+                    reason = d.finish_reason or reason
+            yield events
+        yield b.finish(reason, gen.usage)
+
+    async def whole(self) -> dict[str, Any]:
+        """The whole response (stored when asked). Raises GenerationError."""
+        async for _ in self.steps(None):
+            pass
+        await self.keeper.keep(self.builder)
+        return self.builder.response
+
+
+async def start_response(gw: Gateway, req: ResponsesRequest, tenant: Tenant) -> ResponseRun:
+    """Translate, prepare, admit and submit a checked Responses request of `tenant`."""
+    history = await _history(gw, req.previous_response_id, tenant)
+    chat = to_chat(req, history, gw.cfg)
+    try:
+        gen = await gw.start(chat, Api.RESPONSES, tenant)
+    except APIError as e:
+        raise renamed(e) from None
+    response_id = "resp_" + gen.request_id.partition("-")[2]
+    echo = settings(req, gen.context.model or gw.model_name)
+    keeper = _Keeper(gw, tenant, history + turns(req), req.store)
+    return ResponseRun(gen, ResponseBuilder(response_id, echo, gen.context.created), keeper)
+
+
 async def create_response(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     raw = await read_body(request, gw.cfg.max_body_bytes)
@@ -81,39 +150,25 @@ async def create_response(request: Request) -> Response:
         req = validate_responses(raw, gw.cfg)
     else:  # a large body must not hold up the other streams
         req = await asyncio.to_thread(validate_responses, raw, gw.cfg)
-    tenant = request_tenant(request.state)
-    history = await _history(gw, req.previous_response_id, tenant)
-    conversation = history + turns(req)
-    chat = to_chat(req, history, gw.cfg)
-    try:
-        gen = await gw.start(chat, Api.RESPONSES, tenant)
-    except APIError as e:
-        raise renamed(e) from None
-    response_id = "resp_" + gen.request_id.partition("-")[2]
-    builder = ResponseBuilder(
-        response_id, settings(req, gen.context.model or gw.model_name), gen.context.created
-    )
-    keeper = _Keeper(gw, tenant, conversation, req.store)
+    run = await start_response(gw, req, request_tenant(request.state))
+    gen = run.gen
     if req.stream:
         return EventStream(
-            _frames(gw, gen, builder, keeper),
+            _frames(run.batches(gw.cfg.heartbeat_s)),
             on_close=gen.cancel,  # not resumable: a closed stream ends the response
             send_timeout_s=gw.cfg.send_timeout_s,
             on_timeout=lambda: gw.metrics.send_timeout("sse"),
             headers=gen.ratelimit_headers,
         )
     try:
-        done, _ = await until_disconnect(request.receive, _drain(_run(gen, builder, None)))
+        done, body = await until_disconnect(request.receive, run.whole())
     except GenerationError as e:
         raise from_generation(e.code, e.message) from None
     finally:
         await gen.cancel()  # no-op when it finished; frees the engine request otherwise
     if not done:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    await keeper.keep(builder)
-    return Response(
-        orjson.dumps(builder.response), headers=gen.ratelimit_headers, media_type="application/json"
-    )
+    return Response(orjson.dumps(body), headers=gen.ratelimit_headers, media_type="application/json")
 
 
 async def _history(gw: Gateway, previous: str | None, tenant: Tenant) -> list[Turn]:
@@ -126,46 +181,12 @@ async def _history(gw: Gateway, previous: str | None, tenant: Tenant) -> list[Tu
     return stored_turns(orjson.loads(raw)["conversation"])
 
 
-async def _run(gen: Generation, b: ResponseBuilder, heartbeat_s: float | None) -> AsyncIterator[list[Event]]:
-    """The events of a response as its deltas come: a batch per step of the answer,
-    [] when `heartbeat_s` passed with nothing new. Raises GenerationError."""
-    yield b.start()
-    reason = None
-    while not gen.finished:
-        deltas = await gen.next(timeout=heartbeat_s)
-        events: list[Event] = []
-        for d in deltas:
-            if d.index == 0:  # a response has one choice
-                events += b.feed(d)
-                reason = d.finish_reason or reason
-        yield events
-    yield b.finish(reason, gen.usage)
-
-
-async def _drain(events: AsyncIterator[list[Event]]) -> None:
-    async for _ in events:
-        pass
-
-
-async def _frames(gw: Gateway, gen: Generation, b: ResponseBuilder, keeper: _Keeper) -> AsyncIterator[bytes]:
-    """The SSE frames of a streamed response; a failure mid-way is `response.failed`."""
-    events = _run(gen, b, gw.cfg.heartbeat_s)
-    held: list[Event] = []  # the closing events wait until the response is stored
-    try:
-        async for batch in events:
-            if b.response["status"] != "in_progress":  # the last batch: the closing events
-                held = batch
-            elif not batch:
-                yield KEEPALIVE
-            else:
-                for ev in batch:
-                    yield _sse(ev)
-    except GenerationError as e:
-        gw.metrics.error(e.code)
-        held = b.fail(e.code, e.message)
-    await keeper.keep(b)
-    for ev in held:
-        yield _sse(ev)
+async def _frames(batches: AsyncIterator[list[Event]]) -> AsyncIterator[bytes]:
+    async for batch in batches:
+        if not batch:
+            yield KEEPALIVE
+        for ev in batch:
+            yield _sse(ev)
 
 
 async def get_response(request: Request) -> Response:
