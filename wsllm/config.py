@@ -134,7 +134,9 @@ class GatewayConfig:
     frontend: bool = field(default=True, metadata={"help": "serve the chat UI at /"})
     response_ttl_s: float = field(
         default=3600.0,
-        metadata={"help": "how long a stored /v1/responses answer stays readable (previous_response_id, GET)"},
+        metadata={
+            "help": "how long a stored /v1/responses answer stays readable (previous_response_id, GET)"
+        },
     )
     tool_parser: str = field(
         default="auto",

@@ -8,6 +8,7 @@ frees its engine request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import jsonschema
 import openai
 import orjson
 import pytest
+import websockets
 
 KEYS = """
 [tenants.alice]
@@ -197,3 +199,31 @@ def test_closing_a_stream_frees_its_engine_request(srv: Any) -> None:
                 break
     srv.wait_gateway_forgot()
     srv.assert_no_blocks_held()
+
+
+def test_a_websocket_responses_message_streams_the_same_events(srv: Any) -> None:
+    body = {"input": "Tell me about Oslo.", "temperature": 0, "max_output_tokens": 8}
+    whole = client(srv).responses.create(model=srv.gateway.model_name, **body)
+
+    async def run() -> list[dict[str, Any]]:
+        headers = {"authorization": "Bearer sk-alice"}
+        async with websockets.connect(srv.ws_url, additional_headers=headers) as ws:
+            assert orjson.loads(await ws.recv())["type"] == "hello"
+            await ws.send(orjson.dumps({"type": "responses", "id": "r1"} | body).decode())
+            started = orjson.loads(await ws.recv())
+            assert started["type"] == "started" and started["response_id"].startswith("resp_")
+            events = []
+            while not events or events[-1]["type"] not in ("response.completed", "response.incomplete"):
+                msg = orjson.loads(await ws.recv())
+                assert msg["type"] == "response_event" and msg["id"] == "r1", msg
+                events.append(msg["event"])
+            await ws.send(orjson.dumps({"type": "responses", "id": "r2", "input": []}).decode())
+            err = orjson.loads(await ws.recv())
+            assert err["type"] == "error" and err["id"] == "r2" and err["param"] == "input", err
+            return events
+
+    events = asyncio.run(run())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == whole.output_text and events[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert client(srv).responses.retrieve(events[-1]["response"]["id"]).output_text == text

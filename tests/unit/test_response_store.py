@@ -38,7 +38,9 @@ def redis_store(url: str) -> Iterator[ResponseStore]:
 
 
 @pytest.fixture(params=["memory", "redis"])
-def make_store(request: pytest.FixtureRequest) -> Callable[[], contextlib.AbstractContextManager[ResponseStore]]:
+def make_store(
+    request: pytest.FixtureRequest,
+) -> Callable[[], contextlib.AbstractContextManager[ResponseStore]]:
     if request.param == "redis":
         url = request.getfixturevalue("redis_server").url
         return lambda: redis_store(url)

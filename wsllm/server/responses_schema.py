@@ -181,6 +181,11 @@ def validate_responses(raw: bytes, cfg: GatewayConfig) -> ResponsesRequest:
     obj = parse_json(raw)
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "the body must be a JSON object")
+    return responses_request(obj, cfg)
+
+
+def responses_request(obj: dict[str, Any], cfg: GatewayConfig) -> ResponsesRequest:
+    """Check a parsed Responses body (also a WebSocket `responses` message's fields)."""
     items = obj.get("input")
     if isinstance(items, list) and len(items) > cfg.max_messages:  # before the schema's cost
         raise invalid("input", f"at most {cfg.max_messages} items (got {len(items)})")
