@@ -12,29 +12,31 @@ from typing import Any
 
 import pytest
 
-from wsllm.broker.redis_keys import Keys
-from wsllm.broker.redis_responses import RedisResponseStore
+from wsllm.broker.memory import MemoryBroker
 from wsllm.broker.response_store import MemoryResponseStore, ResponseStore
 
 
 @contextlib.contextmanager
 def memory_store() -> Iterator[ResponseStore]:
-    yield MemoryResponseStore()
+    broker = MemoryBroker()
+    try:
+        yield broker.response_store()
+    finally:
+        broker.close()
 
 
 @contextlib.contextmanager
 def redis_store(url: str) -> Iterator[ResponseStore]:
     import redis
-    import redis.asyncio as aioredis
+
+    from wsllm.broker.redis import RedisBroker
 
     redis.Redis.from_url(url).flushall()
-    clients: dict[Any, Any] = {}
-
-    def client() -> Any:  # one per loop, as the gateway side keeps them
-        loop = asyncio.get_running_loop()
-        return clients.setdefault(loop, aioredis.Redis.from_url(url))
-
-    yield RedisResponseStore(client, Keys("wsllm-test"))
+    broker = RedisBroker(url, model="m")
+    try:
+        yield broker.response_store()
+    finally:
+        broker.close()
 
 
 @pytest.fixture(params=["memory", "redis"])
