@@ -180,6 +180,8 @@ def test_previous_response_id_continues_and_another_key_cannot_read_it(srv: Any)
             "tool_choice.name",
         ),
         ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"input": "word " * 3000}, "input"),  # past the context: preparation's 400, renamed
+        ({"input": "hi", "max_output_tokens": 4000}, "max_output_tokens"),  # prompt + it past the context
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ],
 )
