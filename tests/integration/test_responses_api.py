@@ -150,6 +150,17 @@ def test_previous_response_id_continues_and_another_key_cannot_read_it(srv: Any)
     # the second prompt holds the first turn: its input and its answer
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert alice.responses.retrieve(second.id).output_text == second.output_text
+    items = alice.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert items[1].content[0].text == first.output_text and items[2].content[0].text == "What is my name?"
+    page = alice.responses.input_items.list(second.id, limit=1)  # newest first, then the rest
+    assert [i.id for i in page.data] == [items[2].id] and page.has_more
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(second.id)
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(second.id)
     with pytest.raises(openai.NotFoundError) as e:

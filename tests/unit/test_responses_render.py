@@ -9,10 +9,17 @@ from __future__ import annotations
 from typing import Any, get_args
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import (
+    Response,
+    ResponseFunctionToolCallItem,
+    ResponseFunctionToolCallOutputItem,
+    ResponseInputMessageItem,
+    ResponseOutputMessage,
+    ResponseStreamEvent,
+)
 
 from wsllm.server.generation import Delta, TokenLogprob
-from wsllm.server.responses_render import ResponseBuilder, output_turns, settings
+from wsllm.server.responses_render import ResponseBuilder, input_item, output_turns, settings
 from wsllm.server.responses_schema import ResponsesRequest
 from wsllm.types import Usage
 
@@ -113,3 +120,20 @@ def test_a_failure_is_response_failed_with_the_error() -> None:
     assert b.response["error"] == {"code": "server_error", "message": "worker_lost: the engine went away"}
     for ev in events:
         check_event(ev)
+
+
+def test_kept_turns_list_as_the_sdks_input_items() -> None:
+    turns = [
+        ({"type": "message", "role": "user", "content": "hi"}, ResponseInputMessageItem),
+        ({"type": "message", "role": "assistant", "content": "yo"}, ResponseOutputMessage),
+        (
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            ResponseFunctionToolCallItem,
+        ),
+        (
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+            ResponseFunctionToolCallOutputItem,
+        ),
+    ]
+    for i, (turn, cls) in enumerate(turns):
+        cls.model_validate(input_item(turn, f"item_{i}"), strict=True)

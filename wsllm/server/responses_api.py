@@ -32,7 +32,7 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_api import read_body
-from wsllm.server.responses_render import Event, ResponseBuilder, output_turns, settings
+from wsllm.server.responses_render import Event, ResponseBuilder, input_item, output_turns, settings
 from wsllm.server.responses_schema import (
     ResponsesRequest,
     Turn,
@@ -74,7 +74,11 @@ class _Keeper:
     async def keep(self, b: ResponseBuilder) -> None:
         if not self.store:
             return
-        record = {"response": b.response, "conversation": self.conversation + output_turns(b.output)}
+        record = {
+            "response": b.response,
+            "conversation": self.conversation + output_turns(b.output),
+            "inputs": len(self.conversation),  # the turns before this response's output
+        }
         try:
             await self.gw.responses.put(
                 b.id, self.tenant.name, orjson.dumps(record), self.gw.cfg.response_ttl_s
@@ -191,16 +195,57 @@ async def _frames(batches: AsyncIterator[list[Event]]) -> AsyncIterator[bytes]:
 
 async def get_response(request: Request) -> Response:
     """A stored response, for a key of the tenant that made it."""
-    gw: Gateway = request.app.state.gateway
-    rid = request.path_params["response_id"]
     if request.query_params.get("stream", "false").lower() == "true":
         raise APIError(
             400, "invalid_request", "stream: only background responses stream again; none run here", "stream"
         )
+    return Response(orjson.dumps((await _stored(request))["response"]), media_type="application/json")
+
+
+async def _stored(request: Request) -> dict[str, Any]:
+    """The stored record that the path's `response_id` names, for this key; else 404."""
+    gw: Gateway = request.app.state.gateway
+    rid = request.path_params["response_id"]
     raw = await gw.responses.get(rid, request_tenant(request.state).name)
     if raw is None:
         raise _not_found(rid, "response_id")
-    body = orjson.loads(raw)["response"]
+    record: dict[str, Any] = orjson.loads(raw)
+    return record
+
+
+async def list_input_items(request: Request) -> Response:
+    """`GET /v1/responses/{id}/input_items`: the conversation the response answered
+    (the turns of the responses it continued, then its own input), with `order`
+    (`desc` by default), `limit` (1 to 100, 20) and `after` (an item id), as OpenAI's."""
+    record = await _stored(request)
+    q = request.query_params
+    order, limit = q.get("order", "desc"), q.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "invalid_request", "order: asc or desc", "order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise APIError(400, "invalid_request", "limit: an integer from 1 to 100", "limit")
+    hexid = request.path_params["response_id"].removeprefix("resp_")
+    turns_ = record["conversation"][: record["inputs"]]
+    items = [input_item(t, f"item_{hexid}{i:04d}") for i, t in enumerate(turns_)]
+    if order == "desc":
+        items.reverse()
+    after = q.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise APIError(
+                400, "invalid_request", f"after: no item {after!r} in this response's input", "after"
+            )
+        items = items[at + 1 :]
+    page = items[: int(limit)]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    body = {
+        "object": "list",
+        "data": page,
+        "first_id": first,
+        "last_id": last,
+        "has_more": len(items) > len(page),
+    }
     return Response(orjson.dumps(body), media_type="application/json")
 
 

@@ -254,3 +254,20 @@ def output_turns(output: list[dict[str, Any]]) -> list[Turn]:
         elif item["type"] == "function_call":
             out.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
     return out
+
+
+def input_item(turn: Turn, item_id: str) -> dict[str, Any]:
+    """A kept turn as `GET /v1/responses/{id}/input_items` lists it (OpenAI's item shapes)."""
+    kind = turn["type"]
+    if kind == "message":
+        assistant = turn["role"] == "assistant"
+        part = {"type": "output_text", "text": turn["content"], "annotations": []} if assistant else None
+        content = [part or {"type": "input_text", "text": turn["content"]}]
+        return {
+            "id": item_id,
+            "type": "message",
+            "role": turn["role"],
+            "content": content,
+            "status": "completed",
+        }
+    return {"id": item_id} | turn | {"status": "completed"}
