@@ -136,14 +136,15 @@ class ResponseRun:
 async def start_response(gw: Gateway, req: ResponsesRequest, tenant: Tenant) -> ResponseRun:
     """Translate, prepare, admit and submit a checked Responses request of `tenant`."""
     history = await _history(gw, req.previous_response_id, tenant)
-    chat = to_chat(req, history, gw.cfg)
+    conversation = history + turns(req)
+    chat = to_chat(req, conversation, len(history), gw.cfg)
     try:
         gen = await gw.start(chat, Api.RESPONSES, tenant)
     except APIError as e:
         raise renamed(e) from None
     response_id = "resp_" + gen.request_id.partition("-")[2]
     echo = settings(req, gen.context.model or gw.model_name)
-    keeper = _Keeper(gw, tenant, history + turns(req), req.store)
+    keeper = _Keeper(gw, tenant, conversation, req.store)
     return ResponseRun(gen, ResponseBuilder(response_id, echo, gen.context.created), keeper)
 
 

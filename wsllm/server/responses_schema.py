@@ -30,6 +30,10 @@ _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 _ID = Field(max_length=MAX_ID_CHARS)
 
 
+def _str_or_list(v: Any) -> str:
+    return "text-content" if isinstance(v, str) else "part-list"
+
+
 class InputText(Strict):
     type: Literal["input_text", "output_text"]
     text: str
@@ -44,13 +48,26 @@ class OtherPart(Strict):
     model_config = {"extra": "allow"}
 
 
-Part = Annotated[InputText | OtherPart, Field(discriminator="type")]
+# Union tags that are not identifiers stay out of an error's `param` (errors.from_validation),
+# so a 400 names the field as the client wrote it: `input.0.content.1.text`.
+def _part_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "text-part" if kind in ("input_text", "output_text") else "other-part"
+
+
+Part = Annotated[
+    Annotated[InputText, Tag("text-part")] | Annotated[OtherPart, Tag("other-part")],
+    Discriminator(_part_kind),
+]
 
 
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Part]
+    content: Annotated[
+        Annotated[str, Tag("text-content")] | Annotated[list[Part], Tag("part-list")],
+        Discriminator(_str_or_list),
+    ]
     id: Inert
     status: Inert
     phase: Inert
@@ -68,7 +85,10 @@ class CallItem(Strict):
 class CallOutputItem(Strict):
     type: Literal["function_call_output"]
     call_id: str = _ID
-    output: str | list[InputText]
+    output: Annotated[
+        Annotated[str, Tag("text-content")] | Annotated[list[InputText], Tag("part-list")],
+        Discriminator(_str_or_list),
+    ]
     id: Inert
     status: Inert
 
@@ -86,15 +106,24 @@ class ReasoningItem(Strict):
 
 def _item_kind(v: Any) -> str:
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
-    return kind if isinstance(kind, str) else "message"
+    return f"{kind}-item" if isinstance(kind, str) else "message-item"
 
 
 Item = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[CallItem, Tag("function_call")]
-    | Annotated[CallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
+    Annotated[MessageItem, Tag("message-item")]
+    | Annotated[CallItem, Tag("function_call-item")]
+    | Annotated[CallOutputItem, Tag("function_call_output-item")]
+    | Annotated[ReasoningItem, Tag("reasoning-item")],
+    Discriminator(
+        _item_kind,
+        custom_error_type="invalid_item",
+        custom_error_message="an item is a message, function_call, function_call_output or reasoning",
+    ),
+]
+Input = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag("text-input")]
+    | Annotated[Annotated[list[Item], Field(min_length=1)], Tag("item-list")],
+    Discriminator(lambda v: "text-input" if isinstance(v, str) else "item-list"),
 ]
 
 
@@ -133,7 +162,7 @@ class ReasoningConfig(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[Item], Field(min_length=1)]
+    input: Input
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=MAX_ID_CHARS)
     store: bool = True
@@ -272,11 +301,14 @@ def chat_messages(items: list[Turn], instructions: str | None, first_new: int) -
     return messages
 
 
-def to_chat(req: ResponsesRequest, history: list[Turn], cfg: GatewayConfig) -> ChatRequest:
-    """The chat request that answers `req`, after the conversation `history`."""
+def to_chat(
+    req: ResponsesRequest, conversation: list[Turn], first_new: int, cfg: GatewayConfig
+) -> ChatRequest:
+    """The chat request that answers `req`, whose `conversation` is the turns of the
+    responses it continues and then, from `first_new` on, its own input (`turns`)."""
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": chat_messages(history + turns(req), req.instructions, len(history)),
+        "messages": chat_messages(conversation, req.instructions, first_new),
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -317,22 +349,26 @@ def to_chat(req: ResponsesRequest, history: list[Turn], cfg: GatewayConfig) -> C
         raise renamed(e) from None
 
 
-# Chat's field names as the Responses API names them, for 400s raised past translation.
+# Chat's field names as the Responses API names them, for 400s raised past translation;
+# chat's `messages.N` is not the input's item N, so those name the `input` as a whole.
 _RENAMES = (
     ("response_format.json_schema.schema", "text.format.schema"),
     ("response_format", "text.format"),
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
-    ("messages", "input"),
     ("tool_choice.function.name", "tool_choice.name"),
 )
 
 
 def renamed(e: APIError) -> APIError:
     """`e` with a chat field in its `param` (and message) given its Responses name."""
+    p = e.param
+    if p is not None and (p == "messages" or p.startswith("messages.")):
+        e.param, e.message = "input", e.message.replace(p, "input", 1)
+        return e
     for chat, ours in _RENAMES:
-        if e.param is not None and (e.param == chat or e.param.startswith(chat + ".")):
-            e.param = ours + e.param[len(chat) :]
+        if p is not None and (p == chat or p.startswith(chat + ".")):
+            e.param = ours + p[len(chat) :]
             e.message = e.message.replace(chat, ours, 1)
             break
     return e
