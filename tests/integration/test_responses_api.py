@@ -9,6 +9,7 @@ frees its engine request."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,7 +185,8 @@ def test_previous_response_id_continues_and_another_key_cannot_read_it(srv: Any)
             "input.0.content.0",
         ),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input.0.call_id"),
-        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "background": True, "store": False}, "background"),
+        ({"input": "hi", "background": True, "stream": True}, "background"),
         ({"input": "hi", "conversation": "c1"}, "conversation"),
         (
             {"input": "hi", "tool_choice": {"type": "function", "name": "f"}, "tools": [WEATHER]},
@@ -240,3 +242,31 @@ def test_a_websocket_responses_message_streams_the_same_events(srv: Any) -> None
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == whole.output_text and events[-1]["response"]["output"][0]["content"][0]["text"] == text
     assert client(srv).responses.retrieve(events[-1]["response"]["id"]).output_text == text
+
+
+def test_a_background_response_runs_without_its_client_and_can_be_cancelled(srv: Any) -> None:
+    alice, bob = client(srv), client(srv, "sk-bob")
+    short = alice.responses.create(**kw(srv, input="Hi", background=True, max_output_tokens=4))
+    assert short.background and short.status == "in_progress"
+    deadline = time.monotonic() + 60
+    while (got := alice.responses.retrieve(short.id)).status == "in_progress":
+        assert time.monotonic() < deadline, "the background response never ended"
+        time.sleep(0.05)
+    assert (
+        got.status in ("completed", "incomplete") and got.usage is not None and got.usage.output_tokens == 4
+    )
+    long = alice.responses.create(
+        **kw(srv, input="Go on and on.", background=True, max_output_tokens=2000, temperature=1)
+    )
+    assert alice.responses.retrieve(long.id).status == "in_progress"
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.cancel(long.id)
+    cancelled = alice.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and alice.responses.retrieve(long.id).status == "cancelled"
+    assert cancelled.usage is not None and cancelled.usage.output_tokens < 2000
+    assert alice.responses.cancel(long.id).status == "cancelled"  # again: as it is
+    srv.assert_no_blocks_held()
+    with pytest.raises(openai.BadRequestError):
+        alice.responses.cancel(
+            short.id if not short.background else alice.responses.create(**kw(srv, input="x")).id
+        )

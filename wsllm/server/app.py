@@ -148,6 +148,7 @@ def create_app(
         Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses_api.list_input_items),
+        Route("/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", ws_endpoint),

@@ -79,6 +79,8 @@ class Gateway:
     #: stored Responses answers, shared by every gateway when the broker is (Redis)
     responses: ResponseStore = field(init=False)
     _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    #: background /v1/responses answers running here, by response id (responses_api.py)
+    background: dict[str, tuple[Generation, asyncio.Task[None]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker, self.cfg.max_buffered_events)
@@ -214,7 +216,7 @@ class Gateway:
 
     async def aclose(self) -> None:
         """Cancel pending grace-time aborts (the app is stopping)."""
-        for t in list(self._later):
+        for t in [*self._later, *(task for _, task in self.background.values())]:
             t.cancel()
         await self.limiter.aclose()
         self.models.close()

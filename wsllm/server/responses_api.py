@@ -1,5 +1,6 @@
-"""OpenAI's Responses API: `POST /v1/responses` (streamed or not), `GET` and `DELETE
-/v1/responses/{id}`.
+"""OpenAI's Responses API: `POST /v1/responses` (streamed, whole, or in the
+background), `GET` and `DELETE /v1/responses/{id}`, `GET .../input_items` and
+`POST .../cancel`.
 
 A Responses request is translated into the chat request every other route prepares
 (responses_schema.to_chat) and goes through the same path (prepare, admit, submit);
@@ -10,10 +11,11 @@ itself, and its conversation (input and output, in the kept shape) for a next tu
 `previous_response_id`. It is stored before its last event is sent, so a client can
 continue the moment it has read `response.completed`.
 
-Cancellation: `background` is not served, so a response runs only while its client
-waits for it; closing the stream (or the connection of a call that was not streamed)
-cancels it and frees its engine request, as on the chat route. A response is not
-resumable (no `starting_after`)."""
+Cancellation: a streamed or whole answer runs while its client waits for it; closing
+the stream (or the connection) cancels it and frees its engine request, as on the chat
+route. A `background` answer runs on the gateway that took it, stored `in_progress`
+at once and again when it ends; `cancel` stops it there, or through the broker from
+another gateway. A response is not resumable (no `starting_after`)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # Bodies larger than this are validated off the event loop (as on the chat route).
 _VALIDATE_INLINE_BYTES = 64 * 1024
+# How long a cancel waits for the cancelled response's end to be stored.
+_CANCEL_WAIT_S = 5.0
 
 
 def _sse(ev: Event) -> bytes:
@@ -157,6 +161,8 @@ async def create_response(request: Request) -> Response:
         req = await asyncio.to_thread(validate_responses, raw, gw.cfg)
     run = await start_response(gw, req, request_tenant(request.state))
     gen = run.gen
+    if req.background:
+        return await _background(gw, run)
     if req.stream:
         return EventStream(
             _frames(run.batches(gw.cfg.heartbeat_s)),
@@ -174,6 +180,53 @@ async def create_response(request: Request) -> Response:
     if not done:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return Response(orjson.dumps(body), headers=gen.ratelimit_headers, media_type="application/json")
+
+
+async def _background(gw: Gateway, run: ResponseRun) -> Response:
+    """Answer at once with the response in progress (stored), and run it here until it
+    ends or is cancelled; each end is stored for `GET`."""
+    rid = run.builder.id
+    await run.keeper.keep(run.builder)
+
+    async def finish() -> None:
+        try:
+            await run.whole()
+        except GenerationError as e:
+            gw.metrics.error(e.code)
+            run.builder.fail(e.code, e.message)
+            await run.keeper.keep(run.builder)
+        finally:
+            gw.background.pop(rid, None)
+            await run.gen.cancel()  # no-op when it finished; releases the tenant's limits
+
+    gw.background[rid] = (run.gen, asyncio.get_running_loop().create_task(finish()))
+    return Response(orjson.dumps(run.builder.response), media_type="application/json")
+
+
+async def cancel_response(request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: stop a background response of this key's
+    tenant and answer it as stored (`cancelled`; unchanged when it had ended). It runs
+    on this gateway (cancelled here) or on another of the deployment (aborted through
+    the broker; that gateway stores the end)."""
+    gw: Gateway = request.app.state.gateway
+    rid = request.path_params["response_id"]
+    record = await _stored(request)
+    if not record["response"].get("background"):
+        raise APIError(400, "invalid_request", "only a background response can be cancelled", "response_id")
+    local = gw.background.get(rid)
+    if local is not None:
+        gen, task = local
+        await gen.cancel()
+        await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
+    elif record["response"]["status"] == "in_progress":
+        await gw.broker.abort("resp-" + rid.removeprefix("resp_"))  # the engine request's id
+        deadline = asyncio.get_running_loop().time() + _CANCEL_WAIT_S
+        while record["response"]["status"] == "in_progress" and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            record = await _stored(request)
+    else:
+        return Response(orjson.dumps(record["response"]), media_type="application/json")
+    return Response(orjson.dumps((await _stored(request))["response"]), media_type="application/json")
 
 
 async def _history(gw: Gateway, previous: str | None, tenant: Tenant) -> list[Turn]:

@@ -51,7 +51,7 @@ def settings(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": req.truncation or "disabled",
         "user": req.user,
-        "background": False,
+        "background": bool(req.background),
     }
 
 
@@ -121,7 +121,7 @@ class ResponseBuilder:
 
     def finish(self, reason: str | None, usage: Usage) -> list[Event]:
         """The closing events: the open item's, then the response's own."""
-        events = self._close("incomplete" if reason == FINISH_LENGTH else "completed")
+        events = self._close("incomplete" if reason in (FINISH_LENGTH, FINISH_ABORT) else "completed")
         self.response["usage"] = usage_json(usage, self.reasoning_tokens)
         if reason == FINISH_LENGTH:
             self.response["status"] = "incomplete"

@@ -167,7 +167,7 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = Field(None, max_length=MAX_ID_CHARS)
     store: bool = True
     stream: bool | None = None
-    background: Literal[False] | None = None  # not served: only a stream's close cancels
+    background: bool | None = None  # runs without its client; GET it, cancel it
     max_output_tokens: int | None = ranged("max_tokens")
     temperature: float | None = ranged("temperature")
     top_p: float | None = ranged("top_p")
@@ -226,6 +226,10 @@ def responses_request(obj: dict[str, Any], cfg: GatewayConfig) -> ResponsesReque
         raise invalid("max_output_tokens", f"at most {cfg.max_tokens_limit} (got {req.max_output_tokens})")
     if req.top_logprobs is not None and req.top_logprobs > cfg.max_top_logprobs:
         raise invalid("top_logprobs", f"at most {cfg.max_top_logprobs} (got {req.top_logprobs})")
+    if req.background and (not req.store or req.stream):
+        raise invalid(
+            "background", "needs store (the default) and no stream: a background answer is read with GET"
+        )
     names = [t.name for t in req.tools or []]
     for i, name in enumerate(names):
         if name in names[:i]:

@@ -212,6 +212,8 @@ class WsSession:
             raise APIError(400, "invalid_request", "id: a string of 1 to 128 characters", "id")
         self._admit(msg_id)
         body = {k: v for k, v in obj.items() if k not in ("type", "id", "stream")}
+        if body.get("background"):
+            raise APIError(400, "invalid_request", "background: use POST /v1/responses", "background")
         if size <= 64 * 1024:
             req = responses_request(body, self.cfg)
         else:  # a large message must not hold up the other streams
