@@ -235,6 +235,14 @@ def test_a_websocket_responses_message_streams_the_same_events(srv: Any) -> None
             await ws.send(orjson.dumps({"type": "responses", "id": "r2", "input": []}).decode())
             err = orjson.loads(await ws.recv())
             assert err["type"] == "error" and err["id"] == "r2" and err["param"] == "input", err
+            long = {"type": "responses", "id": "r3", "input": "Go on.", "max_output_tokens": 2000}
+            await ws.send(orjson.dumps(long).decode())
+            assert orjson.loads(await ws.recv())["type"] == "started"
+            await ws.send(orjson.dumps({"type": "cancel", "id": "r3"}).decode())
+            last: dict[str, Any] = {}
+            while last.get("type") != "response.completed":
+                last = orjson.loads(await ws.recv())["event"]
+            assert last["response"]["status"] == "cancelled"
             return events
 
     events = asyncio.run(run())
