@@ -200,7 +200,8 @@ async def _background(gw: Gateway, run: ResponseRun) -> Response:
             await run.gen.cancel()  # no-op when it finished; releases the tenant's limits
 
     gw.background[rid] = (run.gen, asyncio.get_running_loop().create_task(finish()))
-    return Response(orjson.dumps(run.builder.response), media_type="application/json")
+    headers = run.gen.ratelimit_headers
+    return Response(orjson.dumps(run.builder.response), headers=headers, media_type="application/json")
 
 
 async def cancel_response(request: Request) -> Response:
