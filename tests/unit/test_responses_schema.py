@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError
@@ -94,3 +96,35 @@ def test_an_output_must_answer_an_earlier_call() -> None:
     with pytest.raises(APIError) as e:
         to_chat(req, turns(req), 0, CFG)
     assert e.value.param == "input.0.call_id"
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "id", "status", "text"]
+_item = st.dictionaries(
+    st.sampled_from(_ITEM_KEYS), _json | st.sampled_from(["message", "user", "function_call"])
+)
+_BODY_KEYS = ["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
+              "previous_response_id", "store", "background", "stream", "top_logprobs", "metadata", "truncation"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.dictionaries(st.sampled_from(_BODY_KEYS), _json, max_size=5),
+    items=st.lists(_item, max_size=4),
+    as_items=st.booleans(),
+)
+def test_any_body_is_translated_or_refused_with_a_400(
+    body: dict[str, Any], items: list[Any], as_items: bool
+) -> None:
+    body = {"input": "hi", "tools": [WEATHER]} | body  # mostly valid, one field off at a time
+    if as_items:
+        body["input"] = items
+    try:
+        req = responses_request(body, CFG)
+        to_chat(req, turns(req), 0, CFG)
+    except APIError as e:
+        assert e.status == 400, e.message
