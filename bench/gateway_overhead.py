@@ -36,7 +36,7 @@ import orjson
 import websockets
 from tqdm import tqdm
 
-from wsllm.engine.outputs import CompletionOutput, RequestOutput
+from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_TEXT = " the"  # one token in SmolLM2's vocabulary: each token is 4 characters
@@ -91,8 +91,8 @@ class FakeEngine:
     def free_capacity(self) -> int:
         return 4096 - len(self._reqs)
 
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": len(self._reqs), "num_waiting": 0, "num_swapped": 0, "kv_usage": 0.0}
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self._reqs), 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0)
 
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()

@@ -156,6 +156,12 @@ class GatewayConfig:
         metadata={"help": "comma list of Host names served; empty = loopback names and --host; * = any"},
     )
     frontend: bool = field(default=True, metadata={"help": "serve the chat UI at /"})
+    response_ttl_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": "how long a stored /v1/responses answer stays readable (previous_response_id, GET)"
+        },
+    )
     tool_parser: str = field(
         default="auto",
         metadata={
@@ -175,6 +181,8 @@ class GatewayConfig:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
         if not self.template_timeout_s > 0 or not self.spec_check_timeout_s > 0:
             raise ValueError("template_timeout_s and spec_check_timeout_s must be > 0")
+        if not 0 < self.response_ttl_s <= 1e7:
+            raise ValueError(f"response_ttl_s must be in (0, 1e7] seconds, got {self.response_ttl_s}")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 

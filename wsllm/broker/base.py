@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from wsllm.broker.limits import Limiter, MemoryLimiter
+from wsllm.broker.response_store import MemoryResponseStore, ResponseStore
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
 #: the files of a model directory that make its tokenizer (what `TextCodec` reads)
@@ -164,6 +165,11 @@ class GatewayBroker(abc.ABC):
         """The per-tenant rate limiter for the gateways of this deployment: in this
         process (the default), or shared through the store every gateway uses."""
         return MemoryLimiter()
+
+    def response_store(self) -> ResponseStore:
+        """Where this deployment's gateways keep stored Responses answers: in this
+        process (the default), or in the store every gateway uses."""
+        return MemoryResponseStore()
 
     @abc.abstractmethod
     def close(self) -> None:

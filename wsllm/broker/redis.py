@@ -27,6 +27,8 @@ from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
 from wsllm.broker.redis_limits import RedisLimiter
+from wsllm.broker.redis_responses import RedisResponseStore
+from wsllm.broker.response_store import ResponseStore
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
@@ -104,6 +106,9 @@ class RedisBroker(Broker):
 
     def limiter(self) -> Limiter:
         return RedisLimiter(self.gateway.client, self.keys, self.cfg.limit_lease_s)
+
+    def response_store(self) -> ResponseStore:
+        return RedisResponseStore(self.gateway.client, self.keys)
 
     # -- engine side -------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Every key starts with the deployment's prefix (`wsllm` by default):
     {p}:t:{tenant}:tpm  full again; its tokens bucket the same (`limits.py`)
     {p}:t:{tenant}:live the tenant's in-flight requests: sorted set of request ids scored by
                         their lease's expiry, refreshed while they run
+    {p}:resp:{id}       a stored Responses answer (hash: tenant, record), with its TTL
 
 docs/architecture.md (the broker section) explains the choice of one result stream
 per request.
@@ -88,6 +89,10 @@ class Keys:
     def tenant(self, tenant: str, what: str) -> str:
         """A tenant's limit key: `rpm`, `tpm` (buckets) or `live` (in-flight leases)."""
         return f"{self.prefix}:t:{tenant}:{what}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Responses answer (`redis_responses.py`)."""
+        return f"{self.prefix}:resp:{response_id}"
 
 
 # Admission and submit in one step: refuse when `max_queue_depth` entries wait (entries in

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from wsllm.broker.base import Broker, BrokerError, BrokerUnavailable
 from wsllm.broker.limits import Limiter
+from wsllm.broker.response_store import ResponseStore
 from wsllm.config import GatewayConfig
 from wsllm.server.errors import APIError, from_broker
 from wsllm.server.generation import Generation, Services
@@ -75,13 +76,18 @@ class Gateway:
     models: ServedModels = field(init=False)
     #: per-tenant limits, shared by every gateway when the broker is (Redis)
     limiter: Limiter = field(init=False)
+    #: stored Responses answers, shared by every gateway when the broker is (Redis)
+    responses: ResponseStore = field(init=False)
     _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    #: background /v1/responses answers running here, by response id (responses_api.py)
+    background: dict[str, tuple[Generation, asyncio.Task[None]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker, self.cfg.max_buffered_events)
         default = ServedModel(self.model_name, self.codec, self._services(self.codec, self.metrics))
         self.models = ServedModels(self.broker, default, self._services, self.tokenizer_dirs)
         self.limiter = self.broker.limiter()
+        self.responses = self.broker.response_store()
 
     def _services(self, codec: TextCodec, metrics: Metrics) -> Services:
         return Services(codec, metrics, self.broker, self.router, self.abort_later)
@@ -210,7 +216,7 @@ class Gateway:
 
     async def aclose(self) -> None:
         """Cancel pending grace-time aborts (the app is stopping)."""
-        for t in list(self._later):
+        for t in [*self._later, *(task for _, task in self.background.values())]:
             t.cancel()
         await self.limiter.aclose()
         self.models.close()

@@ -22,17 +22,21 @@ class Api(enum.StrEnum):
     WS_CHAT = "ws_chat"
     WS_COMPLETION = "ws_completion"
     MESSAGES = "messages"  # Anthropic's /v1/messages: a chat answer in its own shapes
+    RESPONSES = "responses"  # OpenAI's /v1/responses
 
     @property
     def is_chat(self) -> bool:
-        return self in (Api.CHAT, Api.WS_CHAT, Api.MESSAGES)
+        return self in (Api.CHAT, Api.WS_CHAT, Api.MESSAGES, Api.RESPONSES)
 
     @property
     def id_prefix(self) -> str:
-        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion; Anthropic's
-        `msg` for a message."""
+        """OpenAI's: `chatcmpl-` for a chat answer, `cmpl-` for a completion, `resp` for a
+        Responses answer (its response id is `resp_` and the same hex); Anthropic's `msg`
+        for a message."""
         if self is Api.MESSAGES:
             return "msg"
+        if self is Api.RESPONSES:
+            return "resp"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 

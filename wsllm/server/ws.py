@@ -27,6 +27,8 @@ from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
 from wsllm.server.middleware import request_tenant
+from wsllm.server.responses_api import ResponseRun, start_response
+from wsllm.server.responses_schema import responses_request
 from wsllm.server.resume import Api
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
 from wsllm.types import ERR_INTERNAL
@@ -141,6 +143,9 @@ class WsSession:
             obj = parse_json(raw)
             if isinstance(obj, dict) and isinstance(obj.get("id"), str):
                 msg_id = obj["id"]
+            if isinstance(obj, dict) and obj.get("type") == "responses":
+                await self._start_response(obj, len(raw))
+                return
             if len(raw) <= 64 * 1024:
                 msg = validate_ws(obj, self.cfg)
             else:  # a large message must not hold up the other streams
@@ -198,6 +203,38 @@ class WsSession:
         started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
         await self.send(started | {"resume_token": gen.resume_token})
         self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen))
+
+    async def _start_response(self, obj: dict[str, Any], size: int) -> None:
+        """A `responses` message: OpenAI's Responses body (responses_api.py), always
+        streamed, its typed events each in a `response_event`; not resumable."""
+        msg_id = obj.get("id")
+        if not isinstance(msg_id, str) or not 1 <= len(msg_id) <= 128:
+            raise APIError(400, "invalid_request", "id: a string of 1 to 128 characters", "id")
+        self._admit(msg_id)
+        body = {k: v for k, v in obj.items() if k not in ("type", "id", "stream")}
+        if body.get("background"):
+            raise APIError(400, "invalid_request", "background: use POST /v1/responses", "background")
+        if size <= 64 * 1024:
+            req = responses_request(body, self.cfg)
+        else:  # a large message must not hold up the other streams
+            req = await asyncio.to_thread(responses_request, body, self.cfg)
+        run = await start_response(self.gw, req, self.tenant)
+        self.gens[msg_id] = run.gen
+        ids = {"request_id": run.gen.request_id, "response_id": run.builder.id}
+        await self.send({"type": "started", "id": msg_id} | ids)
+        self.tasks[msg_id] = asyncio.create_task(self._stream_response(msg_id, run))
+
+    async def _stream_response(self, msg_id: str, run: ResponseRun) -> None:
+        try:
+            async for batch in run.batches(None):
+                for ev in batch:
+                    await self.send({"type": "response_event", "id": msg_id, "event": ev})
+        finally:
+            if self.gens.get(msg_id) is run.gen:
+                self.gens.pop(msg_id, None)
+                self.tasks.pop(msg_id, None)
+            with contextlib.suppress(Exception):
+                await run.gen.cancel()  # nothing when it finished
 
     async def _resume(self, msg: WsResume) -> None:
         """Continue a request cut by a disconnect: replay it and send the deltas after

@@ -1,0 +1,90 @@
+"""The Responses store (wsllm/broker/response_store.py), in memory and in Redis: a
+record is its tenant's alone (another tenant reads and deletes nothing, as for an id
+that does not exist), expires after its TTL, and the in-process store keeps within
+its byte budget by dropping the oldest records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from wsllm.broker.memory import MemoryBroker
+from wsllm.broker.response_store import MemoryResponseStore, ResponseStore
+
+
+@contextlib.contextmanager
+def memory_store() -> Iterator[ResponseStore]:
+    broker = MemoryBroker()
+    try:
+        yield broker.response_store()
+    finally:
+        broker.close()
+
+
+@contextlib.contextmanager
+def redis_store(url: str) -> Iterator[ResponseStore]:
+    import redis
+
+    from wsllm.broker.redis import RedisBroker
+
+    redis.Redis.from_url(url).flushall()
+    broker = RedisBroker(url, model="m")
+    try:
+        yield broker.response_store()
+    finally:
+        broker.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_store(
+    request: pytest.FixtureRequest,
+) -> Callable[[], contextlib.AbstractContextManager[ResponseStore]]:
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+        return lambda: redis_store(url)
+    return memory_store
+
+
+def test_a_record_is_its_tenants_alone(make_store: Any) -> None:
+    async def run(store: ResponseStore) -> None:
+        await store.put("resp_1", "alice", b'{"a": 1}', 60)
+        assert await store.get("resp_1", "alice") == b'{"a": 1}'
+        assert await store.get("resp_1", "bob") is None
+        assert await store.get("resp_2", "alice") is None
+        assert not await store.delete("resp_1", "bob")
+        assert await store.get("resp_1", "alice") == b'{"a": 1}'  # bob's delete did nothing
+        assert await store.delete("resp_1", "alice")
+        assert await store.get("resp_1", "alice") is None
+        assert not await store.delete("resp_1", "alice")
+
+    with make_store() as store:
+        asyncio.run(run(store))
+
+
+def test_a_record_expires_after_its_ttl(make_store: Any) -> None:
+    async def run(store: ResponseStore) -> None:
+        await store.put("short", "alice", b"x", 0.2)
+        await store.put("long", "alice", b"y", 60)
+        await asyncio.sleep(0.4)
+        assert await store.get("short", "alice") is None
+        assert await store.get("long", "alice") == b"y"
+
+    with make_store() as store:
+        asyncio.run(run(store))
+
+
+def test_the_memory_store_drops_the_oldest_past_its_budget() -> None:
+    async def run() -> None:
+        store = MemoryResponseStore(max_bytes=100)
+        for i in range(10):
+            await store.put(f"r{i}", "alice", bytes(30), 60)
+        assert len(store) == 3  # 3 x 30 bytes fit in 100
+        assert [await store.get(f"r{i}", "alice") is not None for i in range(10)] == [False] * 7 + [True] * 3
+        await store.put("huge", "alice", bytes(101), 60)  # larger than the whole store: not kept
+        assert await store.get("huge", "alice") is None and len(store) == 3
+
+    asyncio.run(run())
