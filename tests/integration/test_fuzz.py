@@ -158,9 +158,21 @@ BASES = [
     {"prompt": "Once upon a time", "add_special_tokens": False},
     {"messages": MSGS, "add_generation_prompt": True},
     {"tokens": [1, 2, 3, 4]},
+    # /v1/responses and /v1/messages (issue 25)
+    {"input": "Once upon a time", "max_output_tokens": 3, "instructions": "Be brief."},
+    {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3, "text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}},
+    {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x"]},
+    {"max_tokens": 3, "system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
 ]  # fmt: skip
 JSON_TYPE = "application/json"
-PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/tokenize",
+    "/detokenize",
+    "/v1/responses",
+    "/v1/messages",
+]
 # What a browser's simple request sends: refused with 415 before anything else.
 CONTENT_TYPES = ["application/json"] * 17 + ["text/plain", "application/x-www-form-urlencoded", ""]
 
@@ -183,7 +195,10 @@ def mutated(draw: st.DrawFn) -> dict[str, Any] | list[Any] | Any:
 
 def check_http(r: httpx.Response) -> None:
     assert r.status_code < 500, r.text
-    if r.status_code >= 400:
+    if r.status_code >= 400 and r.url.path.startswith("/v1/messages"):  # Anthropic's shape
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"], body
+    elif r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
     elif "text/event-stream" in r.headers.get("content-type", ""):
