@@ -69,3 +69,12 @@ def test_an_orphan_wakes_its_reader_and_a_closed_request_is_not_watched(router: 
     assert asyncio.run(go()) == []
     router.close("r")
     assert router.sweep(set(), 1e9) == []
+
+
+def test_an_engine_that_names_no_model_counts_for_every_model(router: Router) -> None:
+    inbox = router.open("r", "m")
+    t0 = inbox.moved_at
+    assert router.sweep({""}, t0 + 3 * T) == []
+    nameless = router.open("s")  # a request for no model in particular: any engine serves it
+    assert router.sweep({"other"}, nameless.moved_at + 3 * T) == []
+    assert inbox.orphaned is None and nameless.orphaned is None

@@ -106,8 +106,9 @@ class Router:
         self._inboxes: dict[str, Inbox] = {}
         self.up = False  # the reader is reading (False while it restarts)
         self.restarts = 0
-        #: model -> time.monotonic() when the broker last listed a live engine of it
-        self._engine_seen: dict[str, float] = {}
+        #: model -> time.monotonic() when the broker last listed a live engine of it ("":
+        #: an engine that names no model, which may serve any; None: any engine at all)
+        self._engine_seen: dict[str | None, float] = {}
 
     def open(self, request_id: str, model: str = "") -> Inbox:
         """Route `request_id` (a request for `model`)'s events to a new inbox. A request
@@ -193,7 +194,7 @@ class Router:
         while True:
             await asyncio.sleep(tick)
             try:
-                live = {e.model for e in await self.broker.engines()}
+                live = {e.model or "" for e in await self.broker.engines()}
             except Exception:  # the broker cannot tell now: the quiet-time rule still holds
                 log.debug("no engine list for the orphan watchdog", exc_info=True)
                 live = None
@@ -202,16 +203,18 @@ class Router:
     def sweep(self, live_models: set[str] | None, now: float) -> list[str]:
         """Orphan the requests past their deadline, given the models with a live engine
         now (None: unknown). Returns their ids."""
+        seen_at = self._engine_seen
         for model in live_models or ():
-            self._engine_seen[model] = now
+            seen_at[model] = now
         if live_models:
-            self._engine_seen[""] = now
+            seen_at[None] = now
         limit = self.orphan_timeout_s
         ended = []
         for rid, inbox in self._inboxes.items():
             if inbox.orphaned is not None or inbox.overflowed:
                 continue
-            seen = max(self._engine_seen.get(inbox.model, 0.0), inbox.moved_at)
+            engine = seen_at.get(inbox.model or None, 0.0)
+            seen = max(engine, seen_at.get("", 0.0), inbox.moved_at)
             if now - seen >= limit:
                 inbox.orphan(f"no engine of this model has been live for {limit:g}s")
             elif inbox.started and now - inbox.moved_at >= limit:
