@@ -196,7 +196,7 @@ def test_a_paused_redis_costs_streams_nothing_and_submits_a_clear_error(chaos: C
     """Streams on B (whose orphan deadline is longer than the pause) get their whole
     answers; a submit during the pause is a 503 within the socket timeout, not a hang;
     /health says 503 while Redis does not answer and 200 once it does."""
-    n_tokens = 1500
+    n_tokens = 1000
     bodies = [body([11 + i, 12, 13], n_tokens) for i in range(3)]
     answers = [Answer() for _ in bodies]
 
