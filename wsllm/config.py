@@ -138,6 +138,13 @@ class GatewayConfig:
             "help": "a request still waiting for an engine after this long ends with 503 queue_timeout; 0: never"
         },
     )
+    orphan_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a followed request ends with 503 worker_lost when its model has had no live engine, or (once "
+            "it started) no event came for it, for this long (docs/reliability.md)"
+        },
+    )
     max_buffered_events: int = field(
         default=512,
         metadata={
@@ -183,6 +190,8 @@ class GatewayConfig:
             raise ValueError("template_timeout_s and spec_check_timeout_s must be > 0")
         if not 0 < self.response_ttl_s <= 1e7:
             raise ValueError(f"response_ttl_s must be in (0, 1e7] seconds, got {self.response_ttl_s}")
+        if not 0 < self.orphan_timeout_s <= 1e6:
+            raise ValueError(f"orphan_timeout_s must be in (0, 1e6] seconds, got {self.orphan_timeout_s}")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 
@@ -284,6 +293,16 @@ class RedisConfig:
     )
     aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
+    redis_socket_timeout_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a Redis command with no answer for this long fails (503 to clients, retried by the loops); "
+            "blocking reads add their own wait to it"
+        },
+    )
+    redis_connect_timeout_s: float = field(
+        default=2.0, metadata={"help": "a connection to Redis not made within this long fails"}
+    )
     limit_lease_s: float = field(
         default=30.0,
         metadata={
@@ -306,6 +325,8 @@ class RedisConfig:
             raise ValueError(
                 f"broker must be memory or a redis://, rediss:// or unix:// URL, got {self.broker!r}"
             )
+        if not (0 < self.redis_socket_timeout_s <= 600 and 0 < self.redis_connect_timeout_s <= 600):
+            raise ValueError("redis_socket_timeout_s and redis_connect_timeout_s must be in (0, 600] seconds")
         if self.limit_lease_s < 3:
             raise ValueError(f"limit_lease_s must be >= 3, got {self.limit_lease_s}")
 

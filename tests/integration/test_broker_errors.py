@@ -46,7 +46,7 @@ def test_a_redis_outage_during_a_cancel_keeps_the_socket(
                 try:
                     await ws.send(orjson.dumps({"type": "cancel", "id": "a"}).decode())
                     got = [orjson.loads(await asyncio.wait_for(ws.recv(), 30))]
-                    while got[-1]["type"] != "error":
+                    while got[-1]["type"] not in ("done", "error"):
                         got.append(orjson.loads(await asyncio.wait_for(ws.recv(), 30)))
                     await ws.send(orjson.dumps({"type": "ping"}).decode())
                     while got[-1]["type"] != "pong":
@@ -56,8 +56,9 @@ def test_a_redis_outage_during_a_cancel_keeps_the_socket(
                 return got
 
         got = asyncio.run(go())
-        err = next(m for m in got if m["type"] == "error")
-        assert (err["id"], err["code"]) == ("a", "model_not_ready")
+        # The cancel is over for the client (its abort is retried later: issue 23).
+        end = next(m for m in got if m["type"] in ("done", "error"))
+        assert (end["type"], end["id"], end["finish_reason"]) == ("done", "a", "abort"), got
         assert got[-1]["type"] == "pong"  # the socket is still there
     broker.close()
 

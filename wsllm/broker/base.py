@@ -122,6 +122,16 @@ class GatewayBroker(abc.ABC):
         in publish order per request. One consumer per gateway: the app's reader
         task. Ends when the broker closes."""
 
+    async def abort_lost(self, request_id: str) -> None:
+        """Stop a request the gateway gave up on (nothing answers it: see the orphan
+        deadline in docs/reliability.md), as `abort` does; a resumable broker also
+        forgets it at once, so that its resume token names nothing."""
+        await self.abort(request_id)
+
+    async def reachable(self, timeout: float) -> bool:
+        """Whether the broker's store answers within `timeout` seconds (`/health`)."""
+        return True
+
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """This gateway stops receiving `request_id`'s events; the request goes on."""
 

@@ -20,7 +20,7 @@ from wsllm.config import RedisConfig, from_args
 def main() -> int:
     rcfg = from_args(RedisConfig)
     keys = Keys(rcfg.redis_prefix)
-    r = redis.Redis.from_url(rcfg.url(), socket_timeout=3, **client_options())
+    r = redis.Redis.from_url(rcfg.url(), **client_options(rcfg))
     try:
         if rcfg.engine_id:
             alive = bool(r.exists(keys.engine(rcfg.engine_id)))

@@ -54,8 +54,8 @@ class RedisBroker(Broker):
         self.engine_ttl_s = self.cfg.engine_ttl_s
         self.queue_poll_s = self.cfg.queue_poll_s
         self.resume_grace_s = self.cfg.resume_grace_s
-        # Blocking reads wait at most 0.25 s at a time, so this socket timeout never cuts one.
-        self._sync = redis.Redis.from_url(url, socket_timeout=10, **client_options())
+        # Blocking reads wait at most 0.25 s at a time (redis_engine._BLOCK_SLICE_S).
+        self._sync = redis.Redis.from_url(url, **client_options(self.cfg, wait_s=0.25))
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
@@ -76,6 +76,12 @@ class RedisBroker(Broker):
 
     async def abort(self, request_id: str) -> None:
         await self.gateway.abort(request_id)
+
+    async def abort_lost(self, request_id: str) -> None:
+        await self.gateway.abort(request_id, keep=False)
+
+    async def reachable(self, timeout: float) -> bool:
+        return await self.gateway.ping(timeout)
 
     async def abort_unless_resumed(self, request_id: str, attach: int) -> bool:
         return await self.gateway.abort(request_id, attach=attach)

@@ -81,7 +81,9 @@ class GatewaySide:
         loop = asyncio.get_running_loop()
         r = self._clients.get(loop)
         if r is None:
-            r = self._clients[loop] = aioredis.Redis.from_url(self.url, **client_options(asyncio=True))
+            r = self._clients[loop] = aioredis.Redis.from_url(
+                self.url, **client_options(self.cfg, asyncio=True)
+            )
         return r
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -124,14 +126,24 @@ class GatewaySide:
             raise QueueFull(f"{value} requests are already waiting for an engine")
         self._queued[rid] = value.decode()
 
-    async def abort(self, request_id: str, attach: int | None = None) -> bool:
-        """Abort; with `attach`, only if no client resumed the request since then."""
+    async def abort(self, request_id: str, attach: int | None = None, keep: bool = True) -> bool:
+        """Abort; with `attach`, only if no client resumed the request since then. With
+        `keep` False its result stream goes at once (its resume token then names nothing)
+        instead of staying resumable for the retention time."""
         self.forget(request_id)
         marker = encode([TokenEvent.abort_marker(request_id)])
         keys = [self.keys.out(request_id), self.keys.aborts, self.keys.attached(request_id)]
-        retention = int(self.cfg.stream_retention_s * 1000)
+        retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
         args = [request_id, retention, marker, self.cfg.aborts_maxlen, "" if attach is None else str(attach)]
         return bool(await self._call(ABORT, keys, args) == 1)
+
+    async def ping(self, timeout: float) -> bool:
+        """Whether Redis answers a PING within `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                return bool(await self.client().ping())
+        except (TimeoutError, *UNAVAILABLE):
+            return False
 
     # -- resume --------------------------------------------------------------------------
 
@@ -172,7 +184,9 @@ class GatewaySide:
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         reader: Any = aioredis.Redis.from_url(
-            self.url, single_connection_client=True, **client_options(asyncio=True)
+            self.url,
+            single_connection_client=True,
+            **client_options(self.cfg, asyncio=True, wait_s=_READ_BLOCK_MS / 1000),
         )
         wake_id = "$"
         broken = False

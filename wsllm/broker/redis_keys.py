@@ -30,24 +30,32 @@ from typing import Any
 
 import redis.exceptions
 
+from wsllm.config import RedisConfig
+
 GROUP = "engines"
 
 #: errors that mean "Redis cannot be reached now" (retry later), not "a bad command"
 UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
-def client_options(asyncio: bool = False) -> dict[str, Any]:
-    """Connection settings for every client of the broker: fail fast (a short retry
-    with a short backoff) and let the broker's own loops wait for Redis, instead of
-    redis-py's default of retrying one command for up to a minute."""
+def client_options(cfg: RedisConfig, asyncio: bool = False, wait_s: float = 0.0) -> dict[str, Any]:
+    """Connection settings for every client of the broker: a connect timeout and a
+    socket timeout (`wait_s` more for a client whose reads block that long), so that a
+    Redis that stops answering (paused, or its host gone) fails a command instead of
+    hanging it; a short retry with a short backoff on a refused or broken connection,
+    none on a timeout (a paused Redis would cost three timeouts), and the broker's own
+    loops wait for Redis instead of redis-py's default of retrying one command for up
+    to a minute."""
     import redis.asyncio.retry
     import redis.backoff
     import redis.retry
 
     retry_cls = redis.asyncio.retry.Retry if asyncio else redis.retry.Retry
+    backoff = redis.backoff.ExponentialBackoff(cap=0.2, base=0.02)
     return {
-        "socket_connect_timeout": 2,
-        "retry": retry_cls(redis.backoff.ExponentialBackoff(cap=0.2, base=0.02), 2),
+        "socket_connect_timeout": cfg.redis_connect_timeout_s,
+        "socket_timeout": cfg.redis_socket_timeout_s + wait_s,
+        "retry": retry_cls(backoff, 2, supported_errors=(redis.exceptions.ConnectionError,)),
     }
 
 

@@ -40,6 +40,8 @@ from wsllm.server.ws import ws_endpoint
 
 log = logging.getLogger(__name__)
 
+_HEALTH_PING_S = 1.0  # /health's wait for the broker's store
+
 
 def _gateway(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway
@@ -52,11 +54,16 @@ def _reader_running(request: Request) -> bool:
 
 
 async def health(request: Request) -> Response:
-    """Liveness: the process runs and its event reader reads (a gateway whose reader
-    is down would leave every request hanging)."""
+    """Liveness: the process runs, its event reader reads (a gateway whose reader
+    is down would leave every request hanging) and its broker answers (a Redis that
+    does not would fail every submit)."""
+    why = None
     if not _reader_running(request):
-        body = {"status": "unhealthy", "reason": "the event reader is not running (it restarts by itself)"}
-        return JSONResponse(body, 503, {"retry-after": "1"})
+        why = "the event reader is not running (it restarts by itself)"
+    elif not await _gateway(request).broker.reachable(_HEALTH_PING_S):
+        why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
+    if why is not None:
+        return JSONResponse({"status": "unhealthy", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ok"})
 
 

@@ -83,7 +83,7 @@ class Gateway:
     background: dict[str, tuple[Generation, asyncio.Task[None]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.router = Router(self.broker, self.cfg.max_buffered_events)
+        self.router = Router(self.broker, self.cfg.max_buffered_events, self.cfg.orphan_timeout_s)
         default = ServedModel(self.model_name, self.codec, self._services(self.codec, self.metrics))
         self.models = ServedModels(self.broker, default, self._services, self.tokenizer_dirs)
         self.limiter = self.broker.limiter()

@@ -10,14 +10,13 @@ request outlives the connection (a resumable broker: detach) or not (cancel)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wsllm.broker.base import Broker, BrokerError
+from wsllm.broker.base import Broker
 from wsllm.server.chat.output import ChoiceOutput, OutputOptions
 from wsllm.server.chat.reasoning import prompt_opens_think
 from wsllm.server.metrics import Metrics
@@ -28,6 +27,7 @@ from wsllm.types import (
     ERR_INTERNAL,
     ERR_RESUMED_ELSEWHERE,
     ERR_SLOW_CONSUMER,
+    ERR_WORKER_LOST,
     FINISH_ABORT,
     FINISH_STOP,
     SamplingParams,
@@ -147,7 +147,7 @@ class Generation:
         self.finished = False
         self._final: list[Delta] = []  # deltas produced by cancel(), handed out by next()
         self._timing = _Timing(time.monotonic())
-        self._inbox = svc.router.open(request_id)
+        self._inbox = svc.router.open(request_id, ctx.model)
 
     @classmethod
     def from_context(cls, svc: Services, request_id: str, ctx: ResumeContext) -> Generation:
@@ -175,6 +175,8 @@ class Generation:
             return out
         if self._inbox.overflowed:
             await self._fail(ERR_SLOW_CONSUMER, "the client fell too far behind this stream")
+        if self._inbox.orphaned is not None:  # the router's deadline: nothing will answer it
+            await self._fail(ERR_WORKER_LOST, f"this request was lost: {self._inbox.orphaned}", lost=True)
         events = await self._inbox.take(timeout)
         if not events and not self.finished and not self.svc.router.routes_to(self.request_id, self._inbox):
             self.finished = True  # its owner resumed it elsewhere: that reader has it now
@@ -240,11 +242,11 @@ class Generation:
             except Exception:
                 log.exception("request %s: could not release its tenant's limits", self.request_id)
 
-    async def _fail(self, code: str, message: str) -> None:
-        """End the request here with an error: the engine stops it, the client is told."""
+    async def _fail(self, code: str, message: str, lost: bool = False) -> None:
+        """End the request here with an error: the engine stops it, the client is told.
+        `lost`: nothing answers it any more, and its resume token dies with it."""
         self.svc.metrics.error(code)
-        with contextlib.suppress(BrokerError):  # the abort is lost with the broker; the grace TTL ends it
-            await self._end()
+        await self._end(lost)
         raise GenerationError(code, message)
 
     def _on_event(self, ev: TokenEvent) -> list[Delta]:
@@ -295,14 +297,16 @@ class Generation:
         c.engine_done = True
         return Delta(c.index, "", FINISH_ABORT)
 
-    async def _end(self) -> None:
+    async def _end(self, lost: bool = False) -> None:
+        """The request is over for its client (however the broker answers): the engine
+        is told to stop it if it still runs it, and the tenant's limits are released."""
         if self.finished:
             return
         self.finished = True
         try:
             if not all(c.engine_done for c in self.choices):
                 # A stop string, the client or a failure ended it while the engine still runs it.
-                await self.svc.broker.abort(self.request_id)
+                await self._abort(lost)
         finally:
             self.svc.router.close(self.request_id, self._inbox)
             await self._release(self.usage.total_tokens)
@@ -315,6 +319,17 @@ class Generation:
         m.finished(
             self.context.api.value, first.out.finish_reason(reason) if first.out is not None else reason
         )
+
+    async def _abort(self, lost: bool) -> None:
+        """Stop the engine's copy of the request. A broker that fails here must not
+        keep the client from its `done` or `error`: the abort is tried again after the
+        grace time (and the engine's own deadlines end the request meanwhile)."""
+        broker = self.svc.broker
+        try:
+            await (broker.abort_lost if lost else broker.abort)(self.request_id)
+        except Exception as e:  # BrokerError, or whatever else the store raised
+            log.warning("request %s: the abort failed (%s); retrying it later", self.request_id, e)
+            self.svc.abort_later(self.request_id, self.attach)
 
     def _observe(self, ev: TokenEvent) -> None:
         t = self._timing

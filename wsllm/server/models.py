@@ -62,20 +62,22 @@ class ServedModels:
     def metrics(self) -> Metrics:
         return self.default.svc.metrics
 
-    async def engines(self, model: str | None = None) -> list[EngineInfo]:
+    async def engines(self, model: str | None = None, strict: bool = False) -> list[EngineInfo]:
         """Live engines (of `model` only, when given); none while the broker is
-        unreachable."""
+        unreachable, or (`strict`) BrokerUnavailable, so that a request is told why."""
         try:
             infos = await self.broker.engines()
         except BrokerUnavailable:
+            if strict:
+                raise
             return []
         return infos if model is None else [e for e in infos if (e.model or self.default.name) == model]
 
-    async def live(self) -> dict[str, list[EngineInfo]]:
+    async def live(self, strict: bool = False) -> dict[str, list[EngineInfo]]:
         """Each model a live engine serves, with its engines, the default model first."""
         out: dict[str, list[EngineInfo]] = {}
         first = self.default.name
-        for e in sorted(await self.engines(), key=lambda e: (e.model != first, e.model)):
+        for e in sorted(await self.engines(strict=strict), key=lambda e: (e.model != first, e.model)):
             out.setdefault(e.model or first, []).append(e)
         return out
 
@@ -114,8 +116,9 @@ class ServedModels:
         """The model a request names (its name or an alias; none: the default model)
         and the context length its live engines allow. 404 `model_not_found` for a
         model nobody serves or this tenant may not use, 503 `model_not_ready` for a
-        known model whose engines are all gone."""
-        live = await self.live()
+        known model whose engines are all gone; BrokerUnavailable (a 503 that says so) while
+        the broker does not answer."""
+        live = await self.live(strict=True)
         want = requested or self.default.name
         name = want if want in live else _by_alias(live, want)
         if name is None or not tenant.may_use(name):

@@ -279,6 +279,9 @@ class WsSession:
                         await self.send(self._done(msg_id, gen, d, last=open_choices == 0))
         except GenerationError as e:
             await self.api_error(msg_id, from_generation(e.code, e.message))
+        except Exception:  # whatever failed (the broker, a bug): the request still ends with an error
+            log.exception("request %s: its stream failed", gen.request_id)
+            await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
         finally:
             if self.gens.get(msg_id) is gen:
                 self.gens.pop(msg_id, None)
