@@ -1,0 +1,176 @@
+"""The quantized CPU kernels (kernels/cpu/) against their torch reference, and the GGUF formats
+against the gguf package: dequantization bit for bit, quantization byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from wsllm.kernels import quant
+from wsllm.kernels.quant_formats import BLOCK
+
+GGUF_CAN_QUANTIZE = ("Q4_0", "Q4_1", "Q8_0")
+# where each format keeps its fp16 scales in a GGUF block
+SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """GGUF bytes of an [n, k] tensor: gguf's own quantization where it has one, else random
+    bytes with finite fp16 scales (every bit pattern of the other fields is valid)."""
+    g = torch.Generator().manual_seed(seed)
+    if qtype in GGUF_CAN_QUANTIZE:
+        w = torch.randn(n, k, generator=g) * 0.05
+        return torch.from_numpy(quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]))
+    bs, ts = BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, k // bs, ts), dtype=torch.uint8, generator=g)
+    for off in SCALE_OFFSETS[qtype]:
+        scale = (torch.rand(n, k // bs, 1, generator=g) - 0.5) * 0.02
+        raw[..., off : off + 2] = scale.half().view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def shape_for(qtype: str) -> tuple[int, int]:
+    # N = 21: two full groups of 8 rows and a tail of 5; K: three blocks or two super-blocks
+    return (21, 96) if BLOCK[qtype][0] == 32 else (21, 512)
+
+
+def available_isas() -> list[str]:
+    ok, _ = quant.native_status()
+    if not ok:
+        return []
+    out = []
+    for isa in ("avx512_vnni", "avx2", "scalar"):
+        try:
+            quant.force_isa(isa)
+            out.append(isa)
+        except RuntimeError:
+            pass
+    quant.force_isa(None)
+    return out
+
+
+@pytest.fixture
+def isa_path(request):
+    isa = request.param
+    if isa not in available_isas():
+        pytest.skip(f"the {isa} path cannot run here ({quant.native_status()[1]})")
+    quant.force_isa(isa)
+    yield isa
+    quant.force_isa(None)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("isa_path", ["avx512_vnni", "avx2", "scalar"], indirect=True)
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_qlinear_equals_reference(qtype: str, isa_path: str) -> None:
+    n, k = shape_for(qtype)
+    w = quant.pack(qtype, gguf_bytes(qtype, n, k), (n, k))
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(n, generator=g)
+    assert quant.kernel_path() == isa_path
+    for m in (1, 3, 8, 32, 33):
+        x = torch.randn(m, k, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            for b in (None, bias):
+                y = quant.qlinear(x.to(dtype), w, b)
+                ref = quant.qlinear_reference(x.to(dtype), w, b)
+                assert y.shape == (m, n) and y.dtype == dtype
+                assert rel_err(y, ref) <= 1e-5, (qtype, isa_path, m, dtype)
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_reference_is_close_to_float_matmul(qtype: str) -> None:
+    # int8 activations cost well under 1% against the dequantized weights in fp32
+    n, k = shape_for(qtype)
+    w = quant.pack(qtype, gguf_bytes(qtype, n, k), (n, k))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(2))
+    assert rel_err(quant.qlinear_reference(x, w), x @ w.dequantize().t()) < 2e-2
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_dequantize_equals_gguf_bit_for_bit(qtype: str) -> None:
+    n, k = shape_for(qtype)
+    raw = gguf_bytes(qtype, n, k)
+    expected = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(quant.dequantize_raw(qtype, raw, (n, k)).numpy(), expected)
+    w = quant.pack(qtype, raw, (n, k))
+    assert (w.qtype, w.out_features, w.in_features) == (qtype, n, k)
+    assert np.array_equal(w.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("qtype", GGUF_CAN_QUANTIZE)
+def test_quantize_equals_gguf(qtype: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 128, generator=g) * torch.logspace(-3, 1, 24)[:, None]
+    w[0, :32] = 0.0  # an all-zero block: scale 0
+    w[1, :32] = 1.0  # max == min for Q4_1
+    ours = quant.quantize(w, qtype)
+    assert ours.dtype == torch.uint8
+    assert np.array_equal(ours.numpy(), quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]))
+
+
+def test_state_round_trip_and_select_rows() -> None:
+    n, k = 21, 512
+    w = quant.pack("Q6_K", gguf_bytes("Q6_K", n, k), (n, k))
+    again = quant.QuantWeight.from_state("Q6_K", (n, k), {name: t.clone() for name, t in w.state().items()})
+    assert torch.equal(again.dequantize(), w.dequantize())
+    rows = torch.tensor([20, 0, 7, 8, 20])
+    assert torch.equal(again.select_rows(rows), w.dequantize()[rows])
+    with pytest.raises(ValueError):
+        quant.QuantWeight.from_state("Q6_K", (n + 8, k), w.state())
+
+
+def test_memory_is_ggufs() -> None:
+    # the packed layout keeps GGUF's bytes per weight (K-quants' unpacked 6-bit scales: +2.8%)
+    for qtype in quant.QTYPES:
+        n, k = 64, 512
+        raw = gguf_bytes(qtype, n, k)
+        packed = quant.pack(qtype, raw, (n, k)).state()["packed"]
+        assert packed.numel() <= raw.numel() * 1.03, qtype
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.pack("Q4_K", torch.zeros(144, dtype=torch.uint8), (1, 128))
+    with pytest.raises(ValueError, match="bytes"):
+        quant.pack("Q8_0", torch.zeros(33, dtype=torch.uint8), (1, 32))
+    w = quant.pack("Q8_0", torch.zeros(34, dtype=torch.uint8), (1, 32))
+    with pytest.raises(ValueError, match="x"):
+        quant.qlinear(torch.zeros(2, 64), w)
+
+
+_NO_COMPILER = """
+import json, torch
+from wsllm.kernels import quant
+w = quant.pack("Q8_0", quant.quantize(torch.randn(10, 64), "Q8_0"), (10, 64))
+x = torch.randn(3, 64)
+ok, why = quant.native_status()
+y = quant.qlinear(x, w)
+print(json.dumps({"ok": ok, "why": why, "path": quant.kernel_path(),
+                  "same": bool(torch.equal(y, quant.qlinear_reference(x, w)))}))
+"""
+
+
+def test_without_a_compiler_the_torch_path_answers(tmp_path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env.update(PATH=str(empty), WSLLM_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False and "compiler" in result["why"] and "g++" in result["why"]
+    assert result["path"] == "torch" and result["same"]
+    assert proc.stderr.count("quantized CPU kernels unavailable") == 1  # logged once
