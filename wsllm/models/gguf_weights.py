@@ -14,6 +14,7 @@ safetensors file of `QuantWeight.state()` tensors plus `index.json`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wsllm.kernels import quant
+from wsllm.kernels import quant, quant_formats
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,9 @@ def _fuse(parts: list[tuple[str, np.ndarray, tuple[int, int]]]) -> list[LinearPa
 
 
 def _layout_tag() -> str:
-    """What the cached state depends on besides the file: the kernels' layout."""
-    return f"{getattr(quant, 'LAYOUT_VERSION', 0)}/{quant.kernel_path()}"
+    """What the cached state depends on besides the file: the kernels' layout, which
+    kernels/quant_formats.py defines (one layout for every ISA path)."""
+    return hashlib.sha256(Path(quant_formats.__file__).read_bytes()).hexdigest()[:16]
 
 
 def save_cache(ckpt: QuantCheckpoint, out: Path, source: Path) -> None:
