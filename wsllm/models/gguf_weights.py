@@ -155,24 +155,32 @@ def read_gguf(path: Path, cfg: ModelConfig) -> QuantCheckpoint:
 
 
 def _fuse(parts: list[tuple[str, np.ndarray, tuple[int, int]]]) -> list[LinearPart]:
-    """One packed weight for parts of one format (rows of blocks concatenated), else
-    one per part."""
-    qtypes = {q for q, _, _ in parts}
-    if len(qtypes) == 1 and "F32" not in qtypes:
-        rows = sum(s[0] for _, _, s in parts)
-        raw = np.ascontiguousarray(np.concatenate([r for _, r, _ in parts]))
-        return [quant.pack(parts[0][0], torch.from_numpy(raw), (rows, parts[0][2][1]))]
+    """Neighbouring parts of one kernel format become one packed weight (their rows of
+    blocks concatenated): q/k/v of a Q4_0 file give one, those of a Q4_K_M file two
+    (q and k in Q4_K, v in Q6_K). Float parts stay fp32 tensors, one each."""
+    runs: list[list[tuple[str, np.ndarray, tuple[int, int]]]] = []
+    for part in parts:
+        if runs and part[0] == runs[-1][0][0] and part[0] != "F32":
+            runs[-1].append(part)
+        else:
+            runs.append([part])
     out: list[LinearPart] = []
-    for q, r, s in parts:  # copies: the reader's arrays are views of the mapped file
-        t = torch.from_numpy(np.array(r))
-        out.append(t if q == "F32" else quant.pack(q, t, s))
+    for run in runs:
+        qtype, cols = run[0][0], run[0][2][1]
+        # copies: the reader's arrays are views of the mapped file
+        raw = torch.from_numpy(np.concatenate([r for _, r, _ in run]))
+        out.append(raw if qtype == "F32" else quant.pack(qtype, raw, (raw.shape[0], cols)))
     return out
 
 
 def _layout_tag() -> str:
     """What the cached state depends on besides the file: the kernels' layout, which
-    kernels/quant_formats.py defines (one layout for every ISA path)."""
-    return hashlib.sha256(Path(quant_formats.__file__).read_bytes()).hexdigest()[:16]
+    kernels/quant_formats.py defines (one layout for every ISA path), and how this
+    module names, fuses and un-permutes."""
+    h = hashlib.sha256()
+    for f in (quant_formats.__file__, __file__):
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def save_cache(ckpt: QuantCheckpoint, out: Path, source: Path) -> None:
@@ -222,7 +230,9 @@ def load_cache(out: Path) -> QuantCheckpoint | None:
     except (OSError, ValueError):
         return None
     if index.get("version") != CACHE_VERSION or index.get("layout") != _layout_tag():
-        log.info("the cached weights in %s are for another kernel layout: repacking", out)
+        log.info(
+            "the cached weights in %s were packed by another version of the kernels or loader: repacking", out
+        )
         return None
     ckpt = QuantCheckpoint(tied=index["tied"], counts=index["counts"])
     with safe_open(str(out / "weights.safetensors"), framework="pt") as st:
