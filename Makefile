@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 ARGS   ?=
 
-.PHONY: serve test install install-dev sysdeps lint clean
+.PHONY: serve test install install-dev sysdeps compiler lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,14 +22,21 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed
+# The quantized CPU kernels (kernels/cpu/), built once into the cache so that the first
+# `wsllm serve` does not compile. Without a compiler this says so and the server runs on the
+# dequantized path: it never fails the make. Retried until a build succeeds.
+$(VENV)/.native: $(VENV)/.installed $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/native.py | compiler
+	@if $(BIN)/python -m wsllm.kernels.native; then touch $@; \
+	else echo "note: quantized kernels not built; wsllm serve will use dequantized weights"; fi
+
+install: $(VENV)/.native
 install-dev: $(VENV)/.installed-dev
 
 serve: install
 	$(BIN)/wsllm serve $(ARGS)
 
-# System packages the tests drive for real: redis-server and chromium.
-sysdeps:
+# System packages the tests drive for real: redis-server and chromium (and the compiler).
+sysdeps: compiler
 	@if ! command -v redis-server >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server chromium; \
@@ -38,7 +45,18 @@ sysdeps:
 	  fi; \
 	fi
 
-test: install-dev sysdeps
+# g++ and ninja for the quantized CPU kernels; a failure here only means the slower path.
+compiler:
+	@if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y g++ ninja-build) \
+	      || echo "note: could not install g++/ninja-build; the quantized kernels will not be built"; \
+	  else \
+	    echo "g++ or ninja missing: run 'sudo apt-get install -y g++ ninja-build' for the quantized CPU kernels"; \
+	  fi; \
+	fi
+
+test: install-dev sysdeps install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(ARGS)
 
 lint: install-dev

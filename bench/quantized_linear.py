@@ -1,4 +1,4 @@
-"""8-bit and 4-bit weights on the CPU with torch's own kernels, against fp32.
+"""8-bit and 4-bit weights on the CPU: torch's own kernels and ours (GGUF blocks), against fp32.
 
 One "step" is one matmul per linear layer of SmolLM2-135M (30 x qkv, o, gate_up, down,
 plus the 49,152-row lm_head; 121 distinct weights, so that they stream from memory as the
@@ -8,12 +8,19 @@ paths, all existing torch kernels (no GEMM of ours):
 - fp32 `F.linear` (MKL sgemm), fp32 oneDNN with packed weights (wsllm's CPU default);
 - int8 per-channel: `torch._weight_int8pack_mm` (bf16/fp32 activations, int8 weights);
 - int4 group-wise (group 32): `torch._weight_int4pack_mm_for_cpu` over weights packed by
-  `torch._convert_weight_to_int4pack_for_cpu`.
+  `torch._convert_weight_to_int4pack_for_cpu`;
+- ours (kernels/cpu/, `wsllm.kernels.quant.qlinear`) on GGUF Q8_0, Q4_0 and Q4_1 blocks, on
+  the best ISA path of the CPU and, with `--all-isas`, on each path it has (avx2, scalar);
+
+At large B (prefill: `--batch-sizes 128,512`) the fp32 oneDNN row is the bound of the other
+route, dequantizing tiles of the weights and calling a GEMM: that route costs the GEMM plus
+the dequantization, so ours only needs to beat the fp32 row (docs/kernels.md).
 
 Prints tokens/s per path and B, the ratio to fp32 oneDNN, and the largest error of a
 layer's output against fp32 (relative to the output's scale).
 
-    .venv/bin/python bench/quantized_linear.py [--batch-sizes 1,8,32] [--steps 10]
+    .venv/bin/python bench/quantized_linear.py [--batch-sizes 1,8,32] [--steps 10] [--all-isas]
+    .venv/bin/python bench/quantized_linear.py --batch-sizes 128,512 --steps 2   # prefill
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from wsllm.kernels import quant
 
 # (out, in) of each linear layer and how many of it a step runs.
 SHAPES = [((960, 576), 30), ((576, 576), 30), ((3072, 576), 30), ((576, 1536), 30), ((49152, 576), 1)]
@@ -45,6 +53,22 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch
     packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
     return packed, sz
+
+
+def our_paths(w: torch.Tensor, isas: list[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    n, k = w.shape
+    for qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        qw = quant.pack(qtype, quant.quantize(w, qtype), (n, k))
+        for isa in isas:
+            out[f"{qtype} ours ({isa})"] = lambda x, qw=qw, isa=isa: _pinned(isa, x, qw)
+    return out
+
+
+def _pinned(isa: str, x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
+    if quant.kernel_path() != isa:  # pinning costs a few microseconds: only when it changes
+        quant.force_isa(isa)
+    return quant.qlinear(x, qw)
 
 
 def paths(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -77,14 +101,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--all-isas", action="store_true", help="time our kernels on every ISA path the CPU has")
     args = ap.parse_args()
+    ok, why = quant.native_status()
+    print(why)
+    isas = [quant.kernel_path()] if ok else []
+    if ok and args.all_isas:
+        isas = [i for i in ("avx512_vnni", "avx2", "scalar") if _can_pin(i)]
     g = torch.Generator().manual_seed(0)
     layers = []
     with torch.inference_mode():
         for (n, k), reps in SHAPES:
             for _ in range(reps):  # distinct weights: one of each would be read from the L3 cache
                 w = torch.randn(n, k, generator=g) * 0.05
-                layers.append((w, paths(w), 1))
+                layers.append((w, paths(w) | our_paths(w, isas), 1))
         names = list(layers[0][1])
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         tok_s: dict[str, dict[int, float]] = {name: {} for name in names}
@@ -108,6 +138,16 @@ def main() -> None:
             err = ((p[name](x) - ref).abs().max() / ref.abs().max()).item()
             cells = [f"{tok_s[name][b]:,.1f} ({tok_s[name][b] / base[b]:.2f}x)" for b in sizes]
             print(f"| {name} | " + " | ".join(cells) + f" | {err:.1e} |")
+
+
+def _can_pin(isa: str) -> bool:
+    try:
+        quant.force_isa(isa)
+    except RuntimeError:
+        return False
+    finally:
+        quant.force_isa(None)
+    return True
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 The build goes through `torch.utils.cpp_extension.load` (g++ and ninja) into
 
-    $WSLLM_CACHE_DIR/ext/<hash of the sources, torch's version, the compiler's version>/
+    $WSLLM_CACHE_DIR/ext/<hash of the sources, torch's and Python's versions, the compiler's>/
 
-(default ~/.cache/wsllm). Flags: -O3 and no -march: the sources pick AVX-512 VNNI, AVX2 or
+(default ~/.cache/wsllm; $WSLLM_KERNELS_DIR replaces the ext/ directory). Flags: -O3 and no -march: the sources pick AVX-512 VNNI, AVX2 or
 scalar code per function at run time (`__attribute__((target))` + `__builtin_cpu_supports`),
 so one build runs on any x86-64 CPU. -ffp-contract=off keeps the float operations in the
 order kernels/quant_ref.py writes them (no fused multiply-adds), so results equal the
@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,9 @@ _state: dict[str, object] = {}  # "module": ModuleType | None, "failure": str
 
 
 def cache_root() -> Path:
+    """$WSLLM_KERNELS_DIR (an image builds there, outside the cache volume), else the cache's ext/."""
+    if os.environ.get("WSLLM_KERNELS_DIR"):
+        return Path(os.environ["WSLLM_KERNELS_DIR"])
     return Path(os.environ.get("WSLLM_CACHE_DIR") or Path.home() / ".cache" / "wsllm") / "ext"
 
 
@@ -53,7 +57,7 @@ def _build_key(cxx: str | None) -> str:
     for path in sorted(SOURCES.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + b"\0" + path.read_bytes())
-    h.update(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()} {' '.join(CFLAGS)}".encode())
     if cxx is not None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             h.update(subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout)
@@ -87,7 +91,11 @@ def _find_built() -> tuple[str, Path] | None:
 def _build() -> ModuleType:
     found = _find_built()
     if found is not None:
-        module = _import_built(*found)
+        try:
+            module = _import_built(*found)
+        except Exception as e:  # a broken or foreign build: make a new one
+            logger.info("cannot load the cached kernels in %s (%s); building again", found[1], e)
+            module = None
         if module is not None:
             return module
     cxx = _compiler()
@@ -124,10 +132,11 @@ def extension() -> ModuleType | None:
             try:
                 _state["module"] = _build()
             except Exception as e:  # a failed build must never fail the caller
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                _state["failure"] = f"quantized CPU kernels unavailable: {reason}"
+                text = str(e).strip() or type(e).__name__
+                _state["failure"] = f"quantized CPU kernels unavailable: {text.splitlines()[-1]}"
                 _state["module"] = None
-                logger.warning("%s; using the torch reference path", _state["failure"])
+                detail = f"\n{text[-3000:]}" if len(text.splitlines()) > 1 else ""
+                logger.warning("%s; using the torch reference path%s", _state["failure"], detail)
     return _state["module"]  # type: ignore[return-value]
 
 

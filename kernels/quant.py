@@ -11,11 +11,23 @@ The arithmetic is written down in kernels/quant_ref.py and docs/kernels.md.
 
 from __future__ import annotations
 
-import gguf
+import warnings
+
+import numpy as np
 import torch
 
 from . import native
-from .quant_formats import BLOCK, QTYPES, block_parts, check_shape, dequantize_fields, pack_raw, packed_fields
+from .quant_formats import (
+    BLOCK,
+    QTYPES,
+    ROWS,
+    block_parts,
+    check_shape,
+    dequantize_fields,
+    pack_raw,
+    packed_block_bytes,
+    packed_fields,
+)
 from .quant_formats import raw_fields as _raw_fields
 from .quant_ref import qlinear_parts, quantize_blocks
 
@@ -33,8 +45,10 @@ __all__ = [
 ]
 
 ISAS = ("avx512_vnni", "avx2", "scalar")
+LAYOUT_VERSION = 1  # bump when quant_formats' packed layout changes: cached states then refuse to load
 _QTYPE_ID = {name: i for i, name in enumerate(QTYPES)}  # the C++ side's numbering
-_forced: str | None = None
+_forced: str | None = None  # force_isa's pin
+_chosen: int | None = None  # the ISA qlinear runs, once known (index into ISAS)
 
 
 class QuantWeight:
@@ -45,10 +59,11 @@ class QuantWeight:
     def __init__(self, qtype: str, shape: tuple[int, int], packed: torch.Tensor) -> None:
         n, k = check_shape(qtype, shape)
         nb = k // BLOCK[qtype][0]
-        groups = -(-n // 8)
-        if packed.dtype is not torch.uint8 or packed.dim() != 3 or tuple(packed.shape[:2]) != (groups, nb):
+        groups = -(-n // ROWS)
+        want = (groups, nb, packed_block_bytes(qtype))
+        if packed.dtype is not torch.uint8 or tuple(packed.shape) != want:
             raise ValueError(
-                f"packed {qtype} [{n}, {k}] must be uint8 [{groups}, {nb}, *], got {packed.shape}"
+                f"packed {qtype} [{n}, {k}] must be uint8 {list(want)}, got {list(packed.shape)}"
             )
         self.qtype = qtype
         self.out_features = n
@@ -63,29 +78,65 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """-> float32 [N, K], equal to gguf.quants.dequantize of the GGUF bytes."""
-        f = packed_fields(self.qtype, self.packed)
-        return dequantize_fields(self.qtype, f)[: self.out_features]
+        ext = native.extension()
+        if ext is not None:
+            rows = torch.arange(self.out_features)
+            return ext.dequant_rows(self.packed, _QTYPE_ID[self.qtype], self.out_features, rows)
+        return self.dequantize_torch()
+
+    def dequantize_torch(self) -> torch.Tensor:
+        """dequantize() in plain torch (no native build)."""
+        return dequantize_fields(self.qtype, packed_fields(self.qtype, self.packed))[: self.out_features]
 
     def select_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup: rows int [R] -> float32 [R, K]; unpacks only the groups it needs."""
+        """Embedding lookup: rows int [R] -> float32 [R, K], the rows of dequantize()."""
+        rows = rows.reshape(-1).long().contiguous()
+        ext = native.extension()
+        if ext is not None:
+            return ext.dequant_rows(self.packed, _QTYPE_ID[self.qtype], self.out_features, rows)
+        return self.select_rows_torch(rows)
+
+    def select_rows_torch(self, rows: torch.Tensor) -> torch.Tensor:
+        """select_rows() in plain torch: unpacks only the groups of rows it needs."""
         rows = rows.reshape(-1).long()
-        groups, inverse = torch.unique(rows // 8, return_inverse=True)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
+            raise IndexError(f"row index out of range for {self}")
+        groups, inverse = torch.unique(rows // ROWS, return_inverse=True)
         f = packed_fields(self.qtype, self.packed[groups])
         deq = dequantize_fields(self.qtype, f)  # [len(groups) * 8, K]
-        return deq[inverse * 8 + rows % 8]
+        return deq[inverse * ROWS + rows % ROWS]
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {"packed": self.packed}
+        """For caching (safetensors): the packed bytes and the layout's version."""
+        return {"packed": self.packed, "layout": torch.tensor([LAYOUT_VERSION, ROWS], dtype=torch.int32)}
 
     @classmethod
     def from_state(cls, qtype: str, shape: tuple[int, int], state: dict[str, torch.Tensor]) -> QuantWeight:
+        """ValueError when the state was packed by another layout (the caller packs again)."""
+        layout = state.get("layout")
+        if layout is None or layout.tolist() != [LAYOUT_VERSION, ROWS]:
+            got = None if layout is None else layout.tolist()
+            raise ValueError(
+                f"cached {qtype} weight has layout {got}, this code packs {[LAYOUT_VERSION, ROWS]}"
+            )
         return cls(qtype, shape, state["packed"])
 
 
-def pack(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> QuantWeight:
-    """raw: uint8, the GGUF bytes of N rows of K values -> the kernels' layout."""
+def _bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """GGUF bytes as a flat uint8 tensor; a read-only numpy array (GGUFReader's memory map) is
+    read, never written, so torch's warning about it does not apply."""
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
+    return raw.reshape(-1).view(torch.uint8)
+
+
+def pack(qtype: str, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+    """raw: uint8, the GGUF bytes of N rows of K values (a tensor or GGUFReader's numpy array)
+    -> the kernels' layout."""
     n, k = check_shape(qtype, shape)
-    return QuantWeight(qtype, (n, k), pack_raw(qtype, torch.as_tensor(raw), n, k))
+    return QuantWeight(qtype, (n, k), pack_raw(qtype, _bytes(raw), n, k))
 
 
 def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -97,11 +148,11 @@ def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
     return quantize_blocks(qtype, blocks).reshape(n, k // bs * ts)
 
 
-def dequantize_raw(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def dequantize_raw(qtype: str, raw: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
     """GGUF bytes -> float32 [N, K], bit-equal to gguf.quants.dequantize."""
     n, k = check_shape(qtype, shape)
     bs, ts = BLOCK[qtype]
-    blocks = torch.as_tensor(raw).reshape(-1).view(torch.uint8).reshape(n, k // bs, ts)
+    blocks = _bytes(raw).reshape(n, k // bs, ts)
     return dequantize_fields(qtype, _raw_fields(qtype, blocks))
 
 
@@ -119,10 +170,11 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -
     ext = native.extension()
     if ext is None:
         return qlinear_reference(x, w, bias)
-    xf = x.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    out = ext.qlinear(xf, w.packed, _QTYPE_ID[w.qtype], w.out_features, b, ISAS.index(kernel_path()))
-    return out if x.dtype is torch.float32 else out.to(x.dtype)
+    # float32 and bfloat16 go in and come out as they are (no conversion ops around the call)
+    native_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    xin = x.contiguous() if native_dtype else x.float().contiguous()
+    out = ext.qlinear(xin, w.packed, _QTYPE_ID[w.qtype], w.out_features, bias, _isa_id(ext))
+    return out if native_dtype else out.to(x.dtype)
 
 
 def native_status() -> tuple[bool, str]:
@@ -138,25 +190,30 @@ def _cpu_has(isa: str) -> bool:
     return ext is not None and bool(ext.cpu_has(ISAS.index(isa)))
 
 
+def _isa_id(ext) -> int:  # type: ignore[no-untyped-def]
+    global _chosen
+    if _chosen is None:
+        _chosen = (
+            ISAS.index(_forced)
+            if _forced is not None
+            else next(i for i in range(len(ISAS)) if ext.cpu_has(i))
+        )
+    return _chosen
+
+
 def kernel_path() -> str:
     """ "avx512_vnni", "avx2" or "scalar": what qlinear runs; "torch" without a native build."""
-    if native.extension() is None:
-        return "torch"
-    if _forced is not None:
-        return _forced
-    return next(isa for isa in ISAS if _cpu_has(isa))
+    ext = native.extension()
+    return "torch" if ext is None else ISAS[_isa_id(ext)]
 
 
 def force_isa(name: str | None) -> None:
     """Pin one path ("avx512_vnni", "avx2", "scalar"), for tests; None: the best the CPU has."""
-    global _forced
+    global _forced, _chosen
     if name is not None:
         if name not in ISAS:
             raise ValueError(f"unknown ISA {name!r}; one of {', '.join(ISAS)}")
         if not _cpu_has(name):
             raise RuntimeError(f"this CPU (or build) cannot run the {name} path")
     _forced = name
-
-
-def gguf_qtype(qtype: str) -> gguf.GGMLQuantizationType:
-    return gguf.GGMLQuantizationType[qtype]
+    _chosen = None

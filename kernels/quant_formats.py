@@ -3,14 +3,14 @@
 A GGUF tensor of N rows x K values is N rows of K / block_size blocks, each `type_size`
 bytes. `pack_raw` splits every block into its fields (scales, quant bytes) and stores them
 for groups of ROWS output rows side by side, so that a vector lane of the kernels is an
-output row:
+output row (16 rows: one AVX-512 vector of int32, two of AVX2):
 
     packed: uint8 [groups, blocks, ROWS * bytes_per_row_block]
 
 Inside one (group, block) the fields follow each other in the order of `FIELDS`; a field
 of L bytes per row, cut in units of u bytes, is stored as [L / u][ROWS][u]: fp16 scales
-(u = 2) become 8 scales in a row, quant bytes (u = 4) become 32-byte vectors that hold
-4 bytes of each of the 8 rows (one `vpdpbusd` lane each), per-sub-block scales (u = 1) a
+(u = 2) become 16 scales in a row, quant bytes (u = 4) become 64-byte units that hold
+4 bytes of each of the 16 rows (one `vpdpbusd` lane each), per-sub-block scales (u = 1) a
 byte per row. The only field not copied as is: the 12 bytes of 6-bit scales and mins of
 Q4_K / Q5_K, unpacked to 8 + 8 bytes (148 and 180 bytes per 256 values instead of 144 and
 176, +2.8%) so that the kernels read them with one widening load. Rows past N (the last
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROWS = 8  # output rows per group: the lanes of an AVX2 int32 vector
+ROWS = 16  # output rows per group: the int32 lanes of an AVX-512 vector
 
 # qtype -> (values per block, bytes per block)
 BLOCK = {

@@ -3,8 +3,10 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
-#include <vector>
+#include <memory>
+#include <type_traits>
 
 #include "qgemm.h"
 
@@ -31,17 +33,34 @@ bool cpu_has(int isa) {
 
 // x rows -> int8 blocks, as quant_ref.quantize_activations: d = amax * (1/127), q = round(x / d)
 // written round(x * (1 / d)), ties to even (nearbyint under the default rounding mode).
-struct ActBuffers {
-  std::vector<float> d;
-  std::vector<int32_t> s16;
-  std::vector<int8_t> q, qx;
+template <class T>
+struct Buffer {  // uninitialised (std::vector would zero what is written next anyway)
+  std::unique_ptr<T[]> p;
+  void resize(size_t n) { p.reset(new T[n]); }
+  T* data() { return p.get(); }
+  T& operator[](size_t i) { return p[i]; }
 };
 
-void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, bool expand, ActBuffers& buf) {
+struct ActBuffers {
+  Buffer<float> d;
+  Buffer<int32_t> s16;
+  Buffer<int8_t> q;
+};
+
+// x rows m0 .. m1 - 1 (float32 or bfloat16, made float32 exactly) -> int8 blocks.
+template <class T>
+void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers& buf) {
   const float inv127 = float(1.0 / 127.0);
   const int nb = K / bv;
+  std::unique_ptr<float[]> row(std::is_same<T, float>::value ? nullptr : new float[K]);
   for (int64_t m = m0; m < m1; ++m) {
-    const float* xr = x + m * K;
+    const float* xr;
+    if constexpr (std::is_same<T, float>::value) {
+      xr = x + m * K;
+    } else {
+      for (int l = 0; l < K; ++l) row[l] = float(x[m * K + l]);
+      xr = row.get();
+    }
     int8_t* q = buf.q.data() + m * K;
     for (int b = 0; b < nb; ++b) {
       float amax = 0.0f;
@@ -59,58 +78,19 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, int K, int bv, bool e
       for (int l = 0; l < 16; ++l) s += q[g * 16 + l];
       buf.s16[m * (K / 16) + g] = s;
     }
-    if (expand) {
-      int8_t* e = buf.qx.data() + m * K * 8;
-      for (int c = 0; c < K / 4; ++c)
-        for (int r = 0; r < kRows; ++r)
-          for (int j = 0; j < 4; ++j) e[c * 32 + r * 4 + j] = q[c * 4 + j];
-    }
   }
 }
 
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
-                      c10::optional<torch::Tensor> bias, int64_t isa) {
-  TORCH_CHECK(qtype >= 0 && qtype < kNumQTypes, "unknown quantization type id ", qtype);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
-              "x must be a contiguous float32 CPU matrix");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              "packed weights must be contiguous uint8 [groups, blocks, bytes]");
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  const int bv = block_values(int(qtype)), pb = packed_bytes(int(qtype));
-  TORCH_CHECK(K % bv == 0 && packed.size(1) == K / bv && packed.size(2) == pb, "packed weights do not fit x");
-  TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
-  TORCH_CHECK(cpu_has(int(isa)), "this CPU cannot run the requested kernel path");
-  const float* bptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
-                "bias must be contiguous float32 [n]");
-    bptr = bias->data_ptr<float>();
-  }
-  const GroupFn fn = (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
-  const bool expand = isa != kScalar;
-
-  ActBuffers buf;
-  buf.d.resize(M * (K / bv));
-  buf.s16.resize(M * (K / 16));
-  buf.q.resize(M * K);
-  if (expand) buf.qx.resize(M * K * 8);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { quantize_rows(xp, m0, m1, int(K), bv, expand, buf); });
-  Act a;
-  a.K = int(K);
-  a.nb = int(K / bv);
-  a.d = buf.d.data();
-  a.s16 = buf.s16.data();
-  a.q = buf.q.data();
-  a.qx = expand ? buf.qx.data() : nullptr;
-
-  auto out = torch::empty({M, n}, x.options());
-  float* op = out.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const size_t group_bytes = size_t(K / bv) * pb;
-  // Batch 1 streams every weight once: split the groups evenly over the threads. Larger M:
-  // each group's blocks stay in cache while all rows of x go by, kMaxTile rows at a time.
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+// out [M, n] (float32 or bfloat16, rounded to nearest even as torch rounds) = the groups'
+// sums + bias. Batch 1 streams every weight once, the groups split evenly over the threads;
+// larger M: each group's blocks stay in cache while the rows of x go by, kMaxTile at a time.
+template <class T>
+void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes, int64_t groups, int64_t M,
+                int64_t n, const float* bias, T* op) {
+  // A thread's share must outweigh the fork/join (a few microseconds): at least ~64K
+  // multiply-adds per chunk, so a small layer at batch 1 runs on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRows * a.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     float tile[kMaxTile * kRows];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kRows;
@@ -119,11 +99,81 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
         const int mt = int(std::min<int64_t>(kMaxTile, M - m0));
         fn(wp + g * group_bytes, a, int(m0), mt, tile);
         for (int i = 0; i < mt; ++i) {
-          float* o = op + (m0 + i) * n + n0;
-          for (int r = 0; r < nvalid; ++r) o[r] = bptr ? tile[i * kRows + r] + bptr[n0 + r] : tile[i * kRows + r];
+          T* o = op + (m0 + i) * n + n0;
+          for (int r = 0; r < nvalid; ++r) o[r] = T(bias ? tile[i * kRows + r] + bias[n0 + r] : tile[i * kRows + r]);
         }
       }
     }
+  });
+}
+
+// x [M, K] float32 or bfloat16 -> [M, n] in x's dtype (kernels/quant.py: qlinear).
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
+                      c10::optional<torch::Tensor> bias, int64_t isa) {
+  TORCH_CHECK(qtype >= 0 && qtype < kNumQTypes, "unknown quantization type id ", qtype);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == torch::kFloat32) && x.is_contiguous() && x.is_cpu(),
+              "x must be a contiguous float32 or bfloat16 CPU matrix");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "packed weights must be contiguous uint8 [groups, blocks, bytes]");
+  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
+  const int bv = block_values(int(qtype)), pb = packed_bytes(int(qtype));
+  TORCH_CHECK(K % bv == 0 && packed.size(1) == K / bv && packed.size(2) == pb, "packed weights do not fit x");
+  TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
+  TORCH_CHECK(cpu_has(int(isa)), "this CPU cannot run the requested kernel path");
+  torch::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_cpu(), "bias must be a CPU vector [n]");
+    bias32 = bias->to(torch::kFloat32).contiguous();
+  }
+  const GroupFn fn = (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
+
+  ActBuffers buf;
+  buf.d.resize(M * (K / bv));
+  buf.s16.resize(M * (K / 16));
+  buf.q.resize(M * K);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    if (bf16)
+      quantize_rows(x.data_ptr<at::BFloat16>(), m0, m1, int(K), bv, buf);
+    else
+      quantize_rows(x.data_ptr<float>(), m0, m1, int(K), bv, buf);
+  });
+  Act a;
+  a.K = int(K);
+  a.nb = int(K / bv);
+  a.d = buf.d.data();
+  a.s16 = buf.s16.data();
+  a.q = buf.q.data();
+
+  auto out = torch::empty({M, n}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  if (bf16)
+    run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<at::BFloat16>());
+  else
+    run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<float>());
+  return out;
+}
+
+// rows int64 [R] -> float32 [R, K]: embedding lookups and whole-weight dequantization.
+torch::Tensor dequant_rows(torch::Tensor packed, int64_t qtype, int64_t n, torch::Tensor rows) {
+  TORCH_CHECK(qtype >= 0 && qtype < kNumQTypes, "unknown quantization type id ", qtype);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.size(2) == packed_bytes(int(qtype)),
+              "packed weights must be contiguous uint8 [groups, blocks, bytes]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.is_contiguous(), "rows: int64 [R]");
+  const int64_t R = rows.size(0), nb = packed.size(1), groups = packed.size(0);
+  const int64_t K = nb * block_values(int(qtype));
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK_INDEX(rp[i] >= 0 && rp[i] < n, "row ", rp[i], " out of range [0, ", n, ")");
+  auto out = torch::empty({R, K}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const size_t group_bytes = size_t(nb) * packed_bytes(int(qtype));
+  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      dequant_row(int(qtype), wp + (rp[i] / kRows) * group_bytes, int(nb), int(rp[i] % kRows), op + i * K);
   });
   return out;
 }
@@ -133,7 +183,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
-  m.def("qlinear", &wsq::qlinear, "x [M, K] float32 @ packed weights -> [M, n] float32", py::arg("x"),
+  m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
+  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

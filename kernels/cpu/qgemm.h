@@ -2,9 +2,9 @@
 //
 // Layout and arithmetic are those of kernels/quant_formats.py and kernels/quant_ref.py (read
 // those first): weights in groups of kRows output rows, for every GGUF block the fields of
-// the 8 rows side by side; quant bytes as 32-byte "units" holding 4 bytes of each row, so
-// that one int32 lane of a vector is one output row. This header has no torch in it: the
-// kernel files compile without torch's headers, only qgemm.cpp includes them.
+// the 16 rows side by side; quant bytes as 64-byte "units" holding 4 bytes of each row, so
+// that one int32 lane is one output row. No torch here: the kernel files compile without
+// torch's headers, only qgemm.cpp includes them.
 #pragma once
 
 #include <cstddef>
@@ -12,45 +12,54 @@
 
 namespace wsq {
 
-constexpr int kRows = 8;  // output rows per group
+constexpr int kRows = 16;          // output rows per group
+constexpr int kUnit = kRows * 4;   // bytes of a unit: 4 quant bytes of each row
 
 // Numbering shared with kernels/quant.py (QTYPES order).
 enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, kNumQTypes = 6 };
 enum Isa : int { kAvx512Vnni = 0, kAvx2 = 1, kScalar = 2 };
 
-// Values per GGUF block and bytes of one (group, block) of the packed layout.
 constexpr int block_values(int qt) { return qt >= Q4_K ? 256 : 32; }
-constexpr int packed_bytes(int qt) {
-  return qt == Q4_0   ? 144
-         : qt == Q4_1 ? 160
-         : qt == Q8_0 ? 272
-         : qt == Q4_K ? 1184
-         : qt == Q5_K ? 1440
-                      : 1680;
+
+// Byte offsets of the fields inside one (group, block), FIELDS' order in quant_formats.py:
+// fp16 scales take 2 * kRows bytes, byte-per-row scales kRows per sub-block, quants units.
+struct Off {
+  int d, m, sc, mn, qh, qs, bytes;  // m: Q4_1's min or the K-quants' dmin; qs: Q6_K's ql
+};
+constexpr Off offsets(int qt) {
+  return qt == Q4_0   ? Off{0, -1, -1, -1, -1, 2 * kRows, 2 * kRows + 4 * kUnit}
+         : qt == Q4_1 ? Off{0, 2 * kRows, -1, -1, -1, 4 * kRows, 4 * kRows + 4 * kUnit}
+         : qt == Q8_0 ? Off{0, -1, -1, -1, -1, 2 * kRows, 2 * kRows + 8 * kUnit}
+         : qt == Q4_K ? Off{0, 2 * kRows, 4 * kRows, 12 * kRows, -1, 20 * kRows, 20 * kRows + 32 * kUnit}
+         : qt == Q5_K ? Off{0, 2 * kRows, 4 * kRows, 12 * kRows, 20 * kRows, 20 * kRows + 8 * kUnit,
+                            20 * kRows + 40 * kUnit}
+                      : Off{0, -1, 2 * kRows, -1, 18 * kRows + 32 * kUnit, 18 * kRows, 18 * kRows + 48 * kUnit};
 }
+constexpr int packed_bytes(int qt) { return offsets(qt).bytes; }
 
 // The quantized rows of x, made once per call (qgemm.cpp): blocks of 32 or 256 values.
 struct Act {
-  int K = 0;               // values per row
-  int nb = 0;              // blocks per row (K / block_values)
-  const float* d;          // [M][nb] block scales
-  const int32_t* s16;      // [M][K / 16] sums of every 16 quants
-  const int8_t* q;         // [M][K] quants (the scalar path)
-  const int8_t* qx;        // [M][K / 4][32]: each 4 quants repeated 8 times (the vector paths)
+  int K = 0;           // values per row
+  int nb = 0;          // blocks per row (K / block_values)
+  const float* d;      // [M][nb] block scales
+  const int32_t* s16;  // [M][K / 16] sums of every 16 quants
+  const int8_t* q;     // [M][K] quants
   const float* dx(int m) const { return d + (size_t)m * nb; }
   const int32_t* sums(int m) const { return s16 + (size_t)m * (K / 16); }
   const int8_t* qrow(int m) const { return q + (size_t)m * K; }
-  const int8_t* xrow(int m) const { return qx + (size_t)m * K * 8; }
 };
 
-// One group of 8 output rows for x rows m0 .. m0 + mt - 1 (mt <= kMaxTile):
-// out[i * 8 + r] = the dot product of x row m0 + i with the group's row r, summed over blocks.
+// One group of kRows output rows for x rows m0 .. m0 + mt - 1 (mt <= kMaxTile):
+// out[i * kRows + r] = x row m0 + i times the group's row r, summed over the blocks.
 constexpr int kMaxTile = 4;
 using GroupFn = void (*)(const uint8_t* group, const Act& a, int m0, int mt, float* out);
 
-// Tables indexed by QType; a null table: this ISA was not compiled.
+// Tables indexed by QType.
 const GroupFn* kernels_scalar();
 const GroupFn* kernels_avx2();
 const GroupFn* kernels_avx512();
+
+// Row r of a group -> nb * block_values floats, bit-equal to gguf.quants.dequantize.
+void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out);
 
 }  // namespace wsq

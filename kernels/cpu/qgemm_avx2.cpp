@@ -1,7 +1,10 @@
 // The AVX2 path: `vpmaddubsw` (unsigned x signed bytes, pairs into int16) then `vpmaddwd`
 // with ones (pairs into int32). No int16 saturation: the largest pair is 2 * 63 * 127 for
 // the 4-, 5- and 6-bit formats and 2 * 128 * 127 for Q8_0 (signs moved onto x first).
+// A group's 16 rows are two vectors of 8 lanes.
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "qgemm.h"
 
@@ -11,22 +14,57 @@ namespace wsq {
 namespace avx2 {
 
 struct Vec {
-  using V = __m256i;
-  static constexpr int CH = 1;
-  WSQ_TARGET static V load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  WSQ_TARGET static V zero() { return _mm256_setzero_si256(); }
-  WSQ_TARGET static V dot(V acc, V u, V s) {
+  using VI = __m256i;
+  using VF = __m256;
+  static constexpr int L = 8;
+  // x rows per tile: the K-quants keep several sums per row, so fewer rows fit 16 registers
+  static constexpr int tile(int qt) { return qt >= Q4_K ? 2 : 4; }
+  WSQ_TARGET static VI load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  WSQ_TARGET static VI bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  WSQ_TARGET static VI zero() { return _mm256_setzero_si256(); }
+  WSQ_TARGET static VI dot(VI acc, VI u, VI s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
-  WSQ_TARGET static V dot_s(V acc, V w, V s) { return dot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
-  WSQ_TARGET static V lo4(V w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
-  WSQ_TARGET static V hi4(V w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
-  WSQ_TARGET static V or_(V a, V b) { return _mm256_or_si256(a, b); }
-  WSQ_TARGET static V bits(V h, int shift, int mask) {
-    const V v = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(char(mask)));
+  // 4 * 63 * 127 < 2**15: two vpmaddubsw results add in int16 before one vpmaddwd
+  WSQ_TARGET static VI dot2(VI acc, VI u1, VI s1, VI u2, VI s2) {
+    const VI pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  WSQ_TARGET static VI dot_s(VI acc, VI w, VI s) { return dot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+  WSQ_TARGET static VI lo4(VI w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+  WSQ_TARGET static VI hi4(VI w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  WSQ_TARGET static VI or_(VI a, VI b) { return _mm256_or_si256(a, b); }
+  WSQ_TARGET static VI bits(VI h, int shift, int mask) {
+    const VI v = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(char(mask)));
     return _mm256_slli_epi16(v, 4);
   }
-  WSQ_TARGET static __m256i fold(V acc) { return acc; }
+  WSQ_TARGET static VI shl16(VI v, int n) { return _mm256_slli_epi16(v, n); }
+  WSQ_TARGET static VI shr16(VI v, int n) { return _mm256_srli_epi16(v, n); }
+  WSQ_TARGET static VI and8(VI v, int m) { return _mm256_and_si256(v, _mm256_set1_epi8(char(m))); }
+  WSQ_TARGET static VI u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  WSQ_TARGET static VI s8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  WSQ_TARGET static VF f16(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  WSQ_TARGET static VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  WSQ_TARGET static VI sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+  WSQ_TARGET static VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  WSQ_TARGET static VI set1(int32_t v) { return _mm256_set1_epi32(v); }
+  WSQ_TARGET static VF cvt(VI a) { return _mm256_cvtepi32_ps(a); }
+  WSQ_TARGET static VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+  WSQ_TARGET static VF fadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+  WSQ_TARGET static VF fsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+  WSQ_TARGET static VF fset1(float v) { return _mm256_set1_ps(v); }
+  WSQ_TARGET static VF fzero() { return _mm256_setzero_ps(); }
+  WSQ_TARGET static void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
 };
 
 #include "qgemm_simd.h"

@@ -1,6 +1,8 @@
 // The AVX-512 VNNI path: `vpdpbusd` (unsigned x signed bytes, 4 into each int32 lane, no
-// saturation) on 64-byte vectors = two 32-byte units, whose halves are folded per block.
+// saturation) on 64-byte vectors: one vector is a unit, the 16 rows of a group.
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "qgemm.h"
 
@@ -10,26 +12,54 @@ namespace wsq {
 namespace avx512 {
 
 struct Vec {
-  using V = __m512i;
-  static constexpr int CH = 2;
-  WSQ_TARGET static V load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  WSQ_TARGET static V zero() { return _mm512_setzero_si512(); }
-  WSQ_TARGET static V dot(V acc, V u, V s) { return _mm512_dpbusd_epi32(acc, u, s); }
-  WSQ_TARGET static V dot_s(V acc, V w, V s) {
+  using VI = __m512i;
+  using VF = __m512;
+  static constexpr int L = 16;
+  static constexpr int tile(int) { return 4; }
+  WSQ_TARGET static VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  WSQ_TARGET static VI bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  WSQ_TARGET static VI zero() { return _mm512_setzero_si512(); }
+  WSQ_TARGET static VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  WSQ_TARGET static VI dot2(VI acc, VI u1, VI s1, VI u2, VI s2) { return dot(dot(acc, u1, s1), u2, s2); }
+  WSQ_TARGET static VI dot_s(VI acc, VI w, VI s) {
     // |w| as unsigned bytes (-128 -> 128) and x negated where w < 0
     const __mmask64 neg = _mm512_movepi8_mask(w);
     return dot(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
   }
-  WSQ_TARGET static V lo4(V w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
-  WSQ_TARGET static V hi4(V w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
-  WSQ_TARGET static V or_(V a, V b) { return _mm512_or_si512(a, b); }
-  WSQ_TARGET static V bits(V h, int shift, int mask) {
-    const V v = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(char(mask)));
+  WSQ_TARGET static VI lo4(VI w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+  WSQ_TARGET static VI hi4(VI w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  WSQ_TARGET static VI or_(VI a, VI b) { return _mm512_or_si512(a, b); }
+  WSQ_TARGET static VI bits(VI h, int shift, int mask) {
+    const VI v = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(char(mask)));
     return _mm512_slli_epi16(v, 4);
   }
-  WSQ_TARGET static __m256i fold(V acc) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+  WSQ_TARGET static VI shl16(VI v, int n) { return _mm512_slli_epi16(v, n); }
+  WSQ_TARGET static VI shr16(VI v, int n) { return _mm512_srli_epi16(v, n); }
+  WSQ_TARGET static VI and8(VI v, int m) { return _mm512_and_si512(v, _mm512_set1_epi8(char(m))); }
+  WSQ_TARGET static VI u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  WSQ_TARGET static VI s8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  WSQ_TARGET static VF f16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  WSQ_TARGET static VI add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+  WSQ_TARGET static VI sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+  WSQ_TARGET static VI mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+  WSQ_TARGET static VI set1(int32_t v) { return _mm512_set1_epi32(v); }
+  WSQ_TARGET static VF cvt(VI a) { return _mm512_cvtepi32_ps(a); }
+  WSQ_TARGET static VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  WSQ_TARGET static VF fadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+  WSQ_TARGET static VF fsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+  WSQ_TARGET static VF fset1(float v) { return _mm512_set1_ps(v); }
+  WSQ_TARGET static VF fzero() { return _mm512_setzero_ps(); }
+  WSQ_TARGET static void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
 };
 
 #include "qgemm_simd.h"

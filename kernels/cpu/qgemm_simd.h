@@ -1,173 +1,214 @@
 // The vector kernels, written once for both vector ISAs. Included by qgemm_avx2.cpp and
 // qgemm_avx512.cpp inside their own namespace, after they define WSQ_TARGET (the function
 // attribute that enables the ISA) and `struct Vec`:
-//   Vec::V            an integer vector of CH 32-byte units (CH = 1: AVX2, 2: AVX-512)
-//   load(p)           CH units of weights or expanded activations
-//   dot(acc, u, s)    acc += per int32 lane, sum of 4 (unsigned byte u) * (signed byte s)
-//   dot_s(acc, w, s)  the same with signed w (Q8_0)
-//   lo4, hi4, or_, bits(h, shift, mask): ((h >> shift) & mask) << 4 per byte
-//   fold(acc)         -> __m256i: the 8 rows' int32 sums (AVX-512 adds its two halves)
-// A unit holds 4 bytes of each of the 8 rows of a group: lane r = row r. The activations'
-// expanded form puts the same 4 quants in all 8 lanes, so a unit of weights times a unit
-// of activations is 8 rows' partial dot products. The epilogue per block is 8-lane AVX2
-// float code in the order of kernels/quant_ref.py (no FMA: -ffp-contract=off).
+//   VI, VF, L       int32 / float vectors of L lanes (8: AVX2, 16: AVX-512); R = kRows / L
+//   load(p)         L * 4 bytes: a unit's slice for L rows
+//   bcast4(p)       4 quants of x in every lane
+//   dot(acc, u, s)  acc += per lane, the sum of 4 (unsigned byte u) * (signed byte s)
+//   dot2(acc, u1, s1, u2, s2)  two dots; u below 64, so AVX2 may add the int16 pairs first
+//   dot_s           the same as dot with signed w (Q8_0)
+//   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte,
+//   shl16, shr16 (16-bit lanes, constant counts), and8(v, byte mask)
+//   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
+//   add, sub, mullo, set1 on VI; cvt, fmul, fadd, fsub, fset1, fzero, store on VF
+// A unit holds 4 bytes of each of the 16 rows of a group: lane r = row r, and the same 4
+// quants of x in every lane (a broadcast load) make one `vpdpbusd` of 16 rows' partial sums.
+// The float part per block runs in the order of kernels/quant_ref.py (no FMA: the build
+// has -ffp-contract=off), so results equal the reference's bits.
 #pragma once
 
-#define WSQ_X(a, m, chunk) Vec::load(reinterpret_cast<const uint8_t*>((a).xrow(m) + (size_t)(chunk) * 32))
+using VI = typename Vec::VI;
+using VF = typename Vec::VF;
+constexpr int L = Vec::L, R = kRows / Vec::L;
 
 template <int MT, int QT>
-WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, __m256* acc) {
-  constexpr int PB = packed_bytes(QT), U = Vec::CH;
+WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+  constexpr Off o = offsets(QT);
+  constexpr int units = QT == Q8_0 ? 8 : 4;
   for (int b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = g + (size_t)b * PB;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    typename Vec::V s[MT];
-    for (int i = 0; i < MT; ++i) s[i] = Vec::zero();
-    if (QT == Q8_0) {
-      for (int t = 0; t < 8; t += U) {
-        const auto w = Vec::load(blk + 16 + t * 32);
-        for (int i = 0; i < MT; ++i) s[i] = Vec::dot_s(s[i], w, WSQ_X(a, m0 + i, b * 8 + t));
+    const uint8_t* blk = g + (size_t)b * o.bytes;
+    VI s[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) s[i][h] = Vec::zero();
+    for (int v = 0; v < units; ++v) {
+      VI lo[R], hi[R];
+      for (int h = 0; h < R; ++h) {
+        const VI w = Vec::load(blk + o.qs + v * kUnit + h * L * 4);
+        lo[h] = QT == Q8_0 ? w : Vec::lo4(w);
+        hi[h] = QT == Q8_0 ? w : Vec::hi4(w);
       }
-    } else {
-      const uint8_t* qs = blk + (QT == Q4_0 ? 16 : 32);
-      for (int t = 0; t < 4; t += U) {
-        const auto w = Vec::load(qs + t * 32);
-        const auto lo = Vec::lo4(w), hi = Vec::hi4(w);
-        for (int i = 0; i < MT; ++i) {
-          s[i] = Vec::dot(s[i], lo, WSQ_X(a, m0 + i, b * 8 + t));
-          s[i] = Vec::dot(s[i], hi, WSQ_X(a, m0 + i, b * 8 + t + 4));
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* x = a.qrow(m0 + i) + b * 32;
+        const VI xl = Vec::bcast4(x + 4 * v);
+        if (QT == Q8_0) {
+          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot_s(s[i][h], lo[h], xl);
+        } else {
+          const VI xh = Vec::bcast4(x + 16 + 4 * v);
+          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot2(s[i][h], lo[h], xl, hi[h], xh);
         }
       }
     }
-    const __m256 mw = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)))
-                                 : _mm256_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      const __m256 dx = _mm256_set1_ps(a.dx(m0 + i)[b]);
-      const int32_t* s16 = a.sums(m0 + i) + b * 2;
-      __m256i si = Vec::fold(s[i]);
-      if (QT == Q4_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
-      __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(si));
-      if (QT == Q4_1)
-        t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(float(s16[0] + s16[1]))));
-      acc[i] = _mm256_add_ps(acc[i], t);
+    for (int h = 0; h < R; ++h) {
+      const VF dw = Vec::f16(blk + o.d + h * L * 2);
+      const VF mw = QT == Q4_1 ? Vec::f16(blk + o.m + h * L * 2) : Vec::fzero();
+      for (int i = 0; i < MT; ++i) {
+        const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
+        const int32_t xsum = a.sums(m0 + i)[2 * b] + a.sums(m0 + i)[2 * b + 1];
+        const VI si = QT == Q4_0 ? Vec::sub(s[i][h], Vec::set1(8 * xsum)) : s[i][h];
+        VF t = Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si));
+        if (QT == Q4_1) t = Vec::fadd(t, Vec::fmul(Vec::fmul(mw, dx), Vec::fset1(float(xsum))));
+        acc[i][h] = Vec::fadd(acc[i][h], t);
+      }
     }
   }
-}
-
-WSQ_TARGET inline __m256i scales8(const uint8_t* p, bool is_signed) {
-  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
 }
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
 // the bytes of qs (low nibbles: the first), Q5_K's fifth bits are bit j of qh for sub-block j.
 template <int MT, int QT>
-WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, __m256* acc) {
-  constexpr int PB = packed_bytes(QT), U = Vec::CH;
+WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+  constexpr Off o = offsets(QT);
   for (int b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = g + (size_t)b * PB;
-    const uint8_t* qh = blk + 160;
-    const uint8_t* qs = blk + (QT == Q4_K ? 160 : 416);
-    __m256i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm256_setzero_si256();
+    const uint8_t* blk = g + (size_t)b * o.bytes;
+    VI isum[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
     for (int p = 0; p < 4; ++p) {
-      typename Vec::V s0[MT], s1[MT];
-      for (int i = 0; i < MT; ++i) s0[i] = s1[i] = Vec::zero();
-      for (int t = 0; t < 8; t += U) {
-        const auto w = Vec::load(qs + (p * 8 + t) * 32);
-        auto lo = Vec::lo4(w), hi = Vec::hi4(w);
-        if (QT == Q5_K) {
-          const auto h = Vec::load(qh + t * 32);
-          lo = Vec::or_(lo, Vec::bits(h, 2 * p, 1));
-          hi = Vec::or_(hi, Vec::bits(h, 2 * p + 1, 1));
-        }
-        for (int i = 0; i < MT; ++i) {
-          s0[i] = Vec::dot(s0[i], lo, WSQ_X(a, m0 + i, b * 64 + p * 16 + t));
-          s1[i] = Vec::dot(s1[i], hi, WSQ_X(a, m0 + i, b * 64 + p * 16 + 8 + t));
+      VI s0[MT][R], s1[MT][R];
+      for (int i = 0; i < MT; ++i)
+        for (int h = 0; h < R; ++h) s0[i][h] = s1[i][h] = Vec::zero();
+      for (int v = 0; v < 8; v += 2) {  // two units of the same sub-blocks per dot2
+        for (int h = 0; h < R; ++h) {
+          const VI wa = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
+          const VI wb = Vec::load(blk + o.qs + (p * 8 + v + 1) * kUnit + h * L * 4);
+          VI loa = Vec::lo4(wa), hia = Vec::hi4(wa), lob = Vec::lo4(wb), hib = Vec::hi4(wb);
+          if (QT == Q5_K) {
+            const VI qa = Vec::load(blk + o.qh + v * kUnit + h * L * 4);
+            const VI qb = Vec::load(blk + o.qh + (v + 1) * kUnit + h * L * 4);
+            loa = Vec::or_(loa, Vec::bits(qa, 2 * p, 1));
+            hia = Vec::or_(hia, Vec::bits(qa, 2 * p + 1, 1));
+            lob = Vec::or_(lob, Vec::bits(qb, 2 * p, 1));
+            hib = Vec::or_(hib, Vec::bits(qb, 2 * p + 1, 1));
+          }
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = a.qrow(m0 + i) + b * 256 + p * 64 + 4 * v;
+            s0[i][h] = Vec::dot2(s0[i][h], loa, Vec::bcast4(x), lob, Vec::bcast4(x + 4));
+            s1[i][h] = Vec::dot2(s1[i][h], hia, Vec::bcast4(x + 32), hib, Vec::bcast4(x + 36));
+          }
         }
       }
-      const __m256i sc0 = scales8(blk + 32 + p * 16, false), sc1 = scales8(blk + 40 + p * 16, false);
-      for (int i = 0; i < MT; ++i) {
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(sc0, Vec::fold(s0[i])));
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(sc1, Vec::fold(s1[i])));
+      for (int h = 0; h < R; ++h) {
+        const VI sc0 = Vec::u8(blk + o.sc + (2 * p) * kRows + h * L);
+        const VI sc1 = Vec::u8(blk + o.sc + (2 * p + 1) * kRows + h * L);
+        for (int i = 0; i < MT; ++i)
+          isum[i][h] = Vec::add(isum[i][h], Vec::add(Vec::mullo(sc0, s0[i][h]), Vec::mullo(sc1, s1[i][h])));
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    for (int i = 0; i < MT; ++i) {
-      const int32_t* s16 = a.sums(m0 + i) + b * 16;
-      __m256i msum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(scales8(blk + 96 + j * 8, false),
-                                                         _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
-      const __m256 dx = _mm256_set1_ps(a.dx(m0 + i)[b]);
-      const __m256 t = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[i])),
-                                     _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum)));
-      acc[i] = _mm256_add_ps(acc[i], t);
+    for (int h = 0; h < R; ++h) {
+      const VF dw = Vec::f16(blk + o.d + h * L * 2), dmin = Vec::f16(blk + o.m + h * L * 2);
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* s16 = a.sums(m0 + i) + b * 16;
+        VI msum = Vec::zero();
+        for (int j = 0; j < 8; ++j)
+          msum = Vec::add(msum, Vec::mullo(Vec::u8(blk + o.mn + j * kRows + h * L), Vec::set1(s16[2 * j] + s16[2 * j + 1])));
+        const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
+        const VF t = Vec::fsub(Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])),
+                               Vec::fmul(Vec::fmul(dmin, dx), Vec::cvt(msum)));
+        acc[i][h] = Vec::fadd(acc[i][h], t);
+      }
     }
   }
 }
 
 // Q6_K: 16 groups of 16 with int8 scales; 4 low bits from ql, 2 high bits from qh (see
 // quant_formats.quant_values), unsigned 0..63 here and the -32 taken out with the sums of x.
+// One pass over a half's units loads each ql and qh unit once for the 4 quants they hold.
+// The 4 quants (t = 0..3, unsigned 0..63) in a ql unit, its partner 8 units on, and a qh unit.
+WSQ_TARGET inline void six_bits(const uint8_t* ql, const uint8_t* qh, VI* q) {
+  const VI la = Vec::load(ql), lb = Vec::load(ql + 8 * kUnit), h = Vec::load(qh);
+  q[0] = Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(h, 4), 0x30));
+  q[1] = Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(h, 2), 0x30));
+  q[2] = Vec::or_(Vec::hi4(la), Vec::and8(h, 0x30));
+  q[3] = Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(h, 2), 0x30));
+}
+
 template <int MT>
-WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, __m256* acc) {
-  constexpr int PB = packed_bytes(Q6_K), U = Vec::CH;
+WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+  constexpr Off o = offsets(Q6_K);
   for (int b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = g + (size_t)b * PB;
-    const uint8_t* ql = blk + 144;
-    const uint8_t* qh = blk + 1168;
-    __m256i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm256_setzero_si256();
-    for (int jj = 0; jj < 16; ++jj) {
-      const int h = jj >> 3, tq = (jj & 7) >> 1, half = jj & 1;
-      typename Vec::V s[MT];
-      for (int i = 0; i < MT; ++i) s[i] = Vec::zero();
-      for (int t = 0; t < 4; t += U) {
-        const int v = half * 4 + t;
-        const auto wl = Vec::load(ql + (h * 16 + (tq & 1) * 8 + v) * 32);
-        const auto q = Vec::or_(tq >= 2 ? Vec::hi4(wl) : Vec::lo4(wl), Vec::bits(Vec::load(qh + (h * 8 + v) * 32), 2 * tq, 3));
-        for (int i = 0; i < MT; ++i) s[i] = Vec::dot(s[i], q, WSQ_X(a, m0 + i, b * 64 + h * 32 + tq * 8 + v));
+    const uint8_t* blk = g + (size_t)b * o.bytes;
+    VI isum[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
+    for (int hq = 0; hq < 4; ++hq) {  // quarter: half hf = hq / 2 of the block, 16-groups half = hq % 2
+      const int hf = hq >> 1, half = hq & 1;
+      VI s[MT][R][4];  // [x row][row vector][t]: the 16-groups hf * 8 + t * 2 + half
+      for (int i = 0; i < MT; ++i)
+        for (int h = 0; h < R; ++h)
+          for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::zero();
+      for (int v = half * 4; v < half * 4 + 4; v += 2) {  // units v, v + 1: one dot2 per t
+        for (int h = 0; h < R; ++h) {
+          VI qa[4], qb[4];
+          six_bits(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4, qa);
+          six_bits(blk + o.qs + (hf * 16 + v + 1) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v + 1) * kUnit + h * L * 4,
+                   qb);
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = a.qrow(m0 + i) + b * 256 + hf * 128 + 4 * v;
+            for (int t = 0; t < 4; ++t)
+              s[i][h][t] = Vec::dot2(s[i][h][t], qa[t], Vec::bcast4(x + t * 32), qb[t], Vec::bcast4(x + t * 32 + 4));
+          }
+        }
       }
-      const __m256i sc = scales8(blk + 16 + jj * 8, true);
-      for (int i = 0; i < MT; ++i) {
-        const __m256i d16 = _mm256_sub_epi32(Vec::fold(s[i]), _mm256_set1_epi32(32 * a.sums(m0 + i)[b * 16 + jj]));
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(sc, d16));
+      for (int t = 0; t < 4; ++t) {
+        const int jj = hf * 8 + t * 2 + half;
+        for (int h = 0; h < R; ++h) {
+          const VI sc = Vec::s8(blk + o.sc + jj * kRows + h * L);
+          for (int i = 0; i < MT; ++i) {
+            const VI d16 = Vec::sub(s[i][h][t], Vec::set1(32 * a.sums(m0 + i)[b * 16 + jj]));
+            isum[i][h] = Vec::add(isum[i][h], Vec::mullo(sc, d16));
+          }
+        }
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    for (int i = 0; i < MT; ++i) {
-      const __m256 dx = _mm256_set1_ps(a.dx(m0 + i)[b]);
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[i])));
+    for (int h = 0; h < R; ++h) {
+      const VF dw = Vec::f16(blk + o.d + h * L * 2);
+      for (int i = 0; i < MT; ++i) {
+        const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
+        acc[i][h] = Vec::fadd(acc[i][h], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])));
+      }
     }
   }
 }
 
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  VF acc[MT][R];
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
   if (QT == Q4_K || QT == Q5_K)
     block_k45<MT, QT>(g, a, m0, acc);
   else if (QT == Q6_K)
     block_q6k<MT>(g, a, m0, acc);
   else
     block32<MT, QT>(g, a, m0, acc);
-  for (int i = 0; i < MT; ++i) _mm256_storeu_ps(out + i * kRows, acc[i]);
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
 }
 
+// x rows in tiles of Vec::tile(QT) (what the registers hold), up to kMaxTile per call.
 template <int QT>
 WSQ_TARGET void group_kernel(const uint8_t* g, const Act& a, int m0, int mt, float* out) {
-  static_assert(kMaxTile == 4, "one instance per tile height");
-  switch (mt) {
-    case 4: return tile<4, QT>(g, a, m0, out);
-    case 3: return tile<3, QT>(g, a, m0, out);
-    case 2: return tile<2, QT>(g, a, m0, out);
-    default: return tile<1, QT>(g, a, m0, out);
+  constexpr int T = Vec::tile(QT);
+  static_assert(T >= 1 && T <= 4 && kMaxTile == 4, "tiles of 1 to 4 rows");
+  for (int i = 0; i < mt; i += T, out += T * kRows) {
+    switch (mt - i < T ? mt - i : T) {
+      case 4: tile<(T >= 4 ? 4 : 1), QT>(g, a, m0 + i, out); break;
+      case 3: tile<(T >= 3 ? 3 : 1), QT>(g, a, m0 + i, out); break;
+      case 2: tile<(T >= 2 ? 2 : 1), QT>(g, a, m0 + i, out); break;
+      default: tile<1, QT>(g, a, m0 + i, out);
+    }
   }
 }
 
 const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>,
                                     group_kernel<Q4_K>, group_kernel<Q5_K>, group_kernel<Q6_K>};
-
-#undef WSQ_X

@@ -37,8 +37,8 @@ def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def shape_for(qtype: str) -> tuple[int, int]:
-    # N = 21: two full groups of 8 rows and a tail of 5; K: three blocks or two super-blocks
-    return (21, 96) if BLOCK[qtype][0] == 32 else (21, 512)
+    # N = 37: two full groups of 16 rows and a tail of 5; K: three blocks or two super-blocks
+    return (37, 96) if BLOCK[qtype][0] == 32 else (37, 512)
 
 
 def available_isas() -> list[str]:
@@ -88,6 +88,17 @@ def test_qlinear_equals_reference(qtype: str, isa_path: str) -> None:
                 assert rel_err(y, ref) <= 1e-5, (qtype, isa_path, m, dtype)
 
 
+def test_other_dtypes_and_strided_x() -> None:
+    # fp16 goes through float32; a strided view (a slice of a fused output) is made contiguous
+    n, k = shape_for("Q4_1")
+    w = quant.pack("Q4_1", gguf_bytes("Q4_1", n, k), (n, k))
+    x = torch.randn(5, 2 * k, generator=torch.Generator().manual_seed(4))[:, ::2]
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        y = quant.qlinear(x.to(dtype), w, torch.ones(n, dtype=dtype))
+        assert y.dtype == dtype
+        assert torch.equal(y, quant.qlinear_reference(x.to(dtype), w, torch.ones(n, dtype=dtype)))
+
+
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 def test_reference_is_close_to_float_matmul(qtype: str) -> None:
     # int8 activations cost well under 1% against the dequantized weights in fp32
@@ -105,7 +116,11 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype: str) -> None:
     assert np.array_equal(quant.dequantize_raw(qtype, raw, (n, k)).numpy(), expected)
     w = quant.pack(qtype, raw, (n, k))
     assert (w.qtype, w.out_features, w.in_features) == (qtype, n, k)
-    assert np.array_equal(w.dequantize().numpy(), expected)
+    read_only = raw.numpy().copy()  # as GGUFReader maps a file
+    read_only.setflags(write=False)
+    assert torch.equal(quant.pack(qtype, read_only, (n, k)).packed, w.packed)
+    assert np.array_equal(w.dequantize().numpy(), expected)  # native when built
+    assert np.array_equal(w.dequantize_torch().numpy(), expected)
 
 
 @pytest.mark.parametrize("qtype", GGUF_CAN_QUANTIZE)
@@ -126,8 +141,16 @@ def test_state_round_trip_and_select_rows() -> None:
     assert torch.equal(again.dequantize(), w.dequantize())
     rows = torch.tensor([20, 0, 7, 8, 20])
     assert torch.equal(again.select_rows(rows), w.dequantize()[rows])
+    assert torch.equal(again.select_rows_torch(rows), w.dequantize()[rows])
+    for bad in (21, 31, -1):  # 21..31 exist as the last group's padding, but are no rows
+        with pytest.raises(IndexError):
+            w.select_rows(torch.tensor([bad]))
+        with pytest.raises(IndexError):
+            w.select_rows_torch(torch.tensor([bad]))
     with pytest.raises(ValueError):
-        quant.QuantWeight.from_state("Q6_K", (n + 8, k), w.state())
+        quant.QuantWeight.from_state("Q6_K", (n + 16, k), w.state())
+    with pytest.raises(ValueError, match="layout"):  # a cache written by another layout
+        quant.QuantWeight.from_state("Q6_K", (n, k), {"packed": w.state()["packed"]})
 
 
 def test_memory_is_ggufs() -> None:
@@ -174,3 +197,21 @@ def test_without_a_compiler_the_torch_path_answers(tmp_path) -> None:
     assert result["ok"] is False and "compiler" in result["why"] and "g++" in result["why"]
     assert result["path"] == "torch" and result["same"]
     assert proc.stderr.count("quantized CPU kernels unavailable") == 1  # logged once
+
+
+def test_a_built_extension_loads_without_the_compiler(tmp_path) -> None:
+    # `make install` (or the image) builds once; the server then needs no compiler
+    from wsllm.kernels import native
+
+    if not quant.native_status()[0]:
+        pytest.skip(quant.native_status()[1])
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env.update(PATH=str(empty), WSLLM_KERNELS_DIR=str(native.cache_root()))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True and result["path"] != "torch" and result["same"]
