@@ -234,6 +234,14 @@ def load_cache(out: Path) -> QuantCheckpoint | None:
             "the cached weights in %s were packed by another version of the kernels or loader: repacking", out
         )
         return None
+    try:
+        return _read_cache(out, index)
+    except (OSError, KeyError, ValueError) as e:  # ValueError: a state of another layout
+        log.info("the cached weights in %s cannot be used (%s): repacking", out, e)
+        return None
+
+
+def _read_cache(out: Path, index: dict[str, Any]) -> QuantCheckpoint:
     ckpt = QuantCheckpoint(tied=index["tied"], counts=index["counts"])
     with safe_open(str(out / "weights.safetensors"), framework="pt") as st:
         for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
