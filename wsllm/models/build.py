@@ -86,9 +86,18 @@ def weight_mode(asked: str, gguf: Path | None, device: torch.device, dtype: torc
             raise ValueError(f"--quantization {asked} runs on the CPU only")
         log.info("a quantized GGUF is de-quantized to %s on %s", str(dtype).removeprefix("torch."), device)
         return "none"
-    ok, why = quant.native_status()
+    # The native module warns when it cannot build, naming the torch reference as its
+    # fallback; the engine falls back further (de-quantized weights) and says so itself,
+    # in one line with the reason.
+    native_log = logging.getLogger(quant.native.__name__)
+    level = native_log.level
+    native_log.setLevel(logging.ERROR)
+    try:
+        ok, why = quant.native_status()
+    finally:
+        native_log.setLevel(level)
     if not ok:
-        log.warning("quantized CPU kernels unavailable (%s): serving de-quantized weights", why)
+        log.warning("%s; serving de-quantized weights instead", why)
         return "none"
     return "gguf" if asked == "auto" else asked
 
