@@ -245,3 +245,10 @@ def test_a_q4_k_m_like_gguf_reads_close_to_transformers(
     diff = (prompt_logprobs(engine, ids) - prompt_logprobs(make_engine(path, quantization="none"), ids)).abs()
     # measured: 0.005 nats on average; 0.048 without the Q/K row un-permutation
     assert diff.mean() < 0.02, diff.mean()
+
+
+def test_a_quantization_it_cannot_do_is_a_clear_error(tiny_gguf_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantization must be auto, none, q8_0 or q4_0"):
+        EngineConfig(quantization="q5_k")
+    with pytest.raises(ValueError, match="a GGUF keeps its own formats"):
+        make_engine(tiny_gguf_path, quantization="q8_0")
