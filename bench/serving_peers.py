@@ -10,8 +10,13 @@ the first level, ratios of wsllm to each peer) goes into its own section of docs
 replaced on each run, with the command, the date and the CPU's flags.
 
 The peers are built once, outside the repo, by bench/peers_setup.py. The model is SmolLM2-135M-
-Instruct for all three: wsllm's default; for vLLM the HF directory that wsllm's loader writes
-(the GGUF de-quantized, fp32), so both run identical numbers; for llama-server the GGUF itself.
+Instruct for all three: wsllm's default (the Q4_1 GGUF computed in its blocks); for vLLM the HF
+directory that wsllm's loader writes (the GGUF de-quantized), at its best dtype on this CPU (bf16
+where the CPU has AVX512_BF16 or AMX, else fp32); for llama-server the GGUF itself.
+
+Resident memory (RSS of the server's process tree) is read once it is ready and again after one
+request. wsllm gets the same KV capacity as llama-server's context (`-c`) unless --wsllm-args
+names one; the table says both.
 
     python bench/serving_peers.py                                # all three, 32 requests per level
     python bench/serving_peers.py --servers wsllm,vllm --wsllm-args="--dtype bfloat16"
@@ -42,6 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_setup  # noqa: E402  (a sibling script, not a package)
+import procmem  # noqa: E402
 import serving_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +102,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def llama_context(args: argparse.Namespace) -> tuple[int, int]:
+    """llama-server's slots and its whole context (-c, shared by the slots), in tokens."""
+    slots = max(args.levels)
+    per_slot = max(512, -(-(args.output_len + 256) // 256) * 256)
+    return slots, per_slot * slots
+
+
+def vllm_dtype(args: argparse.Namespace) -> str:
+    if args.vllm_dtype != "auto":
+        return str(args.vllm_dtype)
+    flags = serving_report.cpu_flags().split()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
 def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "wsllm":
         extra = shlex.split(args.wsllm_args)
-        if "--model" not in extra:
-            from wsllm.models.loader import resolve_model_dir
-
-            resolve_model_dir(None)  # the GGUF's one-time conversion is not part of "ready in"
-        label = "`wsllm serve`" + (f" `{args.wsllm_args}`" if extra else " (defaults)")
+        if "--model" not in extra:  # the one-time conversion, repack and build are not "ready in"
+            warm = "from wsllm.config import EngineConfig; from wsllm.models.build import build_model; build_model(EngineConfig())"
+            subprocess.run([sys.executable, "-c", warm], check=True)
+        if not {"--num-kv-blocks", "--kv-cache-gb"} & set(extra):
+            extra += ["--num-kv-blocks", str(-(-llama_context(args)[1] // 16))]  # 16-token blocks
+        label = "`wsllm serve`" + (f" `{args.wsllm_args}`" if args.wsllm_args else " (defaults)")
         argv = [str(Path(sys.executable).parent / "wsllm"), "serve", *host, "--no-frontend", *extra]
         return Server(name, label, argv, "/ready", args.ready_timeout_s or 300)
     if name == "vllm":
@@ -114,7 +135,7 @@ def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
         if not py.exists():
             raise SystemExit(f"vLLM is not built: {py} is missing; run python bench/peers_setup.py")
         argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(None)),
-                "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", PEER_MODEL_NAME, *host]  # fmt: skip
+                "--dtype", vllm_dtype(args), "--max-model-len", "2048", "--served-model-name", PEER_MODEL_NAME, *host]  # fmt: skip
         env = {
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -124,17 +145,16 @@ def make_server(name: str, port: int, args: argparse.Namespace) -> Server:
             "VLLM_LOOPBACK_IP": "127.0.0.1",
         }
         # torch.compile of the model at every start: 2 to 3 minutes on 2 cores, more when busy
-        return Server(name, f"vLLM CPU {_version(py, 'vllm')} (fp32)", argv, "/v1/models",
+        return Server(name, f"vLLM CPU {_version(py, 'vllm')} ({vllm_dtype(args)})", argv, "/v1/models",
                       args.ready_timeout_s or 900, env)  # fmt: skip
     from wsllm.models.loader import default_gguf_path
 
     binary = peers_setup.llama_server_path(args.peers_dir)
     if not binary.exists():
         raise SystemExit(f"llama-server is not built: {binary} is missing; run python bench/peers_setup.py")
-    slots = max(args.levels)
-    per_slot = max(512, -(-(args.output_len + 256) // 256) * 256)  # -c is shared by the slots
+    slots, ctx = llama_context(args)
     argv = [str(binary), "-m", str(default_gguf_path()), *host, "-np", str(slots),
-            "-c", str(per_slot * slots), "-t", str(os.cpu_count() or 2), "--alias", PEER_MODEL_NAME]  # fmt: skip
+            "-c", str(ctx), "-t", str(os.cpu_count() or 2), "--alias", PEER_MODEL_NAME]  # fmt: skip
     label = f"llama-server (Q4_1 GGUF, -np {slots} -t {os.cpu_count() or 2})"
     return Server(name, label, argv, "/health", args.ready_timeout_s or 300)
 
@@ -177,8 +197,9 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def running(server: Server, port: int, log: Path) -> Iterator[float]:
-    """Start `server`, yield the seconds it took to become ready, stop it (and its children)."""
+def running(server: Server, port: int, log: Path) -> Iterator[tuple[float, int]]:
+    """Start `server`, yield the seconds it took to become ready and its pid, stop it (and its
+    children)."""
     print(f"starting {server.name}: {shlex.join(server.argv)}", file=sys.stderr)
     with open(log, "wb") as out:
         proc = subprocess.Popen(server.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -186,7 +207,7 @@ def running(server: Server, port: int, log: Path) -> Iterator[float]:
     try:
         ready_s = _wait_ready(server, proc, f"http://127.0.0.1:{port}", log)
         print(f"  {server.name} ready in {ready_s:.1f} s", file=sys.stderr)
-        yield ready_s
+        yield ready_s, proc.pid
     finally:
         t = time.monotonic()
         _stop(proc)
@@ -231,15 +252,25 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> serving_report.R
     port = free_port()
     server = make_server(name, port, args)
     load_before = os.getloadavg()[0]
-    with running(server, port, work / f"{name}.log") as ready_s:
+    with running(server, port, work / f"{name}.log") as (ready_s, pid):
+        time.sleep(2)  # let a server that warms up after /ready settle
+        rss_load = procmem.tree_rss_mb(pid)
         probe(port, work / "prompts-0.jsonl", work / f"{name}-probe.json")
+        rss_request = procmem.tree_rss_mb(pid)
+        print(
+            f"  {name}: resident {rss_load:.0f} MB loaded, {rss_request:.0f} MB after one request",
+            file=sys.stderr,
+        )
         runs = {}
         for i, level in enumerate(args.levels):
             print(f"  {name}: concurrency {level}, {args.num_requests} requests", file=sys.stderr)
             runs[level] = bench_level(
                 port, level, work / f"prompts-{i}.jsonl", args, work / f"{name}-c{level}.json"
             )
-    return serving_report.Row(name, server.label, ready_s, runs, load_before, os.getloadavg()[0])
+    kv = llama_context(args)[1] if name in ("wsllm", "llamacpp") else None
+    return serving_report.Row(
+        name, server.label, ready_s, runs, load_before, os.getloadavg()[0], (rss_load, rss_request), kv
+    )
 
 
 def write_prompts(args: argparse.Namespace, work: Path) -> None:
@@ -262,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="picks the prompts")
     p.add_argument(
         "--wsllm-args", default="", help='extra args for wsllm serve, e.g. --wsllm-args="--dtype bfloat16"'
+    )
+    p.add_argument(
+        "--vllm-dtype", default="auto", help="auto (bf16 where the CPU has it natively) | float32 | bfloat16"
     )
     p.add_argument("--ready-timeout-s", type=float, default=None, help="per server (default 300; vLLM 900)")
     p.add_argument("--peers-dir", type=Path, default=None, help="where bench/peers_setup.py built the peers")

@@ -26,6 +26,8 @@ class Row:
     runs: dict[int, dict[str, Any]]  # concurrency level -> that level's `wsllm bench` run
     load_before: float  # 1-minute load average when the server was started
     load_after: float  # and when it was stopped
+    rss_mb: tuple[float, float] | None = None  # the process tree's resident MB: loaded, after one request
+    kv_tokens: int | None = None  # KV capacity it was given, where the run set one
 
 
 def tokens_per_s(run: dict[str, Any]) -> float:
@@ -64,12 +66,14 @@ def _cell(run: dict[str, Any]) -> str:
 def table(rows: list[Row], levels: list[int]) -> str:
     first = levels[0]
     head = ["server", *(f"c={c}" for c in levels), f"TTFT p50 at c={first} (s)", "prompt tokens",
-            "output tokens", "ready in (s)"]  # fmt: skip
+            "output tokens", "ready in (s)", "resident MB (loaded / 1 request)", "KV tokens"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in rows:
         ttft = ttft_p50_s(r.runs[first])
         cells = [r.label, *(_cell(r.runs[c]) for c in levels), "–" if ttft is None else f"{ttft:.3f}",
-                 prompt_tokens(r), output_tokens(r), f"{r.ready_s:.1f}"]  # fmt: skip
+                 prompt_tokens(r), output_tokens(r), f"{r.ready_s:.1f}",
+                 f"{r.rss_mb[0]:.0f} / {r.rss_mb[1]:.0f}" if r.rss_mb else "–",
+                 f"{r.kv_tokens}" if r.kv_tokens else "–"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -130,8 +134,10 @@ def section(rows: list[Row], args: argparse.Namespace, command: str, date: str) 
         f"same one-turn chat prompts (seed {args.seed}; a fresh set of {args.num_requests} per concurrency "
         f"level), {args.output_len} output tokens each, greedy, `ignore_eos`. Output tokens/s is the "
         "servers' `usage.completion_tokens` over each level's duration. The peers are built by "
-        "`bench/peers_setup.py` (see its docstring); vLLM runs the HF directory that wsllm's loader writes "
-        "(the same SmolLM2-135M-Instruct weights, fp32), llama-server the Q4_1 GGUF they come from.\n",
+        "`bench/peers_setup.py` (see its docstring); wsllm serves the Q4_1 GGUF in its blocks (its default), "
+        "llama-server the same GGUF, vLLM the HF directory that wsllm's loader writes (the same weights "
+        "de-quantized) at its best dtype here. Resident memory is the RSS of the server's process tree "
+        "once ready and after one request; wsllm gets llama-server's KV capacity (its `-c`).\n",
         f"```\n{command}\n```\n",
         f"{date}, {os.cpu_count()} cores ({cpu_model()}). 1-minute load average at each server's start → "
         f"stop: {loads}.\n",

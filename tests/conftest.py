@@ -134,6 +134,88 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), smollm_dir, "llama3")
 
 
+# llama.cpp's formats for a tiny GGUF: the attention and gate/up parts in Q4_0 but
+# attn_v and ffn_down in Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K), the embedding Q8_0.
+TINY_GGUF_FORMATS = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
+                     "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}  # fmt: skip
+
+
+def make_tiny_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
+    """Write the Llama in `hf_dir` as llama.cpp writes a GGUF: its names, Q and K rows
+    permuted for llama.cpp's rotary, linear weights quantized (TINY_GGUF_FORMATS), norms
+    F32, and the tokenizer metadata copied from `tokenizer_gguf` (the same vocabulary)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_vocab_size(cfg["vocab_size"])
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    f = src.fields
+    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
+    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(f["tokenizer.chat_template"].contents())
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        x = t.float().numpy()
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers":
+            short = names[parts[-2]]
+            gname = f"blk.{parts[1]}.{short}.weight"
+        else:
+            short = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[parts[0]]
+            gname = f"{short}.weight"
+        if short in ("attn_q", "attn_k"):
+            x = permute(x, heads if short == "attn_q" else kv_heads)
+        qtype = TINY_GGUF_FORMATS.get(short)
+        if qtype is None:
+            w.add_tensor(gname, x)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The tiny Llama (tiny_model_dir's weights) as a quantized GGUF, served in its blocks
+    by default. Converted in a cache of its own, so every session reads it afresh."""
+    from wsllm.models.loader import default_gguf_path
+
+    hf = make_tiny_model(tmp_path_factory.mktemp("tiny-llama-for-gguf"), smollm_dir, "llama")
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_0.gguf"
+    return make_tiny_gguf(path, hf, default_gguf_path())
+
+
 def make_word_tokenizer(path: Path, n_words: int = 509) -> Path:
     """A tokenizer of its own vocabulary (none of SmolLM2's): whole words `w0`..`wN`
     and three specials, with a chat template. For a second model behind one gateway."""

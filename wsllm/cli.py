@@ -133,7 +133,7 @@ def _tokenizer_and_name(model: str | None, name: str | None) -> tuple[Path, str]
         return path, name or path.name
     from wsllm.models.loader import model_name_for, resolve_model_dir
 
-    return resolve_model_dir(model), name or model_name_for(model)
+    return resolve_model_dir(model, weights=False), name or model_name_for(model)  # the tokenizer only
 
 
 def _gateway_app(gcfg: GatewayConfig, mcfg: ModelRefConfig, broker: Any) -> tuple[Any, list[str]]:

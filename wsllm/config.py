@@ -15,6 +15,10 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# Formats a float checkpoint can be quantized to at load (--quantization).
+QUANTIZE_AT_LOAD = ("q8_0", "q4_0")
+
+
 def tool_parser_choices() -> tuple[str, ...]:
     """GatewayConfig.tool_parser's values: auto, or a style of the registry."""
     # Imported on use: the engine reads this module too and must not load server code.
@@ -55,6 +59,14 @@ class EngineConfig:
             "help": "CPU linear layers: auto (oneDNN with packed weights where torch has it) | onednn | torch"
         },
     )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (a GGUF's quantized blocks kept as they are on the CPU; none for other checkpoints) | none (dequantize at load) | "
+            + " | ".join(QUANTIZE_AT_LOAD)
+            + " (quantize a float checkpoint at load)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling"})
     structured_compile_timeout_s: float = field(
         default=10.0,
@@ -80,6 +92,10 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_gemm must be auto, onednn or torch, got {self.cpu_gemm!r}")
+        if self.quantization not in ("auto", "none", *QUANTIZE_AT_LOAD):
+            raise ValueError(
+                f"quantization must be auto, none, {' or '.join(QUANTIZE_AT_LOAD)}, got {self.quantization!r}"
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

@@ -45,12 +45,16 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, quantization: str = "auto", **engine_args: Any) -> None:
+        """`quantization`: auto (a GGUF computed in its quantized blocks on the CPU) |
+        none | q8_0 | q4_0 (a float checkpoint quantized at load); the other
+        EngineConfig fields as keywords."""
         from transformers import AutoTokenizer
 
         from wsllm.engine.engine import LLMEngine
 
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, quantization=quantization, **engine_args)
+        self.engine = LLMEngine.from_config(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
         self._ids = itertools.count()
 

@@ -12,6 +12,13 @@ from wsllm.engine.engine import LLMEngine
 from wsllm.types import SamplingParams
 
 
+@pytest.fixture(scope="module", params=["dense", "quantized"])
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_gguf_path: Path) -> Path:
+    """Each test twice: on the tiny model's float weights, and on the same model as a
+    GGUF of Q4_0/Q8_0 blocks computed in those blocks."""
+    return tiny_model_dir if request.param == "dense" else tiny_gguf_path
+
+
 def make_engine(path: Path, **kw: object) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(model=str(path), **({"dtype": "float32"} | kw)))  # type: ignore[arg-type]
 
@@ -179,7 +186,7 @@ def test_bad_requests_leave_engine_unchanged(
 
 
 def test_auto_dtype_follows_the_cpu_flags() -> None:
-    from wsllm.engine.engine import pick_dtype
+    from wsllm.models.build import pick_dtype
 
     cpu = torch.device("cpu")
     assert pick_dtype("auto", cpu, {"avx2", "fma"})[0] == torch.float32  # AVX2 only: bf16 is emulated

@@ -5,11 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.types import SamplingParams
+
+
+@pytest.fixture(scope="module", params=["dense", "quantized"])
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_gguf_path: Path) -> Path:
+    """Each test twice: on the tiny model's float weights, and on the same model as a
+    GGUF of Q4_0/Q8_0 blocks computed in those blocks."""
+    return tiny_model_dir if request.param == "dense" else tiny_gguf_path
 
 
 def make_engine(path: Path, **kw: object) -> LLMEngine:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from wsllm import kernels
 from wsllm.config import EngineConfig
 from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
@@ -26,7 +25,7 @@ from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
-from wsllm.models import cpu_linear, loader
+from wsllm.models.build import build_model
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
@@ -39,40 +38,6 @@ from wsllm.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # where a CPU computes bf16 matmuls natively
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def pick_dtype(name: str, device: torch.device, flags: set[str]) -> tuple[torch.dtype, str]:
-    """The weights' dtype and why. `auto`: bf16 on CUDA; on a CPU, bf16 only where it
-    has AVX512_BF16 or AMX (elsewhere bf16 matmuls are emulated and slower than fp32)."""
-    if name != "auto":
-        return _DTYPES[name], "asked for"
-    if device.type == "cuda":
-        return torch.bfloat16, "auto on CUDA"
-    native = sorted(set(BF16_CPU_FLAGS) & flags)
-    if native:
-        return torch.bfloat16, f"auto: the CPU has {', '.join(native)}, so bf16 matmuls run natively"
-    return torch.float32, "auto: the CPU has neither avx512_bf16 nor amx_bf16, so bf16 would be emulated"
 
 
 class LLMEngine:
@@ -124,28 +89,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        kernels.use_backend(config.attention_backend)  # process-wide: one engine per process
-        model_dir = loader.resolve_model_dir(config.model)
-        device = _pick_device(config.device)
-        dtype, why = pick_dtype(config.dtype, device, cpu_flags() if device.type == "cpu" else set())
-        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
-        t = time.time()
-        model = loader.load_model(model_dir, device, dtype)
-        if device.type == "cpu" and config.cpu_gemm != "torch":
-            packed = cpu_linear.pack_linears(model, batch_hint=min(config.max_num_seqs, 32))
-            if not packed and config.cpu_gemm == "onednn":
-                raise RuntimeError(f"cpu_gemm onednn asked for, but oneDNN cannot run {dtype} here")
-        log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
-        hf_cfg = loader.read_hf_config(model_dir)
-        return cls(
-            config,
-            model,
-            model_dir,
-            loader.model_name_for(config.model),
-            loader.eos_token_ids(model_dir, hf_cfg),
-        )
+        built = build_model(config)
+        return cls(config, built.model, built.model_dir, built.name, built.eos_token_ids)
 
     # -- contract -----------------------------------------------------------
     def add_request(

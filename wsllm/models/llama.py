@@ -202,15 +202,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # an explicit (empty) weight skips the random init, whose meta-device version
+        # imports torch._dynamo: ~150 MB resident for the life of the server
+        self.embed_tokens = nn.Embedding(
+            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cs = kernels.compute_cos_sin_cache(
-            c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
-        )
+        # On the CPU even while the model is built on the meta device: the meta versions
+        # of these ops import torch's Python decompositions, ~150 MB resident for good.
+        with torch.device("cpu"):
+            cs = kernels.compute_cos_sin_cache(
+                c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
+            )
         self.register_buffer("cos_sin_cache", cs, persistent=False)
 
     def forward(

@@ -6,8 +6,10 @@ Sources, in order of lookup:
 3. A `.gguf` file path.
 4. A hub id, only with network (HF_HUB_OFFLINE unset).
 
-GGUF files are de-quantized once with transformers and cached as an HF directory
-under `$WSLLM_CACHE_DIR` (default ~/.cache/wsllm), so later loads read safetensors.
+A GGUF file's config and tokenizer are converted once with transformers and cached
+as an HF directory under `$WSLLM_CACHE_DIR` (default ~/.cache/wsllm); its weights
+are either de-quantized there too (`--quantization none`, and on CUDA) or read in
+their quantized blocks (wsllm/models/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -58,34 +60,36 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """De-quantize a GGUF file into a cached HF directory (once)."""
+def convert_gguf(gguf: Path, weights: bool = True) -> Path:
+    """The cached HF directory of a GGUF file: its config and tokenizer, and with
+    `weights` its tensors de-quantized to fp32 (once each). The quantized path reads
+    its weights from the GGUF itself and asks for no `weights`: de-quantizing an
+    8B model to fp32 would need 32 GB."""
     out = _gguf_cache_path(gguf)
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not (out / "config.json").exists():
+        _write_gguf_config(gguf, out)
+    if weights and not (out / "model.safetensors").exists():
+        _write_gguf_weights(gguf, out)
+    return out
 
-    log.info("converting %s (once; cached in %s)", gguf.name, out)
+
+def _write_gguf_config(gguf: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    log.info("reading the config and tokenizer of %s (once; cached in %s)", gguf.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        # save_pretrained refuses GGUF-quantized models: write the de-quantized
-        # tensors and the config ourselves.
-        cfg = model.config.to_dict()
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        cfg = config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = [type(model).__name__]
+        cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
         cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"))
         tok.save_pretrained(str(tmp))
-        model.generation_config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         try:
             os.rename(tmp, out)
         except OSError:  # another process won the race
@@ -93,22 +97,50 @@ def convert_gguf(gguf: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """Return a local HF-style directory for `model`, converting or downloading once."""
+def _write_gguf_weights(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    log.info("de-quantizing %s to fp32 (once; cached in %s)", gguf.name, out)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-quantized models: write the tensors ourselves.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(state, tmp)
+        os.rename(tmp, out / "model.safetensors")  # atomic: a reader sees all of it or none
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file `model` names (None: the bundled one), or None for other sources."""
     if model is None or model == "" or model == DEFAULT_MODEL_NAME:
-        return convert_gguf(default_gguf_path())
+        return default_gguf_path()
     p = Path(model).expanduser()
+    if p.suffix == ".gguf" and not p.is_dir():
+        if not p.exists():
+            raise FileNotFoundError(f"no such GGUF file: {p}")
+        return p
+    return None
+
+
+def resolve_model_dir(model: str | None, weights: bool = True) -> Path:
+    """Return a local HF-style directory for `model`, converting or downloading once.
+    For a GGUF, `weights` False leaves out the de-quantized tensors."""
+    gguf = gguf_source(model)
+    if gguf is not None:
+        return convert_gguf(gguf, weights)
+    p = Path(model or "").expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} has no config.json")
         return p
-    if p.suffix == ".gguf":
-        if not p.exists():
-            raise FileNotFoundError(f"no such GGUF file: {p}")
-        return convert_gguf(p)
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"{model!r} is not a local path and HF_HUB_OFFLINE=1 forbids downloading it")
     from huggingface_hub import snapshot_download
@@ -166,3 +198,10 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
     )
     model.cos_sin_cache = cs.to(device)  # stays fp32
     return model.eval()
+
+
+def quant_cache_path(gguf: Path) -> Path:
+    """Where a GGUF's weights, repacked for the quantized kernels, are cached: beside
+    its converted directory."""
+    conv = _gguf_cache_path(gguf)
+    return conv.with_name(conv.name + "-quant")

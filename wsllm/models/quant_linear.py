@@ -1,0 +1,143 @@
+"""Linear layers and embeddings over quantized weights (wsllm.kernels.quant).
+
+The weight stays in its blocks as a plain attribute, not a parameter or buffer, so
+that `model.to(dtype)` cannot cast its fp16 scales and `to_empty` cannot drop it.
+Activations keep the engine's dtype (fp32 or bf16); `qlinear` returns that dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from wsllm.kernels import quant
+from wsllm.models.gguf_weights import LinearPart, QuantCheckpoint
+from wsllm.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# A format's blocks span this many input features (K quants: 256).
+_BLOCK = {"q8_0": 32, "q4_0": 32}
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + b` with W in quantized blocks."""
+
+    def __init__(self, weight: quant.QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.qbias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
+        return quant.qlinear(x, self.qweight, self.qbias)
+
+    def extra_repr(self) -> str:
+        return f"{self.qweight.qtype}, in={self.in_features}, out={self.out_features}"
+
+
+class SplitLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose parts differ in format: one matmul
+    per part, outputs side by side as the fused layer's would be."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.qbias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        return y if self.qbias is None else y + self.qbias
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from quantized rows (shared with a tied lm_head)."""
+
+    def __init__(self, weight: quant.QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return self.qweight.select_rows(ids).to(self.dtype)
+
+
+def _linear(part: LinearPart, dtype: torch.dtype, bias: torch.Tensor | None) -> nn.Module:
+    if isinstance(part, torch.Tensor):  # a float weight: nn.Linear (oneDNN packs it later)
+        lin = nn.Linear(part.shape[1], part.shape[0], bias=bias is not None, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(part)
+            if bias is not None:
+                lin.bias.copy_(bias)
+        return lin
+    return QuantLinear(part, bias)
+
+
+def _module(parts: list[LinearPart], dtype: torch.dtype, bias: torch.Tensor | None) -> nn.Module:
+    if len(parts) == 1:
+        return _linear(parts[0], dtype, bias)
+    return SplitLinear([_linear(p, dtype, None) for p in parts], bias)
+
+
+def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) -> None:
+    """Put `ckpt` into `model`, built on the meta device: quantized modules in place of
+    the linear layers and the embedding, then the float parameters (norms) in `dtype`."""
+    for name, parts in ckpt.linears.items():
+        bias = ckpt.floats.pop(name + ".bias", None)
+        bias = None if bias is None else bias.to(dtype)
+        if name == "embed_tokens":
+            continue
+        model.set_submodule(name, _module(parts, dtype, bias))
+    emb = ckpt.linears["embed_tokens"][0]
+    if isinstance(emb, torch.Tensor):
+        model.embed_tokens = nn.Embedding.from_pretrained(emb.to(dtype), freeze=True)
+    else:
+        model.embed_tokens = QuantEmbedding(emb, dtype)
+    if ckpt.tied:  # one copy of the blocks, read by rows and by the lm_head's matmul
+        model.lm_head = _linear(emb, dtype, None)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.device.type != "meta":
+            continue
+        if name not in ckpt.floats:
+            raise KeyError(f"weight missing from the checkpoint: {name}")
+        owner, _, attr = name.rpartition(".")
+        value = ckpt.floats.pop(name).to(dtype)
+        setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+    if ckpt.floats:
+        raise KeyError(f"unexpected weights: {sorted(ckpt.floats)[:5]}")
+
+
+def quantize_model(model: LlamaForCausalLM, qtype: str) -> dict[str, int]:
+    """Quantize a loaded float model's linear layers to `qtype` ("q8_0" | "q4_0") in
+    place; the embedding and lm_head (tied or not) become Q8_0, as llama.cpp keeps its
+    output layer at a higher precision. A layer whose input width is not a multiple
+    of the block stays float. Returns the layers kept per format."""
+    fmt = qtype.upper()
+    counts: dict[str, int] = {}
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and name != "lm_head" and mod.in_features % _BLOCK[qtype] == 0
+    ]
+    with torch.no_grad():
+        for name, mod in targets:
+            w = mod.weight.detach().float()
+            qw = quant.pack(fmt, quant.quantize(w, fmt), tuple(w.shape))
+            bias = None if mod.bias is None else mod.bias.detach()
+            model.set_submodule(name, QuantLinear(qw, bias))
+            counts[fmt] = counts.get(fmt, 0) + 1
+        emb, head = model.embed_tokens.weight, model.lm_head.weight
+        if emb.shape[1] % _BLOCK["q8_0"] == 0:
+            qe = _q8(emb)
+            model.lm_head = QuantLinear(qe if head is emb else _q8(head))
+            model.embed_tokens = QuantEmbedding(qe, emb.dtype)
+            counts["Q8_0"] = counts.get("Q8_0", 0) + (1 if head is emb else 2)
+    return counts
+
+
+def _q8(w: torch.Tensor) -> quant.QuantWeight:
+    w = w.detach().float()
+    return quant.pack("Q8_0", quant.quantize(w, "Q8_0"), tuple(w.shape))
