@@ -45,14 +45,19 @@ sysdeps: compiler
 	  fi; \
 	fi
 
-# g++ and ninja for the quantized CPU kernels; a failure here only means the slower path.
+# g++, ninja and Python's headers (torch/extension.h includes Python.h; Debian's python3.11
+# has them only in python3.11-dev) for the quantized CPU kernels; a failure here only means
+# the slower path.
+PYDEV := python$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-dev
+HAS_PYH = $(shell $(PYTHON) -c 'import os, sysconfig; print(int(os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))))')
 compiler:
-	@if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null; then \
+	@if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || [ "$(HAS_PYH)" != 1 ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y g++ ninja-build) \
-	      || echo "note: could not install g++/ninja-build; the quantized kernels will not be built"; \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y g++ ninja-build \
+	       $$([ "$(HAS_PYH)" = 1 ] || echo $(PYDEV))) \
+	      || echo "note: could not install g++/ninja-build/$(PYDEV); the quantized kernels will not be built"; \
 	  else \
-	    echo "g++ or ninja missing: run 'sudo apt-get install -y g++ ninja-build' for the quantized CPU kernels"; \
+	    echo "g++, ninja or Python.h missing: run 'sudo apt-get install -y g++ ninja-build $(PYDEV)' for the quantized CPU kernels"; \
 	  fi; \
 	fi
 
