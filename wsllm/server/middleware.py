@@ -78,9 +78,10 @@ class ApiKeyMiddleware:
     anything else the client sends. Without tenants (no key configured) every client
     is `ANONYMOUS`. The key is taken out of the query string before anything logs it."""
 
-    def __init__(self, app: ASGIApp, tenants: Tenants | None) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants | None, anonymous: Tenant = ANONYMOUS) -> None:
         self.app = app
         self.tenants = tenants
+        self.anonymous = anonymous  # every client when no key is configured
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -97,7 +98,7 @@ class ApiKeyMiddleware:
 
     def _tenant(self, scope: Scope) -> Tenant | None:
         if self.tenants is None:
-            return ANONYMOUS
+            return self.anonymous
         auth = Headers(scope=scope).get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer":
