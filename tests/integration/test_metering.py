@@ -145,3 +145,17 @@ def test_metrics_show_tenants_to_operators_only_and_usage_its_own(srv: Any) -> N
     assert usage["remaining"]["tokens"] <= 10000
     assert "frank" not in str(usage)
     assert call(srv, "sk-nobody", "/v1/usage").status_code == 401
+
+
+def test_the_charge_of_a_text_prompt_is_set_right_after_tokenizing(srv: Any) -> None:
+    """The coarse charge estimates a text prompt at 4 bytes a token; the headers (and
+    the bucket) show the exact charge: the prompt's real tokens plus max_tokens."""
+    prompt = "hello world " * 300  # 3600 bytes: an estimate of 900 tokens
+    start = time.monotonic()
+    r = completion(srv, "sk-jo", prompt=prompt, max_tokens=4, ignore_eos=True)
+    refilled = (time.monotonic() - start) * 10000 / 60  # at most, while it was prepared
+    assert r.status_code == 200, r.text
+    charge = r.json()["usage"]["prompt_tokens"] + 4
+    assert abs(charge - (900 + 4)) > refilled + 2, (charge, refilled)  # the estimate was not the truth
+    left = int(r.headers["x-ratelimit-remaining-tokens"])
+    assert 10000 - charge <= left <= 10000 - charge + refilled + 1

@@ -85,9 +85,10 @@ class Limiter(abc.ABC):
         request takes nothing."""
 
     @abc.abstractmethod
-    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> None:
+    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> float:
         """Take `tokens` more from the tokens bucket (a negative figure gives them
-        back, up to its capacity). Never refuses: the bucket may go below zero."""
+        back, up to its capacity). Never refuses: the bucket may go below zero.
+        Returns its level after (0 without a tpm)."""
 
     @abc.abstractmethod
     async def usage(self, tenant: str, limits: Limits) -> Decision:
@@ -176,10 +177,12 @@ class MemoryLimiter(Limiter):
             reset_tokens_s=None if tb is None or not limits.tpm else refill_time_s(tb.level, limits.tpm),
         )
 
-    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> None:
-        if limits.tpm and tokens:
-            b = self._bucket(tenant, REASON_TOKENS, limits.tpm, self._clock())
-            b.level = min(float(limits.tpm), b.level - tokens)
+    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> float:
+        if not limits.tpm:
+            return 0.0
+        b = self._bucket(tenant, REASON_TOKENS, limits.tpm, self._clock())
+        b.level = min(float(limits.tpm), b.level - tokens)
+        return b.level
 
     async def usage(self, tenant: str, limits: Limits) -> Decision:
         t = self._clock()

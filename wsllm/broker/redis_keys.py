@@ -307,13 +307,14 @@ return 1
 
 # Take `tokens` more from the tokens bucket (negative: give back, up to the capacity).
 # It may go below zero: a debt that the next requests wait out.
-# KEYS: tpm bucket   ARGV: tpm, tokens, window_ms
+# KEYS: tpm bucket   ARGV: tpm (> 0), tokens, window_ms   -> the level after
 LIMIT_ADJUST = (
     _BUCKET
     + """
 local tpm, tokens, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if tpm > 0 then store(KEYS[1], math.min(tpm, level(KEYS[1], tpm, window) - tokens), window) end
-return 1
+local k = math.min(tpm, level(KEYS[1], tpm, window) - tokens)
+store(KEYS[1], k, window)
+return tostring(k)
 """
 )
 

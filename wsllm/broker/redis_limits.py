@@ -97,11 +97,11 @@ class RedisLimiter(Limiter):
             [limits.tpm or 0, max(0, refund), request_id, _WINDOW_MS],
         )
 
-    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> None:
-        if limits.tpm and tokens:
-            await self._eval(
-                LIMIT_ADJUST, [self.keys.tenant(tenant, "tpm")], [limits.tpm, tokens, _WINDOW_MS]
-            )
+    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> float:
+        if not limits.tpm:
+            return 0.0
+        keys = [self.keys.tenant(tenant, "tpm")]
+        return float(await self._eval(LIMIT_ADJUST, keys, [limits.tpm, tokens, _WINDOW_MS]))
 
     async def usage(self, tenant: str, limits: Limits) -> Decision:
         k = self.keys

@@ -76,7 +76,8 @@ class ApiKeyMiddleware:
     compared in constant time, and puts that tenant in `scope["state"]["tenant"]`
     (`request.state.tenant`): only this middleware sets it, from the key, never from
     anything else the client sends. Without tenants (no key configured) every client
-    is `ANONYMOUS`. The key is taken out of the query string before anything logs it."""
+    is `anonymous`, with GatewayConfig's `anonymous_*` limits. The key is taken out of
+    the query string before anything logs it."""
 
     def __init__(self, app: ASGIApp, tenants: Tenants | None, anonymous: Tenant = ANONYMOUS) -> None:
         self.app = app

@@ -19,12 +19,20 @@ rules of the buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 
 from wsllm.broker.base import BrokerError
-from wsllm.broker.limits import REASON_CONCURRENT, REASON_REQUESTS, Decision, Limiter, Limits
+from wsllm.broker.limits import (
+    REASON_CONCURRENT,
+    REASON_REQUESTS,
+    Decision,
+    Limiter,
+    Limits,
+    refill_time_s,
+)
 from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import Tenant
@@ -145,10 +153,15 @@ class Ticket:
         err = too_large(self.tenant, tokens)
         if err is not None:
             raise err
-        if self.limiter is None or not self.tenant.limits.tpm or tokens == self.charged:
+        tpm = self.tenant.limits.tpm
+        if self.limiter is None or not tpm or tokens == self.charged:
             return
-        await self.limiter.adjust(self.tenant.name, self.tenant.limits, tokens - self.charged)
+        level = await self.limiter.adjust(self.tenant.name, self.tenant.limits, tokens - self.charged)
         self.charged = tokens
+        self.decision = dataclasses.replace(
+            self.decision, remaining_tokens=math.floor(level), reset_tokens_s=refill_time_s(level, tpm)
+        )
+        self.headers = ratelimit_headers(self.tenant, self.decision)
 
     def hand_over(self) -> None:
         """The request was resumed: whoever resumed it holds its lease now. This
