@@ -51,7 +51,7 @@ from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TextCodec
-from wsllm.types import GenerateRequest
+from wsllm.types import ERR_RATE_LIMITED, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,10 @@ class Gateway:
             prep = await prepare(req, api, model, max_len, self.cfg)
             await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
             gen = await self._submit(model, prep, rid, req.priority, tenant.name)
-        except BaseException:
+        except BaseException as e:
             await ticket.release(0)  # never queued: nothing used
+            if isinstance(e, APIError) and e.code == ERR_RATE_LIMITED:  # larger than its tpm
+                model.svc.metrics.tenant_limited(tenant.name)
             raise
         metrics = model.svc.metrics
 
@@ -138,7 +140,7 @@ class Gateway:
         try:
             return await admit(self.limiter, tenant, rid, charge)
         except APIError as e:
-            if e.code == "rate_limited":
+            if e.code == ERR_RATE_LIMITED:
                 model.svc.metrics.tenant_limited(tenant.name)
             raise
 
