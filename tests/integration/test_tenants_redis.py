@@ -206,3 +206,29 @@ def test_a_resume_takes_one_request_of_rpm(gateways: tuple[str, str]) -> None:
     assert [r.status_code for r in replays] == [200, 200, 429]
     assert replays[2].json()["error"]["code"] == "rate_limited"
     assert "data: [DONE]" in replays[0].text
+
+
+def test_a_lease_resumed_on_the_gateway_its_client_left_is_still_refreshed(redis_server: Any) -> None:
+    """The client leaves and resumes through the same gateway: when the first grace
+    ends (resumed: hand over), the lease must still be kept alive for the resumed
+    request, and dropped when that one ends."""
+    limits = Limits(max_concurrent=1)
+    broker = RedisBroker(redis_server.url, model="x", cfg=RedisConfig(limit_lease_s=LEASE_S))
+
+    async def go() -> tuple[bool, bool]:
+        lim = broker.limiter()
+        assert (await lim.acquire("fay", limits, "r", 0)).allowed  # started
+        assert (await lim.acquire("fay", limits, "r", 0)).allowed  # left, then resumed here
+        lim.hand_over("fay", "r")  # the first grace ends: it was resumed
+        await asyncio.sleep(LEASE_S + 1)
+        held = not (await lim.acquire("fay", limits, "other", 0)).allowed
+        await lim.release("fay", limits, "r", 0)  # the resumed request ends
+        freed = (await lim.acquire("fay", limits, "other", 0)).allowed
+        await lim.release("fay", limits, "other", 0)
+        await lim.aclose()
+        return held, freed
+
+    try:
+        assert asyncio.run(go()) == (True, True)
+    finally:
+        broker.close()
