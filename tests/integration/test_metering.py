@@ -121,6 +121,9 @@ def test_tokenize_and_detokenize_take_from_rpm(srv: Any) -> None:
     over = call(srv, "sk-hal", "/tokenize", {"prompt": "x " * 5000})
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limited"
     assert call(srv, "sk-hal", "/detokenize", {"tokens": [5, 6]}).status_code == 429
+    usage = call(srv, "sk-hal", "/v1/usage").json()  # /v1/usage itself takes nothing
+    assert usage["remaining"]["requests"] == 0
+    assert usage["usage"] == {srv.gateway.model_name: {"requests": 0, "tokens": 0, "rate_limited": 2}}
 
 
 def test_metrics_show_tenants_to_operators_only_and_usage_its_own(srv: Any) -> None:

@@ -144,6 +144,17 @@ class Gateway:
                 model.svc.metrics.tenant_limited(tenant.name)
             raise
 
+    async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
+        """One request of `tenant`'s rpm for a call that generates nothing (`/tokenize`,
+        `/detokenize`, a resume), taken before its work; its x-ratelimit-* headers. A
+        refusal (429 APIError) counts in `metrics` (the default model's when None)."""
+        try:
+            return await meter_call(self.limiter, tenant)
+        except APIError as e:
+            if e.code == ERR_RATE_LIMITED:
+                (metrics or self.metrics).tenant_limited(tenant.name)
+            raise
+
     async def _submit(
         self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: str
     ) -> Generation:
@@ -181,7 +192,7 @@ class Gateway:
         token's request. Every call takes one request of `tenant`'s rpm before any
         work (a 429 APIError past it); a resume takes the request's concurrency lease
         again, held until it ends or its client leaves and its grace runs out."""
-        headers = await meter_call(self.limiter, tenant)
+        headers = await self.meter(tenant)
         rid, secret = split_token(token)
         if not self.broker.resumable or not rid or (request_id is not None and request_id != rid):
             return None

@@ -2,7 +2,7 @@
 prompt (or a chat's messages, through the model's template) costs in tokens before
 sending it, and the text of token ids. Same API key, model names and limits as the
 generate routes (docs/protocol.md, "Tokenize and detokenize"). Each call takes one
-request of the tenant's rpm before the tokenizer runs (`quota.meter_call`)."""
+request of the tenant's rpm before the tokenizer runs (`Gateway.meter`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from wsllm.server import prepare
 from wsllm.server.gateway import Gateway
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_api import read_body
-from wsllm.server.quota import meter_call
 from wsllm.server.schemas import validate_detokenize, validate_tokenize
 
 
@@ -24,7 +23,7 @@ async def tokenize(request: Request) -> Response:
     req = validate_tokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
     tenant = request_tenant(request.state)
     model, max_len = await gw.models.resolve(req.model, tenant)
-    headers = await meter_call(gw.limiter, tenant)
+    headers = await gw.meter(tenant, model.svc.metrics)
     ids = await prepare.tokenize(req, model, gw.cfg)
     # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
     strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
@@ -38,5 +37,5 @@ async def detokenize(request: Request) -> Response:
     req = validate_detokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
     tenant = request_tenant(request.state)
     model, _ = await gw.models.resolve(req.model, tenant)
-    headers = await meter_call(gw.limiter, tenant)
+    headers = await gw.meter(tenant, model.svc.metrics)
     return JSONResponse({"prompt": await prepare.detokenize(req, model.codec)}, headers=headers)
