@@ -109,6 +109,11 @@ def test_a_charge_over_the_whole_tpm_is_a_429_that_says_so(srv: Any) -> None:
     # Beam search generates beam_width sequences at once, whatever n it returns.
     beams = completion(srv, "sk-gina", use_beam_search=True, beam_width=8, max_tokens=150)
     assert beams.status_code == 429 and "1204 tokens" in beams.json()["error"]["message"]
+    # A prompt of 4000 bytes is estimated at 1000 tokens, but it is not "never": its
+    # exact charge is what counts (a run of "=" is 63 tokens).
+    runs = completion(srv, "sk-gina", prompt="=" * 4000, max_tokens=4)
+    assert runs.status_code == 200, runs.text
+    time.sleep(runs.json()["usage"]["total_tokens"] * 60 / 1000 + 0.1)  # gina's bucket refills
     narrow = completion(srv, "sk-gina", use_beam_search=True, beam_width=2, max_tokens=4)
     assert narrow.status_code == 200, narrow.text
     assert int(narrow.headers["x-ratelimit-remaining-tokens"]) == 1000 - (4 + 2 * 4)

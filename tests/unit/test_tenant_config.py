@@ -170,6 +170,13 @@ def test_a_charge_is_refined_after_tokenizing_and_one_over_the_bucket_is_refused
         assert await left() == 90  # all of it back, and never past the capacity
         await lim.release("t", tenant.limits, "r9", refund=1000)
         assert await left() == 100
+        # An estimate over the bucket is not "never": only what the charge is at least.
+        with pytest.raises(APIError, match="never pass"):
+            await admit(lim, tenant, "r4", 1200, least=101)
+        guess = await admit(lim, tenant, "r4", 1200, least=10)  # takes the 10 for now
+        assert await left() == 90
+        await guess.refine(63)  # the prompt was a run of "=": few tokens for its bytes
+        assert await left() == 37
 
     asyncio.run(go())
 

@@ -45,7 +45,15 @@ from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
-from wsllm.server.quota import Ticket, admit, coarse_charge, exact_charge, meter_call, take_lease
+from wsllm.server.quota import (
+    Coarse,
+    Ticket,
+    admit,
+    coarse_charge,
+    exact_charge,
+    meter_call,
+    take_lease,
+)
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest
@@ -134,11 +142,11 @@ class Gateway:
         if priority > cap:
             raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
 
-    async def _admit(self, model: ServedModel, tenant: Tenant, rid: str, charge: int) -> Ticket:
+    async def _admit(self, model: ServedModel, tenant: Tenant, rid: str, charge: Coarse) -> Ticket:
         """Take the request's share of the tenant's limits: one request, a lease, and
-        `charge` tokens (coarse: set right by `Ticket.refine`)."""
+        the `charge`'s estimate in tokens (set right by `Ticket.refine`)."""
         try:
-            return await admit(self.limiter, tenant, rid, charge)
+            return await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
         except APIError as e:
             if e.code == ERR_RATE_LIMITED:
                 model.svc.metrics.tenant_limited(tenant.name)

@@ -46,21 +46,32 @@ _BYTES_PER_TOKEN = 4
 _MESSAGE_OVERHEAD_TOKENS = 4  # a chat message's role and template markers
 
 
-def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> int:
+@dataclass(frozen=True, slots=True)
+class Coarse:
+    """A request's token charge before tokenizing."""
+
+    estimate: int  # taken at admission, set right after tokenizing
+    least: int  # what the exact charge cannot be below: over the tpm, it can never pass
+
+
+def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> Coarse:
     """A request's token charge before tokenizing: its prompt's size in tokens,
     estimated from the text (exact for token ids), plus `width x max_tokens` (the
     client's, or the default; the context may lower it, which the exact charge tells)."""
     if isinstance(req, CompletionRequest):
         p = req.single
-        prompt = len(p) if isinstance(p, list) else _text_tokens(p)
+        known = len(p) if isinstance(p, list) else 0
+        prompt = _text_tokens(p) if isinstance(p, str) else known
     else:
+        known = 0
         prompt = sum(_text_tokens(m.text) + _MESSAGE_OVERHEAD_TOKENS for m in req.messages)
         prompt += sum(_text_tokens(t.model_dump_json()) for t in req.tools or [])
     max_tokens = req.requested_max_tokens
     width = req.n or 1
     if isinstance(req, CompletionRequest) and req.use_beam_search:
         width = req.beam_width or max(4, width)  # as prepare's beam fields set it
-    return prompt + width * (default_max_tokens if max_tokens is None else max_tokens)
+    estimate = prompt + width * (default_max_tokens if max_tokens is None else max_tokens)
+    return Coarse(estimate, known + width * (max_tokens or 1))
 
 
 def _text_tokens(text: str) -> int:
@@ -184,12 +195,20 @@ class Ticket:
             log.warning("could not release request %s of tenant %s", self.request_id, self.tenant.name)
 
 
-async def admit(limiter: Limiter, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
-    """Take the request's share of the tenant's limits, or raise a 429 APIError."""
-    err = too_large(tenant, tokens)
+async def admit(
+    limiter: Limiter, tenant: Tenant, request_id: str, tokens: int, least: int | None = None
+) -> Ticket:
+    """Take the request's share of the tenant's limits, or raise a 429 APIError. A
+    charge that is an estimate (`least`: what the exact one cannot be below) is refused
+    as too large only when `least` is; an estimate over the whole bucket takes `least`
+    for now (the prompt is often fewer tokens than its bytes tell), and
+    `Ticket.refine` decides."""
+    err = too_large(tenant, tokens if least is None else least)
     if err is not None:
         raise err
-    return await _take(limiter, tenant, tenant.limits, request_id, tokens)
+    tpm = tenant.limits.tpm
+    take = least if least is not None and tpm is not None and tokens > tpm else tokens
+    return await _take(limiter, tenant, tenant.limits, request_id, take)
 
 
 async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:
