@@ -114,6 +114,17 @@ class GatewayConfig:
     allowed_origins: str = field(
         default="", metadata={"help": "comma list of WS origins; empty = same-origin"}
     )
+    # The anonymous tenant: every client of a gateway that requires no key shares these.
+    anonymous_rpm: int = field(
+        default=3000, metadata={"help": "requests per minute of all keyless clients together; 0: unlimited"}
+    )
+    anonymous_tpm: int = field(
+        default=4_000_000,
+        metadata={"help": "prompt + completion tokens per minute of all keyless clients; 0: unlimited"},
+    )
+    anonymous_max_concurrent: int = field(
+        default=128, metadata={"help": "requests in flight at once of all keyless clients; 0: unlimited"}
+    )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest HTTP body"})
     max_ws_message_bytes: int = field(default=1 << 20, metadata={"help": "largest WS message"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens accepted"})
@@ -208,6 +219,9 @@ class GatewayConfig:
             raise ValueError(f"response_ttl_s must be in (0, 1e7] seconds, got {self.response_ttl_s}")
         if not 0 < self.orphan_timeout_s <= 1e6:
             raise ValueError(f"orphan_timeout_s must be in (0, 1e6] seconds, got {self.orphan_timeout_s}")
+        for name in ("anonymous_rpm", "anonymous_tpm", "anonymous_max_concurrent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)}")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
 

@@ -114,7 +114,8 @@ class ServerProcess:
 
 class TwoModelServer(ServerProcess):
     """`wsllm serve --model A --model B` (one engine per model in one process) with API
-    keys: tenant `alice` may have one request in flight, `bob` any number. Each engine
+    keys: tenant `alice` may have one request in flight, `bob` any number (and bob's key
+    reads every tenant's figures on /metrics: the `metrics` role). Each engine
     runs one sequence at a time and a request waits at most 1 s for one, so a second
     request behind a long answer gets `queue_timeout`; the server's limits differ from
     the defaults (max_tokens 2000, 3 stop strings), so the UI must take them from the hello."""
@@ -125,7 +126,8 @@ class TwoModelServer(ServerProcess):
         super().__init__(models[0], port, log)
         self.models, self.keys_file = models, keys_file
         keys_file.write_text(
-            '[tenants.alice]\nkeys = ["sk-alice"]\nmax_concurrent = 1\n\n[tenants.bob]\nkeys = ["sk-bob"]\n'
+            '[tenants.alice]\nkeys = ["sk-alice"]\nmax_concurrent = 1\n\n'
+            '[tenants.bob]\nkeys = ["sk-bob"]\nroles = ["metrics"]\n'
         )
         self.headers = {"Authorization": f"Bearer {self.KEYS['bob']}"}
 

@@ -1,7 +1,9 @@
 """Tenants on Redis: two gateways (in this process) on one Redis with an engine worker
 on the tiny model share every tenant's counters. A tenant that spends its tpm through
 gateway 1 is refused by gateway 2; another tenant is served by both. A crashed
-gateway's concurrency lease expires by itself, and every limit key has a TTL."""
+gateway's concurrency lease expires by itself, and every limit key has a TTL. A
+request whose client left keeps its lease while it runs on for a resume; the resume
+takes the lease again (its own does not count against it) and one request of rpm."""
 
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ tpm = 300
 keys = ["sk-bob"]
 rpm = 1000
 tpm = 100000
+
+[tenants.dave]
+keys = ["sk-dave"]
+max_concurrent = 1
+
+[tenants.erin]
+keys = ["sk-erin"]
+rpm = 3
 """
 LEASE_S = 3.0
 
@@ -142,5 +152,83 @@ def test_a_live_lease_is_refreshed(redis_server: Any) -> None:
 
     try:
         assert asyncio.run(go())
+    finally:
+        broker.close()
+
+
+def stream_until_first_chunk(url: str, key: str, max_tokens: int, read_all: bool = False) -> str:
+    """Start a streamed request, read its first chunk (or all of it), and leave; its
+    resume token."""
+    body = {"prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {key}"}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]" or (line.startswith("data: {") and not read_all):
+                break
+        return r.headers["x-resume-token"]
+
+
+def test_a_client_that_leaves_keeps_its_lease_and_a_resume_takes_it_again(
+    gateways: tuple[str, str],
+) -> None:
+    one, two = gateways
+    token = stream_until_first_chunk(one, "sk-dave", 1500)  # and the client is gone
+    # The request runs on for a resume: it still holds dave's one slot, on every gateway.
+    refused = post(two, "sk-dave", 4)
+    assert refused.status_code == 429 and "1 requests at once" in refused.json()["error"]["message"]
+    rid = token.rpartition(".")[0]
+    headers = {"authorization": "Bearer sk-dave", "x-resume-token": token}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("GET", f"{two}/v1/streams/{rid}", headers=headers) as r,
+    ):
+        assert r.status_code == 200  # its own lease does not count against its resume
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert post(one, "sk-dave", 4).status_code == 429  # and it holds the slot again
+        assert any(line == "data: [DONE]" for line in lines)
+    deadline = time.monotonic() + 10  # it ended: the slot is free
+    while (again := post(one, "sk-dave", 4)).status_code != 200:
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.1)
+
+
+def test_a_resume_takes_one_request_of_rpm(gateways: tuple[str, str]) -> None:
+    one, two = gateways
+    token = stream_until_first_chunk(one, "sk-erin", 4, read_all=True)  # 1 of erin's 3
+    rid = token.rpartition(".")[0]
+    headers = {"authorization": "Bearer sk-erin", "x-resume-token": token}
+    replays = [httpx.get(f"{two}/v1/streams/{rid}", headers=headers, timeout=60) for _ in range(3)]
+    assert [r.status_code for r in replays] == [200, 200, 429]
+    assert replays[2].json()["error"]["code"] == "rate_limited"
+    assert "data: [DONE]" in replays[0].text
+
+
+def test_a_lease_resumed_on_the_gateway_its_client_left_is_still_refreshed(redis_server: Any) -> None:
+    """The client leaves and resumes through the same gateway: when the first grace
+    ends (resumed: hand over), the lease must still be kept alive for the resumed
+    request, and dropped when that one ends."""
+    limits = Limits(max_concurrent=1)
+    broker = RedisBroker(redis_server.url, model="x", cfg=RedisConfig(limit_lease_s=LEASE_S))
+
+    async def go() -> tuple[bool, bool]:
+        lim = broker.limiter()
+        assert (await lim.acquire("fay", limits, "r", 0)).allowed  # started
+        assert (await lim.acquire("fay", limits, "r", 0)).allowed  # left, then resumed here
+        lim.hand_over("fay", "r")  # the first grace ends: it was resumed
+        await asyncio.sleep(LEASE_S + 1)
+        held = not (await lim.acquire("fay", limits, "other", 0)).allowed
+        await lim.release("fay", limits, "r", 0)  # the resumed request ends
+        freed = (await lim.acquire("fay", limits, "other", 0)).allowed
+        await lim.release("fay", limits, "other", 0)
+        await lim.aclose()
+        return held, freed
+
+    try:
+        assert asyncio.run(go()) == (True, True)
     finally:
         broker.close()

@@ -1,6 +1,8 @@
 """Tenants and the in-memory limiter, without a server: the keys file is checked at
 start with a message that names the tenant and the field; the token buckets refill
-continuously, refuse atomically and refund; leases end with `release`."""
+continuously, refuse atomically and refund; a charge is set right after tokenizing
+(taken, given back, or a debt) and one over the whole bucket is a 429; leases end with
+`release`, and a request's own lease does not count against its resume."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from wsllm.broker.limits import Limits, MemoryLimiter
-from wsllm.server.quota import _duration, ratelimit_headers
-from wsllm.server.tenants import DEFAULT_TENANT, Tenant, Tenants
+from wsllm.config import GatewayConfig
+from wsllm.server.errors import APIError
+from wsllm.server.quota import _duration, admit, ratelimit_headers
+from wsllm.server.tenants import ANONYMOUS_TENANT, DEFAULT_TENANT, Tenant, Tenants, anonymous_tenant
 
 GOOD = """
 [tenants.alice]
@@ -25,6 +29,10 @@ models = ["*"]
 [tenants.bob]
 keys = ["sk-bob"]
 models = ["tiny-*"]
+
+[tenants.ops]
+keys = ["sk-ops"]
+roles = ["metrics"]
 """
 
 
@@ -44,6 +52,8 @@ def test_a_keys_file_names_tenants_by_key(tmp_path: Path) -> None:
     assert bob is not None and bob.limits.unlimited  # every limit is optional
     assert bob.may_use("tiny-llama") and not bob.may_use("big-model")
     assert tenants.authenticate("sk-alice") is None and tenants.authenticate("") is None
+    ops = tenants.authenticate("sk-ops")
+    assert ops is not None and ops.operator and not alice.operator and not bob.operator
 
 
 def test_api_key_alone_is_one_unlimited_tenant_and_no_key_is_none(tmp_path: Path) -> None:
@@ -53,7 +63,19 @@ def test_api_key_alone_is_one_unlimited_tenant_and_no_key_is_none(tmp_path: Path
     assert t is not None and t.name == DEFAULT_TENANT and t.limits.unlimited
     assert Tenants.from_settings(None, None) is None
     both = Tenants.from_settings("k", write(tmp_path, GOOD))
-    assert both is not None and {"alice", "bob", DEFAULT_TENANT} == set(both.by_name)
+    assert both is not None and {"alice", "bob", "ops", DEFAULT_TENANT} == set(both.by_name)
+    assert t.operator  # the operator's own key sees every tenant on /metrics
+
+
+def test_the_anonymous_tenant_is_limited_by_default_and_settable() -> None:
+    cfg = GatewayConfig()
+    anon = anonymous_tenant(cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent)
+    assert anon.name == ANONYMOUS_TENANT and not anon.limits.unlimited
+    assert None not in (anon.limits.rpm, anon.limits.tpm, anon.limits.max_concurrent)
+    assert anonymous_tenant(0, 0, 0).limits.unlimited  # 0: no limit
+    assert anonymous_tenant(5, 0, 2).limits == Limits(rpm=5, max_concurrent=2)
+    with pytest.raises(ValueError, match="anonymous_rpm"):
+        GatewayConfig(anonymous_rpm=-1)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +87,7 @@ def test_api_key_alone_is_one_unlimited_tenant_and_no_key_is_none(tmp_path: Path
         ('[tenants.alice]\nkeys = ["a"]\nmax_concurrent = true\n', "tenant 'alice': max_concurrent"),
         ('[tenants.alice]\nkeys = ["a"]\nrmp = 3\n', "tenant 'alice': unknown field(s) ['rmp']"),
         ('[tenants.alice]\nkeys = ["a"]\nmodels = []\n', "tenant 'alice': models:"),
+        ('[tenants.alice]\nkeys = ["a"]\nroles = ["admin"]\n', "tenant 'alice': roles: a list of 'metrics'"),
         ('[tenants.a]\nkeys = ["x"]\n[tenants.b]\nkeys = ["x"]\n', "tenant 'b': a key of its keys is also"),
         ('[tenants."a b"]\nkeys = ["x"]\n', "tenant 'a b': a name is"),
         ("[tenants]\n", "no tenants"),
@@ -116,19 +139,57 @@ def test_buckets_refill_continuously_and_refuse_atomically() -> None:
     asyncio.run(go())
 
 
-def test_refunds_and_oversized_charges() -> None:
+def test_a_charge_is_refined_after_tokenizing_and_one_over_the_bucket_is_refused() -> None:
     clock = Clock()
     lim = MemoryLimiter(clock)
-    limits = Limits(tpm=100)
+    tenant = Tenant("t", Limits(tpm=100))
+
+    async def left() -> int | None:
+        return (await lim.usage("t", tenant.limits)).remaining_tokens
 
     async def go() -> None:
-        big = await lim.acquire("t", limits, "r1", 500)  # more than the bucket: it takes all of it
-        assert big.allowed and big.charged == 100 and big.remaining_tokens == 0
-        await lim.release("t", limits, "r1", refund=70)  # used 30 of its 100
-        after = await lim.acquire("t", limits, "r2", 70)
-        assert after.allowed and after.remaining_tokens == 0
-        await lim.release("t", limits, "r2", refund=1000)
-        assert (await lim.acquire("t", limits, "r3", 1)).remaining_tokens == 99  # never past the capacity
+        with pytest.raises(APIError) as e:  # more than the whole bucket: it could never pass
+            await admit(lim, tenant, "r0", 500)
+        assert e.value.status == 429 and "500 tokens" in e.value.message and "never pass" in e.value.message
+        assert await left() == 100  # nothing taken
+        coarse = await admit(lim, tenant, "r1", 40)  # the estimate, before tokenizing
+        await coarse.refine(70)  # the exact charge: 30 more
+        assert await left() == 30
+        await coarse.refine(20)  # or less: given back
+        assert await left() == 80
+        await coarse.release(10)  # used 10 of its 20
+        assert await left() == 90
+        ticket = await admit(lim, tenant, "r2", 90)
+        await ticket.refine(100)  # the estimate was short: the bucket owes 10
+        assert await left() == -10
+        waits = await lim.acquire("t", tenant.limits, "r3", 1)  # the next one waits the debt out
+        assert not waits.allowed and waits.retry_after_s == pytest.approx(11 * 60 / 100)
+        with pytest.raises(APIError, match="never pass"):
+            await ticket.refine(101)
+        await ticket.release(0)
+        assert await left() == 90  # all of it back, and never past the capacity
+        await lim.release("t", tenant.limits, "r9", refund=1000)
+        assert await left() == 100
+        # An estimate over the bucket is not "never": only what the charge is at least.
+        with pytest.raises(APIError, match="never pass"):
+            await admit(lim, tenant, "r4", 1200, least=101)
+        guess = await admit(lim, tenant, "r4", 1200, least=10)  # takes the 10 for now
+        assert await left() == 90
+        await guess.refine(63)  # the prompt was a run of "=": few tokens for its bytes
+        assert await left() == 37
+
+    asyncio.run(go())
+
+
+def test_a_requests_own_lease_does_not_count_against_its_resume() -> None:
+    lim = MemoryLimiter(Clock())
+    limits = Limits(max_concurrent=1)
+
+    async def go() -> None:
+        assert (await lim.acquire("t", limits, "a", 0)).allowed
+        assert not (await lim.acquire("t", limits, "b", 0)).allowed
+        assert (await lim.acquire("t", limits, "a", 0)).allowed  # a resume of "a"
+        assert lim.in_flight("t") == 1
 
     asyncio.run(go())
 

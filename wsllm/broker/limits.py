@@ -7,11 +7,15 @@ A tenant has up to three limits (`Limits`; None = unlimited):
   its token charge from the tokens bucket; both are checked and taken together, or not
   at all.
 - `max_concurrent`: requests of the tenant in flight at once. Each admitted request
-  holds a lease (by request id) until `release`.
+  holds a lease (by request id) until `release`. A request that holds a lease already
+  (a client resuming its own request) does not count against itself.
 
-A token charge larger than the whole bucket is capped at the bucket's capacity: such a
-request passes when the bucket is full and empties it (otherwise it could never pass).
-`release` hands back the unused part of the charge (`refund`) and the lease.
+The gateway refuses a token charge larger than the whole bucket before asking the
+limiter (`quota.py`: it could never pass). A charge is taken before the gateway knows
+the prompt's length (a coarse one) and set right after tokenizing with `adjust`, which
+may leave the bucket below zero: that debt is the estimate's error on a request already
+prepared, and the tenant's next requests wait for it to refill. `release` hands back
+the unused part of the charge (`refund`) and the lease.
 
 The Redis implementation (`redis_limits.py`) does the same in one Lua script per
 check, so that every gateway of a deployment shares the counters. The broker a gateway
@@ -24,6 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 WINDOW_S = 60.0  # rpm and tpm are per minute: a bucket refills from empty in this long
 
@@ -62,6 +67,7 @@ class Decision:
     remaining_tokens: int | None = None
     reset_requests_s: float | None = None  # until the requests bucket is full again
     reset_tokens_s: float | None = None
+    in_flight: int | None = None  # leases held (`usage` only)
 
 
 def refill_time_s(level: float, capacity: int) -> float:
@@ -69,24 +75,35 @@ def refill_time_s(level: float, capacity: int) -> float:
     return max(0.0, (capacity - level) * WINDOW_S / capacity)
 
 
-def charge_for(cost: int, capacity: int | None) -> int:
-    """What a request of `cost` tokens takes from a tokens bucket (capped at its size)."""
-    return cost if capacity is None else min(cost, capacity)
-
-
 class Limiter(abc.ABC):
     """Shared by every request of a gateway; call from the asyncio loop."""
 
     @abc.abstractmethod
     async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
-        """Check and take, atomically: one request, `tokens` tokens (capped, see the
-        module docstring) and a concurrency lease for `request_id`. A refused request
-        takes nothing."""
+        """Check and take, atomically: one request, `tokens` tokens and a concurrency
+        lease for `request_id` (each only where `limits` has that limit). A refused
+        request takes nothing."""
+
+    @abc.abstractmethod
+    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> float:
+        """Take `tokens` more from the tokens bucket (a negative figure gives them
+        back, up to its capacity). Never refuses: the bucket may go below zero.
+        Returns its level after (0 without a tpm)."""
+
+    @abc.abstractmethod
+    async def usage(self, tenant: str, limits: Limits) -> Decision:
+        """The tenant's buckets now (`allowed` True, nothing taken) and, in `in_flight`,
+        its leases."""
 
     @abc.abstractmethod
     async def release(self, tenant: str, limits: Limits, request_id: str, refund: int) -> None:
         """The request ended: drop its lease and give `refund` tokens back. Idempotent
         for the lease; call once per admitted request."""
+
+    def hand_over(self, tenant: str, request_id: str) -> None:  # noqa: B027 - optional hook
+        """This gateway stops keeping `request_id`'s lease alive without dropping it: a
+        client resumed the request (perhaps through another gateway, which holds the
+        lease from now on)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Stop background work (the app is stopping)."""
@@ -124,10 +141,11 @@ class MemoryLimiter(Limiter):
         t = self._clock()
         rb = self._bucket(tenant, REASON_REQUESTS, limits.rpm, t) if limits.rpm else None
         tb = self._bucket(tenant, REASON_TOKENS, limits.tpm, t) if limits.tpm else None
-        charge = charge_for(tokens, limits.tpm)
+        charge = tokens if limits.tpm else 0
         live = self._inflight.setdefault(tenant, set())
         reason, wait = None, 0.0
-        if limits.max_concurrent is not None and len(live) >= limits.max_concurrent:
+        held = request_id in live  # its own lease (a resume) does not count against it
+        if limits.max_concurrent is not None and not held and len(live) >= limits.max_concurrent:
             reason, wait = REASON_CONCURRENT, 1.0  # a lease ends when a request does: no schedule
         elif rb is not None and limits.rpm and rb.level < 1:
             reason, wait = REASON_REQUESTS, (1 - rb.level) * WINDOW_S / limits.rpm
@@ -147,11 +165,30 @@ class MemoryLimiter(Limiter):
             reason=reason,
             retry_after_s=wait,
             charged=charge if reason is None and tb is not None else 0,
+            **self._levels(rb, tb, limits),
+        )
+
+    @staticmethod
+    def _levels(rb: _Bucket | None, tb: _Bucket | None, limits: Limits) -> dict[str, Any]:
+        return dict(
             remaining_requests=None if rb is None else math.floor(rb.level),
             remaining_tokens=None if tb is None else math.floor(tb.level),
             reset_requests_s=None if rb is None or not limits.rpm else refill_time_s(rb.level, limits.rpm),
             reset_tokens_s=None if tb is None or not limits.tpm else refill_time_s(tb.level, limits.tpm),
         )
+
+    async def adjust(self, tenant: str, limits: Limits, tokens: int) -> float:
+        if not limits.tpm:
+            return 0.0
+        b = self._bucket(tenant, REASON_TOKENS, limits.tpm, self._clock())
+        b.level = min(float(limits.tpm), b.level - tokens)
+        return b.level
+
+    async def usage(self, tenant: str, limits: Limits) -> Decision:
+        t = self._clock()
+        rb = self._bucket(tenant, REASON_REQUESTS, limits.rpm, t) if limits.rpm else None
+        tb = self._bucket(tenant, REASON_TOKENS, limits.tpm, t) if limits.tpm else None
+        return Decision(allowed=True, in_flight=self.in_flight(tenant), **self._levels(rb, tb, limits))
 
     async def release(self, tenant: str, limits: Limits, request_id: str, refund: int) -> None:
         live = self._inflight.get(tenant)

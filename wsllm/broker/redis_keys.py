@@ -285,7 +285,9 @@ local r, k = level(KEYS[1], rpm, window), level(KEYS[2], tpm, window)
 local reason, wait = '', 0
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then reason, wait = 'concurrent', 1000 end
+  -- a request that holds its lease already (its client resumes it) does not count twice
+  local held = redis.call('ZSCORE', KEYS[3], ARGV[5])
+  if not held and redis.call('ZCARD', KEYS[3]) >= conc then reason, wait = 'concurrent', 1000 end
 end
 if reason == '' and rpm > 0 and r < 1 then
   reason, wait = 'requests', (1 - r) * window / rpm
@@ -313,6 +315,30 @@ redis.call('ZREM', KEYS[2], ARGV[3])
 local tpm, refund, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
 if tpm > 0 and refund > 0 then store(KEYS[1], math.min(tpm, level(KEYS[1], tpm, window) + refund), window) end
 return 1
+"""
+)
+
+# Take `tokens` more from the tokens bucket (negative: give back, up to the capacity).
+# It may go below zero: a debt that the next requests wait out.
+# KEYS: tpm bucket   ARGV: tpm (> 0), tokens, window_ms   -> the level after
+LIMIT_ADJUST = (
+    _BUCKET
+    + """
+local tpm, tokens, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local k = math.min(tpm, level(KEYS[1], tpm, window) - tokens)
+store(KEYS[1], k, window)
+return tostring(k)
+"""
+)
+
+# A tenant's buckets and live leases, read only.
+# KEYS: rpm bucket, tpm bucket, live set   ARGV: rpm, tpm, window_ms -> {rpm level, tpm level, leases}
+LIMIT_USAGE = (
+    _BUCKET
+    + """
+local window = tonumber(ARGV[3])
+local r, k = level(KEYS[1], tonumber(ARGV[1]), window), level(KEYS[2], tonumber(ARGV[2]), window)
+return {tostring(r), tostring(k), redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')}
 """
 )
 

@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import messages_api, openai_api, responses_api, tokenize_api
+from wsllm.server import messages_api, openai_api, responses_api, tokenize_api, usage_api
 from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -33,8 +33,9 @@ from wsllm.server.middleware import (
     HostMiddleware,
     JsonBodyMiddleware,
     SecurityHeadersMiddleware,
+    request_tenant,
 )
-from wsllm.server.tenants import Tenants
+from wsllm.server.tenants import Tenants, anonymous_tenant
 from wsllm.server.text import TextCodec
 from wsllm.server.ws import ws_endpoint
 
@@ -82,7 +83,8 @@ async def metrics(request: Request) -> Response:
     await gw.models.refresh_gauges()
     gw.metrics.buffered_events.set(gw.router.buffered_events())
     gw.metrics.reader_restarts.set(gw.router.restarts)
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    page = gw.metrics.render(tenants=request_tenant(request.state).operator)  # names: operators only
+    return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -128,6 +130,7 @@ def create_app(
     models' tokenizers (the rest come from what their engines publish)."""
     name = model_name or Path(tokenizer_dir).name
     tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
+    anonymous = anonymous_tenant(cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent)
     gw = Gateway(
         cfg,
         broker,
@@ -154,6 +157,7 @@ def create_app(
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/v1/models", openai_api.models),
+        Route("/v1/usage", usage_api.usage),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/streams/{request_id}", openai_api.resume_stream),
@@ -176,7 +180,7 @@ def create_app(
         middleware=[
             Middleware(SecurityHeadersMiddleware),
             Middleware(HostMiddleware, allowed_hosts=cfg.allowed_hosts, bind_host=cfg.host),
-            Middleware(ApiKeyMiddleware, tenants=tenants),
+            Middleware(ApiKeyMiddleware, tenants=tenants, anonymous=anonymous),
             Middleware(JsonBodyMiddleware),
         ],
         exception_handlers={

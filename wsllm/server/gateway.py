@@ -4,9 +4,14 @@ models are `models.py`, preparation (everything that needs the tokenizer) is
 `prepare.py`, the reader task that fans events out is `router.py`, and one request's
 text work is `generation.py`.
 
-A tenant's admission comes after preparation: its token charge is the prompt's
-tokens plus n x max_tokens, which only the tokenizer and the model's context tell,
-and a request that is refused with a 400 costs its tenant nothing.
+A tenant's admission comes before preparation: tokenizing a prompt and compiling a
+grammar are the gateway's costliest work, and a tenant could multiply them with
+requests that are then refused (a 429 must cost the gateway nothing). So rpm, the
+concurrency lease and a coarse token charge (the prompt's size estimated from its
+text) are taken first; after preparation the charge is set to the exact one (the
+prompt's tokens plus width x max_tokens, which only the tokenizer and the model's
+context tell), the difference taken or given back (`quota.py`). A request refused
+with a 400 by preparation gets its tokens back and keeps its rpm spent.
 
 Ownership: every request gets an unguessable resume token when it starts (the
 client that started it is the only one told). Resuming, reading or cancelling it
@@ -28,6 +33,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +46,21 @@ from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
-from wsllm.server.quota import Ticket, admit
+from wsllm.server.quota import (
+    Coarse,
+    Ticket,
+    admit,
+    coarse_charge,
+    exact_charge,
+    meter_call,
+    take_lease,
+)
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TextCodec
-from wsllm.types import GenerateRequest
+from wsllm.types import ERR_RATE_LIMITED, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +114,21 @@ class Gateway:
     async def start(
         self, req: ChatRequest | CompletionRequest, api: Api, tenant: Tenant = ANONYMOUS
     ) -> Generation:
-        """Resolve, prepare, admit and submit a checked request of `tenant` (whom its
-        API key names). Raises APIError (429 `rate_limited` past the tenant's limits).
-        The Generation's `resume_token` is for its client alone."""
+        """Resolve, admit, prepare and submit a checked request of `tenant` (whom its
+        API key names). Raises APIError (429 `rate_limited` past the tenant's limits,
+        before any tokenizing). The Generation's `resume_token` is for its client alone."""
         model, max_len = await self.models.resolve(req.model, tenant)
         self._check_priority(req.priority, tenant)
-        prep = await prepare(req, api, model, max_len, self.cfg)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        ticket = await self._admit(model, tenant, rid, prep)
+        ticket = await self._admit(model, tenant, rid, coarse_charge(req, self.cfg.default_max_tokens))
         try:
+            prep = await prepare(req, api, model, max_len, self.cfg)
+            await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
             gen = await self._submit(model, prep, rid, req.priority, tenant.name)
-        except BaseException:
+        except BaseException as e:
             await ticket.release(0)  # never queued: nothing used
+            if isinstance(e, APIError) and e.code == ERR_RATE_LIMITED:  # larger than its tpm
+                model.svc.metrics.tenant_limited(tenant.name)
             raise
         metrics = model.svc.metrics
 
@@ -120,6 +137,7 @@ class Gateway:
             await ticket.release(used)
 
         gen.on_release = release
+        gen.on_hand_over = ticket.hand_over
         gen.ratelimit_headers = ticket.headers
         metrics.prompt_tokens.inc(len(prep.prompt_ids))
         metrics.tenant_admitted(tenant.name, len(prep.prompt_ids))
@@ -130,15 +148,25 @@ class Gateway:
         if priority > cap:
             raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
 
-    async def _admit(self, model: ServedModel, tenant: Tenant, rid: str, prep: Prepared) -> Ticket:
-        """Take the request's share of the tenant's limits: one request, and its prompt
-        plus the most it may generate in tokens."""
-        charge = len(prep.prompt_ids) + prep.params.n * prep.params.max_tokens
+    async def _admit(self, model: ServedModel, tenant: Tenant, rid: str, charge: Coarse) -> Ticket:
+        """Take the request's share of the tenant's limits: one request, a lease, and
+        the `charge`'s estimate in tokens (set right by `Ticket.refine`)."""
         try:
-            return await admit(self.limiter, tenant, rid, charge)
+            return await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
         except APIError as e:
-            if e.code == "rate_limited":
+            if e.code == ERR_RATE_LIMITED:
                 model.svc.metrics.tenant_limited(tenant.name)
+            raise
+
+    async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
+        """One request of `tenant`'s rpm for a call that generates nothing (`/tokenize`,
+        `/detokenize`, a resume), taken before its work; its x-ratelimit-* headers. A
+        refusal (429 APIError) counts in `metrics` (the default model's when None)."""
+        try:
+            return await meter_call(self.limiter, tenant)
+        except APIError as e:
+            if e.code == ERR_RATE_LIMITED:
+                (metrics or self.metrics).tenant_limited(tenant.name)
             raise
 
     async def _submit(
@@ -168,12 +196,17 @@ class Gateway:
             raise from_broker(e) from None
         return gen
 
-    async def resume(self, token: str, request_id: str | None = None) -> Generation | None:
+    async def resume(
+        self, token: str, request_id: str | None = None, tenant: Tenant = ANONYMOUS
+    ) -> Generation | None:
         """The Generation of the request that `token` (its resume token) names, started
         on any gateway, replaying its events from the first; None when the broker does
         not know it, cannot resume at all, or the token does not match (the same
         answer: a wrong token tells nothing). `request_id`, when given, must be the
-        token's request."""
+        token's request. Every call takes one request of `tenant`'s rpm before any
+        work (a 429 APIError past it); a resume takes the request's concurrency lease
+        again, held until it ends or its client leaves and its grace runs out."""
+        headers = await self.meter(tenant)
         rid, secret = split_token(token)
         if not self.broker.resumable or not rid or (request_id is not None and request_id != rid):
             return None
@@ -185,30 +218,47 @@ class Gateway:
             if not ctx.token_sha256 or not hmac.compare_digest(ctx.token_sha256, _digest(secret)):
                 return None
             model = await self.models.served(ctx.model or self.model_name)
-            gen = Generation.from_context(model.svc, found.request_id, ctx)
+            ticket = await take_lease(self.limiter, tenant, found.request_id)
+            try:
+                gen = Generation.from_context(model.svc, found.request_id, ctx)
+            except BaseException:
+                await ticket.release(None)
+                raise
             try:
                 gen.attach = await self.broker.follow(found.request_id)
             except BaseException:
                 self.router.close(found.request_id)  # nobody reads the new inbox
+                await ticket.release(None)
                 raise
         except BrokerUnavailable as e:
             raise from_broker(e) from None
         except (TypeError, ValueError):  # a context this gateway cannot read
             log.exception("request %s: unreadable resume context", rid)
             return None
+        gen.on_release, gen.on_hand_over = ticket.release, ticket.hand_over
+        gen.ratelimit_headers = headers | ticket.headers
         return gen
 
-    def abort_later(self, request_id: str, attach: int) -> None:
+    def abort_later(
+        self, request_id: str, attach: int, after: Callable[[bool], Awaitable[None]] | None = None
+    ) -> None:
         """Abort a detached request after the grace time, unless its owner resumed it
-        since it attached for the `attach`-th time."""
+        since it attached for the `attach`-th time; then `after(aborted)`. A request
+        that ended and expired meanwhile counts as not aborted: its lease then expires
+        by itself (--limit-lease-s)."""
 
         async def later() -> None:
             await asyncio.sleep(self.broker.resume_grace_s)
+            aborted = False
             try:
-                if await self.broker.abort_unless_resumed(request_id, attach):
+                aborted = await self.broker.abort_unless_resumed(request_id, attach)
+                if aborted:
                     self.metrics.aborts.inc()
             except BrokerUnavailable:
                 log.warning("could not abort detached request %s: the broker is unreachable", request_id)
+            finally:
+                if after is not None:
+                    await after(aborted)
 
         task = asyncio.get_running_loop().create_task(later())
         self._later.add(task)

@@ -46,8 +46,9 @@ class Services:
     metrics: Metrics
     broker: Broker
     router: Router
-    #: abort_later(request_id, attach): abort a detached request after the grace time
-    abort_later: Callable[[str, int], None]
+    #: abort_later(request_id, attach, after): abort a detached request after the grace
+    #: time, then `after(aborted)` (the tenant's lease: dropped, or handed to the resumer)
+    abort_later: Callable[[str, int, Callable[[bool], Awaitable[None]] | None], None]
 
 
 @dataclass(slots=True)
@@ -140,6 +141,8 @@ class Generation:
         #: set at admission: hands back the tenant's concurrency lease and the unused part
         #: of its token charge (given the tokens used; None: no refund). Called once.
         self.on_release: Callable[[int | None], Awaitable[None]] | None = None
+        #: set at admission: the request was resumed, whoever resumed it holds its lease now
+        self.on_hand_over: Callable[[], None] | None = None
         #: x-ratelimit-* headers of the tenant's limits after admission
         self.ratelimit_headers: dict[str, str] = {}
         self.attach = 0  # how many resumes came before this one (the broker counts)
@@ -223,14 +226,24 @@ class Generation:
         self.finished = True
         self.svc.router.close(self.request_id, self._inbox)
         self._inbox.wake()
-        self.svc.abort_later(self.request_id, self.attach)
+        # The request runs on: it keeps its tenant's lease (max_concurrent) until the
+        # grace abort, and no tokens come back (they are still being made).
+        release, hand_over = self.on_release, self.on_hand_over
+        self.on_release = self.on_hand_over = None
+
+        async def after_grace(aborted: bool) -> None:
+            if aborted and release is not None:
+                await release(None)
+            elif not aborted and hand_over is not None:
+                hand_over()
+
+        self.svc.abort_later(self.request_id, self.attach, after_grace)
 
     async def leave(self) -> None:
         """The client went away: detach the request (a resumable broker keeps it for
         a resume) or cancel it. Nothing when it finished (but its limits are released)."""
         if not self.finished and self.svc.broker.resumable:
             self.detach()
-            await self._release(None)  # it runs on: its tokens are still being made
             return
         await self.cancel()
 
@@ -329,7 +342,7 @@ class Generation:
             await (broker.abort_lost if lost else broker.abort)(self.request_id)
         except Exception as e:  # BrokerError, or whatever else the store raised
             log.warning("request %s: the abort failed (%s); retrying it later", self.request_id, e)
-            self.svc.abort_later(self.request_id, self.attach)
+            self.svc.abort_later(self.request_id, self.attach, None)
 
     def _observe(self, ev: TokenEvent) -> None:
         t = self._timing

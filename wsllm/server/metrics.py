@@ -1,8 +1,13 @@
 """Prometheus metrics of one gateway (its own registry, so that several apps can live
-in one process, as they do in tests)."""
+in one process, as they do in tests).
+
+The per-tenant families live in a registry of their own, which /metrics adds only for
+an operator's key (the `metrics` role): tenant names and their usage are not for
+every key. A tenant sees its own figures through `GET /v1/usage` (`tenant_usage`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -83,21 +88,34 @@ class _Families:
         self.buffered_events = Gauge(
             "wsllm_buffered_events", "Events held for clients that have not read them yet", m, registry=r
         )
-        # Per tenant (names from --api-keys-file; "anonymous" without one) and model.
+        # Per tenant (names from --api-keys-file; "anonymous" without one) and model,
+        # in their own registry (operators only).
+        self.tenant_registry = tr = CollectorRegistry()
         tm = ["tenant", "model"]
         self.tenant_requests = Counter(
-            "wsllm_tenant_requests", "Requests admitted, by tenant and model", tm, registry=r
+            "wsllm_tenant_requests", "Requests admitted, by tenant and model", tm, registry=tr
         )
         self.tenant_tokens = Counter(
             "wsllm_tenant_tokens",
             "Tokens used (prompt + completion), by tenant and model",
             tm,
-            registry=r,
+            registry=tr,
         )
         self.tenant_rate_limited = Counter(
-            "wsllm_tenant_rate_limited", "Requests refused over a tenant's limits", tm, registry=r
+            "wsllm_tenant_rate_limited", "Requests refused over a tenant's limits", tm, registry=tr
         )
+        # the same figures for /v1/usage: tenant -> model -> TenantUsage
+        self.usage: dict[str, dict[str, TenantUsage]] = {}
         self.views: dict[str, Metrics] = {}
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant's figures for one model on this gateway since it started."""
+
+    requests: int = 0  # admitted
+    tokens: int = 0  # prompt + completion
+    rate_limited: int = 0  # refused over its limits
 
 
 class Metrics:
@@ -138,15 +156,28 @@ class Metrics:
     def error(self, code: str) -> None:
         self.families.errors.labels(self.model_name, code).inc()
 
+    def _usage(self, tenant: str) -> TenantUsage:
+        by_model = self.families.usage.setdefault(tenant, {})
+        return by_model.setdefault(self.model_name, TenantUsage())
+
     def tenant_admitted(self, tenant: str, prompt_tokens: int) -> None:
         self.families.tenant_requests.labels(tenant, self.model_name).inc()
         self.families.tenant_tokens.labels(tenant, self.model_name).inc(prompt_tokens)
+        u = self._usage(tenant)
+        u.requests += 1
+        u.tokens += prompt_tokens
 
     def tenant_completion(self, tenant: str, tokens: int) -> None:
         self.families.tenant_tokens.labels(tenant, self.model_name).inc(tokens)
+        self._usage(tenant).tokens += tokens
 
     def tenant_limited(self, tenant: str) -> None:
         self.families.tenant_rate_limited.labels(tenant, self.model_name).inc()
+        self._usage(tenant).rate_limited += 1
+
+    def tenant_usage(self, tenant: str) -> dict[str, TenantUsage]:
+        """`tenant`'s figures on this gateway, by model."""
+        return dict(self.families.usage.get(tenant, {}))
 
     def set_engine_stats(self, stats: list[dict[str, Any]], pending: int) -> None:
         """Gauges from the engines' heartbeats, summed (KV use: the mean)."""
@@ -159,5 +190,7 @@ class Metrics:
         self.engine_preemptions.set(sum(s.get("num_preemptions", 0) for s in stats))
         self.engine_aborts.set(sum(s.get("num_aborted_total", 0) for s in stats))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = False) -> bytes:
+        """The Prometheus page; with the per-tenant families when `tenants` (an operator)."""
+        page = generate_latest(self.registry)
+        return page + generate_latest(self.families.tenant_registry) if tenants else page

@@ -78,11 +78,13 @@ class ApiKeyMiddleware:
     compared in constant time, and puts that tenant in `scope["state"]["tenant"]`
     (`request.state.tenant`): only this middleware sets it, from the key, never from
     anything else the client sends. Without tenants (no key configured) every client
-    is `ANONYMOUS`. The key is taken out of the query string before anything logs it."""
+    is `anonymous`, with GatewayConfig's `anonymous_*` limits. The key is taken out of
+    the query string before anything logs it."""
 
-    def __init__(self, app: ASGIApp, tenants: Tenants | None) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants | None, anonymous: Tenant = ANONYMOUS) -> None:
         self.app = app
         self.tenants = tenants
+        self.anonymous = anonymous  # every client when no key is configured
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -99,7 +101,7 @@ class ApiKeyMiddleware:
 
     def _tenant(self, scope: Scope) -> Tenant | None:
         if self.tenants is None:
-            return ANONYMOUS
+            return self.anonymous
         headers = Headers(scope=scope)
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":

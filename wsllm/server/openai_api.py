@@ -205,7 +205,7 @@ async def resume_stream(request: Request) -> Response:
             "resuming a stream needs its resume token (the X-Resume-Token header of its first answer)",
             "resume_token",
         )
-    gen = await gw.resume(token, request_id=rid)
+    gen = await gw.resume(token, request_id=rid, tenant=request_tenant(request.state))
     if gen is None:
         raise APIError(
             404,
@@ -215,7 +215,7 @@ async def resume_stream(request: Request) -> Response:
         )
     api = AnswerView(gen, _model(gw, gen), chat=gen.context.api.is_chat)
     frames = sse_frames(gw, api, gen.context.include_usage, after=int(raw))
-    return _event_stream(gw, frames, gen.leave)
+    return _event_stream(gw, frames, gen.leave, gen.ratelimit_headers)
 
 
 async def chat_completions(request: Request) -> Response:

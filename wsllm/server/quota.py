@@ -1,27 +1,102 @@
 """A tenant's limits at admission: take from its buckets (or refuse with 429), and the
 `x-ratelimit-*` headers OpenAI sends.
 
-The token charge of a request, taken when it is admitted, is its prompt tokens plus
-`n x max_tokens`, where `max_tokens` is what the engine will use (the client's, or
-`--default-max-tokens` capped by the room left in the model's context). When the
-request ends in this gateway (finished, failed, cancelled, client gone) the unused
-part, the charge minus the prompt and completion tokens it really used, goes back. A
-request whose client left while it runs on for a resume (Redis) is not refunded: its
-tokens are still being made. The rules of the buckets are in `wsllm/broker/limits.py`."""
+A request is admitted before the gateway does any work for it that a tenant could
+multiply (tokenizing, compiling a grammar): one request from rpm, a concurrency lease,
+and a coarse token charge (`coarse_charge`: the prompt's size estimated from its text,
+plus `width x max_tokens`). After preparation the charge is set to the exact one
+(`exact_charge`: the prompt's tokens plus `width x` the `max_tokens` the engine will
+use), the difference taken or given back (`Ticket.refine`). `width` is the number of
+sequences generated at once: `n`, or the beam width of a beam search. A charge larger
+than the tenant's whole tpm can never pass: a 429 that says so, at once.
+
+When the request ends in this gateway (finished, failed, cancelled) the unused part,
+the charge minus the prompt and completion tokens it really used, goes back with the
+lease. A request whose client left while it runs on for a resume (Redis) keeps its
+lease until its grace abort, and is not refunded: its tokens are still being made.
+`/tokenize`, `/detokenize` and resumes take one request from rpm (`meter_call`). The
+rules of the buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 
 from wsllm.broker.base import BrokerError
-from wsllm.broker.limits import REASON_CONCURRENT, REASON_REQUESTS, Decision, Limiter
+from wsllm.broker.limits import (
+    REASON_CONCURRENT,
+    REASON_REQUESTS,
+    Decision,
+    Limiter,
+    Limits,
+    refill_time_s,
+)
 from wsllm.server.errors import APIError
+from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import Tenant
-from wsllm.types import ERR_RATE_LIMITED
+from wsllm.types import ERR_RATE_LIMITED, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# The coarse estimate of a text's tokens: about 4 bytes a token for English with the
+# usual BPE vocabularies; the exact charge after tokenizing corrects it either way.
+_BYTES_PER_TOKEN = 4
+_MESSAGE_OVERHEAD_TOKENS = 4  # a chat message's role and template markers
+
+
+@dataclass(frozen=True, slots=True)
+class Coarse:
+    """A request's token charge before tokenizing."""
+
+    estimate: int  # taken at admission, set right after tokenizing
+    least: int  # what the exact charge cannot be below: over the tpm, it can never pass
+
+
+def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> Coarse:
+    """A request's token charge before tokenizing: its prompt's size in tokens,
+    estimated from the text (exact for token ids), plus `width x max_tokens` (the
+    client's, or the default; the context may lower it, which the exact charge tells)."""
+    if isinstance(req, CompletionRequest):
+        p = req.single
+        known = len(p) if isinstance(p, list) else 0
+        prompt = _text_tokens(p) if isinstance(p, str) else known
+    else:
+        known = 0
+        prompt = sum(_text_tokens(m.text) + _MESSAGE_OVERHEAD_TOKENS for m in req.messages)
+        prompt += sum(_text_tokens(t.model_dump_json()) for t in req.tools or [])
+    max_tokens = req.requested_max_tokens
+    width = req.n or 1
+    if isinstance(req, CompletionRequest) and req.use_beam_search:
+        width = req.beam_width or max(4, width)  # as prepare's beam fields set it
+    estimate = prompt + width * (default_max_tokens if max_tokens is None else max_tokens)
+    return Coarse(estimate, known + width * (max_tokens or 1))
+
+
+def _text_tokens(text: str) -> int:
+    return -(-len(text.encode("utf-8", "surrogatepass")) // _BYTES_PER_TOKEN)
+
+
+def exact_charge(prompt_tokens: int, params: SamplingParams) -> int:
+    """A prepared request's token charge: its prompt plus what it may generate, every
+    sequence generated at once (a beam search's width, not its `n`)."""
+    width = params.beam_width if params.use_beam_search else params.n
+    return prompt_tokens + width * params.max_tokens
+
+
+def too_large(tenant: Tenant, tokens: int) -> APIError | None:
+    """The 429 of a charge larger than the tenant's whole tpm (it could never pass)."""
+    tpm = tenant.limits.tpm
+    if tpm is None or tokens <= tpm:
+        return None
+    return APIError(
+        429,
+        ERR_RATE_LIMITED,
+        f"this request is charged {tokens} tokens (its prompt plus n or beam_width x max_tokens), "
+        f"more than tenant {tenant.name!r} may use in a minute ({tpm} tokens per minute); "
+        "it can never pass: lower max_tokens, n or beam_width",
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -55,7 +130,7 @@ def refused(tenant: Tenant, d: Decision, tokens: int) -> APIError:
     elif d.reason == REASON_REQUESTS:
         what = f"{lim.rpm} requests per minute"
     else:
-        what = f"{lim.tpm} tokens per minute (this request is charged {min(tokens, lim.tpm or tokens)})"
+        what = f"{lim.tpm} tokens per minute (this request is charged {tokens})"
     retry = max(1, math.ceil(d.retry_after_s))
     return APIError(
         429,
@@ -76,6 +151,35 @@ class Ticket:
     decision: Decision
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False
+    charged: int = 0  # tokens taken from the tokens bucket so far
+
+    def __post_init__(self) -> None:
+        self.charged = self.decision.charged
+
+    async def refine(self, tokens: int) -> None:
+        """Set the charge to `tokens`, the exact one now that the prompt is tokenized:
+        take the difference, or give it back. Raises the 429 of a charge larger than
+        the tenant's tpm (the ticket is then released, nothing refunded but the
+        generation part)."""
+        err = too_large(self.tenant, tokens)
+        if err is not None:
+            raise err
+        tpm = self.tenant.limits.tpm
+        if self.limiter is None or not tpm or tokens == self.charged:
+            return
+        level = await self.limiter.adjust(self.tenant.name, self.tenant.limits, tokens - self.charged)
+        self.charged = tokens
+        self.decision = dataclasses.replace(
+            self.decision, remaining_tokens=math.floor(level), reset_tokens_s=refill_time_s(level, tpm)
+        )
+        self.headers = ratelimit_headers(self.tenant, self.decision)
+
+    def hand_over(self) -> None:
+        """The request was resumed: whoever resumed it holds its lease now. This
+        gateway stops keeping it alive; nothing is given back."""
+        if not self.released and self.limiter is not None:
+            self.limiter.hand_over(self.tenant.name, self.request_id)
+        self.released = True
 
     async def release(self, used_tokens: int | None) -> None:
         """The request ended here. `used_tokens` (prompt + completion) sets the refund;
@@ -84,18 +188,48 @@ class Ticket:
             self.released = True
             return
         self.released = True
-        refund = 0 if used_tokens is None else max(0, self.decision.charged - used_tokens)
+        refund = 0 if used_tokens is None else max(0, self.charged - used_tokens)
         try:
             await self.limiter.release(self.tenant.name, self.tenant.limits, self.request_id, refund)
         except BrokerError:  # the lease expires by itself (Redis); the refund is lost
             log.warning("could not release request %s of tenant %s", self.request_id, self.tenant.name)
 
 
-async def admit(limiter: Limiter, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
-    """Take the request's share of the tenant's limits, or raise a 429 APIError."""
-    if tenant.limits.unlimited:
+async def admit(
+    limiter: Limiter, tenant: Tenant, request_id: str, tokens: int, least: int | None = None
+) -> Ticket:
+    """Take the request's share of the tenant's limits, or raise a 429 APIError. A
+    charge that is an estimate (`least`: what the exact one cannot be below) is refused
+    as too large only when `least` is; an estimate over the whole bucket takes `least`
+    for now (the prompt is often fewer tokens than its bytes tell), and
+    `Ticket.refine` decides."""
+    err = too_large(tenant, tokens if least is None else least)
+    if err is not None:
+        raise err
+    tpm = tenant.limits.tpm
+    take = least if least is not None and tpm is not None and tokens > tpm else tokens
+    return await _take(limiter, tenant, tenant.limits, request_id, take)
+
+
+async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:
+    """Take one request from the tenant's rpm for a call that is not a generation
+    (`/tokenize`, a resume's replay), or raise a 429 APIError. Its x-ratelimit-* headers."""
+    if tenant.limits.rpm is None:
+        return {}
+    ticket = await _take(limiter, tenant, Limits(rpm=tenant.limits.rpm), "", 0)
+    return ticket.headers
+
+
+async def take_lease(limiter: Limiter, tenant: Tenant, request_id: str) -> Ticket:
+    """A concurrency lease for a request resumed by its client (its rpm is taken by
+    `meter_call`, its tokens were charged when it started)."""
+    return await _take(limiter, tenant, Limits(max_concurrent=tenant.limits.max_concurrent), request_id, 0)
+
+
+async def _take(limiter: Limiter, tenant: Tenant, limits: Limits, request_id: str, tokens: int) -> Ticket:
+    if limits.unlimited:
         return Ticket(None, tenant, request_id, Decision(allowed=True))
-    d = await limiter.acquire(tenant.name, tenant.limits, request_id, tokens)
+    d = await limiter.acquire(tenant.name, limits, request_id, tokens)
     if not d.allowed:
         raise refused(tenant, d, tokens)
     return Ticket(limiter, tenant, request_id, d, ratelimit_headers(tenant, d))

@@ -9,9 +9,12 @@
     max_concurrent = 4        # requests in flight at once
     max_priority = 10         # the highest priority its requests may ask for
     models = ["*"]            # names or globs of the models it may use (absent: all)
+    roles = ["metrics"]       # "metrics": /metrics shows every tenant's usage (an operator)
 
-`--api-key K` alone is one unlimited tenant, `default`; with a keys file too, it is
-added as that tenant. No key at all: every client is the unlimited tenant `anonymous`.
+`--api-key K` alone is one unlimited tenant, `default`, the operator's own key (it has
+the `metrics` role); with a keys file too, it is added as that tenant. No key at all:
+every client is the tenant `anonymous`, limited by `--anonymous-rpm`, `--anonymous-tpm`
+and `--anonymous-max-concurrent` (`anonymous_tenant`), and alone on /metrics.
 The file is read once, at start; a bad file stops the start with a message that names
 the file, the tenant and the field."""
 
@@ -32,7 +35,9 @@ DEFAULT_TENANT = "default"  # the tenant of --api-key
 ANONYMOUS_TENANT = "anonymous"  # everyone, when no key is required
 # Tenant names go into Redis keys and (later) metric labels.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_FIELDS = {"keys", "rpm", "tpm", "max_concurrent", "max_priority", "models"}
+_FIELDS = {"keys", "rpm", "tpm", "max_concurrent", "max_priority", "models", "roles"}
+ROLE_METRICS = "metrics"  # sees every tenant's figures on /metrics
+ROLES = (ROLE_METRICS,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +46,25 @@ class Tenant:
     limits: Limits = Limits()
     max_priority: int | None = None  # the highest `priority` its requests may ask for (None: --max-priority)
     models: tuple[str, ...] = ("*",)  # fnmatch globs, case-sensitive
+    roles: frozenset[str] = frozenset()  # ROLES it has
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
+    @property
+    def operator(self) -> bool:
+        """May see every tenant's usage on /metrics."""
+        return ROLE_METRICS in self.roles
+
 
 ANONYMOUS = Tenant(ANONYMOUS_TENANT)
+
+
+def anonymous_tenant(rpm: int, tpm: int, max_concurrent: int) -> Tenant:
+    """Every client of a gateway that requires no key, with these limits (0: none).
+    It is the only tenant there, so it sees its own figures on /metrics."""
+    limits = Limits(rpm or None, tpm or None, max_concurrent or None)
+    return Tenant(ANONYMOUS_TENANT, limits, roles=frozenset({ROLE_METRICS}))
 
 
 def _digest(key: str) -> bytes:
@@ -83,7 +101,7 @@ class Tenants:
                 raise ValueError(f"{where}: a tenant named {DEFAULT_TENANT!r} is reserved for --api-key")
             if any(api_key in keys for _, keys in entries):
                 raise ValueError(f"{where}: the --api-key is also a key of a tenant in the file")
-            entries.append((Tenant(DEFAULT_TENANT), [api_key]))
+            entries.append((Tenant(DEFAULT_TENANT, roles=frozenset({ROLE_METRICS})), [api_key]))
         return cls(entries) if entries else None
 
 
@@ -145,5 +163,9 @@ def _tenant(where: str, name: str, table: Any) -> tuple[Tenant, list[str]]:
     models = table.get("models", ["*"])
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ValueError(f'{at}: models: a non-empty list of model names or globs ("*": all)')
+    roles = table.get("roles", [])
+    if not isinstance(roles, list) or not all(isinstance(r, str) and r in ROLES for r in roles):
+        raise ValueError(f"{at}: roles: a list of {', '.join(repr(r) for r in ROLES)}, got {roles!r}")
     limits = Limits(table.get("rpm"), table.get("tpm"), table.get("max_concurrent"))
-    return Tenant(name, limits, table.get("max_priority"), tuple(models)), list(keys)
+    tenant = Tenant(name, limits, table.get("max_priority"), tuple(models), frozenset(roles))
+    return tenant, list(keys)

@@ -1,7 +1,8 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`, for the served models: what a
 prompt (or a chat's messages, through the model's template) costs in tokens before
 sending it, and the text of token ids. Same API key, model names and limits as the
-generate routes (docs/protocol.md, "Tokenize and detokenize")."""
+generate routes (docs/protocol.md, "Tokenize and detokenize"). Each call takes one
+request of the tenant's rpm before the tokenizer runs (`Gateway.meter`)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ async def tokenize(request: Request) -> Response:
     "token_strs"}` (`token_strs` with `"return_token_strs": true`, else null)."""
     gw: Gateway = request.app.state.gateway
     req = validate_tokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
-    model, max_len = await gw.models.resolve(req.model, request_tenant(request.state))
+    tenant = request_tenant(request.state)
+    model, max_len = await gw.models.resolve(req.model, tenant)
+    headers = await gw.meter(tenant, model.svc.metrics)
     ids = await prepare.tokenize(req, model, gw.cfg)
     # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
     strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
+    body = {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
+    return JSONResponse(body, headers=headers)
 
 
 async def detokenize(request: Request) -> Response:
     """`{"tokens": [...]}` -> `{"prompt": text}` (special tokens kept)."""
     gw: Gateway = request.app.state.gateway
     req = validate_detokenize(await read_body(request, gw.cfg.max_body_bytes), gw.cfg)
-    model, _ = await gw.models.resolve(req.model, request_tenant(request.state))
-    return JSONResponse({"prompt": await prepare.detokenize(req, model.codec)})
+    tenant = request_tenant(request.state)
+    model, _ = await gw.models.resolve(req.model, tenant)
+    headers = await gw.meter(tenant, model.svc.metrics)
+    return JSONResponse({"prompt": await prepare.detokenize(req, model.codec)}, headers=headers)

@@ -241,7 +241,7 @@ class WsSession:
         `after_seq`. It takes the request's resume token; with the memory broker a
         request ends with its socket, so every resume is `unknown_id`."""
         self._admit(msg.id)
-        gen = await self.gw.resume(msg.resume_token)
+        gen = await self.gw.resume(msg.resume_token, tenant=self.tenant)
         if gen is None:
             raise APIError(
                 400,
