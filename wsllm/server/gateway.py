@@ -1,17 +1,16 @@
 """The gateway's core, shared by the OpenAI routes and the WebSocket: one request's
-start (resolve -> prepare -> admit -> submit), resume and grace aborts. The served
-models are `models.py`, preparation (everything that needs the tokenizer) is
-`prepare.py`, the reader task that fans events out is `router.py`, and one request's
-text work is `generation.py`.
+start (resolve -> admit -> prepare -> submit), resume and grace aborts. The served
+models are `models.py`, preparation (everything that needs the tokenizer)
+`prepare.py`, the reader task that fans events out `router.py`, one request's text
+work `generation.py`.
 
-A tenant's admission comes before preparation: tokenizing a prompt and compiling a
-grammar are the gateway's costliest work, and a tenant could multiply them with
-requests that are then refused (a 429 must cost the gateway nothing). So rpm, the
-concurrency lease and a coarse token charge (the prompt's size estimated from its
-text) are taken first; after preparation the charge is set to the exact one (the
-prompt's tokens plus width x max_tokens, which only the tokenizer and the model's
-context tell), the difference taken or given back (`quota.py`). A request refused
-with a 400 by preparation gets its tokens back and keeps its rpm spent.
+Admission comes before preparation: tokenizing a prompt and compiling a grammar are
+the gateway's costliest work, and a tenant could multiply them with requests that are
+then refused (a 429 must cost the gateway nothing). So rpm, the concurrency lease and
+a coarse token charge (the prompt's size estimated from its text) are taken first;
+after preparation the charge is set to the exact one and the difference taken or
+given back (`quota.py`). A request refused with a 400 by preparation gets its tokens
+back and keeps its rpm spent.
 
 Ownership: every request gets an unguessable resume token when it starts (the
 client that started it is the only one told). Resuming, reading or cancelling it
@@ -27,10 +26,7 @@ that says how many it has gets exactly the rest."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,38 +37,28 @@ from wsllm.broker.base import Broker, BrokerError, BrokerUnavailable
 from wsllm.broker.limits import Limiter
 from wsllm.broker.response_store import ResponseStore
 from wsllm.config import GatewayConfig
-from wsllm.server.errors import APIError, from_broker
+from wsllm.server.errors import from_broker
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import (
-    Coarse,
-    Ticket,
     admit,
+    check_priority,
     coarse_charge,
+    counted,
     exact_charge,
     meter_call,
     take_lease,
 )
-from wsllm.server.resume import Api, ResumeContext
+from wsllm.server.resume import Api, ResumeContext, new_token, split_token
 from wsllm.server.router import Router
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TextCodec
-from wsllm.types import ERR_RATE_LIMITED, GenerateRequest
+from wsllm.types import GenerateRequest
 
 log = logging.getLogger(__name__)
-
-
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def split_token(token: str) -> tuple[str, str]:
-    """(request id, secret) of a resume token; ("", "") when it is not one."""
-    rid, dot, secret = token.rpartition(".")
-    return (rid, secret) if dot and rid and secret else ("", "")
 
 
 @dataclass
@@ -118,19 +104,19 @@ class Gateway:
         API key names). Raises APIError (429 `rate_limited` past the tenant's limits,
         before any tokenizing). The Generation's `resume_token` is for its client alone."""
         model, max_len = await self.models.resolve(req.model, tenant)
-        self._check_priority(req.priority, tenant)
+        check_priority(req.priority, tenant, self.cfg.max_priority)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        ticket = await self._admit(model, tenant, rid, coarse_charge(req, self.cfg.default_max_tokens))
-        try:
-            prep = await prepare(req, api, model, max_len, self.cfg)
-            await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
-            gen = await self._submit(model, prep, rid, req.priority, tenant.name)
-        except BaseException as e:
-            await ticket.release(0)  # never queued: nothing used
-            if isinstance(e, APIError) and e.code == ERR_RATE_LIMITED:  # larger than its tpm
-                model.svc.metrics.tenant_limited(tenant.name)
-            raise
         metrics = model.svc.metrics
+        with counted(metrics, tenant):  # a 429 here or after tokenizing (larger than its tpm)
+            charge = coarse_charge(req, self.cfg.default_max_tokens)
+            ticket = await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
+            try:
+                prep = await prepare(req, api, model, max_len, self.cfg)
+                await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
+                gen = await self._submit(model, prep, rid, req.priority, tenant.name)
+            except BaseException:
+                await ticket.release(0)  # never queued: nothing used
+                raise
 
         async def release(used: int | None) -> None:
             metrics.tenant_completion(tenant.name, gen.usage.completion_tokens)
@@ -143,39 +129,18 @@ class Gateway:
         metrics.tenant_admitted(tenant.name, len(prep.prompt_ids))
         return gen
 
-    def _check_priority(self, priority: int, tenant: Tenant) -> None:
-        cap = self.cfg.max_priority if tenant.max_priority is None else tenant.max_priority
-        if priority > cap:
-            raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
-
-    async def _admit(self, model: ServedModel, tenant: Tenant, rid: str, charge: Coarse) -> Ticket:
-        """Take the request's share of the tenant's limits: one request, a lease, and
-        the `charge`'s estimate in tokens (set right by `Ticket.refine`)."""
-        try:
-            return await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
-        except APIError as e:
-            if e.code == ERR_RATE_LIMITED:
-                model.svc.metrics.tenant_limited(tenant.name)
-            raise
-
     async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
         """One request of `tenant`'s rpm for a call that generates nothing (`/tokenize`,
         `/detokenize`, a resume), taken before its work; its x-ratelimit-* headers. A
         refusal (429 APIError) counts in `metrics` (the default model's when None)."""
-        try:
+        with counted(metrics or self.metrics, tenant):
             return await meter_call(self.limiter, tenant)
-        except APIError as e:
-            if e.code == ERR_RATE_LIMITED:
-                (metrics or self.metrics).tenant_limited(tenant.name)
-            raise
 
     async def _submit(
         self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: str
     ) -> Generation:
         gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
-        secret = secrets.token_urlsafe(24)
-        gen.resume_token = f"{rid}.{secret}"
-        prep.context.token_sha256 = _digest(secret)
+        gen.resume_token, prep.context.token_sha256 = new_token(rid)
         now = time.time()
         request = GenerateRequest(
             rid,
@@ -215,7 +180,7 @@ class Gateway:
             if found is None:
                 return None
             ctx = ResumeContext.decode(found.context)
-            if not ctx.token_sha256 or not hmac.compare_digest(ctx.token_sha256, _digest(secret)):
+            if not ctx.matches(secret):
                 return None
             model = await self.models.served(ctx.model or self.model_name)
             ticket = await take_lease(self.limiter, tenant, found.request_id)

@@ -19,9 +19,11 @@ rules of the buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from wsllm.broker.base import BrokerError
@@ -34,6 +36,7 @@ from wsllm.broker.limits import (
     refill_time_s,
 )
 from wsllm.server.errors import APIError
+from wsllm.server.metrics import Metrics
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import Tenant
 from wsllm.types import ERR_RATE_LIMITED, SamplingParams
@@ -209,6 +212,25 @@ async def admit(
     tpm = tenant.limits.tpm
     take = least if least is not None and tpm is not None and tokens > tpm else tokens
     return await _take(limiter, tenant, tenant.limits, request_id, take)
+
+
+def check_priority(priority: int, tenant: Tenant, default_cap: int) -> None:
+    """A 400 when `priority` is over what the tenant's key may ask (its own cap, else
+    the gateway's --max-priority)."""
+    cap = default_cap if tenant.max_priority is None else tenant.max_priority
+    if priority > cap:
+        raise APIError(400, "invalid_request", f"priority must be at most {cap} for this key", "priority")
+
+
+@contextlib.contextmanager
+def counted(metrics: Metrics, tenant: Tenant) -> Iterator[None]:
+    """Count a 429 of `tenant` raised inside (wsllm_tenant_rate_limited_total)."""
+    try:
+        yield
+    except APIError as e:
+        if e.code == ERR_RATE_LIMITED:
+            metrics.tenant_limited(tenant.name)
+        raise
 
 
 async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:

@@ -5,12 +5,32 @@ resumable broker as a plain dict; the broker never reads it)."""
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from wsllm.types import SamplingParams
+
+
+def new_token(request_id: str) -> tuple[str, str]:
+    """A new resume token for `request_id` (`{request id}.{secret}`, for its client alone)
+    and the SHA-256 of its secret (what the broker stores)."""
+    secret = secrets.token_urlsafe(24)
+    return f"{request_id}.{secret}", _digest(secret)
+
+
+def split_token(token: str) -> tuple[str, str]:
+    """(request id, secret) of a resume token; ("", "") when it is not one."""
+    rid, dot, secret = token.rpartition(".")
+    return (rid, secret) if dot and rid and secret else ("", "")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 class Api(enum.StrEnum):
@@ -88,6 +108,10 @@ class ResumeContext:
             output,
             include_usage,
         )
+
+    def matches(self, secret: str) -> bool:
+        """Whether `secret` is the one its resume token was made with (constant time)."""
+        return bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
 
     def encode(self) -> dict[str, Any]:
         """A plain dict of JSON values (what the broker stores)."""
