@@ -138,7 +138,7 @@ def serve_gateway(port: int, tokenizer_dir: str, pace_s: float) -> None:
     )
     engine = FakeEngine(token_id, pace_s)
     broker = MemoryBroker(max_queue_depth=4096, max_event_batches=4096)
-    EngineWorker(engine, broker, idle_wait_s=0.005).start()
+    worker = EngineWorker(engine, broker, idle_wait_s=0.005).start()
     cfg = GatewayConfig(host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False)
     app = create_app(cfg, broker, tokenizer_dir, "fake")
 
@@ -147,7 +147,15 @@ def serve_gateway(port: int, tokenizer_dir: str, pace_s: float) -> None:
         engine.emits.clear()
         return Response(body, media_type="application/json")
 
+    async def cpu(request: Any) -> Response:
+        # The gateway's own CPU seconds so far: the process's, less the fake engine's
+        # thread (the same work whatever the route), for a cost per token.
+        assert worker.ident is not None
+        engine_s = time.clock_gettime(time.pthread_getcpuclockid(worker.ident))
+        return Response(orjson.dumps({"gateway_s": time.process_time() - engine_s}))
+
     app.add_route("/bench/emits", emits)
+    app.add_route("/bench/cpu", cpu)
     uvicorn.Server(uvicorn_config(app, cfg, log_level="warning")).run()
 
 

@@ -216,9 +216,10 @@ def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
     return make_tiny_gguf(path, hf, default_gguf_path())
 
 
-def make_word_tokenizer(path: Path, n_words: int = 509) -> Path:
+def make_word_tokenizer(path: Path, n_words: int = 509, specials: tuple[str, ...] = ()) -> Path:
     """A tokenizer of its own vocabulary (none of SmolLM2's): whole words `w0`..`wN`
-    and three specials, with a chat template. For a second model behind one gateway."""
+    and three specials, with a chat template. For a second model behind one gateway.
+    `specials` are added after the words (ids from n_words + 3), e.g. FIM tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -227,6 +228,7 @@ def make_word_tokenizer(path: Path, n_words: int = 509) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"additional_special_tokens": list(specials)})
     fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}w0"
     fast.save_pretrained(str(path))
     return path
@@ -237,6 +239,24 @@ def tiny_words_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama with `make_word_tokenizer`'s 512-token vocabulary."""
     words = make_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"))
     return make_tiny_model(tmp_path_factory.mktemp("tiny-words"), words, "llama", vocab_size=512)
+
+
+#: Qwen2.5-Coder's fill-in-the-middle tokens, in its FIM order (server/fim.py)
+QWEN_FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_fim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama whose word-level tokenizer has Qwen2.5-Coder's FIM
+    tokens (ids 509, 510, 511 of its 512)."""
+    words = make_word_tokenizer(tmp_path_factory.mktemp("fim-tokenizer"), 506, QWEN_FIM)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-fim"), words, "llama", vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`word_tokenizer(specials)`: a `make_word_tokenizer` directory with `specials` added."""
+    return lambda specials: make_word_tokenizer(tmp_path_factory.mktemp("words"), 506, tuple(specials))
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def post(srv: Any, path: str, body: dict[str, Any]) -> httpx.Response:
             {"messages": [{"role": "user", "content": "hi"}], "temprature": 0},
             "temprature",
         ),
-        ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "sufix": "!"}, "sufix"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         (
             "/v1/chat/completions",

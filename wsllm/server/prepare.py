@@ -3,7 +3,8 @@ the gateway's text work need (`Prepared`): the prompt's token ids, the engine's
 SamplingParams, how the answer is read (the chat output plan) and the request's
 ResumeContext. The one stage that needs the model's tokenizer, so the 400s that need
 it come from here: the chat template's, token ids outside the vocabulary, a tool or
-response format that does not compile, and a prompt too long for the context.
+response format that does not compile, a `suffix` for a model without fill-in-the-middle
+tokens, and a prompt too long for the context.
 `/tokenize` and `/detokenize` use the same steps."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from wsllm.config import GatewayConfig
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
+from wsllm.server.fim import fim_prompt
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
@@ -128,6 +130,8 @@ async def _prompt_ids(
         prompt = req.single
         if isinstance(prompt, list):
             return list(prompt)
+        if req.suffix is not None:  # the schema let it through with one text prompt only
+            return await _fim_ids(codec, prompt, req.suffix)
         return await _run_text(codec.encode, prompt, len(prompt))
     messages = [m.as_template_input() for m in req.messages]
     encode = functools.partial(codec.encode_chat, messages, **template)
@@ -135,6 +139,15 @@ async def _prompt_ids(
         return await run_with_deadline(encode, template_timeout_s, "chat-template")
     except TemplateError as e:
         raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
+
+
+async def _fim_ids(codec: TextCodec, prefix: str, suffix: str) -> list[int]:
+    """A fill-in-the-middle prompt; the 400 names `suffix` for a model without FIM tokens."""
+    try:
+        build = functools.partial(fim_prompt, codec, prefix)
+        return await _run_text(build, suffix, len(prefix) + len(suffix))
+    except ValueError as e:
+        raise APIError(400, "invalid_request", f"suffix: {e}", param="suffix") from None
 
 
 async def _run_text(fn: Callable[[T], R], arg: T, size: int) -> R:

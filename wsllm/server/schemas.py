@@ -168,6 +168,9 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     # vLLM's: the logprobs of each prompt token and its top N, in `prompt_logprobs`
     prompt_logprobs: int | None = ranged("logprobs")
+    # fill in the middle: the text after the cursor (`prompt` is the text before it);
+    # the model's FIM tokens order them (server/fim.py)
+    suffix: str | None = None
     # Beam search (vLLM's extension); the n best beams come back as the choices.
     use_beam_search: bool | None = None
     beam_width: int | None = ranged("beam_width")
@@ -388,5 +391,18 @@ def _check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> N
             raise bad("prompt", "a list of prompts is for /v1/completions; send a request per prompt here")
         if not 1 <= len(batch) <= cfg.max_prompts:
             raise bad("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
+    if isinstance(req, CompletionRequest) and req.suffix is not None:
+        _check_suffix(req)
     if isinstance(req, ChatRequest):
         req.check_chat()
+
+
+def _check_suffix(req: CompletionRequest) -> None:
+    """`suffix` goes with one text prompt: the FIM prompt is built from two texts, and
+    what `echo` would show (the prompt as sent) is not what the model read."""
+    if req.prompts is not None:
+        raise invalid("suffix", "takes one text prompt, not a list of prompts; send a request per prompt")
+    if not isinstance(req.prompt, str):
+        raise invalid("suffix", "takes a text prompt, not token ids")
+    if req.echo:
+        raise invalid("suffix", "cannot be combined with echo")

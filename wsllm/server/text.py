@@ -138,6 +138,16 @@ class TextCodec:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
         return _encode(self.backend, text, add_special_tokens)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Text as plain text: no special tokens added, and none read from what it says
+        (a FIM prompt's prefix and suffix)."""
+        return _encode(self._literal, text, False)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary, special or not; None when absent."""
+        found = self.backend.token_to_id(token)
+        return None if found is None else int(found)
+
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text, special tokens kept (/detokenize, a token-id prompt's echo)."""
         if len(token_ids) <= _GIL_FREE_ABOVE // 4:
