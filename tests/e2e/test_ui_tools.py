@@ -36,7 +36,7 @@ TOOL = {
     "description": "The weather now in a city",
     "parameters": json.dumps(PARAMS, indent=1),
 }
-# About 1.4 kB of plain text, well under the cap, well over the typed question.
+# About 1.3 kB of plain text, well under the cap, well over the typed question.
 NOTES = "".join(
     f"Line {k}: the lighthouse keeper counted {k * 7} gulls before breakfast.\n" for k in range(20)
 )
@@ -114,7 +114,7 @@ def test_a_tool_from_the_editor_is_called_and_its_result_goes_back(ui_smol) -> N
     expect(card.locator(".tool-call-name")).to_have_text("get_weather")
     call_id = card.locator(".tool-call-id").text_content()
     assert re.fullmatch(r"call_[0-9a-f]{24}", call_id or "")
-    args = json.loads(card.locator("code").text_content())
+    args = json.loads(card.locator("pre code").text_content())
     jsonschema.validate(args, PARAMS)
     shoot(ui, page, "call")
 
@@ -216,7 +216,7 @@ def test_an_attached_text_file_reaches_the_prompt(ui_smol, smollm_dir: Path, tmp
     chips = page.locator("#attach-chips .chip")
     expect(chips).to_have_count(2)
     expect(chips.first).to_contain_text("notes.txt")
-    expect(chips.first).to_contain_text("1.4 kB")
+    expect(chips.first).to_contain_text(f"{len(NOTES) / 1000:.1f} kB")
     page.get_by_role("button", name="Remove other.md").click()  # removable before sending
     expect(chips).to_have_count(1)
     ui.send(page, "Summarize this.")
