@@ -78,7 +78,9 @@ function main() {
       if (chat.deleteMessage(activeId, msg.id)) $("prompt").focus();
       else toast("Stop the answer before deleting it or its question.", "error");
     },
-    replyTools: (msg, results) => chat.replyToTools(activeId, msg.id, results),
+    replyTools: (msg, results) => {
+      if (chat.replyToTools(activeId, msg.id, results)) $("prompt").focus(); // the boxes are gone
+    },
     connected: () => ws.state === ConnState.CONNECTED,
   });
   const refusal = new Refusal(); // "Not sent: …" when the format or the tools need fixing
