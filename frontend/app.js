@@ -13,30 +13,13 @@ import { searchConversations } from "./search.js";
 import { SettingsPanel } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { Store } from "./store.js";
+import { toast } from "./toast.js";
 import { ToolsControl } from "./tools-dialog.js";
 import { ConnState, defaultWsUrl, WsClient } from "./ws.js";
 
 const $ = (id) => document.getElementById(id);
 const THEMES = ["auto", "light", "dark"];
 const THEME_LABEL = { auto: "automatic", light: "light", dark: "dark" };
-const TOAST_MS = 6000;
-
-function toast(text, kind = "info") {
-  const box = document.createElement("div");
-  box.className = `toast ${kind}`;
-  box.setAttribute("role", kind === "error" ? "alert" : "status");
-  const span = document.createElement("span");
-  span.textContent = text;
-  const close = document.createElement("button");
-  close.type = "button";
-  close.className = "icon-btn small";
-  close.setAttribute("aria-label", "Dismiss");
-  close.appendChild(icon("close"));
-  close.addEventListener("click", () => box.remove());
-  box.append(span, close);
-  $("toasts").appendChild(box);
-  setTimeout(() => box.remove(), TOAST_MS);
-}
 
 function main() {
   const store = new Store();
