@@ -1,5 +1,6 @@
 // Entry point: wires the socket, the stored conversations and the views together.
 
+import { AttachControl } from "./attachments.js";
 import { Chat, describeError } from "./chat.js";
 import { ContextMeter, contextUse } from "./context-meter.js";
 import { DataDialog } from "./data-dialog.js";
@@ -7,33 +8,18 @@ import { icon, setIcon } from "./icons.js";
 import { MessageView } from "./messages.js";
 import { AuthError, fetchModels, ModelPicker } from "./models.js";
 import { OutputFormatControl } from "./output-format.js";
+import { Refusal } from "./refusal.js";
 import { searchConversations } from "./search.js";
 import { SettingsPanel } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { Store } from "./store.js";
+import { toast } from "./toast.js";
+import { ToolsControl } from "./tools-dialog.js";
 import { ConnState, defaultWsUrl, WsClient } from "./ws.js";
 
 const $ = (id) => document.getElementById(id);
 const THEMES = ["auto", "light", "dark"];
 const THEME_LABEL = { auto: "automatic", light: "light", dark: "dark" };
-const TOAST_MS = 6000;
-
-export function toast(text, kind = "info") {
-  const box = document.createElement("div");
-  box.className = `toast ${kind}`;
-  box.setAttribute("role", kind === "error" ? "alert" : "status");
-  const span = document.createElement("span");
-  span.textContent = text;
-  const close = document.createElement("button");
-  close.type = "button";
-  close.className = "icon-btn small";
-  close.setAttribute("aria-label", "Dismiss");
-  close.appendChild(icon("close"));
-  close.addEventListener("click", () => box.remove());
-  box.append(span, close);
-  $("toasts").appendChild(box);
-  setTimeout(() => box.remove(), TOAST_MS);
-}
 
 function main() {
   const store = new Store();
@@ -75,9 +61,15 @@ function main() {
       if (chat.deleteMessage(activeId, msg.id)) $("prompt").focus();
       else toast("Stop the answer before deleting it or its question.", "error");
     },
+    replyTools: (msg, results) => {
+      if (chat.replyToTools(activeId, msg.id, results)) $("prompt").focus(); // the boxes are gone
+    },
     connected: () => ws.state === ConnState.CONNECTED,
   });
-  const format = new OutputFormatControl(chat, () => activeId); // the answer format, per conversation
+  const refusal = new Refusal(); // "Not sent: …" when the format or the tools need fixing
+  const format = new OutputFormatControl(chat, () => activeId, refusal); // the answer format, per conversation
+  const tools = new ToolsControl(chat, () => activeId, refusal); // the tools editor, per conversation
+  const attach = new AttachControl(() => settings.get().attach_kb, () => activeId); // files to send
   const sidebar = new Sidebar($("conv-list"), {
     select: (id) => {
       select(id);
@@ -154,6 +146,8 @@ function main() {
     $("system-box").open = !!conv.system;
     view.show(conv);
     format.show(conv);
+    tools.show();
+    attach.switchTo();
     picker.say("");
     picker.show(modelOf(conv));
     checkModel(conv);
@@ -292,9 +286,11 @@ function main() {
 
   function send() {
     const text = prompt.value;
-    if (!text.trim() || chat.generating(activeId)) return;
-    if (chat.send(activeId, text)) {
+    const files = attach.get();
+    if (!(text.trim() || files.length) || chat.generating(activeId)) return;
+    if (chat.send(activeId, text, files)) {
       prompt.value = "";
+      attach.clear();
       autosize();
     }
   }
@@ -328,7 +324,7 @@ function main() {
   function newChat() {
     const current = chat.get(activeId);
     // Reuse an untouched empty chat instead of piling up blank ones.
-    const conv = current && current.messages.length === 0 && !current.system ? current : chat.create();
+    const conv = current && current.messages.length === 0 && !current.system && !current.tools ? current : chat.create();
     select(conv.id);
     closeSidebar();
     prompt.focus();
@@ -404,7 +400,7 @@ function main() {
   loadModels(true); // quiet: if the server is down, the hello after reconnect retries
   prompt.focus();
   // Handles for tests and debugging in the console.
-  window.wsllm = { chat, ws, store, settings, view, format, picker, meter, data };
+  window.wsllm = { chat, ws, store, settings, view, format, tools, attach, picker, meter, data };
 }
 
 main();

@@ -3,14 +3,17 @@
 // Each conversation has at most one answer in flight; several conversations can stream
 // at once over the same socket. Events: "list" (titles, order or streaming marks
 // changed), "conversation" {id} (messages added/removed), "message" {convId, msgId}
-// (one message's text, status or figures changed), "refused" {id, error} (the conversation's
-// answer format cannot be sent, e.g. a bad JSON Schema: nothing was sent).
+// (one message's text, status or figures changed), "refused" {id, error, part} (the conversation's
+// answer format or tools cannot be sent, e.g. a bad JSON Schema: nothing was sent; `part` is
+// "format" or "tools").
 
 import { addReasoning, endReasoning, mergeToolCalls } from "./answer-data.js";
 import { describeError } from "./errors.js";
 import { isJsonOutput, outputFields, outputProblem } from "./output-format.js";
 import { optionalFields } from "./sampling.js";
 import { newConversation, newMessage } from "./store.js";
+import { toolsFields, toolsProblem } from "./tools.js";
+import { callsOf, chatMessages } from "./wire-messages.js";
 
 const LIVE = new Set(["waiting", "queued", "streaming"]);
 const TITLE_LEN = 48;
@@ -79,14 +82,18 @@ export class Chat extends EventTarget {
 
   /** Delete one message. A question goes with its answer (the answers after it, up to
    * the next question): an answer without its question would mislead the model. An
-   * answer goes alone. Not an answer that is still coming, nor its question: false. */
+   * answer goes with the tool results typed for its calls; a result goes alone. Not an
+   * answer that is still coming, nor its question: false. */
   deleteMessage(id, msgId) {
     const conv = this.get(id);
     const k = conv ? conv.messages.findIndex((m) => m.id === msgId) : -1;
     if (k < 0) return false;
     let end = k + 1;
-    if (conv.messages[k].role === "user") {
+    const role = conv.messages[k].role;
+    if (role === "user") {
       while (end < conv.messages.length && conv.messages[end].role !== "user") end += 1;
+    } else if (role === "assistant") {
+      while (end < conv.messages.length && conv.messages[end].role === "tool") end += 1;
     }
     if (conv.messages.slice(k, end).some(isLive)) return false;
     conv.messages.splice(k, end - k);
@@ -113,14 +120,34 @@ export class Chat extends EventTarget {
     return !!conv && conv.messages.some(isLive);
   }
 
-  send(id, text) {
+  /** Ask `text` with `attachments` ([{name, size, text}], attachments.js): false when
+   * nothing was sent (nothing to send, an answer still coming, or a refusal). */
+  send(id, text, attachments = []) {
     const conv = this.get(id);
-    if (!conv || !text.trim() || this.generating(id) || this._refused(conv)) return false;
-    conv.messages.push(newMessage("user", text));
+    if (!conv || !(text.trim() || attachments.length) || this.generating(id) || this._refused(conv)) return false;
+    const msg = newMessage("user", text);
+    if (attachments.length) msg.attachments = attachments.map((a) => ({ name: a.name, size: a.size, text: a.text }));
+    conv.messages.push(msg);
     if (!conv.renamed && conv.messages.filter((m) => m.role === "user").length === 1) {
-      const t = text.trim().replace(/\s+/g, " ");
+      const t = (text.trim() || attachments.map((a) => a.name).join(", ")).replace(/\s+/g, " ");
       conv.title = t.length > TITLE_LEN ? `${t.slice(0, TITLE_LEN - 1)}…` : t;
     }
+    this._answer(conv);
+    return true;
+  }
+
+  /** The person's results for the calls of answer `msgId` ([{callId, text}]): stored as tool
+   * messages after it (it must be the last answer), then the model answers. False when
+   * nothing was sent. */
+  replyToTools(id, msgId, results) {
+    const conv = this.get(id);
+    const k = conv ? conv.messages.findIndex((m) => m.id === msgId) : -1;
+    if (k < 0 || this.generating(id) || this._refused(conv)) return false;
+    const names = new Map(callsOf(conv.messages[k]).map((c) => [c.id, c.name]));
+    const typed = results.filter((r) => names.has(r.callId) && r.text.trim());
+    if (!typed.length) return false;
+    if (conv.messages.slice(k + 1).some((m) => m.role !== "tool")) return false; // the talk went on
+    for (const r of typed) conv.messages.push({ ...newMessage("tool", r.text), toolCallId: r.callId, name: names.get(r.callId) });
     this._answer(conv);
     return true;
   }
@@ -179,29 +206,19 @@ export class Chat extends EventTarget {
 
   // ---- one answer ---------------------------------------------------------------
 
-  /** The conversation's answer format cannot be sent (a bad schema): say why, send nothing. */
+  /** The conversation's answer format or tools cannot be sent (a bad schema): say why, send nothing. */
   _refused(conv) {
-    const error = outputProblem(conv.output);
-    if (error) this._emit("refused", { id: conv.id, error });
+    const format = outputProblem(conv.output);
+    const error = format || toolsProblem(conv.tools);
+    if (error) this._emit("refused", { id: conv.id, error, part: format ? "format" : "tools" });
     return !!error;
-  }
-
-  _history(conv) {
-    const out = [];
-    if (conv.system.trim()) out.push({ role: "system", content: conv.system });
-    for (const m of conv.messages) {
-      if (m.role === "user" || (m.role === "assistant" && m.content && m.status !== "error")) {
-        out.push({ role: m.role, content: m.content });
-      }
-    }
-    return out;
   }
 
   _payload(conv) {
     const s = this.getSettings(conv); // the conversation's model, the sampling settings
     const p = {
       type: "chat",
-      messages: this._history(conv),
+      messages: chatMessages(conv), // wire-messages.js
       temperature: s.temperature,
       top_p: s.top_p,
       max_tokens: s.max_tokens,
@@ -209,6 +226,7 @@ export class Chat extends EventTarget {
     };
     if (s.model) p.model = s.model;
     if (s.seed !== null) p.seed = s.seed;
+    Object.assign(p, toolsFields(conv.tools)); // tools and tool_choice (tools.js)
     return Object.assign(p, outputFields(conv.output)); // JSON, a schema or a regex (output-format.js)
   }
 

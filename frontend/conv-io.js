@@ -9,7 +9,10 @@
 // id, same content) is skipped, and one whose id is taken by a different conversation
 // comes in as a copy with a new id.
 
+import { MAX_FILES, messageText } from "./attachments.js";
 import { uid } from "./store.js";
+import { toolsShapeProblem } from "./tools.js";
+import { callsOf } from "./wire-messages.js";
 
 export const FORMAT = "wsllm-conversations";
 export const VERSION = 1;
@@ -39,16 +42,28 @@ function when(ms) {
   return Number.isFinite(d.getTime()) && ms ? d.toISOString().slice(0, 16).replace("T", " ") : "";
 }
 
+/** A message's part of the Markdown: questions as typed with their files as fenced blocks,
+ * answers (Markdown already) with their tool calls, results as typed. */
+function messageMarkdown(m) {
+  if (m.role === "tool") return [`## Tool result (${m.name || "?"}, ${m.toolCallId})`, "", m.content || "*(no text)*", ""];
+  const who = m.role === "user" ? "You" : `Assistant${m.model ? ` (${m.model})` : ""}`;
+  const text = m.role === "user" ? messageText(m) : m.content;
+  const calls = m.role === "assistant" ? callsOf(m) : [];
+  const lines = [`## ${who}`, ""];
+  if (text || !calls.length) lines.push(text || "*(no text)*", "");
+  for (const c of calls) lines.push(`**Tool call** \`${c.name}\` (${c.id}):`, "", "```json", String(c.arguments ?? ""), "```", "");
+  return lines;
+}
+
 /** One conversation as Markdown: its title, model and system prompt, then each message
- * under "You" or "Assistant" (answers are Markdown already; questions as typed). */
+ * under "You", "Assistant" or "Tool result". */
 export function conversationMarkdown(conv) {
   const lines = [`# ${conv.title || "Untitled"}`, ""];
   const meta = [when(conv.createdAt) && `Started ${when(conv.createdAt)} UTC`, conv.model && `model: ${conv.model}`];
   if (meta.some(Boolean)) lines.push(`*${meta.filter(Boolean).join(" · ")}*`, "");
   if (conv.system?.trim()) lines.push("**System prompt:**", "", ...conv.system.split("\n").map((l) => `> ${l}`), "");
   for (const m of conv.messages) {
-    const who = m.role === "user" ? "You" : `Assistant${m.model ? ` (${m.model})` : ""}`;
-    lines.push(`## ${who}`, "", m.content || "*(no text)*", "");
+    lines.push(...messageMarkdown(m));
     if (m.error?.message) lines.push(`> **Error:** ${m.error.message}`, "");
   }
   return lines.join("\n");
@@ -93,14 +108,32 @@ function checkOptional(obj, where, key, type) {
   if (!ok) fail(where, `"${key}" must be ${type === "object" ? "an object" : `a ${type}`}`);
 }
 
+// A list field of a message: at most `most` objects whose `keys` are texts.
+function checkList(m, where, key, most, keys) {
+  if (!(key in m) || m[key] === null) return;
+  const list = m[key];
+  if (!Array.isArray(list) || list.length > most) fail(where, `"${key}" must be a list of at most ${most}`);
+  for (const [k, item] of list.entries()) {
+    if (!isObj(item) || keys.some((f) => typeof item[f] !== "string")) {
+      fail(where, `"${key}" ${k + 1} must be an object whose ${keys.map((f) => `"${f}"`).join(", ")} are texts`);
+    }
+  }
+}
+
 function checkMessage(m, where) {
   if (!isObj(m)) fail(where, "is not an object");
   checkId(m.id, where);
-  if (m.role !== "user" && m.role !== "assistant") fail(where, `"role" must be "user" or "assistant"`);
+  if (!["user", "assistant", "tool"].includes(m.role)) fail(where, `"role" must be "user", "assistant" or "tool"`);
   if (typeof m.content !== "string") fail(where, `"content" must be a text`);
+  const callId = m.toolCallId;
+  if (m.role === "tool" && (typeof callId !== "string" || !callId || callId.length > MAX_ID)) {
+    fail(where, `a tool result needs "toolCallId", the id of the call it answers (a text of 1 to ${MAX_ID} characters)`);
+  }
   checkOptional(m, where, "createdAt", "number");
-  for (const key of ["status", "model", "finishReason"]) checkOptional(m, where, key, "string");
+  for (const key of ["status", "model", "finishReason", "name"]) checkOptional(m, where, key, "string");
   for (const key of ["stats", "usage", "error"]) checkOptional(m, where, key, "object");
+  checkList(m, where, "attachments", MAX_FILES, ["name", "text"]);
+  checkList(m, where, "toolCalls", 128, ["name", "arguments"]);
 }
 
 function checkConversation(c, k) {
@@ -113,6 +146,10 @@ function checkConversation(c, k) {
   checkOptional(c, where, "model", "string");
   checkOptional(c, where, "createdAt", "number");
   checkOptional(c, where, "updatedAt", "number");
+  if ("tools" in c && c.tools !== null) {
+    const problem = toolsShapeProblem(c.tools);
+    if (problem) fail(where, problem);
+  }
   if (!Array.isArray(c.messages)) fail(where, `"messages" must be a list`);
   const ids = new Set();
   c.messages.forEach((m, j) => {

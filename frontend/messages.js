@@ -6,14 +6,18 @@
 
 import { iconButton, setIcon } from "./icons.js";
 import { renderAnswer } from "./answer-parts.js";
+import { renderChips } from "./attachments.js";
 import { isLive } from "./chat.js";
+import { renderToolReplies, renderToolResult } from "./tool-replies.js";
 
 const NEAR_BOTTOM_PX = 80;
 const CONFIRM_MS = 3000;
+const WHO = { user: "You said:", assistant: "Assistant said:", tool: "Tool result:" };
+const WHAT = { user: "this message and its answer", assistant: "this answer", tool: "this result" };
 
 /** Delete one message: a question goes with its answer (Chat.deleteMessage). */
 function deleteButton(msg, confirming) {
-  const what = msg.role === "user" ? "this message and its answer" : "this answer";
+  const what = WHAT[msg.role];
   const b = iconButton("trash", confirming ? `Press again to delete ${what}` : `Delete ${what}`, {
     cls: `icon-btn${confirming ? " confirm" : ""}`,
     text: confirming ? "Delete?" : "",
@@ -60,7 +64,8 @@ function flashCopied(button) {
 }
 
 export class MessageView {
-  /** `actions`: {regenerate(msg), edit(msg, text), deleteMessage(msg), connected()} */
+  /** `actions`: {regenerate(msg), edit(msg, text), deleteMessage(msg), replyTools(msg, results),
+   * connected()} */
   constructor(container, actions) {
     this.el = container;
     this.actions = actions;
@@ -159,9 +164,13 @@ export class MessageView {
     node.dataset.id = msg.id;
     const who = document.createElement("h3");
     who.className = "visually-hidden";
-    who.textContent = msg.role === "user" ? "You said:" : "Assistant said:";
+    who.textContent = WHO[msg.role];
     const body = document.createElement("div");
-    body.className = msg.role === "user" ? "msg-body plain" : "msg-body markdown";
+    body.className = msg.role === "assistant" ? "msg-body markdown" : "msg-body plain";
+    // The files of a question (chips), the result boxes under an answer's tool calls.
+    const extra = document.createElement("div");
+    extra.className = msg.role === "user" ? "msg-files" : "msg-replies";
+    extra.hidden = true;
     const status = document.createElement("div");
     status.className = "msg-status";
     const error = document.createElement("div");
@@ -169,25 +178,31 @@ export class MessageView {
     error.setAttribute("role", "alert");
     const foot = document.createElement("div");
     foot.className = "msg-foot";
-    node.append(who, body, status, error, foot);
+    node.append(who, body, extra, status, error, foot);
     this.el.appendChild(node);
     this.nodes.set(msg.id, node);
     this._render(msg, node);
   }
 
   _render(msg, node) {
-    const [, body, status, error, foot] = node.children;
+    const [, body, extra, status, error, foot] = node.children;
     node.dataset.status = msg.status || "done";
     node.setAttribute("aria-busy", String(isLive(msg)));
     if (this.editing === msg.id) {
       if (!body.querySelector("textarea")) this._editor(msg, body);
+      body.hidden = false;
     } else if (msg.role === "user") {
       if (body.textContent !== msg.content || body.firstElementChild) body.textContent = msg.content;
+      body.hidden = !msg.content; // a message of files only: just its chips
+    } else if (msg.role === "tool") {
+      renderToolResult(body, msg); // tool-replies.js
     } else {
       // Thinking, the answer, tool calls (answer-parts.js); code left unhighlighted for lack of
       // time in this frame is done in a later one.
       if (renderAnswer(body, msg, isLive(msg))) setTimeout(() => this.update(msg.id), 50);
     }
+    if (msg.role === "user") renderChips(extra, msg);
+    else if (msg.role === "assistant") renderToolReplies(extra, this.conv, msg, (results) => this.actions.replyTools(msg, results));
     const statusText = this._statusText(msg);
     status.textContent = statusText;
     status.hidden = !statusText;
@@ -228,7 +243,7 @@ export class MessageView {
         const edit = iconButton("edit", "Edit and resend");
         edit.dataset.action = "edit";
         actions.appendChild(edit);
-      } else if (last) {
+      } else if (msg.role === "assistant" && last) {
         const regen = iconButton("regenerate", msg.error ? "Try again" : "Regenerate answer");
         regen.dataset.action = "regenerate";
         actions.appendChild(regen);

@@ -97,15 +97,17 @@ function el(tag, props = {}, ...children) {
   return node;
 }
 
-/** The "Format" button by the message box, its dialog, and the refusal message. `chat`: the
- * Chat (its "refused" events); `activeId()`: the conversation on screen. */
+/** The "Format" button by the message box and its dialog. `chat`: the Chat (its "refused"
+ * events); `activeId()`: the conversation on screen; `refusal`: the "Not sent" line (refusal.js). */
 export class OutputFormatControl {
-  constructor(chat, activeId) {
+  constructor(chat, activeId, refusal) {
     this.chat = chat;
     this.activeId = activeId;
+    this.refusal = refusal;
     this._build();
     chat.addEventListener("refused", (ev) => {
-      if (ev.detail.id === this.activeId()) this._showRefusal(ev.detail.error);
+      if (ev.detail.id !== this.activeId() || ev.detail.part !== "format") return;
+      refusal.show("format", ev.detail.error, "Edit format", () => this.open());
     });
   }
 
@@ -120,13 +122,6 @@ export class OutputFormatControl {
     });
     prompt.before(this.button);
     this.button.addEventListener("click", () => this.open());
-
-    this.refusal = el("p", { id: "format-error", class: "format-error", role: "alert", hidden: true });
-    this.refusalText = el("span");
-    const fix = el("button", { type: "button", class: "btn small-btn" }, "Edit format");
-    fix.addEventListener("click", () => this.open());
-    this.refusal.append(this.refusalText, fix);
-    document.getElementById("composer").before(this.refusal);
 
     const close = el("button", { class: "icon-btn", value: "close", "aria-label": "Close the format" });
     close.appendChild(icon("close"));
@@ -219,7 +214,7 @@ export class OutputFormatControl {
     this.check.textContent = problem || "";
     this.check.hidden = !problem;
     this.schema.setAttribute("aria-invalid", String(o.mode === "schema" && !!problem));
-    if (!problem) this.refusal.hidden = true;
+    if (!problem) this.refusal.clear("format");
   }
 
   open() {
@@ -227,10 +222,5 @@ export class OutputFormatControl {
     if (!this.dialog.open) this.dialog.showModal();
     const o = normalizeOutput(this._conv()?.output);
     (o.mode === "schema" ? this.schema : o.mode === "regex" ? this.regex : this.form.querySelector("input:checked"))?.focus();
-  }
-
-  _showRefusal(error) {
-    this.refusalText.textContent = `Not sent: ${error}`;
-    this.refusal.hidden = false;
   }
 }

@@ -64,7 +64,7 @@ export class SettingsPanel {
       box.appendChild(f.field);
       this.fields[p.key] = f;
     }
-    this.inputs = { model: $("set-model"), api_key: $("set-api-key") };
+    this.inputs = { model: $("set-model"), api_key: $("set-api-key"), attach_kb: $("set-attach-kb") };
     for (const [key, f] of Object.entries(this.fields)) this.inputs[key] = f.input;
     this._fill();
     for (const [key, input] of Object.entries(this.inputs)) {
@@ -140,6 +140,7 @@ export class SettingsPanel {
     const s = this.settings;
     this.inputs.model.value = s.model;
     this.inputs.api_key.value = s.api_key;
+    this.inputs.attach_kb.value = String(s.attach_kb);
     for (const p of PARAMS) {
       const f = this.fields[p.key];
       const v = s[p.key];
@@ -173,8 +174,8 @@ export class SettingsPanel {
   _read(key, final) {
     const raw = this.inputs[key].value;
     const p = BY_KEY[key];
-    if (key === "api_key") {
-      if (!final) return; // reconnect once, when the field is left
+    if (key === "api_key" || key === "attach_kb") {
+      if (!final) return; // once, when the field is left (the key reconnects; a size is clamped)
     } else if (p && p.kind !== "range") {
       // While typing, an empty box is left alone until it is left (`change`).
       if (!final && raw.trim() === "" && p.always) return;
@@ -187,6 +188,7 @@ export class SettingsPanel {
     }
     this.settings = normalizeSettings({ ...this.settings, [key]: raw });
     this._save();
+    if (key === "attach_kb") this.inputs.attach_kb.value = String(this.settings.attach_kb); // as clamped
     const out = this.fields[key]?.output;
     if (out) out.textContent = this.settings[key].toFixed(2);
   }

@@ -6,6 +6,7 @@
 //   wsllm.v1.settings    the settings panel's values and the theme
 // One key per conversation, so a streaming answer rewrites only its own conversation.
 
+import { DEFAULT_KB, MAX_KB } from "./attachments.js";
 import { normalizeSampling, SAMPLING_DEFAULTS } from "./sampling.js";
 
 const PREFIX = "wsllm.v1.";
@@ -16,7 +17,9 @@ export const DEFAULT_SETTINGS = Object.freeze({
   ...SAMPLING_DEFAULTS, // temperature, top_p, max_tokens, top_k, ..., seed, stop (sampling.js)
   theme: "auto", // auto | light | dark
   api_key: "", // only for a server started with --api-key
+  attach_kb: DEFAULT_KB, // the largest text file that can be attached, in kB (attachments.js)
 });
+const ROLES = new Set(["user", "assistant", "tool"]);
 
 export function uid(prefix = "") {
   const rnd = crypto.getRandomValues(new Uint32Array(2));
@@ -28,9 +31,11 @@ export function newConversation() {
   return { id: uid("c"), title: "New chat", system: "", messages: [], createdAt: now, updatedAt: now };
 }
 
-/** role: "user" | "assistant". Assistant messages also carry `status` (streaming, done,
+/** role: "user" | "assistant" | "tool". Assistant messages also carry `status` (streaming, done,
  * stopped, error, interrupted, waiting), `stats` ({ttftMs, tokens, tps}), `error`
- * ({code, message}), and while streaming `requestId`, `lastSeq` and `resumeToken` for resume. */
+ * ({code, message}), and while streaming `requestId`, `lastSeq` and `resumeToken` for resume.
+ * User messages may carry `attachments` ([{name, size, text}]); a tool message (a result the
+ * person typed for a call) carries `toolCallId` and the function's `name`. */
 export function newMessage(role, content = "") {
   return { id: uid("m"), role, content, createdAt: Date.now() };
 }
@@ -43,7 +48,13 @@ export function normalizeSettings(raw) {
     ...normalizeSampling(s),
     theme: ["auto", "light", "dark"].includes(s.theme) ? s.theme : "auto",
     api_key: typeof s.api_key === "string" ? s.api_key.trim().slice(0, 512) : "",
+    attach_kb: clampKb(s.attach_kb),
   };
+}
+
+function clampKb(v) {
+  const n = typeof v === "number" || (typeof v === "string" && v.trim()) ? Math.round(Number(v)) : NaN;
+  return Number.isFinite(n) ? Math.min(MAX_KB, Math.max(1, n)) : DEFAULT_KB;
 }
 
 function isConversation(c) {
@@ -86,7 +97,7 @@ export class Store {
       if (!isConversation(c)) continue;
       c.title = typeof c.title === "string" && c.title ? c.title : "Untitled";
       c.system = typeof c.system === "string" ? c.system : "";
-      c.messages = c.messages.filter((m) => m && (m.role === "user" || m.role === "assistant"));
+      c.messages = c.messages.filter((m) => m && ROLES.has(m.role));
       for (const m of c.messages) m.content = typeof m.content === "string" ? m.content : String(m.content ?? "");
       c.updatedAt = Number(c.updatedAt) || 0;
       out.push(c);

@@ -30,6 +30,7 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"  # git-ignored
+AXE = Path(__file__).parent / "vendor" / "axe-core" / "axe.min.js"
 
 # Short, deterministic answers: greedy decoding of the tiny random model.
 FAST = {"max_tokens": 24, "temperature": 0, "top_p": 1}
@@ -254,6 +255,47 @@ class Ui:
         errors = [e for e in page.errors if not re.search(allow, e)]
         assert not errors, errors
 
+    @staticmethod
+    def record_frames(page: Any) -> list[dict[str, Any]]:
+        """Reload `page` with its socket's outgoing frames recorded (JSON) into the list returned;
+        the incoming ones go to `page.received`."""
+        from playwright.sync_api import expect
+
+        frames: list[dict[str, Any]] = []
+        received: list[dict[str, Any]] = []
+
+        def on_ws(ws: Any) -> None:
+            ws.on("framesent", lambda payload: frames.append(json.loads(payload)))
+            ws.on("framereceived", lambda payload: received.append(json.loads(payload)))
+
+        page.on("websocket", on_ws)
+        page.reload()
+        expect(page.locator("#conn-status")).to_have_attribute("data-state", "connected", timeout=15_000)
+        page.received = received
+        return frames
+
+    @staticmethod
+    def stored_conv(page: Any) -> dict[str, Any]:
+        """The conversation on screen as localStorage holds it."""
+        return dict(
+            page.evaluate(
+                "() => JSON.parse(localStorage.getItem('wsllm.v1.conv.' + JSON.parse(localStorage.getItem('wsllm.v1.active'))))"
+            )
+        )
+
+    @staticmethod
+    def axe_serious(page: Any) -> list[str]:
+        """axe-core's violations of impact serious or critical, as `rule: target` lines. The page
+        must have been opened with bypass_csp=True: the CSP refuses the injected script."""
+        if not page.evaluate("typeof axe !== 'undefined'"):
+            page.add_script_tag(path=str(AXE))
+        found = page.evaluate("""async () => {
+          const r = await axe.run(document, {resultTypes: ['violations']});
+          return r.violations.filter((v) => v.impact === 'serious' || v.impact === 'critical')
+            .flatMap((v) => v.nodes.map((n) => `${v.id}: ${n.target.join(' ')} (${n.failureSummary})`));
+        }""")
+        return list(found)
+
 
 @pytest.fixture(scope="session")
 def ui_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
@@ -305,6 +347,22 @@ def two_model_server(
 def ui2(browser: Any, two_model_server: TwoModelServer) -> Iterator[Ui]:
     """`ui` on the two-model server; pages need settings with an `api_key` of KEYS."""
     yield from _ui_on(browser, two_model_server)
+
+
+@pytest.fixture(scope="session")
+def smollm_server(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`wsllm serve` with the bundled SmolLM2 (real weights: it answers in words and calls
+    tools when made to), started only by the tests that ask for it."""
+    srv = ServerProcess(smollm_dir, free_port(), tmp_path_factory.mktemp("ui-smollm") / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def ui_smol(browser: Any, smollm_server: ServerProcess) -> Iterator[Ui]:
+    """`ui` on the SmolLM2 server."""
+    yield from _ui_on(browser, smollm_server)
 
 
 class NarrowBoundServer(ServerProcess):

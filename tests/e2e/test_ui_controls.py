@@ -365,7 +365,7 @@ def test_export_then_import_restores_conversations_exactly_and_bad_files_change_
                     ],
                 }
             ),
-            'Conversation 2 (“Bad”), message 1: "role" must be "user" or "assistant"',
+            'Conversation 2 (“Bad”), message 1: "role" must be "user", "assistant" or "tool"',
         ),  # fmt: skip
         "content.json": (
             json.dumps([{"id": "c", "title": "t", "messages": [{"id": "m", "role": "user"}]}]),
