@@ -263,8 +263,8 @@ def test_tool_calls_are_assembled_into_cards(ui) -> None:
         {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
         {"id": "call_b", "name": "get_time", "arguments": "{}"},
     ]
-    # From the live server: the UI has no editor for tools, so this starts a request with
-    # `tools` on the page's own socket, through the same handlers a chat answer uses.
+    # From the live server: this starts a request with `tools` on the page's own socket,
+    # through the same handlers a chat answer uses (test_ui_tools.py drives the editor).
     tools = [
         {
             "type": "function",
