@@ -106,10 +106,17 @@ class Gateway:
         model, max_len = await self.models.resolve(req.model, tenant)
         self._check_priority(req.priority, tenant)
         prep = await prepare(req, api, model, max_len, self.cfg)
+        return await self.start_prepared(model, prep, api, tenant, req.priority)
+
+    async def start_prepared(
+        self, model: ServedModel, prep: Prepared, api: Api, tenant: Tenant, priority: int = 0
+    ) -> Generation:
+        """Admit and submit a request prepared for `model` (resolved for `tenant`, its
+        priority checked): `start`'s last stages, which /v1/embeddings shares."""
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
         ticket = await self._admit(model, tenant, rid, prep)
         try:
-            gen = await self._submit(model, prep, rid, req.priority, tenant.name)
+            gen = await self._submit(model, prep, rid, priority, tenant.name)
         except BaseException:
             await ticket.release(0)  # never queued: nothing used
             raise
