@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
-from wsllm.types import FINISH_STOP, SamplingParams
+from wsllm.types import FINISH_STOP, GenerateRequest, SamplingParams, TokenEvent
+from wsllm.wire import decode_events, decode_request, encode
 
 LENGTHS = [1, 7, 40, 75]
 
@@ -143,3 +145,14 @@ def test_pooling_params_are_checked() -> None:
         SamplingParams(pooling="max")
     with pytest.raises(ValueError, match="pooling"):
         SamplingParams(pooling="last", n=2)
+
+
+def test_wire_carries_pooling_and_embedding_only_when_set() -> None:
+    """Both fields cross the wire, and are left out while unset (older peers read the rest)."""
+    req = GenerateRequest("r", [5, 6], SamplingParams(max_tokens=1, pooling="auto"))
+    assert decode_request(encode(req)).params.pooling == "auto"
+    plain = orjson.loads(encode(GenerateRequest("r", [5], SamplingParams())))
+    assert "pooling" not in plain["item"]["params"]
+    ev = TokenEvent("r", 0, [], finish_reason=FINISH_STOP, embedding=[0.5, -1.25])
+    assert decode_events(encode([ev]))[0].embedding == [0.5, -1.25]
+    assert "embedding" not in orjson.loads(encode([TokenEvent("r", 0, [7])]))["items"][0]
