@@ -156,3 +156,28 @@ def test_wire_carries_pooling_and_embedding_only_when_set() -> None:
     ev = TokenEvent("r", 0, [], finish_reason=FINISH_STOP, embedding=[0.5, -1.25])
     assert decode_events(encode([ev]))[0].embedding == [0.5, -1.25]
     assert "embedding" not in orjson.loads(encode([TokenEvent("r", 0, [7])]))["items"][0]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_embeddings_still_equal_hf(tiny_model_dir: Path, hf: Any, mode: str) -> None:
+    """Generations growing into a small cache preempt the embeddings mid-prompt; a
+    recompute starts the mean over, a swap keeps it, and both equal HF."""
+    engine = make_engine(
+        tiny_model_dir, num_kv_blocks=10, max_num_batched_tokens=8, preemption_mode=mode, watermark=0.0
+    )
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts_of([40, 40], seed=13)):
+        engine.add_request(f"g{i}", p, greedy)
+    for _ in range(12):  # both prompts computed: the generations decode
+        engine.step()
+    prompts = prompts_of([60, 45], seed=17)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"e{i}", p, SamplingParams(pooling="mean"))
+    outs: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.scheduler.num_preemptions > 0
+    assert (engine.scheduler.num_swaps > 0) == (mode == "swap")
+    for i, ids in enumerate(prompts):
+        assert_close(outs[f"e{i}"].embedding, hf_states(hf, ids).mean(dim=0))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
