@@ -5,6 +5,7 @@ those computed alone."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
+import websockets
 
 from wsllm.server.embeddings_api import shaped
 
@@ -152,6 +155,26 @@ def test_batched_with_running_chats_changes_nothing(client: openai.OpenAI, serve
     for a, b in zip(alone, batched, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
     server.assert_no_blocks_held()
+
+
+def test_websocket_embeddings_message(client: openai.OpenAI, server: Any) -> None:
+    """An `embeddings` message gets the HTTP answer's body with its id; a bad one an
+    `error` naming the field, and the socket stays."""
+    want = vectors(client, TEXTS[:2], encoding_format="float")
+
+    async def talk() -> list[dict[str, Any]]:
+        async with websockets.connect(server.ws_url) as ws:
+            assert orjson.loads(await ws.recv())["type"] == "hello"
+            await ws.send(orjson.dumps({"type": "embeddings", "id": "bad", "input": []}))
+            await ws.send(orjson.dumps({"type": "embeddings", "id": "e1", "input": TEXTS[:2]}))
+            return [orjson.loads(await ws.recv()) for _ in range(2)]
+
+    got = {m["id"]: m for m in asyncio.run(talk())}
+    assert got["bad"]["type"] == "error" and got["bad"]["param"] == "input"
+    answer = got["e1"]
+    assert answer["type"] == "embeddings" and answer["object"] == "list"
+    assert [d["embedding"] for d in answer["data"]] == want
+    assert answer["usage"]["prompt_tokens"] > 0
 
 
 def test_shaped_is_little_endian_float32() -> None:

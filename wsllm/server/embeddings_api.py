@@ -1,4 +1,4 @@
-"""`POST /v1/embeddings`, as OpenAI's: `input` as a string, a list of strings, token ids
+"""`POST /v1/embeddings` (and the WebSocket's `embeddings` message), as OpenAI's: `input` as a string, a list of strings, token ids
 or a list of token-id lists; `encoding_format` float or base64 (little-endian float32);
 `dimensions`; `usage`; vectors L2-normalized.
 
@@ -39,6 +39,7 @@ from wsllm.server.prepare import Prepared
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import parse_json
 from wsllm.server.sse import until_disconnect
+from wsllm.server.tenants import Tenant
 from wsllm.types import ERR_INTERNAL, MAX_TOKEN_ID, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ class EmbeddingRequest(Strict):
         return list(x)  # type: ignore[arg-type]
 
 
-def _checked(raw: bytes, max_inputs: int) -> EmbeddingRequest:
-    obj = parse_json(raw)
+def checked(obj: Any, max_inputs: int) -> EmbeddingRequest:
+    """A parsed body as an EmbeddingRequest; APIError (400) naming the field."""
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "the body must be a JSON object")
     try:
@@ -136,10 +137,9 @@ def _encoded(packed: bytes, encoding_format: str) -> list[float] | str:
 
 
 async def _start_all(
-    gw: Gateway, model: ServedModel, prompts: list[list[int]], request: Request
+    gw: Gateway, model: ServedModel, prompts: list[list[int]], tenant: Tenant
 ) -> list[Generation]:
     """One admitted request per input; on a refusal, those already started end."""
-    tenant = request_tenant(request.state)
     gens: list[Generation] = []
     try:
         for ids in prompts:
@@ -151,21 +151,19 @@ async def _start_all(
     return gens
 
 
-async def embeddings(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
-    req = _checked(await read_body(request, gw.cfg.max_body_bytes), gw.cfg.max_embedding_inputs)
-    model, max_len = await gw.models.resolve(req.model, request_tenant(request.state))
+async def embed(gw: Gateway, req: EmbeddingRequest, tenant: Tenant) -> tuple[dict[str, Any], dict[str, str]]:
+    """The answer's body and its rate-limit headers. Raises APIError. Cancelled (the
+    client left), it ends every input's engine request."""
+    model, max_len = await gw.models.resolve(req.model, tenant)
     prompts = await _token_ids(model, req.inputs(), max_len)
-    gens = await _start_all(gw, model, prompts, request)
+    gens = await _start_all(gw, model, prompts, tenant)
     try:
-        done, vectors = await until_disconnect(request.receive, asyncio.gather(*map(_vector, gens)))
+        vectors = [await _vector(g) for g in gens]  # they run together in the engine meanwhile
     except GenerationError as e:
         raise from_generation(e.code, e.message) from None
     finally:
         for g in gens:
             await g.cancel()  # no-op when it finished; frees the engine request otherwise
-    if not done or vectors is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
     size = len(vectors[0])
     if req.dimensions is not None and req.dimensions > size:
         raise invalid("dimensions", f"must be at most {size}, the size of {model.name}'s embeddings")
@@ -178,10 +176,29 @@ async def embeddings(request: Request) -> Response:
         for i, v in enumerate(vectors)
     ]
     tokens = sum(map(len, prompts))
-    body: dict[str, Any] = {
-        "object": "list",
-        "data": data,
-        "model": model.name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return Response(orjson.dumps(body), headers=gens[-1].ratelimit_headers, media_type="application/json")
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model.name, "usage": usage}, gens[-1].ratelimit_headers
+
+
+async def embeddings(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    req = checked(parse_json(await read_body(request, gw.cfg.max_body_bytes)), gw.cfg.max_embedding_inputs)
+    done, answer = await until_disconnect(request.receive, embed(gw, req, request_tenant(request.state)))
+    if not done or answer is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    body, headers = answer
+    return Response(orjson.dumps(body), headers=headers, media_type="application/json")
+
+
+def ws_request(obj: dict[str, Any], max_inputs: int) -> tuple[str, EmbeddingRequest]:
+    """An `embeddings` WebSocket message: its `id` and the /v1/embeddings body beside it."""
+    msg_id = obj.get("id")
+    if not isinstance(msg_id, str) or not 1 <= len(msg_id) <= 128:
+        raise APIError(400, "invalid_request", "id: a string of 1 to 128 characters", "id")
+    return msg_id, checked({k: v for k, v in obj.items() if k not in ("type", "id")}, max_inputs)
+
+
+async def ws_answer(gw: Gateway, msg_id: str, req: EmbeddingRequest, tenant: Tenant) -> dict[str, Any]:
+    """The `embeddings` message answering one: the HTTP answer's body, with its id."""
+    body, _ = await embed(gw, req, tenant)
+    return {"type": "embeddings", "id": msg_id} | body
