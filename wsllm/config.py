@@ -179,7 +179,8 @@ class GatewayConfig:
         },
     )
     max_embedding_inputs: int = field(
-        default=256, metadata={"help": "most inputs in one /v1/embeddings call (each a request of its own)"}
+        default=64,
+        metadata={"help": "most inputs in one /v1/embeddings call (each a request of its own in the queue)"},
     )
     tool_parser: str = field(
         default="auto",
