@@ -115,6 +115,14 @@ def test_bad_requests_are_400s(server: Any, body: dict[str, Any], param: str) ->
     assert err["param"].startswith(param)
 
 
+def test_a_large_body_of_long_inputs(client: openai.OpenAI) -> None:
+    """Inputs up to the model's context, in a body validated off the event loop."""
+    long = [list(range(1000 + i, 3000 + i)) for i in range(MAX_INPUTS)]  # 2000 tokens each, ~100 KB
+    r = client.embeddings.create(model="", input=long, encoding_format="float")
+    assert r.usage.prompt_tokens == 2000 * MAX_INPUTS and len(r.data) == MAX_INPUTS
+    assert r.data[0].embedding != r.data[1].embedding
+
+
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="x")

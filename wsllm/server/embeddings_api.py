@@ -1,6 +1,6 @@
-"""`POST /v1/embeddings` (and the WebSocket's `embeddings` message), as OpenAI's: `input` as a string, a list of strings, token ids
-or a list of token-id lists; `encoding_format` float or base64 (little-endian float32);
-`dimensions`; `usage`; vectors L2-normalized.
+"""`POST /v1/embeddings` (and the WebSocket's `embeddings` message), as OpenAI's: `input`
+as a string, a list of strings, token ids or a list of token-id lists; `encoding_format`
+float or base64 (little-endian float32); `dimensions`; `usage`; vectors L2-normalized.
 
 Each input is a request of its own through the gateway's admission and the broker, as
 a generate request is (`Gateway.start_prepared`): it shares the tenant's limits and the
@@ -44,8 +44,10 @@ from wsllm.types import ERR_INTERNAL, MAX_TOKEN_ID, SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Inputs longer than this in all (characters) are tokenized off the event loop.
+# Inputs longer than this in all (characters) are tokenized off the event loop; bodies
+# larger than this (bytes) are validated off it.
 _TOKENIZE_INLINE_CHARS = 4096
+_VALIDATE_INLINE_BYTES = 64 * 1024
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
@@ -182,7 +184,12 @@ async def embed(gw: Gateway, req: EmbeddingRequest, tenant: Tenant) -> tuple[dic
 
 async def embeddings(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    req = checked(parse_json(await read_body(request, gw.cfg.max_body_bytes)), gw.cfg.max_embedding_inputs)
+    raw = await read_body(request, gw.cfg.max_body_bytes)
+    limit = gw.cfg.max_embedding_inputs
+    if len(raw) <= _VALIDATE_INLINE_BYTES:
+        req = checked(parse_json(raw), limit)
+    else:  # a large body must not hold up the other streams
+        req = await asyncio.to_thread(lambda: checked(parse_json(raw), limit))
     done, answer = await until_disconnect(request.receive, embed(gw, req, request_tenant(request.state)))
     if not done or answer is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
