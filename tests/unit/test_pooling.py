@@ -181,3 +181,12 @@ def test_preempted_embeddings_still_equal_hf(tiny_model_dir: Path, hf: Any, mode
     for i, ids in enumerate(prompts):
         assert_close(outs[f"e{i}"].embedding, hf_states(hf, ids).mean(dim=0))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_offline_llm_returns_embeddings(tiny_model_dir: Path, hf: Any) -> None:
+    from wsllm.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    (r,) = llm.generate("The cat sat on the mat.", SamplingParams(pooling="mean"))
+    assert r.token_ids == [] and r.finish_reason == FINISH_STOP
+    assert_close(r.embedding, hf_states(hf, r.prompt_token_ids).mean(dim=0))
