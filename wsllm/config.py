@@ -75,8 +75,17 @@ class EngineConfig:
         },
     )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    pooling: str = field(
+        default="auto",
+        metadata={
+            "help": "how /v1/embeddings pools the last hidden states: auto (the model's default: last "
+            "for the decoder-only chat models served here, as vLLM) | last | mean"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.pooling not in ("auto", "last", "mean"):
+            raise ValueError(f"pooling must be auto, last or mean, got {self.pooling!r}")
         bs = self.block_size
         if bs < 8 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two >= 8, got {bs}")
@@ -196,6 +205,10 @@ class GatewayConfig:
             "help": "how long a stored /v1/responses answer stays readable (previous_response_id, GET)"
         },
     )
+    max_embedding_inputs: int = field(
+        default=64,
+        metadata={"help": "most inputs in one /v1/embeddings call (each a request of its own in the queue)"},
+    )
     tool_parser: str = field(
         default="auto",
         metadata={
@@ -207,7 +220,13 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.tool_parser not in (choices := tool_parser_choices()):
             raise ValueError(f"tool_parser must be one of {', '.join(choices)}, got {self.tool_parser!r}")
-        positive = ("max_messages", "max_requests_per_socket", "max_buffered_events", "ws_outbox_messages")
+        positive = (
+            "max_messages",
+            "max_requests_per_socket",
+            "max_buffered_events",
+            "ws_outbox_messages",
+            "max_embedding_inputs",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

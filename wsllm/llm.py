@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model=None).generate(prompts, params)`."""
+"""Offline API: `LLM(model=None).generate(prompts, params)`; with
+`SamplingParams(pooling="auto" | "last" | "mean")` each result's `embedding`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class GenerationResult:
     num_cached_tokens: int = 0
     # params.prompt_logprobs: per prompt token, None for the first, else [logprob, top N]
     prompt_logprobs: list[Any] | None = None
+    # params.pooling set: the prompt's pooled last hidden state (not normalized); no choices' tokens
+    embedding: list[float] | None = None
 
     # The first choice, for the common n == 1 case.
     @property
@@ -98,6 +101,7 @@ class LLM:
                 if out.finished:
                     r = results[out.request_id]
                     r.num_cached_tokens = out.num_cached_tokens
+                    r.embedding = out.embedding
                     r.outputs = [
                         Choice(
                             c.index,

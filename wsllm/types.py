@@ -57,6 +57,9 @@ LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 MAX_STRUCTURED_BYTES = 1 << 17  # a structured spec, as JSON
 MAX_CHOICES = 1024  # strings of a structured {"choice": [...]}
+#: SamplingParams.pooling: how an embedding request's last hidden states become one vector
+#: ("auto": the engine's choice for its model, EngineConfig.pooling)
+POOLING_KINDS = ("auto", "last", "mean")
 
 # Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
 # field the type does not have. (pydantic reads this from the dataclasses.)
@@ -246,6 +249,10 @@ class SamplingParams:
     structured: dict[str, Any] | None = None
     # OpenAI's logit_bias: token id -> a bias added to its logit before sampling.
     logit_bias: dict[int, float] | None = None
+    # An embedding request (issue 25) when set, one of POOLING_KINDS: the engine runs the
+    # prompt's prefill only, never samples, and returns the pooled last hidden state (after
+    # the final norm) on the final TokenEvent's `embedding`. The other fields are ignored.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         for name, bound in SAMPLING_BOUNDS.items():
@@ -258,6 +265,18 @@ class SamplingParams:
             check_structured_shape(self.structured)
         if self.use_beam_search and (self.structured is not None or self.logit_bias):
             raise ValueError(BEAM_ALONE)
+        if self.pooling is not None:
+            _check(self.pooling in POOLING_KINDS, "pooling", f"null or one of {POOLING_KINDS}", self.pooling)
+            alone = self.n == 1 and not self.use_beam_search and self.structured is None
+            _check(
+                alone, "pooling", "set only with n = 1, no beam search and no structured output", self.pooling
+            )
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Every prompt position must be computed here (no prefix-cache hits): its
+        prompt logprobs, or a mean over its hidden states."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:
@@ -351,6 +370,9 @@ class TokenEvent:
     # computed: per prompt token, None for the first, else [logprob, [[token_id, logprob], ...]].
     # Left out of the encoding when None, so a peer that predates it still reads the event.
     prompt_logprobs: list[Any] | None = None
+    # An embedding request's pooled vector (fp32 values, not normalized), on its final
+    # event. Left out of the encoding when None, as prompt_logprobs.
+    embedding: list[float] | None = None
 
     @classmethod
     def failure(cls, request_id: str, code: str, message: str, seq: int = -1) -> TokenEvent:

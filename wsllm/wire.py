@@ -55,14 +55,15 @@ def encode(obj: GenerateRequest | list[TokenEvent]) -> bytes:
 
 def _event_dict(e: TokenEvent) -> dict[str, Any]:
     d = asdict(e)
-    if d["prompt_logprobs"] is None:
-        del d["prompt_logprobs"]
+    for name in ("prompt_logprobs", "embedding"):
+        if d[name] is None:
+            del d[name]
     return d
 
 
 def _request_dict(r: GenerateRequest) -> dict[str, Any]:
     d = asdict(r)
-    for name in ("prompt_logprobs", "structured", "logit_bias"):
+    for name in ("prompt_logprobs", "structured", "logit_bias", "pooling"):
         if d["params"][name] is None:
             del d["params"][name]
     return d

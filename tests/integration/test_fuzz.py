@@ -142,6 +142,7 @@ FIELDS = [
     "length_penalty", "early_stopping", "messages", "prompt", "type", "id", "after_seq", "resume_token",
     "prompt_logprobs", "logit_bias", "response_format", "structured_outputs", "tools", "tool_choice",
     "chat_template_kwargs", "tokens", "add_special_tokens", "add_generation_prompt",
+    "input", "encoding_format", "dimensions",
 ]  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}}}
 BASES = [
@@ -163,6 +164,9 @@ BASES = [
     {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3, "text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}},
     {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x"]},
     {"max_tokens": 3, "system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    # /v1/embeddings (issue 25)
+    {"input": ["Once upon", "a time"], "encoding_format": "base64", "dimensions": 8},
+    {"input": [[1, 2, 3], [4, 5]]},
 ]  # fmt: skip
 JSON_TYPE = "application/json"
 PATHS = [
@@ -172,6 +176,7 @@ PATHS = [
     "/detokenize",
     "/v1/responses",
     "/v1/messages",
+    "/v1/embeddings",
 ]
 # What a browser's simple request sends: refused with 415 before anything else.
 CONTENT_TYPES = ["application/json"] * 17 + ["text/plain", "application/x-www-form-urlencoded", ""]

@@ -1,5 +1,4 @@
-"""LLMEngine: one step = schedule -> run the model -> postprocess (sample, append,
-report).
+"""LLMEngine: one step = schedule -> run the model -> postprocess (sample, append, report).
 
 Contract: `add_request`, `abort`, `step() -> list[RequestOutput]`,
 `has_unfinished()`, `free_capacity()`. Queues, blocks and tensors stay private.
@@ -8,6 +7,7 @@ The engine is not thread-safe: one thread (the worker) drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,13 +19,13 @@ from wsllm.config import EngineConfig
 from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, num_kv_blocks
-from wsllm.engine.model_runner import ModelRunner, PromptLogprobs
+from wsllm.engine.model_runner import ModelRunner, Pooled, PromptLogprobs
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
-from wsllm.models.build import build_model
+from wsllm.models.build import DEFAULT_POOLING, build_model
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
@@ -33,6 +33,7 @@ from wsllm.types import (
     ERR_INVALID_REQUEST,
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_STOP,
     EngineBusy,
     SamplingParams,
 )
@@ -55,6 +56,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         mc = model.config
         self.vocab_size = mc.vocab_size
+        self.pooling = DEFAULT_POOLING.get(mc.arch, "last") if config.pooling == "auto" else config.pooling
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -105,6 +107,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError, leaving the engine as it was, on bad input.
         A higher `priority` is admitted first; within a priority, `tenant`s share the
         batch by tokens served (see Scheduler)."""
+        if params.pooling == "auto":  # an embedding request: this model's pooling
+            params = dataclasses.replace(params, pooling=self.pooling)
         self._validate(request_id, prompt_token_ids, params)
         now = arrival_time if arrival_time is not None else time.time()
         req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
@@ -131,10 +135,11 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
         if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        total = len(prompt) + params.max_tokens
+        most = 0 if params.pooling else params.max_tokens  # an embedding computes its prompt only
+        total = len(prompt) + most
         if total > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({most}) is {total}, "
                 f"beyond the model's context of {self.max_model_len} tokens"
             )
         bm = self.block_manager
@@ -192,8 +197,10 @@ class LLMEngine:
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
             want = self._want_prompt_logprobs(sched.scheduled)
-            seqs, logits, prompt = self.runner.run(sched.scheduled, self.block_manager.block_tables, want)
-            outputs += self._postprocess(sched.scheduled, seqs, logits, prompt)
+            pool = {q.seq_id: q.params.pooling for q, _ in sched.scheduled if q.params.pooling}
+            tables = self.block_manager.block_tables
+            seqs, logits, prompt, pooled = self.runner.run(sched.scheduled, tables, want, pool or None)
+            outputs += self._postprocess(sched.scheduled, seqs, logits, prompt, pooled)
         self.num_steps += 1
         return outputs
 
@@ -223,13 +230,19 @@ class LLMEngine:
         seqs: list[Sequence],
         logits: torch.Tensor | None,
         prompt: list[PromptLogprobs],
+        pooled: list[Pooled],
     ) -> list[RequestOutput]:
-        """After the forward pass: keep the prompt logprobs computed, give the rows
-        that caught up their next token, advance the scheduler, and report every
-        request that got tokens or ended."""
+        """After the forward pass: keep the prompt logprobs computed, end the embedding
+        requests whose prompt is computed, give the rows that caught up their next token,
+        advance the scheduler, and report every request that got tokens or ended."""
         for c in prompt:
             if (req := self._requests.get(c.seq.request_id)) is not None:
                 req.keep_prompt_logprobs(c.first, c.entries)
+        embedded = []
+        for p in pooled:
+            req = self._requests.get(p.seq.request_id)
+            if req is not None and req.keep_pooled(p.start, p.num_tokens, p.vector, p.caught_up):
+                embedded.append(self._requests.pop(req.request_id))
         outputs: list[RequestOutput] = []
         if logits is not None:
             seqs, rest, searched = self.beams.split(seqs, logits, self._requests)
@@ -237,8 +250,10 @@ class LLMEngine:
             if rest is not None and seqs:
                 seqs, rest = self._fork_children(seqs, rest)
                 outputs += [self._fail(req, code, why) for req, code, why in self._sample(seqs, rest)]
-        self.scheduler.finish_step(scheduled)
-        return outputs + self._collect(scheduled)
+        self.scheduler.finish_step(scheduled)  # offers the embeddings' full blocks to the prefix cache
+        for req in embedded:
+            self._end(req, FINISH_STOP)  # never sampled; its blocks are freed now
+        return outputs + self._collect(scheduled) + [r.output() for r in embedded]
 
     def _want_prompt_logprobs(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int] | None:
         """seq_id -> top N, for the sequences whose prompt logprobs are not all computed."""

@@ -12,6 +12,10 @@ Prompt logprobs: the row of position p predicts prompt token p + 1, so a chunk o
 positions [start, end) gives the entries of tokens start + 1 .. end (those in the
 prompt). They are reduced on the device, a slice of rows at a time, to the chosen token's
 logprob and the top N: a [prompt, vocab] logits tensor is never held whole.
+
+Pooling (embedding requests): their rows never reach the LM head. A chunk hands back the
+fp32 sum of its hidden states (`mean`, summed over chunks by the request) or, in the step
+where the sequence catches up, its last row (`last`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ class PromptLogprobs:
     seq: Sequence
     first: int  # the prompt position of entries[0] (>= 1: the first prompt token has none)
     entries: list[Any]  # per prompt token: [logprob, [[tok, lp], ...top N]]
+
+
+@dataclass(slots=True)
+class Pooled:
+    seq: Sequence
+    start: int  # the first position of this step's chunk
+    num_tokens: int  # positions in the chunk
+    caught_up: bool  # the chunk ends at the sequence's last token
+    vector: torch.Tensor  # [hidden] fp32, CPU: the chunk's sum (mean) or its last row (last)
 
 
 class ModelRunner:
@@ -118,19 +131,51 @@ class ModelRunner:
         scheduled: list[tuple[Sequence, int]],
         block_tables: dict[int, list[int]],
         prompt_logprobs: dict[int, int] | None = None,  # seq_id -> top N, for those that want them
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[PromptLogprobs]]:
+        pooling: dict[int, str] | None = None,  # seq_id -> "last" | "mean": embedding requests
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[PromptLogprobs], list[Pooled]]:
         """Forward every scheduled token. Returns the sequences that caught up with
-        their tokens, their next-token logits [num_sampled, vocab] (fp32, CPU), and the
-        prompt logprobs this step computed for the sequences in `prompt_logprobs`."""
+        their tokens (embedding requests aside), their next-token logits [num_sampled,
+        vocab] (fp32, CPU), the prompt logprobs this step computed for the sequences in
+        `prompt_logprobs`, and the pooled chunks of the sequences in `pooling`."""
         ids, pos, meta, rows, last_index = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
+        pooled: list[Pooled] = []
+        if pooling:
+            pooled = self._pool(hidden, scheduled, pooling)
+            keep = [k for k, i in enumerate(rows) if scheduled[i][0].seq_id not in pooling]
+            rows, last_index = [rows[k] for k in keep], [last_index[k] for k in keep]
         if not rows:
-            return [], None, prompt
+            return [], None, prompt, pooled
         if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
             hidden = hidden[torch.tensor(last_index, device=hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
-        return [scheduled[i][0] for i in rows], logits.cpu(), prompt
+        return [scheduled[i][0] for i in rows], logits.cpu(), prompt, pooled
+
+    def _pool(
+        self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], pooling: dict[int, str]
+    ) -> list[Pooled]:
+        """Each pooled sequence's chunk reduced on the device, then one copy to the CPU."""
+        found: list[tuple[Sequence, int, bool]] = []
+        vectors: list[torch.Tensor] = []  # each [hidden] fp32
+        offset = 0  # the sequence's first row in the packed batch
+        for seq, n in scheduled:
+            how = pooling.get(seq.seq_id)
+            caught_up = seq.num_computed_tokens + n == seq.num_tokens
+            if how == "mean":
+                vectors.append(hidden[offset : offset + n].float().sum(dim=0))
+            elif how == "last" and caught_up:
+                vectors.append(hidden[offset + n - 1].float())
+            if how == "mean" or (how == "last" and caught_up):
+                found.append((seq, n, caught_up))
+            offset += n
+        if not vectors:
+            return []
+        host = torch.stack(vectors).cpu()  # [num_pooled, hidden]
+        return [
+            Pooled(seq, seq.num_computed_tokens, n, caught_up, host[i])
+            for i, (seq, n, caught_up) in enumerate(found)
+        ]
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], want: dict[int, int]

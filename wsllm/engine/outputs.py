@@ -33,6 +33,9 @@ class RequestOutput:
     # a machine-readable code and a message a person can read.
     error_code: str | None = None
     error: str | None = None
+    # An embedding request's pooled last hidden state (fp32, not normalized), on its one
+    # output: params.pooling set.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -5,6 +5,12 @@ step output; the engine decides when.
 Prompt logprobs: the model runner computes them a prompt chunk at a time
 (`PromptLogprobs`); the request keeps them in prompt order until every prompt token
 has its entry, then hands them over once, with the output of that step.
+
+Pooling (`params.pooling`, an embedding request): the model runner hands over each
+chunk's sum of hidden states (`mean`) or the last row (`last`); the request adds the
+chunks up in prompt order and keeps the vector once its prompt is computed. A recompute
+after preemption starts the sum over; mean pooling never takes prefix-cache hits
+(`SamplingParams.needs_every_position`), so every position is summed here once.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class Request:
     # params.prompt_logprobs: per prompt token so far ([None] for the first); None when not
     # asked for or once reported
     prompt_logprobs: list[Any] | None = None
+    # pooling: the sum of the hidden states computed so far ([hidden] fp32) and its positions
+    pool_sum: torch.Tensor | None = None
+    pool_count: int = 0
+    embedding: list[float] | None = None  # pooling: the vector, once the prompt is computed
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -103,6 +113,21 @@ class Request:
         plp, self.prompt_logprobs = self.prompt_logprobs, None
         return plp
 
+    # -- pooling -----------------------------------------------------------------
+    def keep_pooled(self, start: int, num_tokens: int, vector: torch.Tensor, caught_up: bool) -> bool:
+        """One step's pooled chunk over positions [start, start + num_tokens); True when
+        it completes the embedding."""
+        if self.params.pooling == "mean":
+            if start == 0:  # the first chunk, or a recompute after preemption: start over
+                self.pool_sum, self.pool_count = None, 0
+            self.pool_sum = vector if self.pool_sum is None else self.pool_sum + vector
+            self.pool_count += num_tokens
+            if caught_up:
+                self.embedding = (self.pool_sum / self.pool_count).tolist()
+        elif caught_up:  # last
+            self.embedding = vector.tolist()
+        return caught_up
+
     # -- outputs -----------------------------------------------------------------
     def output(self) -> RequestOutput:
         """What this step produced for every choice; clears the per-step tokens."""
@@ -153,4 +178,5 @@ class Request:
             self.seqs[0].num_cached_tokens,
             qt,
             prompt_logprobs=self.take_prompt_logprobs(),
+            embedding=self.embedding,
         )

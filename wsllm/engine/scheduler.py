@@ -231,7 +231,7 @@ class Scheduler:
             seq = self._next_waiting()
             tokens = seq.token_ids
             first = min(seq.num_tokens, budget)
-            use_cache = seq.params.prompt_logprobs is None  # those need every prompt position computed
+            use_cache = not seq.params.needs_every_position  # prompt logprobs, mean pooling
             if not self.bm.can_allocate(tokens, first, use_cache):
                 break
             cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache)

@@ -324,6 +324,7 @@ class EngineWorker:
             if c.finish_reason is not None:
                 live.finished.add(c.index)
                 ev.usage = Usage(out.num_prompt_tokens, c.num_tokens, out.num_cached_tokens)
+                ev.embedding = out.embedding  # an embedding request's vector, on its one event
             events.append(ev)
         if out.prompt_logprobs is not None and events:  # once per request, on its first event here
             events[0].prompt_logprobs = out.prompt_logprobs

@@ -41,6 +41,11 @@ class BuiltModel:
     eos_token_ids: list[int]
 
 
+#: EngineConfig.pooling "auto", per family: every family served here is a decoder-only chat
+#: model, whose last token has seen the whole prompt (vLLM pools those the same way)
+DEFAULT_POOLING = {"llama": "last", "mistral": "last", "qwen2": "last", "qwen3": "last"}
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

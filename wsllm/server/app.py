@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import messages_api, openai_api, responses_api, tokenize_api, usage_api
+from wsllm.server import embeddings_api, messages_api, openai_api, responses_api, tokenize_api, usage_api
 from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -168,6 +168,7 @@ def create_app(
         Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses_api.list_input_items),
         Route("/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", ws_endpoint),

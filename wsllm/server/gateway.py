@@ -12,16 +12,16 @@ after preparation the charge is set to the exact one and the difference taken or
 given back (`quota.py`). A request refused with a 400 by preparation gets its tokens
 back and keeps its rpm spent.
 
-Ownership: every request gets an unguessable resume token when it starts (the
-client that started it is the only one told). Resuming, reading or cancelling it
-from another connection, on any gateway, needs that token; the broker stores only
-its hash. Ids that clients pick (WebSocket `id`) never leave their connection.
+Ownership: every request gets an unguessable resume token when it starts, told only to
+its client; resuming, reading or cancelling it from another connection, on any gateway,
+needs that token (the broker stores only its hash). Ids that clients pick (WebSocket
+`id`) never leave their connection.
 
-With a resumable broker (Redis) a request outlives its connection: a client that
-leaves detaches (`Generation.leave`), the request runs on for `resume_grace_s`, and
-`Gateway.resume` rebuilds its Generation on any gateway by replaying its events
-from the first one. Replaying the same events gives the same deltas, so a client
-that says how many it has gets exactly the rest."""
+With a resumable broker (Redis) a request outlives its connection: a client that leaves
+detaches (`Generation.leave`), the request runs on for `resume_grace_s`, and
+`Gateway.resume` rebuilds its Generation on any gateway by replaying its events from the
+first; the same events give the same deltas, so a client that says how many it has gets
+exactly the rest."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import (
+    Coarse,
     admit,
     check_priority,
     coarse_charge,
@@ -100,20 +101,38 @@ class Gateway:
     async def start(
         self, req: ChatRequest | CompletionRequest, api: Api, tenant: Tenant = ANONYMOUS
     ) -> Generation:
-        """Resolve, admit, prepare and submit a checked request of `tenant` (whom its
-        API key names). Raises APIError (429 `rate_limited` past the tenant's limits,
-        before any tokenizing). The Generation's `resume_token` is for its client alone."""
+        """Resolve, admit, prepare and submit a checked request of `tenant` (whom its API key
+        names). Raises APIError (429 past the tenant's limits, before any tokenizing)."""
         model, max_len = await self.models.resolve(req.model, tenant)
         check_priority(req.priority, tenant, self.cfg.max_priority)
+        charge = coarse_charge(req, self.cfg.default_max_tokens)
+        return await self._run(
+            model, api, tenant, req.priority, charge, lambda: prepare(req, api, model, max_len, self.cfg)
+        )
+
+    async def start_prepared(
+        self, model: ServedModel, prep: Prepared, api: Api, tenant: Tenant, priority: int = 0
+    ) -> Generation:
+        """Admit and submit a request its route prepared for `model` (/v1/embeddings
+        tokenizes its inputs itself, so its exact charge is known at admission)."""
+        exact = exact_charge(len(prep.prompt_ids), prep.params)
+        return await self._run(
+            model, api, tenant, priority, Coarse(exact, exact), lambda: asyncio.sleep(0, prep)
+        )
+
+    async def _run(
+        self, model: ServedModel, api: Api, tenant: Tenant, priority: int, charge: Coarse,
+        prepared: Callable[[], Awaitable[Prepared]],
+    ) -> Generation:  # fmt: skip
+        """Admit with `charge`, then prepare (not on a refusal), refine the charge, submit."""
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
         metrics = model.svc.metrics
         with counted(metrics, tenant):  # a 429 here or after tokenizing (larger than its tpm)
-            charge = coarse_charge(req, self.cfg.default_max_tokens)
             ticket = await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
             try:
-                prep = await prepare(req, api, model, max_len, self.cfg)
+                prep = await prepared()
                 await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
-                gen = await self._submit(model, prep, rid, req.priority, tenant.name)
+                gen = await self._submit(model, prep, rid, priority, tenant.name)
             except BaseException:
                 await ticket.release(0)  # never queued: nothing used
                 raise
@@ -142,16 +161,11 @@ class Gateway:
         gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
         gen.resume_token, prep.context.token_sha256 = new_token(rid)
         now = time.time()
+        deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(
-            rid,
-            prep.prompt_ids,
-            prep.params,
-            model=model.name,
-            arrival_time=now,
-            queue_deadline=now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0,
-            priority=priority,
-            tenant=tenant,
-        )
+            rid, prep.prompt_ids, prep.params, model=model.name, arrival_time=now,
+            queue_deadline=deadline, priority=priority, tenant=tenant,
+        )  # fmt: skip
         try:
             await self.broker.submit(
                 request, context=prep.context.encode() if self.broker.resumable else None
@@ -164,13 +178,11 @@ class Gateway:
     async def resume(
         self, token: str, request_id: str | None = None, tenant: Tenant = ANONYMOUS
     ) -> Generation | None:
-        """The Generation of the request that `token` (its resume token) names, started
-        on any gateway, replaying its events from the first; None when the broker does
-        not know it, cannot resume at all, or the token does not match (the same
-        answer: a wrong token tells nothing). `request_id`, when given, must be the
-        token's request. Every call takes one request of `tenant`'s rpm before any
-        work (a 429 APIError past it); a resume takes the request's concurrency lease
-        again, held until it ends or its client leaves and its grace runs out."""
+        """The Generation of the request that `token` (its resume token) names, started on
+        any gateway, replaying its events from the first; None when the broker does not know
+        it, cannot resume, or the token does not match (a wrong token tells nothing).
+        `request_id`, when given, must be the token's. Takes one rpm of `tenant` first (429
+        past it) and the request's concurrency lease again, held until it ends or leaves."""
         headers = await self.meter(tenant)
         rid, secret = split_token(token)
         if not self.broker.resumable or not rid or (request_id is not None and request_id != rid):
@@ -184,15 +196,13 @@ class Gateway:
                 return None
             model = await self.models.served(ctx.model or self.model_name)
             ticket = await take_lease(self.limiter, tenant, found.request_id)
+            gen = None
             try:
                 gen = Generation.from_context(model.svc, found.request_id, ctx)
-            except BaseException:
-                await ticket.release(None)
-                raise
-            try:
                 gen.attach = await self.broker.follow(found.request_id)
             except BaseException:
-                self.router.close(found.request_id)  # nobody reads the new inbox
+                if gen is not None:
+                    self.router.close(found.request_id)  # nobody reads the new inbox
                 await ticket.release(None)
                 raise
         except BrokerUnavailable as e:

@@ -118,6 +118,8 @@ class Generation:
         #: per prompt token (None for the first), as the engine sent them (token ids): kept
         #: once, from its first event, and rendered by the transport off the event loop
         self.prompt_logprobs_raw: list[Any] | None = None
+        #: an embedding request's pooled vector (params.pooling), from its final event
+        self.embedding: list[float] | None = None
         output = OutputOptions.from_context(ctx.output)
         if output is None and ctx.api.is_chat:
             output = OutputOptions()  # no tools; <think> split off
@@ -277,6 +279,8 @@ class Generation:
         c = self.choices[ev.index]
         if ev.usage is not None:
             self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
+        if ev.embedding is not None:
+            self.embedding = ev.embedding
         if c.finish_reason is not None:  # ended by a stop string; the engine hasn't heard yet
             c.engine_done = c.engine_done or ev.finish_reason is not None
             return []

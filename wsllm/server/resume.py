@@ -43,6 +43,7 @@ class Api(enum.StrEnum):
     WS_COMPLETION = "ws_completion"
     MESSAGES = "messages"  # Anthropic's /v1/messages: a chat answer in its own shapes
     RESPONSES = "responses"  # OpenAI's /v1/responses
+    EMBEDDINGS = "embeddings"  # /v1/embeddings: one request per input, no text out
 
     @property
     def is_chat(self) -> bool:
@@ -57,6 +58,8 @@ class Api(enum.StrEnum):
             return "msg"
         if self is Api.RESPONSES:
             return "resp"
+        if self is Api.EMBEDDINGS:
+            return "embd"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 

@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket
 
 from wsllm.broker.base import BrokerError
 from wsllm.config import GatewayConfig
+from wsllm.server import embeddings_api
 from wsllm.server.errors import APIError, from_broker, from_generation
 from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
@@ -146,6 +147,9 @@ class WsSession:
             if isinstance(obj, dict) and obj.get("type") == "responses":
                 await self._start_response(obj, len(raw))
                 return
+            if isinstance(obj, dict) and obj.get("type") == "embeddings":
+                await self._start_embeddings(obj)
+                return
             if len(raw) <= 64 * 1024:
                 msg = validate_ws(obj, self.cfg)
             else:  # a large message must not hold up the other streams
@@ -223,6 +227,29 @@ class WsSession:
         ids = {"request_id": run.gen.request_id, "response_id": run.builder.id}
         await self.send({"type": "started", "id": msg_id} | ids)
         self.tasks[msg_id] = asyncio.create_task(self._stream_response(msg_id, run))
+
+    async def _start_embeddings(self, obj: dict[str, Any]) -> None:
+        """An `embeddings` message: /v1/embeddings' body (embeddings_api.py), answered by
+        one `embeddings` message or an `error`; the socket's close cancels it."""
+        msg_id, req = embeddings_api.ws_request(obj, self.cfg.max_embedding_inputs)
+        self._admit(msg_id)
+        if msg_id in self.tasks:
+            raise APIError(400, "duplicate_id", f"id {msg_id!r} is already running on this socket", "id")
+
+        async def answer() -> None:
+            try:
+                await self.send(await embeddings_api.ws_answer(self.gw, msg_id, req, self.tenant))
+            except APIError as e:
+                await self.api_error(msg_id, e)
+            except BrokerError as e:
+                await self.api_error(msg_id, from_broker(e))
+            except Exception:
+                log.exception("an embeddings message failed")
+                await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
+            finally:
+                self.tasks.pop(msg_id, None)
+
+        self.tasks[msg_id] = asyncio.create_task(answer())
 
     async def _stream_response(self, msg_id: str, run: ResponseRun) -> None:
         try:
