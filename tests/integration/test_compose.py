@@ -83,7 +83,8 @@ def config_env_names(command: str) -> set[str]:
 @cache
 def names_read_by_code() -> set[str]:
     """WSLLM_* names the code reads directly (not through a config field)."""
-    text = "\n".join(p.read_text() for p in (ROOT / "wsllm").rglob("*.py"))
+    files = [*(ROOT / "wsllm").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]  # wsllm.kernels too
+    text = "\n".join(p.read_text() for p in files)
     return set(re.findall(r"[\"'](WSLLM_[A-Z0-9_]+)[\"']", text))
 
 
