@@ -132,8 +132,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   buf.d.resize(M * (K / bv));
   buf.s16.resize(M * (K / 16));
   buf.q.resize(M * K);
+  const QuantizeFn qfn = isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    if (bf16)
+    if (qfn != nullptr)
+      qfn(x.data_ptr(), bf16, m0, m1, int(K), bv, buf.d.data(), buf.s16.data(), buf.q.data());
+    else if (bf16)
       quantize_rows(x.data_ptr<at::BFloat16>(), m0, m1, int(K), bv, buf);
     else
       quantize_rows(x.data_ptr<float>(), m0, m1, int(K), bv, buf);
