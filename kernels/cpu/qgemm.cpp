@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "qgemm.h"
+#include "rowops.h"
 
 namespace wsq {
 namespace {
@@ -189,5 +190,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
   m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
+  m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
+  m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }
