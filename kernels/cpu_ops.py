@@ -59,7 +59,12 @@ def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = _native_bf16(x, weight)
-    if ext is not None and residual.dtype is x.dtype and residual.shape == x.shape and residual.is_contiguous():
+    if (
+        ext is not None
+        and residual.dtype is x.dtype
+        and residual.shape == x.shape
+        and residual.is_contiguous()
+    ):
         out, h = ext.add_rms_norm(x, residual, weight, eps)
         return out, h
     h = x + residual
