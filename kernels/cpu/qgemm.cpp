@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -182,6 +183,18 @@ torch::Tensor dequant_rows(torch::Tensor packed, int64_t qtype, int64_t n, torch
   return out;
 }
 
+// How many of torch's threads an at::parallel_for of this module runs on: 1 whatever
+// torch's setting when the build lacks OpenMP (tests/unit/test_quant_kernels.py checks it).
+int64_t parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 4096, 1, [&](int64_t, int64_t) {
+    volatile double spin = 0;  // long enough that every thread gets a share
+    for (int i = 0; i < 200000; ++i) spin = spin + 1.0;
+    seen.fetch_or(uint64_t(1) << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 }  // namespace wsq
 
@@ -194,5 +207,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
   m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
+  m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }
