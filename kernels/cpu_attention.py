@@ -128,17 +128,18 @@ def cpu_attention_block(
     if ext is not None:  # rotary and the KV store in one native call
         assert plan.cos is not None and plan.sin is not None and plan.slot_mapping is not None
         ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
-        qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
-        q, k = qk[:, :num_heads], qk[:, num_heads:]
-        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
-        return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
+        if not plan.prefills:  # a pure decode step reads K and V from the cache alone
+            q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+            o = _decode(q, k_cache, v_cache, plan, scale, num_heads // num_kv_heads)
+            return o.reshape(t, num_heads * head_dim)
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
-    rotate(qk, plan)
     q, k = qk[:, :num_heads], qk[:, num_heads:]
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
-    assert plan.slot_mapping is not None
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+    if ext is None:
+        rotate(qk, plan)
+        assert plan.slot_mapping is not None
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
     return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
 
 
