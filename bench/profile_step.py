@@ -97,7 +97,7 @@ def linear_limit(model: Any, batch: int, steps: int) -> float:
         for m in model.modules()
         if hasattr(m, "in_features") and hasattr(m, "out_features")
     ]
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype  # the embedding may be quantized (no .weight)
     ws = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]
     x = {i: torch.randn(batch, i, dtype=dtype) for _, i in shapes}
     with torch.inference_mode():
@@ -137,6 +137,9 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
     timer.wrap(engine, "step", "engine.step")
     timer.wrap(worker.broker, "publish", "publish")
     timer.wrap(worker, "run_once", "worker iteration")
+    from wsllm.kernels import quant
+
+    timer.wrap(quant, "qlinear", "quantized matmuls")  # QuantLinear calls it through the module
     timer.enabled = True
     t = time.perf_counter()
     for _ in range(args.steps):
@@ -145,14 +148,21 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
     timer.enabled = False
     phases = {k: v / args.steps for k, v in timer.total.items()}
     kinds: dict[str, float] = defaultdict(float)
+    calls = 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.profile_steps):
             worker.run_once()
     for ev in prof.key_averages():
         if ev.key.startswith("aten::") or "mkl" in ev.key or "onednn" in ev.key:
             kinds[kind_of(ev.key)] += ev.self_cpu_time_total / 1e6 / args.profile_steps
+        if ev.key.startswith("aten::"):
+            calls += ev.count
     limit = linear_limit(engine.runner.model, batch, args.steps)
-    return {"batch": batch, "wall": wall, "phases": phases, "kinds": dict(kinds), "limit": limit}
+    layers = engine.runner.model.config.num_layers
+    return {
+        "batch": batch, "wall": wall, "phases": phases, "kinds": dict(kinds), "limit": limit,
+        "aten_calls": calls / args.profile_steps, "layers": layers,
+    }  # fmt: skip
 
 
 def report(r: dict[str, Any]) -> str:
@@ -180,7 +190,13 @@ def report(r: dict[str, Any]) -> str:
     lines += ["", "| op kind (torch.profiler, self CPU time) | ms per step |", "| --- | ---: |"]
     for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {kind} | {v * 1e3:.2f} |")
+    qmm = p.get("quantized matmuls", 0.0)
+    if qmm:
+        lines.append(f"| quantized matmuls (ours, not seen by the profiler) | {qmm * 1e3:.2f} |")
     lines.append(f"\nModel forward + logits: {fwd * 1e3:.1f} ms of {wall * 1e3:.1f} ms ({fwd / wall:.0%}).")
+    lines.append(
+        f"aten ops dispatched per step: {r['aten_calls']:.0f} ({r['aten_calls'] / r['layers']:.1f} per layer, nested included)"
+    )
     return "\n".join(lines)
 
 

@@ -12,6 +12,10 @@ paths, all existing torch kernels (no GEMM of ours):
 - ours (kernels/cpu/, `wsllm.kernels.quant.qlinear`) on GGUF Q8_0, Q4_0 and Q4_1 blocks, on
   the best ISA path of the CPU and, with `--all-isas`, on each path it has (avx2, scalar);
 
+`--layers` times one layer of each shape instead, ours against oneDNN over the de-quantized
+weight (fp32, and bf16 packed for bf16 activations) at M in 1..2048, the calls interleaved and
+the best of several repeats kept (a shared machine: read the ratios): docs/kernels.md's table.
+
 At large B (prefill: `--batch-sizes 128,512`) the fp32 oneDNN row is the bound of the other
 route, dequantizing tiles of the weights and calling a GEMM: that route costs the GEMM plus
 the dequantization, so ours only needs to beat the fp32 row (docs/kernels.md).
@@ -21,6 +25,7 @@ layer's output against fp32 (relative to the output's scale).
 
     .venv/bin/python bench/quantized_linear.py [--batch-sizes 1,8,32] [--steps 10] [--all-isas]
     .venv/bin/python bench/quantized_linear.py --batch-sizes 128,512 --steps 2   # prefill
+    .venv/bin/python bench/quantized_linear.py --layers [--threads 2]              # one layer, M 1..2048
 """
 
 from __future__ import annotations
@@ -97,14 +102,77 @@ def time_step(
     return best
 
 
+def layer_sweep(sizes: list[int], qtype: str) -> None:
+    """One layer per shape: ms per call of ours and oneDNN's, fp32 and bf16 activations."""
+    g = torch.Generator().manual_seed(0)
+    print(
+        "| layer | M | x | ours ms | oneDNN fp32 ms | oneDNN (x's dtype) ms | ours / fp32 | ours / oneDNN |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (n, k), _ in SHAPES[:4]:
+        w = torch.randn(n, k, generator=g) * 0.05
+        qw = quant.pack(qtype, quant.quantize(w, qtype), (n, k))
+        wd = qw.dequantize()
+        packed = {
+            dt: torch.ops.mkldnn._reorder_linear_weight(wd.to(dt), 32)
+            for dt in (torch.float32, torch.bfloat16)
+        }
+        for m in sizes:
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=g).to(dt)
+                x32 = x.float()
+                p32, pdt = packed[torch.float32], packed[dt]
+                fns = {
+                    "ours": lambda x=x, qw=qw: quant.qlinear(x, qw),
+                    "fp32": lambda x=x32, p=p32: torch.ops.mkldnn._linear_pointwise(
+                        x, p, None, "none", [], ""
+                    ),
+                    "same": lambda x=x, p=pdt: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                }
+                best = dict.fromkeys(fns, float("inf"))
+                reps = max(2, 300 // m)
+                for _ in range(5):  # interleaved: a busy moment hits every path alike
+                    for name, fn in fns.items():
+                        best[name] = min(best[name], _best_call(fn, reps))
+                r = best
+                print(
+                    f"| {n}x{k} | {m} | {str(dt).removeprefix('torch.')} | {r['ours'] * 1e3:.3f} | {r['fp32'] * 1e3:.3f} "
+                    f"| {r['same'] * 1e3:.3f} | {r['ours'] / r['fp32']:.2f} | {r['ours'] / r['same']:.2f} |",
+                    flush=True,
+                )
+
+
+def _best_call(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--all-isas", action="store_true", help="time our kernels on every ISA path the CPU has")
+    ap.add_argument("--layers", action="store_true", help="one layer per shape at M in 1..2048 (prefill)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ok, why = quant.native_status()
     print(why)
+    if args.layers:
+        with torch.inference_mode():
+            sizes = (
+                [1, 8, 32, 128, 512, 2048]
+                if args.batch_sizes == "1,8,32"
+                else [int(b) for b in args.batch_sizes.split(",")]
+            )
+            layer_sweep(sizes, "Q4_1")
+        return
     isas = [quant.kernel_path()] if ok else []
     if ok and args.all_isas:
         isas = [i for i in ("avx512_vnni", "avx2", "scalar") if _can_pin(i)]

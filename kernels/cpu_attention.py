@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .cpu_ops import native_rows
+
 
 @dataclass(slots=True)
 class PrefillRow:
@@ -95,7 +97,7 @@ def plan_cpu_attention(
     cos = sin = None
     if positions is not None and cos_sin_cache is not None:
         half = cos_sin_cache.shape[1] // 2
-        cs = cos_sin_cache.index_select(0, positions)
+        cs = cos_sin_cache.index_select(0, positions).float()  # exact; the native op reads fp32
         cos = torch.cat([cs[:, :half], cs[:, :half]], dim=1)[:, None, :]
         sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=1)[:, None, :]
     return CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping)
@@ -122,13 +124,22 @@ def cpu_attention_block(
     """Rotary on q and k, KV store, attention: one layer's attention on the CPU."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
+    ext = native_rows(qkv, k_cache)
+    if ext is not None:  # rotary and the KV store in one native call
+        assert plan.cos is not None and plan.sin is not None and plan.slot_mapping is not None
+        ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
+        if not plan.prefills:  # a pure decode step reads K and V from the cache alone
+            q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+            o = _decode(q, k_cache, v_cache, plan, scale, num_heads // num_kv_heads)
+            return o.reshape(t, num_heads * head_dim)
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
-    rotate(qk, plan)
     q, k = qk[:, :num_heads], qk[:, num_heads:]
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
-    assert plan.slot_mapping is not None
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+    if ext is None:
+        rotate(qk, plan)
+        assert plan.slot_mapping is not None
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
     return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
 
 

@@ -6,6 +6,13 @@ decode step of a small model runs thousands of them. These versions cut the coun
 qkv output, no masking pass in the KV store) and stay bit-identical to the references
 in fp32 (tests/unit/test_kernels_cpu.py). Other dtypes use the references, whose
 rounding follows HF's.
+
+With the native build (kernels/native.py) these are one C++ call each
+(kernels/cpu/rowops.cpp): rotary with the KV store (float32 and bfloat16, the
+reference's bits), and for bfloat16 rows, whose references take 5 to 15 ops,
+RMSNorm with its residual add and SiLU-and-mul (the references' rounding to
+bfloat16; the float sums and exp may differ from torch's in the last bit, so
+float32 keeps torch's ops, bit-identical to the references).
 """
 
 from __future__ import annotations
@@ -20,8 +27,27 @@ from .rotary import rotary_embedding_ref
 _FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
 
 
+def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    """The native extension when it can take x (and `other`, of the same dtype): a
+    contiguous float32/bfloat16 CPU matrix; else None (the torch versions run)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
+        return None
+    if other is not None and (other.dtype is not x.dtype or not other.is_contiguous()):
+        return None
+    from . import native  # here: `python -m wsllm.kernels.native` must not find it imported
+
+    return native.extension()
+
+
+def _native_bf16(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    return native_rows(x, other) if x.dtype is torch.bfloat16 else None
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [num_tokens, hidden]
+    ext = _native_bf16(x, weight)
+    if ext is not None:
+        return ext.add_rms_norm(x, None, weight, eps)[0]
     if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
         return rms_norm_ref(x, weight, eps)
     if _FUSED_RMS_NORM is not None:
@@ -32,12 +58,24 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = _native_bf16(x, weight)
+    if (
+        ext is not None
+        and residual.dtype is x.dtype
+        and residual.shape == x.shape
+        and residual.is_contiguous()
+    ):
+        out, h = ext.add_rms_norm(x, residual, weight, eps)
+        return out, h
     h = x + residual
     return rms_norm_cpu(h, weight, eps), h
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
+    ext = _native_bf16(x)
+    if ext is not None:
+        return ext.silu_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 

@@ -35,7 +35,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "cpu"
-CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is OpenMP pragmas inlined from torch's headers; without the flag
+# they compile to a serial loop (the kernels ran on one core whatever torch's thread count).
+# The module then needs libgomp.so.1, which resolves to the copy torch has already loaded:
+# one thread pool, torch's.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": ModuleType | None, "failure": str
@@ -116,6 +121,7 @@ def _build() -> ModuleType:
         name=name,
         sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
         extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
         build_directory=str(build_dir),
         verbose=False,
     )

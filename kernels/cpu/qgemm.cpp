@@ -4,11 +4,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <type_traits>
 
 #include "qgemm.h"
+#include "rowops.h"
 
 namespace wsq {
 namespace {
@@ -132,8 +134,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   buf.d.resize(M * (K / bv));
   buf.s16.resize(M * (K / 16));
   buf.q.resize(M * K);
+  const QuantizeFn qfn = isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    if (bf16)
+    if (qfn != nullptr)
+      qfn(x.data_ptr(), bf16, m0, m1, int(K), bv, buf.d.data(), buf.s16.data(), buf.q.data());
+    else if (bf16)
       quantize_rows(x.data_ptr<at::BFloat16>(), m0, m1, int(K), bv, buf);
     else
       quantize_rows(x.data_ptr<float>(), m0, m1, int(K), bv, buf);
@@ -178,6 +183,18 @@ torch::Tensor dequant_rows(torch::Tensor packed, int64_t qtype, int64_t n, torch
   return out;
 }
 
+// How many of torch's threads an at::parallel_for of this module runs on: 1 whatever
+// torch's setting when the build lacks OpenMP (tests/unit/test_quant_kernels.py checks it).
+int64_t parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 4096, 1, [&](int64_t, int64_t) {
+    volatile double spin = 0;  // long enough that every thread gets a share
+    for (int i = 0; i < 200000; ++i) spin = spin + 1.0;
+    seen.fetch_or(uint64_t(1) << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 }  // namespace wsq
 
@@ -186,5 +203,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
   m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
+  m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
+  m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
+  m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

@@ -59,6 +59,12 @@ const GroupFn* kernels_scalar();
 const GroupFn* kernels_avx2();
 const GroupFn* kernels_avx512();
 
+// x rows m0 .. m1 - 1 (float32, or bfloat16 bits when bf16) -> Act's blocks d, s16, q.
+using QuantizeFn = void (*)(const void* x, bool bf16, int64_t m0, int64_t m1, int K, int bv, float* d,
+                            int32_t* s16, int8_t* q);
+QuantizeFn quantizer_avx2();
+QuantizeFn quantizer_avx512();
+
 // Row r of a group -> nb * block_values floats, bit-equal to gguf.quants.dequantize.
 void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out);
 

@@ -65,6 +65,34 @@ struct Vec {
   WSQ_TARGET static VF fset1(float v) { return _mm256_set1_ps(v); }
   WSQ_TARGET static VF fzero() { return _mm256_setzero_ps(); }
   WSQ_TARGET static void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+  // activation quantization (quantize_rows in qgemm_simd.h)
+  WSQ_TARGET static VF fload(const float* p) { return _mm256_loadu_ps(p); }
+  WSQ_TARGET static VF fload(const uint16_t* p) {  // bf16 -> float, exact
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  WSQ_TARGET static VF fabs_(VF v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  WSQ_TARGET static VF fmax_(VF a, VF b) { return _mm256_max_ps(a, b); }
+  WSQ_TARGET static float hmax(VF v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  WSQ_TARGET static VI round_clamp(VF v) {  // nearest even (the default MXCSR mode), then +-127
+    const VI q = _mm256_cvtps_epi32(v);
+    return _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+  }
+  WSQ_TARGET static void store_q8(int8_t* p, VI v) {
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));
+  }
+  WSQ_TARGET static int32_t hsum(VI v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
 };
 
 #include "qgemm_simd.h"
@@ -72,5 +100,6 @@ struct Vec {
 }  // namespace avx2
 
 const GroupFn* kernels_avx2() { return avx2::kTable; }
+QuantizeFn quantizer_avx2() { return avx2::quantize_rows; }
 
 }  // namespace wsq

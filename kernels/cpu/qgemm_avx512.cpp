@@ -60,6 +60,23 @@ struct Vec {
   WSQ_TARGET static VF fset1(float v) { return _mm512_set1_ps(v); }
   WSQ_TARGET static VF fzero() { return _mm512_setzero_ps(); }
   WSQ_TARGET static void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+  // activation quantization (quantize_rows in qgemm_simd.h)
+  WSQ_TARGET static VF fload(const float* p) { return _mm512_loadu_ps(p); }
+  WSQ_TARGET static VF fload(const uint16_t* p) {  // bf16 -> float, exact
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  WSQ_TARGET static VF fabs_(VF v) { return _mm512_abs_ps(v); }
+  WSQ_TARGET static VF fmax_(VF a, VF b) { return _mm512_max_ps(a, b); }
+  WSQ_TARGET static float hmax(VF v) { return _mm512_reduce_max_ps(v); }
+  WSQ_TARGET static VI round_clamp(VF v) {  // nearest even (the default MXCSR mode), then +-127
+    const VI q = _mm512_cvtps_epi32(v);
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  }
+  WSQ_TARGET static void store_q8(int8_t* p, VI v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+  WSQ_TARGET static int32_t hsum(VI v) { return _mm512_reduce_add_epi32(v); }
 };
 
 #include "qgemm_simd.h"
@@ -67,5 +84,6 @@ struct Vec {
 }  // namespace avx512
 
 const GroupFn* kernels_avx512() { return avx512::kTable; }
+QuantizeFn quantizer_avx512() { return avx512::quantize_rows; }
 
 }  // namespace wsq

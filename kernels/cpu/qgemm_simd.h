@@ -212,3 +212,41 @@ WSQ_TARGET void group_kernel(const uint8_t* g, const Act& a, int m0, int mt, flo
 
 const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>,
                                     group_kernel<Q4_K>, group_kernel<Q5_K>, group_kernel<Q6_K>};
+
+// x rows m0 .. m1 - 1 -> int8 blocks, the scalar quantize_rows of qgemm.cpp in vectors (the same
+// bits: the block's amax is exact in any order, x * (1 / d) is one rounding, and the conversion
+// rounds to nearest even as nearbyint does). Each 16 quants are one s16 sum.
+template <class T>
+WSQ_TARGET void quantize_rows_t(const T* x, int64_t m0, int64_t m1, int K, int bv, float* d, int32_t* s16,
+                                int8_t* q) {
+  const float inv127 = float(1.0 / 127.0);
+  const int nb = K / bv;
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* xr = x + m * K;
+    for (int b = 0; b < nb; ++b) {
+      const T* xb = xr + b * bv;
+      VF amax = Vec::fzero();
+      for (int l = 0; l < bv; l += L) amax = Vec::fmax_(amax, Vec::fabs_(Vec::fload(xb + l)));
+      const float db = Vec::hmax(amax) * inv127;
+      const VF id = Vec::fset1(db == 0.0f ? 0.0f : 1.0f / db);
+      d[m * nb + b] = db;
+      for (int g = 0; g < bv; g += 16) {
+        VI sum = Vec::zero();
+        for (int h = 0; h < 16; h += L) {
+          const VI qi = Vec::round_clamp(Vec::fmul(Vec::fload(xb + g + h), id));
+          Vec::store_q8(q + m * K + b * bv + g + h, qi);
+          sum = Vec::add(sum, qi);
+        }
+        s16[m * (K / 16) + (b * bv + g) / 16] = Vec::hsum(sum);
+      }
+    }
+  }
+}
+
+WSQ_TARGET void quantize_rows(const void* x, bool bf16, int64_t m0, int64_t m1, int K, int bv, float* d,
+                              int32_t* s16, int8_t* q) {
+  if (bf16)
+    quantize_rows_t(static_cast<const uint16_t*>(x), m0, m1, K, bv, d, s16, q);
+  else
+    quantize_rows_t(static_cast<const float*>(x), m0, m1, K, bv, d, s16, q);
+}

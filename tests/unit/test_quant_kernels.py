@@ -162,6 +162,25 @@ def test_memory_is_ggufs() -> None:
         assert packed.numel() <= raw.numel() * 1.03, qtype
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core")
+def test_the_kernels_run_on_torchs_threads() -> None:
+    # at::parallel_for is OpenMP inlined from torch's headers: a build without -fopenmp
+    # runs every call on one core whatever torch's setting (prefill 3-4x slower)
+    from wsllm.kernels import native
+
+    ext = native.extension()
+    if ext is None:
+        pytest.skip(f"no native build: {native.failure()}")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ext.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert ext.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         quant.pack("Q4_K", torch.zeros(144, dtype=torch.uint8), (1, 128))

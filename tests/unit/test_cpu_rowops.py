@@ -1,0 +1,69 @@
+"""The native row ops of the CPU decode step (kernels/cpu/rowops.cpp), each against the
+unfused torch reference it replaces: RMSNorm with the residual add and SiLU*up (bf16,
+the references' rounding), rotary with the KV store (fp32 and bf16, the same bits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from wsllm.kernels import activation, cpu_ops, native, norms
+from wsllm.kernels.cpu_attention import plan_cpu_attention, rotate
+from wsllm.kernels.rotary import compute_cos_sin_cache
+from wsllm.kernels.testing import row_op_tolerance
+
+from wsllm import kernels
+
+ext = native.extension()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native build: {native.failure()}")
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3, 200])  # 200 rows: split over the threads
+def test_bf16_rms_norm_with_and_without_the_residual_equals_the_reference(m: int) -> None:
+    x, r = _rows(m, 576, torch.bfloat16, 0), _rows(m, 576, torch.bfloat16, 1)
+    w = (1 + 0.1 * _rows(1, 576, torch.float32, 2)[0]).to(torch.bfloat16)
+    out, h = kernels.add_rms_norm(x, r, w, 1e-5)
+    want, want_h = norms.add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(h, want_h), "x + residual is rounded as torch rounds"
+    torch.testing.assert_close(out, want, **row_op_tolerance(torch.bfloat16))
+    torch.testing.assert_close(
+        kernels.rms_norm(x, w, 1e-5), norms.rms_norm_ref(x, w, 1e-5), **row_op_tolerance(torch.bfloat16)
+    )
+    assert torch.equal(x, _rows(m, 576, torch.bfloat16, 0)), "inputs are not modified"
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_bf16_silu_and_mul_equals_the_reference(m: int) -> None:
+    x = 3 * _rows(m, 2 * 1536, torch.bfloat16, 3)
+    got = cpu_ops.silu_and_mul_cpu(x)
+    torch.testing.assert_close(got, activation.silu_and_mul_ref(x), **row_op_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_equals_rotate_then_index_copy(dtype: torch.dtype) -> None:
+    h, hk, d, bs, t = 9, 3, 64, 16, 5
+    qkv = _rows(t, (h + 2 * hk) * d, dtype, 4)
+    positions = torch.tensor([0, 7, 31, 100, 2047])
+    slots = torch.tensor([3, 17, 40, 41, 63])
+    cache = compute_cos_sin_cache(d, 10000.0, 2048, None).to(dtype)  # a bf16 model's buffer is bf16
+    plan = plan_cpu_attention([[0]], [1], [1], bs, dtype, positions, cache, slots)
+    kc, vc = torch.zeros(4, bs, hk, d, dtype=dtype), torch.zeros(4, bs, hk, d, dtype=dtype)
+    want_kc, want_vc, want = kc.clone(), vc.clone(), qkv.clone()
+    rotate(want[:, : (h + hk) * d].view(t, h + hk, d), plan)
+    want_kc.view(-1, hk, d).index_copy_(0, slots, want[:, h * d : (h + hk) * d].view(t, hk, d))
+    want_vc.view(-1, hk, d).index_copy_(0, slots, want[:, (h + hk) * d :].view(t, hk, d))
+    assert ext is not None
+    ext.rope_store(qkv, plan.cos, plan.sin, kc, vc, slots, h)
+    assert torch.equal(qkv, want) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+def test_rope_store_refuses_a_slot_outside_the_cache() -> None:
+    qkv = _rows(1, 15 * 64, torch.float32, 5)
+    cos = sin = torch.zeros(1, 64)
+    kc = vc = torch.zeros(2, 16, 3, 64)
+    assert ext is not None
+    with pytest.raises(IndexError):
+        ext.rope_store(qkv, cos, sin, kc, vc, torch.tensor([32]), 9)
