@@ -139,7 +139,11 @@ def serve_gateway(port: int, tokenizer_dir: str, pace_s: float) -> None:
     engine = FakeEngine(token_id, pace_s)
     broker = MemoryBroker(max_queue_depth=4096, max_event_batches=4096)
     worker = EngineWorker(engine, broker, idle_wait_s=0.005).start()
-    cfg = GatewayConfig(host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False)
+    # The anonymous tenant's default limits (128 in flight) would refuse the bench's own load.
+    cfg = GatewayConfig(
+        host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False,
+        anonymous_rpm=0, anonymous_tpm=0, anonymous_max_concurrent=0,
+    )  # fmt: skip
     app = create_app(cfg, broker, tokenizer_dir, "fake")
 
     async def emits(request: Any) -> Response:
