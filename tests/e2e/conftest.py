@@ -117,8 +117,9 @@ class TwoModelServer(ServerProcess):
     """`wsllm serve --model A --model B` (one engine per model in one process) with API
     keys: tenant `alice` may have one request in flight, `bob` any number (and bob's key
     reads every tenant's figures on /metrics: the `metrics` role). Each engine
-    runs one sequence at a time and a request waits at most 1 s for one, so a second
-    request behind a long answer gets `queue_timeout`; the server's limits differ from
+    runs one sequence at a time and a request waits at most 0.3 s for one, so a second
+    request behind a long answer gets `queue_timeout` (however fast the engine: 2,000 tokens
+    of the tiny model take about a second); the server's limits differ from
     the defaults (max_tokens 2000, 3 stop strings), so the UI must take them from the hello."""
 
     KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
@@ -136,7 +137,7 @@ class TwoModelServer(ServerProcess):
         exe = shutil.which("wsllm", path=str(Path(sys.executable).parent)) or "wsllm"
         models = [arg for m in self.models for arg in ("--model", str(m))]
         return [exe, "serve", *models, "--port", str(self.port), "--kv-cache-gb", "0.05", "--threads", "1",
-                "--api-keys-file", str(self.keys_file), "--max-num-seqs", "1", "--queue-timeout-s", "1",
+                "--api-keys-file", str(self.keys_file), "--max-num-seqs", "1", "--queue-timeout-s", "0.3",
                 "--max-tokens-limit", "2000", "--max-stop", "3"]  # fmt: skip
 
     def ready(self) -> bool:

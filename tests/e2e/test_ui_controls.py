@@ -197,8 +197,8 @@ def test_each_error_gets_a_sentence_a_person_understands(ui2) -> None:
     page.keyboard.press("Escape")
     page.context.close()
 
-    # queue_timeout: one sequence per engine; a second request waits 1 s, then leaves.
-    page = ui2.page(settings={**BOB, "max_tokens": 1500})
+    # queue_timeout: one sequence per engine; a second request waits 0.3 s, then leaves.
+    page = ui2.page(settings={**BOB, "max_tokens": 2000})
     ui2.send(page, "Keep the engine busy.")
     expect(ui2.last_answer(page)).to_have_attribute("data-status", "streaming", timeout=15_000)
     page.click("#new-chat")
@@ -208,10 +208,14 @@ def test_each_error_gets_a_sentence_a_person_understands(ui2) -> None:
         timeout=10_000,
     )
 
-    # A lost connection: the memory broker cannot resume the answer.
+    # A lost connection: the memory broker cannot resume the answer. A fresh long answer
+    # once the first has ended (the engine runs one at a time; the tiny model is fast).
     page.click(".conv-item:has-text('Keep the engine busy') .conv-select")
+    expect(ui2.last_answer(page)).to_have_attribute("data-status", "done", timeout=60_000)
+    page.click("#new-chat")
+    ui2.send(page, "Another long answer.")
     answer = ui2.last_answer(page)
-    expect(answer).to_have_attribute("data-status", "streaming")
+    expect(answer).to_have_attribute("data-status", "streaming", timeout=15_000)
     page.evaluate("wsllm.ws._ws.close()")
     expect(answer).to_have_attribute("data-status", "interrupted", timeout=15_000)
     expect(answer.locator(".msg-error")).to_contain_text(
