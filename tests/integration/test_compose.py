@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from wsllm.kernels import native
 
 from wsllm.cli import COMMANDS, build_parser
 from wsllm.config import from_args
@@ -273,6 +274,9 @@ def test_the_stack_serves_a_chat(tiny_model_dir: Path, tmp_path: Path, capsys: A
         genv = local_env("gateway", redis_base, WSLLM_HOST="127.0.0.1", WSLLM_PORT=str(port), **common)
         # a small KV pool: the tiny model's tokens are 512 bytes, 1 GiB would take a while to zero
         eenv = local_env("engine-cpu", redis_base, WSLLM_KV_CACHE_GB="0.01", WSLLM_THREADS="1", **common)
+        # The image builds the native kernels into WSLLM_KERNELS_DIR; here they are where
+        # `make` built them for this checkout (else the engine would compile them at start).
+        eenv["WSLLM_KERNELS_DIR"] = str(native.cache_root())
         base = f"http://127.0.0.1:{port}"
         with service("engine-cpu", eenv, tmp_path / "engine.log") as engine, \
                 service("gateway", genv, tmp_path / "gateway.log") as gateway:  # fmt: skip

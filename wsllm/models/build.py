@@ -151,6 +151,11 @@ def build_model(config: EngineConfig) -> BuiltModel:
         packed = cpu_linear.pack_linears(model, batch_hint=min(config.max_num_seqs, 32))
         if not packed and config.cpu_gemm == "onednn" and mode == "none":
             raise RuntimeError(f"cpu_gemm onednn asked for, but oneDNN cannot run {dtype} here")
+    if device.type == "cpu":
+        # Build (once, cached) or load the native kernels now: the fast row ops use them on
+        # every model, and a first build inside a step would stall that step and the
+        # engine's heartbeats for as long as the compiler runs.
+        quant.native_status()
     log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
     return BuiltModel(
         model,
