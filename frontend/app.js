@@ -380,6 +380,7 @@ function main() {
   $("stop").appendChild(icon("stop"));
 
   window.addEventListener("online", () => ws.retryNow());
+  window.addEventListener("pagehide", () => store.flush());
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden) ws.retryNow();
   });

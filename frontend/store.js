@@ -65,7 +65,7 @@ export class Store {
   constructor(storage = window.localStorage) {
     this.storage = storage;
     this.onError = () => {};
-    this._pending = new Map(); // conversation id -> timer of a throttled save
+    this._pending = new Map(); // conversation id -> {timer, conv} of a throttled save
   }
 
   _get(key) {
@@ -110,24 +110,28 @@ export class Store {
     const pending = this._pending.get(conv.id);
     if (throttleMs > 0) {
       if (pending) return;
-      this._pending.set(
-        conv.id,
-        setTimeout(() => {
-          this._pending.delete(conv.id);
-          this._set(CONV + conv.id, conv);
-        }, throttleMs),
-      );
+      const timer = setTimeout(() => {
+        this._pending.delete(conv.id);
+        this._set(CONV + conv.id, conv);
+      }, throttleMs);
+      this._pending.set(conv.id, { timer, conv });
       return;
     }
     if (pending) {
-      clearTimeout(pending);
+      clearTimeout(pending.timer);
       this._pending.delete(conv.id);
     }
     this._set(CONV + conv.id, conv);
   }
 
+  // Write every throttled save now: the page is going away (a reload within the
+  // throttle would lose what was typed last).
+  flush() {
+    for (const { conv } of [...this._pending.values()]) this.saveConversation(conv);
+  }
+
   deleteConversation(id) {
-    clearTimeout(this._pending.get(id));
+    clearTimeout(this._pending.get(id)?.timer);
     this._pending.delete(id);
     this.storage.removeItem(CONV + id);
   }

@@ -123,3 +123,16 @@ def test_conversations_and_settings_survive_reload(ui) -> None:
     page.reload()
     expect(page.locator(".conv-item .conv-title-text")).to_have_text(["A second chat."])
     ui.assert_no_errors(page)
+
+
+def test_a_system_prompt_typed_just_before_a_reload_is_kept(ui) -> None:
+    # Typing is saved on a 300 ms throttle; leaving the page must write it at once.
+    page = ui.page()
+    ui.send(page, "A chat to annotate.")
+    ui.wait_finished(page)
+    page.click("#system-box summary")
+    page.fill("#system-prompt", "Typed a moment before leaving.")
+    page.reload()
+    expect(page.locator("#conn-status")).to_have_attribute("data-state", "connected", timeout=15_000)
+    page.click(".conv-item:has-text('A chat to annotate') .conv-select")
+    expect(page.locator("#system-prompt")).to_have_value("Typed a moment before leaving.")
