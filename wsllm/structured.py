@@ -195,13 +195,16 @@ class PendingCompiles:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._pending: dict[str, tuple[Future[LLMatcher], float]] = {}  # request id -> (compile, deadline)
+        # request id -> (compile, deadline, when it ended: filled by the compile's thread)
+        self._pending: dict[str, tuple[Future[LLMatcher], float, list[float]]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def add(self, request_id: str, compiling: Future[LLMatcher]) -> None:
-        self._pending[request_id] = (compiling, time.monotonic() + self.timeout_s)
+        ended: list[float] = []
+        compiling.add_done_callback(lambda _: ended.append(time.monotonic()))
+        self._pending[request_id] = (compiling, time.monotonic() + self.timeout_s, ended)
 
     def drop(self, request_id: str) -> None:
         """Forget a request (aborted): its compile is dropped if it has not begun."""
@@ -213,12 +216,20 @@ class PendingCompiles:
         """(request id, matcher) of the compiles done, and (request id, why) of those that
         failed or passed their deadline; waits up to `wait_s` for one to end."""
         if wait_s > 0 and self._pending:
-            futures.wait([f for f, _ in self._pending.values()], wait_s, futures.FIRST_COMPLETED)
+            futures.wait([f for f, _, _ in self._pending.values()], wait_s, futures.FIRST_COMPLETED)
         ready: list[tuple[str, LLMatcher]] = []
         failed: list[tuple[str, str]] = []
         now = time.monotonic()
-        for rid, (compiling, deadline) in list(self._pending.items()):
-            if compiling.done():
+        for rid, (compiling, deadline, ended) in list(self._pending.items()):
+            # A compile judged by when it ended, not when the step thread looked: a spec
+            # that ended past its deadline is late however soon it is polled.
+            late = now >= deadline if not (compiling.done() and ended) else ended[0] > deadline
+            if late:
+                self.drop(rid)
+                failed.append(
+                    (rid, f"structured output: the spec did not compile within {self.timeout_s:g}s")
+                )
+            elif compiling.done():
                 del self._pending[rid]
                 try:
                     ready.append((rid, compiling.result()))
@@ -227,11 +238,6 @@ class PendingCompiles:
                 except Exception as e:  # noqa: BLE001 - llguidance failing is this request's failure
                     log.exception("structured output: compiling a spec failed")
                     failed.append((rid, f"structured output failed to compile: {e}"))
-            elif now >= deadline:
-                self.drop(rid)
-                failed.append(
-                    (rid, f"structured output: the spec did not compile within {self.timeout_s:g}s")
-                )
         return ready, failed
 
 
