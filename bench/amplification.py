@@ -77,7 +77,47 @@ def keys_file() -> str:
 # -- server side --------------------------------------------------------------------------------
 
 
-def serve(port: int, model: str | None, threads: int | None, batched_tokens: int) -> None:
+def trace_server(engine: Any, path: str) -> Any:
+    """Write one line per engine step (wall start, wall and CPU ms, tokens, prompt-logprob
+    rows) and one per event-loop stall over 20 ms to `path`; returns the loop monitor to
+    start inside the server's loop. For finding where a bystander's worst gap went."""
+    import threading
+
+    out = open(path, "w", buffering=1)  # noqa: SIM115 - lives as long as the server
+    lock = threading.Lock()
+    step, schedule = engine.step, engine.scheduler.schedule
+    last: dict[str, Any] = {}
+
+    def traced_schedule() -> Any:
+        got = schedule()
+        last["tokens"] = got.num_tokens
+        last["plp"] = sum(n for q, n in got.scheduled if q.params.prompt_logprobs is not None)
+        return got
+
+    def traced_step() -> Any:
+        last.clear()
+        t, c = time.time(), time.thread_time()
+        got = step()
+        wall, cpu = (time.time() - t) * 1000, (time.thread_time() - c) * 1000
+        with lock:
+            out.write(f"step {t:.3f} {wall:.1f} {cpu:.1f} {last.get('tokens', 0)} {last.get('plp', 0)}\n")
+        return got
+
+    engine.step, engine.scheduler.schedule = traced_step, traced_schedule
+
+    async def monitor() -> None:
+        while True:
+            t = time.time()
+            await asyncio.sleep(0.01)
+            lag = (time.time() - t - 0.01) * 1000
+            if lag > 20:
+                with lock:
+                    out.write(f"loop {t:.3f} {lag:.1f}\n")
+
+    return monitor
+
+
+def serve(port: int, model: str | None, threads: int | None, batched_tokens: int, trace: str | None) -> None:
     import uvicorn
 
     from wsllm.broker.memory import MemoryBroker
@@ -100,7 +140,16 @@ def serve(port: int, model: str | None, threads: int | None, batched_tokens: int
         host="127.0.0.1", port=port, max_queue_depth=4096, frontend=False, api_keys_file=keys_file()
     )
     app = create_app(cfg, broker, engine.model_dir, engine.model_name)
-    uvicorn.Server(uvicorn_config(app, cfg, log_level="warning")).run()
+    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))
+    if trace is None:
+        return server.run()
+
+    async def traced() -> None:
+        task = asyncio.create_task(trace_server(engine, trace)())
+        await server.serve()
+        task.cancel()
+
+    asyncio.run(traced())
 
 
 def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
@@ -110,6 +159,7 @@ def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
     )
     cmd += ["--threads", str(args.threads)] if args.threads else []
     cmd += ["--batched-tokens", str(args.batched_tokens)]
+    cmd += ["--trace", args.trace] if args.trace else []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -138,6 +188,7 @@ def free_port() -> int:
 @dataclass
 class Phase:
     gaps_ms: list[float] = field(default_factory=list)  # between a bystander's chunks, after its first
+    gap_at: list[float] = field(default_factory=list)  # wall clock at the end of each gap (--trace)
     tokens: int = 0
     seconds: float = 0.0
     attacks: Counter[tuple[str, int]] = field(default_factory=Counter)  # (kind, status) -> count
@@ -172,6 +223,7 @@ async def bystander(http: httpx.AsyncClient, i: int, n_tokens: int, out: Phase) 
                 out.tokens += chunk["usage"]["completion_tokens"]
             elif last is not None:
                 out.gaps_ms.append((now - last) * 1000)
+                out.gap_at.append(time.time())
             last = now
 
 
@@ -328,16 +380,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2, help="runs of each phase, alternating")
     p.add_argument("--smoke", action="store_true", help="a few requests of each kind, to check it runs")
     p.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
+    p.add_argument("--trace", help="write the server's engine steps and event-loop stalls to this file")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        return serve(args.port, args.model, args.threads, args.batched_tokens)
+        return serve(args.port, args.model, args.threads, args.batched_tokens, args.trace)
     if args.smoke:
         args.streams, args.tokens, args.attacks, args.concurrency, args.repeat = 2, 24, 8, 2, 1
         args.tokenize_chars, args.lead_s = 20_000, 0.5
-    text = table(*measure(args), args)
+    quiet, attacked = measure(args)
+    text = table(quiet, attacked, args)
     print(text)
+    if args.trace:  # where the worst gaps ended, to read against the trace file
+        worst = sorted(zip(attacked.gaps_ms, attacked.gap_at, strict=True), reverse=True)[:8]
+        print("worst attacked gaps (ms @ wall):", ", ".join(f"{g:.0f} @ {t:.3f}" for g, t in worst))
     if args.write_docs:
         flags = " ".join(a for a in sys.argv[1:] if a != "--write-docs")
         write_docs(text, f"python bench/amplification.py {flags}".strip())

@@ -44,6 +44,13 @@ class EngineConfig:
     num_kv_blocks: int | None = field(default=None, metadata={"help": "override the number of KV blocks"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step"})
+    prompt_logprob_cost: float = field(
+        default=1.0,
+        metadata={
+            "help": "step-budget tokens a prompt-logprobs row costs beyond its own token (lm_head, "
+            "log_softmax and top-k over the vocabulary): such prompts are prefilled in smaller chunks"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap; default: the model's"}
     )
@@ -93,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.prompt_logprob_cost >= 0:
+            raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
         if not self.structured_compile_timeout_s > 0:
             raise ValueError(
                 f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}"

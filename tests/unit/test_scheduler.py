@@ -1,8 +1,10 @@
 """Scheduler properties over random workloads, without a model: the step budget
-holds, every request finishes, no block leaks, preemption sends the newest of the
+holds (prompt-logprob rows counted at their cost), every request finishes, no block leaks, preemption sends the newest of the
 lowest priority back; priority and tenant fairness decide who is admitted."""
 
 from __future__ import annotations
+
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,12 @@ from wsllm.types import SamplingParams
 
 workload = st.lists(
     st.tuples(
-        st.integers(1, 70), st.integers(1, 30), st.integers(0, 6), st.integers(0, 2), st.sampled_from("ab")
+        st.integers(1, 70),
+        st.integers(1, 30),
+        st.integers(0, 6),
+        st.integers(0, 2),
+        st.sampled_from("ab"),
+        st.booleans(),  # wants prompt logprobs
     ),
     min_size=1,
     max_size=12,
@@ -28,18 +35,25 @@ workload = st.lists(
     budget=st.integers(8, 64),
     blocks=st.integers(13, 40),
     caching=st.booleans(),
+    plp_cost=st.sampled_from([0.0, 1.0, 2.5]),
 )
-def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching) -> None:  # type: ignore[no-untyped-def]
+def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching, plp_cost) -> None:  # type: ignore[no-untyped-def]
     bm = BlockManager(blocks, 8, watermark=0.0, enable_prefix_caching=caching)
-    sched = Scheduler(bm, max_seqs, budget)
+    sched = Scheduler(bm, max_seqs, budget, prompt_logprob_cost=plp_cost)
     pending = [
         (
             arrive,
             Sequence(
-                f"r{i}", 0, [i % 3 + 1] * plen, SamplingParams(max_tokens=gen), 0.0, priority=p, tenant=t
+                f"r{i}",
+                0,
+                [i % 3 + 1] * plen,
+                SamplingParams(max_tokens=gen, prompt_logprobs=1 if plp else None),
+                0.0,
+                priority=p,
+                tenant=t,
             ),
         )
-        for i, (plen, gen, arrive, p, t) in enumerate(reqs)
+        for i, (plen, gen, arrive, p, t, plp) in enumerate(reqs)
         if plen + gen <= blocks * 8
     ]
     for step in range(2000):
@@ -47,7 +61,7 @@ def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching) ->
             if arrive == step:
                 sched.add(s)
         out = sched.schedule()
-        assert out.num_tokens <= budget
+        assert sum(step_cost(s, n, plp_cost) for s, n in out.scheduled) <= budget
         assert len(out.scheduled) <= max_seqs
         assert len({id(s) for s, _ in out.scheduled}) == len(out.scheduled)
         for s, n in out.scheduled:
@@ -65,6 +79,38 @@ def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching) ->
     assert not sched.has_unfinished(), "a request never finished"
     assert all(s.finished for _, s in pending)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def step_cost(seq: Sequence, n: int, plp_cost: float) -> int:
+    """A chunk's share of the budget: each row that computes a prompt logprob costs extra."""
+    rows = 0
+    if seq.params.prompt_logprobs is not None:
+        rows = min(n, max(0, len(seq.prompt_token_ids) - 1 - seq.num_computed_tokens))
+    return math.ceil(n + rows * plp_cost)
+
+
+def test_a_prompt_logprobs_prompt_is_prefilled_in_chunks_that_leave_room_for_decodes() -> None:
+    bm = BlockManager(400, 16, watermark=0.0)
+    sched = Scheduler(bm, 64, 512, prompt_logprob_cost=1.0)
+    streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
+    for s in streams:
+        sched.add(s)
+    _step(sched)  # the streams' prompts
+    long = Sequence("plp", 0, [2] * 1500, SamplingParams(max_tokens=4, prompt_logprobs=20), 0.0)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 1500:
+        out = sched.schedule()
+        got = {s.request_id: n for s, n in out.scheduled}
+        assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
+        chunks.append(got["plp"])
+        for s, n in out.scheduled:  # the "model": sample when caught up
+            if s.num_computed_tokens + n == s.num_tokens:
+                s.output_token_ids.append(5)
+        sched.finish_step(out.scheduled)
+    # 16 decode tokens, then each prompt token and its logprob row count twice in 512
+    assert max(chunks) == (512 - 16) // 2
+    assert sum(chunks) == 1500
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:

@@ -77,6 +77,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.preemption_mode,
             swapper,
+            config.prompt_logprob_cost,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids)  # loads nothing until used

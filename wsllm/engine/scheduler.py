@@ -13,11 +13,18 @@ by every token the engine computes for it, and the tenant with the lowest counte
 goes next; ties go to the oldest. A tenant that comes back after being idle starts
 just below the lowest counter of the tenants present: it goes next, but idling banks
 no credit. With one tenant and one priority this is plain FCFS.
+
+The budget (`max_num_batched_tokens`) bounds a step's work, not only its tokens: a prompt
+token whose row also computes a prompt logprob (lm_head, log_softmax and top-k over the
+whole vocabulary) costs `1 + prompt_logprob_cost`, so such a prompt is prefilled in
+smaller chunks and no request makes a step longer than the budget allows. Tenants are
+charged the same cost.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,12 +64,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         swapper: object | None = None,
+        prompt_logprob_cost: float = 0.0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.swapper = swapper  # CpuSwapSpace when preemption_mode == "swap"
+        self.prompt_logprob_cost = prompt_logprob_cost  # budget tokens per prompt-logprob row, extra
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -105,6 +114,25 @@ class Scheduler:
 
     def _charge(self, seq: Sequence, n: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n
+
+    def _fit(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(tokens, cost): how many of `seq`'s uncomputed tokens fit in `budget`, and
+        what they take from it. A token whose row computes a prompt logprob costs
+        `1 + prompt_logprob_cost`. At least one token when the budget is whole, so a
+        request always progresses; else nothing rather than past the budget."""
+        left, extra = seq.num_uncomputed, self.prompt_logprob_cost
+        rows = 0  # uncomputed positions whose row predicts a prompt token
+        if seq.params.prompt_logprobs is not None and extra:
+            rows = max(0, len(seq.prompt_token_ids) - 1 - seq.num_computed_tokens)
+        if not rows:
+            n = min(left, budget)
+            return n, n
+        per = 1 + extra
+        if rows * per >= budget:
+            n = min(left, int(budget // per) or (1 if budget >= self.max_num_batched_tokens else 0))
+        else:  # every row fits; plain tokens (the prompt's last, its output) after them
+            n = min(left, rows + int(budget - rows * per))
+        return n, math.ceil(n + min(n, rows) * extra)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whatever queue holds it and free its blocks."""
@@ -162,9 +190,9 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n, cost = self._fit(seq, budget)
             if n == 0:
-                continue  # a beam waiting for the rest of its group
+                continue  # a beam waiting for the rest of its group, or a chunk that does not fit
             while not self._reserve(seq, n):
                 victim = self._victim(seq, taken)
                 self._preempt(victim, out)
@@ -173,9 +201,9 @@ class Scheduler:
             else:
                 out.copies.extend(self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens))
                 out.scheduled.append((seq, n))
-                self._charge(seq, n)
+                self._charge(seq, cost)
                 taken.add(seq.seq_id)
-                budget -= n
+                budget -= cost
         return budget
 
     def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
@@ -203,12 +231,12 @@ class Scheduler:
             self.num_swaps += 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
-            if not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
+            n, cost = self._fit(seq, budget)
+            if n == 0 or not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
                 break  # keep it running; it gets its token next step
             out.scheduled.append((seq, n))
-            self._charge(seq, n)
-            budget -= n
+            self._charge(seq, cost)
+            budget -= cost
         return budget
 
     def _next_waiting(self) -> Sequence:
@@ -230,15 +258,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             tokens = seq.token_ids
-            first = min(seq.num_tokens, budget)
+            first = self._fit(seq, budget)[0]  # no cache hit: the most it computes now
             use_cache = not seq.params.needs_every_position  # prompt logprobs, mean pooling
-            if not self.bm.can_allocate(tokens, first, use_cache):
+            if first == 0 or not self.bm.can_allocate(tokens, first, use_cache):
                 break
             cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            n = min(seq.num_uncomputed, budget)
+            n, cost = self._fit(seq, budget)
             if not self.bm.ensure_slots(seq.seq_id, cached + n):  # cannot happen: checked above
                 self.bm.free(seq.seq_id)
                 break
@@ -246,8 +274,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
-            self._charge(seq, n)
-            budget -= n
+            self._charge(seq, cost)
+            budget -= cost
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
