@@ -151,6 +151,16 @@ class GatewayConfig:
     max_stop: int = field(default=8, metadata={"help": "most stop strings"})
     max_stop_len: int = field(default=128, metadata={"help": "longest stop string"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs"})
+    text_work_threads: int = field(
+        default=1,
+        metadata={
+            "help": "threads for a request's heavy text work (long tokenizations, large bodies, "
+            "prompt-logprobs tables): more queue, they never take every core from the engine"
+        },
+    )
+    text_work_nice: int = field(
+        default=10, metadata={"help": "how far below the server's CPU priority heavy text work runs (Linux)"}
+    )
     template_timeout_s: float = field(
         default=5.0,
         metadata={"help": "longest a chat template may render (and tokenize) one request: 400 past it"},
@@ -241,6 +251,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
+        if self.text_work_threads < 1 or not 0 <= self.text_work_nice <= 19:
+            raise ValueError("text_work_threads must be >= 1 and text_work_nice in [0, 19]")
         if not self.template_timeout_s > 0 or not self.spec_check_timeout_s > 0:
             raise ValueError("template_timeout_s and spec_check_timeout_s must be > 0")
         if not 0 < self.response_ttl_s <= 1e7:

@@ -7,6 +7,8 @@ the CSP and `frame-ancestors` as headers)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -200,3 +202,50 @@ def test_a_spec_that_does_not_compile_in_time_is_a_400(srv: Any) -> None:
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+
+
+# -- heavy text work -----------------------------------------------------------------------
+
+
+def test_long_texts_are_tokenized_one_at_a_time_below_the_servers_priority(
+    srv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent /tokenize calls of long prompts ran side by side on the default
+    executor's threads (cores + 4), at the engine's priority: in `wsllm serve` they took
+    the cores from the engine's step, whose threads wait on each other at every
+    operator. They queue on the text-work thread now (`--text-work-threads` 1), niced."""
+    from wsllm.server.text import TextCodec
+
+    seen: list[tuple[str, int]] = []  # (thread name, its nice) per long encode
+    busy, most, lock = [0], [0], threading.Lock()
+    encode = TextCodec.encode
+
+    def spying(self: TextCodec, text: str, add_special_tokens: bool = True) -> list[int]:
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        tid = threading.get_native_id()
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)))
+        time.sleep(0.05)  # long enough for a second thread, were there one, to overlap
+        try:
+            return encode(self, text, add_special_tokens)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(TextCodec, "encode", spying)
+    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 500 for i in range(4)]
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+            return list(await asyncio.gather(*(http.post("/tokenize", json={"prompt": t}) for t in texts)))
+
+    answers = asyncio.run(go())
+    for text, r in zip(texts, answers, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == encode(srv.gateway.codec, text) and r.json()["count"] > 4096
+    assert len(seen) == 4 and most[0] == 1, "one long text at a time"
+    server_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for name, nice in seen:
+        assert name.startswith("wsllm-text")
+        assert nice == min(19, server_nice + 10), "below the server's priority"

@@ -24,7 +24,15 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import embeddings_api, messages_api, openai_api, responses_api, tokenize_api, usage_api
+from wsllm.server import (
+    embeddings_api,
+    messages_api,
+    openai_api,
+    responses_api,
+    textwork,
+    tokenize_api,
+    usage_api,
+)
 from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -129,6 +137,7 @@ def create_app(
     default model, whose tokenizer is `tokenizer_dir`; `tokenizer_dirs` gives other
     models' tokenizers (the rest come from what their engines publish)."""
     name = model_name or Path(tokenizer_dir).name
+    textwork.configure(cfg.text_work_threads, cfg.text_work_nice)
     tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
     anonymous = anonymous_tenant(cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent)
     gw = Gateway(

@@ -16,7 +16,6 @@ beyond the model's own size is a 400."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import math
@@ -28,6 +27,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from wsllm.server import textwork
 from wsllm.server.errors import APIError, from_generation, from_validation
 from wsllm.server.fields import Inert, Strict, invalid
 from wsllm.server.gateway import Gateway
@@ -93,7 +93,7 @@ async def _token_ids(model: ServedModel, inputs: list[str | list[int]], max_len:
         return [codec.encode(t) for t in texts]
 
     if sum(map(len, texts)) > _TOKENIZE_INLINE_CHARS:
-        encoded = iter(await asyncio.to_thread(encode_all))
+        encoded = iter(await textwork.run(encode_all))
     else:
         encoded = iter(encode_all())
     prompts = [next(encoded) if isinstance(x, str) else x for x in inputs]
@@ -189,7 +189,7 @@ async def embeddings(request: Request) -> Response:
     if len(raw) <= _VALIDATE_INLINE_BYTES:
         req = checked(parse_json(raw), limit)
     else:  # a large body must not hold up the other streams
-        req = await asyncio.to_thread(lambda: checked(parse_json(raw), limit))
+        req = await textwork.run(lambda: checked(parse_json(raw), limit))
     done, answer = await until_disconnect(request.receive, embed(gw, req, request_tenant(request.state)))
     if not done or answer is None:
         return Response(status_code=499)  # the client is gone; nobody reads this

@@ -12,7 +12,6 @@ answers; `thinking` blocks an assistant sent back are not shown to the model (as
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Annotated, Any, Literal
 
@@ -20,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wsllm.config import GatewayConfig
+from wsllm.server import textwork
 from wsllm.server.conversation import MAX_TOOLS
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
@@ -195,7 +195,7 @@ def validate_body(raw: bytes, cfg: GatewayConfig, model: type[CountTokensRequest
 async def validate(raw: bytes, cfg: GatewayConfig, model: type[CountTokensRequest]) -> ChatRequest:
     if len(raw) <= _VALIDATE_INLINE_BYTES:
         return validate_body(raw, cfg, model)
-    return await asyncio.to_thread(validate_body, raw, cfg, model)  # a large body must not hold the loop
+    return await textwork.run(validate_body, raw, cfg, model)  # a large body must not hold the loop
 
 
 def chat_body(req: CountTokensRequest) -> tuple[dict[str, Any], list[int]]:

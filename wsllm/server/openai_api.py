@@ -17,6 +17,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from wsllm.server import textwork
 from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Delta, Generation, GenerationError
@@ -103,7 +104,7 @@ async def _full_response(request: Request, apis: list[AnswerView]) -> Response:
         return Response(status_code=499)  # the client is gone; nobody reads this
     headers = apis[-1].gen.ratelimit_headers  # the last admitted: the freshest figures
     if any(a.gen.prompt_logprobs_raw is not None for a in apis):  # megabytes: off the loop
-        raw = await asyncio.to_thread(lambda: orjson.dumps(whole_answer(apis, collected)))
+        raw = await textwork.run(lambda: orjson.dumps(whole_answer(apis, collected)))
     else:
         raw = orjson.dumps(whole_answer(apis, collected))
     return Response(raw, headers=headers, media_type="application/json")
@@ -116,7 +117,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     if len(raw) <= _VALIDATE_INLINE_BYTES:
         req = validate_http(model, raw, gw.cfg)
     else:  # a large body must not hold up the other streams
-        req = await asyncio.to_thread(validate_http, model, raw, gw.cfg)
+        req = await textwork.run(validate_http, model, raw, gw.cfg)
     tenant = request_tenant(request.state)
     batch = req.prompts if isinstance(req, CompletionRequest) else None
     if batch is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from wsllm.server import textwork
 from wsllm.server.chat.output import assemble_tool_calls
 from wsllm.server.generation import Delta, Generation, TokenLogprob
 from wsllm.server.schemas import CompletionRequest
@@ -142,7 +143,7 @@ class AnswerView:
         """The chunk choices of `deltas`, the prompt's tables built first (off the loop:
         a long prompt's table is megabytes of JSON)."""
         if not self.tables.ready(self.gen):
-            await asyncio.to_thread(self.build_tables)
+            await textwork.run(self.build_tables)
         return self.choices_of(deltas)
 
     def build_tables(self) -> None:

@@ -9,13 +9,13 @@ tokens, and a prompt too long for the context.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wsllm.config import GatewayConfig
+from wsllm.server import textwork
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
@@ -154,7 +154,7 @@ async def _run_text(fn: Callable[[T], R], arg: T, size: int) -> R:
     """`fn(arg)`, off the event loop when `arg` is large (`size` characters)."""
     if size <= _TOKENIZE_INLINE_CHARS:
         return fn(arg)
-    return await asyncio.to_thread(fn, arg)
+    return await textwork.run(fn, arg)
 
 
 def sampling_params(

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from wsllm.broker.base import BrokerError
+from wsllm.server import textwork
 from wsllm.server.errors import APIError, from_generation
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
@@ -158,7 +159,7 @@ async def create_response(request: Request) -> Response:
     if len(raw) <= _VALIDATE_INLINE_BYTES:
         req = validate_responses(raw, gw.cfg)
     else:  # a large body must not hold up the other streams
-        req = await asyncio.to_thread(validate_responses, raw, gw.cfg)
+        req = await textwork.run(validate_responses, raw, gw.cfg)
     run = await start_response(gw, req, request_tenant(request.state))
     gen = run.gen
     if req.background:

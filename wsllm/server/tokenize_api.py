@@ -6,14 +6,17 @@ request of the tenant's rpm before the tokenizer runs (`Gateway.meter`)."""
 
 from __future__ import annotations
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from wsllm.server import prepare
+from wsllm.server import prepare, textwork
 from wsllm.server.gateway import Gateway
 from wsllm.server.middleware import request_tenant
 from wsllm.server.openai_api import read_body
 from wsllm.server.schemas import validate_detokenize, validate_tokenize
+
+_INLINE_TOKENS = 4096  # answers up to this many tokens are built on the loop (well under a ms)
 
 
 async def tokenize(request: Request) -> Response:
@@ -25,10 +28,15 @@ async def tokenize(request: Request) -> Response:
     model, max_len = await gw.models.resolve(req.model, tenant)
     headers = await gw.meter(tenant, model.svc.metrics)
     ids = await prepare.tokenize(req, model, gw.cfg)
-    # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
-    strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
-    body = {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
-    return JSONResponse(body, headers=headers)
+
+    def answer() -> bytes:
+        # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
+        strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return orjson.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
+
+    # a long prompt's answer is megabytes of JSON: built off the loop
+    raw = answer() if len(ids) <= _INLINE_TOKENS else await textwork.run(answer)
+    return Response(raw, headers=headers, media_type="application/json")
 
 
 async def detokenize(request: Request) -> Response:

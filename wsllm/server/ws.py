@@ -22,7 +22,7 @@ from starlette.websockets import WebSocket
 
 from wsllm.broker.base import BrokerError
 from wsllm.config import GatewayConfig
-from wsllm.server import embeddings_api
+from wsllm.server import embeddings_api, textwork
 from wsllm.server.errors import APIError, from_broker, from_generation
 from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
@@ -153,7 +153,7 @@ class WsSession:
             if len(raw) <= 64 * 1024:
                 msg = validate_ws(obj, self.cfg)
             else:  # a large message must not hold up the other streams
-                msg = await asyncio.to_thread(validate_ws, obj, self.cfg)
+                msg = await textwork.run(validate_ws, obj, self.cfg)
             if isinstance(msg, WsCancel):
                 await self._cancel(msg.id)
             elif isinstance(msg, WsChat | WsCompletion):
@@ -221,7 +221,7 @@ class WsSession:
         if size <= 64 * 1024:
             req = responses_request(body, self.cfg)
         else:  # a large message must not hold up the other streams
-            req = await asyncio.to_thread(responses_request, body, self.cfg)
+            req = await textwork.run(responses_request, body, self.cfg)
         run = await start_response(self.gw, req, self.tenant)
         self.gens[msg_id] = run.gen
         ids = {"request_id": run.gen.request_id, "response_id": run.builder.id}
