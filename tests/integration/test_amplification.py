@@ -249,3 +249,21 @@ def test_long_texts_are_tokenized_one_at_a_time_below_the_servers_priority(
     for name, nice in seen:
         assert name.startswith("wsllm-text")
         assert nice == min(19, server_nice + 10), "below the server's priority"
+
+
+def test_prompt_logprobs_are_charged_as_a_second_pass_over_the_prompt(
+    live_server: Any, tiny_engine: Any
+) -> None:
+    """Each prompt-logprobs row is about a token's work (lm_head, log_softmax and top-k
+    over the vocabulary) and the engine's step budget counts it so; the tenant's charge
+    did not, so the table came free."""
+    prompt = (PROMPT * 6)[:60]
+    with live_server(tiny_engine, anonymous_tpm=100) as s:
+        body = {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+        table = httpx.post(f"{s.base_url}/v1/completions", json=body, timeout=60)
+        plain = httpx.post(
+            f"{s.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60
+        )
+    assert table.status_code == 429, table.text  # 60 + 60 + 1 of 100
+    assert "charged 121 tokens" in table.json()["error"]["message"]
+    assert plain.status_code == 200, plain.text  # 60 + 1: the refusal used nothing

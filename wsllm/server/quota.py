@@ -83,9 +83,12 @@ def _text_tokens(text: str) -> int:
 
 def exact_charge(prompt_tokens: int, params: SamplingParams) -> int:
     """A prepared request's token charge: its prompt plus what it may generate, every
-    sequence generated at once (a beam search's width, not its `n`)."""
+    sequence generated at once (a beam search's width, not its `n`), and with prompt
+    logprobs its prompt once more: each row's lm_head, log_softmax and top-k is about a
+    token's work, which the engine's step budget counts too (`prompt_logprob_cost`)."""
     width = params.beam_width if params.use_beam_search else params.n
-    return prompt_tokens + width * params.max_tokens
+    rows = prompt_tokens if params.prompt_logprobs is not None else 0
+    return prompt_tokens + rows + width * params.max_tokens
 
 
 def too_large(tenant: Tenant, tokens: int) -> APIError | None:
@@ -96,7 +99,7 @@ def too_large(tenant: Tenant, tokens: int) -> APIError | None:
     return APIError(
         429,
         ERR_RATE_LIMITED,
-        f"this request is charged {tokens} tokens (its prompt plus n or beam_width x max_tokens), "
+        f"this request is charged {tokens} tokens (its prompt, again with prompt_logprobs, plus n or beam_width x max_tokens), "
         f"more than tenant {tenant.name!r} may use in a minute ({tpm} tokens per minute); "
         "it can never pass: lower max_tokens, n or beam_width",
     )
