@@ -24,6 +24,30 @@ one; the issue's bar is a worst gap less than 2x. Phases alternate over `--repea
 so both see the same background load; the best run of each counts. It prints; it never
 asserts.
 
+What the profile showed (issue 23, on the shared 2-core machine, so CPU time rather than
+wall time: `--trace FILE` writes each engine step's wall and CPU ms, its tokens and its
+prompt-logprob rows, and every event-loop stall over 20 ms):
+
+- CPU per attempt in the server (one torch thread): prompt_logprobs 4.7 s (a 1,700-token
+  prefill, whose 512-token chunks cost 0.6 to 1.1 s as the context grows, plus about 40%
+  for the rows' lm_head, log_softmax and top-k, plus 40 decodes), /tokenize of 900k
+  characters 0.95 s, a refused request 0.8 s on average (one in four is admitted and
+  prefills; a 429 itself costs nothing measurable), a unique schema 0.14 s.
+- The largest stall is not any one request's work but the cores: the engine steps on a
+  team of torch threads that wait for each other at every operator, and any other
+  runnable thread (the event loop, tokenizations side by side on the default executor,
+  the attacking client) makes a step wait for a descheduled member. On a busy 2-core
+  machine, 16 decodes took 19 ms at the median and 1.2 s at worst with 2 torch threads,
+  60 ms at worst with 1; in a traced attacked run, steps of two decode tokens took 2 s.
+- Fixes: prompt-logprob rows count against the step budget (`--prompt-logprob-cost`,
+  chunks of ~250 tokens instead of 512 beside 16 decodes) and against the tenant's tpm;
+  a request's heavy text work (long tokenizations, large bodies, the prompt table)
+  queues on `--text-work-threads` (1) thread at `--text-work-nice` (10), so the engine's
+  threads take the cores first; the client makes every body before its phase.
+- Not changed here: the engine's torch threads. Where the gateway shares the engine's
+  cores (`wsllm serve` on 2 cores), `--threads` one less than the cores trades some
+  throughput for steady steps; compare `--threads 1` with the default on a quiet machine.
+
     python bench/amplification.py                    # SmolLM2, print the table
     python bench/amplification.py --smoke            # a few requests, to check it runs
     python bench/amplification.py --write-docs       # and put the table in docs/benchmarks.md
