@@ -29,7 +29,7 @@ wall time: `--trace FILE` writes each engine step's wall and CPU ms, its tokens 
 prompt-logprob rows, and every event-loop stall over 20 ms):
 
 - CPU per attempt in the server (one torch thread): prompt_logprobs 4.7 s (a 1,700-token
-  prefill, whose 512-token chunks cost 0.6 to 1.1 s as the context grows, plus about 40%
+  prefill, whose 512-token chunks cost 0.6 to 1.1 s as the context grows, plus about a third
   for the rows' lm_head, log_softmax and top-k, plus 40 decodes), /tokenize of 900k
   characters 0.95 s, a refused request 0.8 s on average (one in four is admitted and
   prefills; a 429 itself costs nothing measurable), a unique schema 0.14 s.
@@ -44,6 +44,12 @@ prompt-logprob rows, and every event-loop stall over 20 ms):
   a request's heavy text work (long tokenizations, large bodies, the prompt table)
   queues on `--text-work-threads` (1) thread at `--text-work-nice` (10), so the engine's
   threads take the cores first; the client makes every body before its phase.
+- Step CPU (one torch thread) beside 16 decodes (28 ms alone), for a 1,600-token prompt:
+  chunks of 512 cost 660, 870, 1,130 ms as the context grows (plus a third with prompt
+  logprobs before this fix); chunks of 256 cost 290 to 540 ms; of 128, 130 to 290 ms. A
+  plain long prompt's chunk, paid-for work, is now the longest step: at context 1,500 a
+  token costs 2.6x what it costs at 0 (the CPU attention), so the 2x bar on 2 cores
+  needs `--batched-tokens` near 256 or a faster attention, not a smaller charge.
 - Not changed here: the engine's torch threads. Where the gateway shares the engine's
   cores (`wsllm serve` on 2 cores), `--threads` one less than the cores trades some
   throughput for steady steps; compare `--threads 1` with the default on a quiet machine.
