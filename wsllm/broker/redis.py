@@ -46,6 +46,7 @@ class RedisBroker(Broker):
         cfg: RedisConfig | None = None,
         max_queue_depth: int = 256,
         engine_id: str | None = None,
+        max_queue_share: float = 1.0,
     ) -> None:
         self.cfg = cfg or RedisConfig()
         self.url = url
@@ -57,7 +58,7 @@ class RedisBroker(Broker):
         # Blocking reads wait at most 0.25 s at a time (redis_engine._BLOCK_SLICE_S).
         self._sync = redis.Redis.from_url(url, **client_options(self.cfg, wait_s=0.25))
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth)
+        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth, max_queue_share)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
 
     @property
