@@ -25,8 +25,8 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker import redis_queue
+from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys, client_options
 from wsllm.config import RedisConfig
