@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from wsllm.broker import prefix_routing
 from wsllm.broker.base import Broker, Rank, Resumable
 from wsllm.broker.limits import Limiter
 from wsllm.broker.redis_engine import EngineSide
@@ -132,6 +133,16 @@ class RedisBroker(Broker):
     def heartbeat(self, info: EngineInfo) -> None:
         self.engine.heartbeat(info)
         self.gateway.invalidate_engines()
+
+    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:
+        """Which prefix blocks this engine caches, for prefix-aware routing (the worker
+        calls it when the broker has it)."""
+        if self.cfg.routing == "prefix" and not self.engine.closed.is_set():
+            ttl_ms = int(self.cfg.engine_ttl_s * 1000)
+            try:
+                prefix_routing.publish(self._sync, self.engine.queue, self.consumer, block_size, keys, ttl_ms)
+            except UNAVAILABLE as e:
+                log.debug("redis unavailable for the prefix summary (%s)", e)
 
     def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:
         if model != self.model:

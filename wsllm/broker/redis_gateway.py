@@ -28,6 +28,7 @@ import redis.exceptions
 from wsllm.broker import redis_queue
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.fair_queue import tenant_cap
+from wsllm.broker.prefix_routing import PrefixRouter
 from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys, client_options
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError
@@ -66,6 +67,7 @@ class GatewaySide:
         self.model = model
         self.max_queue_depth = max_queue_depth
         self.tenant_cap = tenant_cap(max_queue_depth, max_queue_share)
+        self.router = PrefixRouter() if cfg.routing == "prefix" else None
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.wake_key = keys.wake(self.gateway_id)
         self.closed = False
@@ -110,6 +112,11 @@ class GatewaySide:
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(rid), self.wake_key]
+        if not target and self.router is not None:
+            try:
+                target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
+            except UNAVAILABLE as e:
+                raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         self._follows[rid] = _Follow(n=request.params.n)  # before it can have events
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
