@@ -40,7 +40,8 @@ def rig(
     sides = [RedisBroker(redis_server.url, model="m", cfg=cfg, engine_id=f"e{i}") for i in range(2)]
     events: list[TokenEvent] = []
     workers = [
-        EngineWorker(e, s, engine_id=f"e{i}", idle_wait_s=0.0) for i, (e, s) in enumerate(zip(engines, sides))
+        EngineWorker(e, s, engine_id=f"e{i}", idle_wait_s=0.0)
+        for i, (e, s) in enumerate(zip(engines, sides, strict=True))
     ]
     for w in workers:
         w.on_publish = events.extend
