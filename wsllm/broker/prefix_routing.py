@@ -5,13 +5,15 @@ lands where that history's KV blocks are.
 - Each engine publishes which prefix blocks it caches (`publish`: the first
   `SUMMARY_BYTES` of each block's chain key, packed, with its block size) when they
   change, at least once per heartbeat, under `{queue}:pfx:{engine}` with the
-  heartbeat's TTL; `{queue}:pfxs` is the set of engines that did.
-- A gateway (`PrefixRouter`) keeps the summaries of its models' engines, read again
-  at most every `_REFRESH_S`, computes the prompt's keys with the engine's own hash
-  chain (`wsllm.prefix_hash`) and names the engine with the longest run of leading
-  blocks; the request waits in the queue marked for that engine (`redis_queue.py`),
-  which takes it first. Any engine takes it after `steal_after_s`, so a busy or gone
-  engine delays nobody for longer. No cached prefix anywhere: any engine takes it.
+  heartbeat's TTL, and stamps the new version in the hash `{queue}:pfxv`.
+- A gateway (`PrefixRouter`) reads that small hash on every routing decision and
+  fetches only the summaries that changed (a conversation's next turn comes right
+  after its answer: it must see the blocks that answer cached), computes the prompt's
+  keys with the engine's own hash chain (`wsllm.prefix_hash`) and names the engine
+  with the longest run of leading blocks; the request waits in the queue marked for
+  that engine (`redis_queue.py`), which takes it first. Another engine takes it once
+  that engine is busy (it asked for no more, or stopped asking) and the request has
+  waited `steal_after_s`. No cached prefix anywhere: any engine takes it.
 
 A summary costs 8 bytes a block (16,384 blocks at most: 128 KiB); a clash of two
 8-byte keys costs one routing miss, never a wrong answer (the engine matches full
@@ -32,7 +34,6 @@ from wsllm.prefix_hash import SUMMARY_BYTES, prompt_keys
 
 log = logging.getLogger(__name__)
 
-_REFRESH_S = 0.05  # a gateway reads the summaries again at most this often
 _HEAD = struct.Struct(">I")  # the block size, before the keys
 
 
@@ -61,22 +62,23 @@ def publish(r: Any, queue: str, engine: str, block_size: int, keys: Sequence[byt
     """Store an engine's summary (blocking redis-py, the engine's side)."""
     pipe = r.pipeline(transaction=False)
     pipe.set(summary_key(queue, engine), pack(block_size, keys), px=ttl_ms)
-    pipe.sadd(queue + ":pfxs", engine)
-    pipe.pexpire(queue + ":pfxs", ttl_ms)
+    pipe.hset(queue + ":pfxv", engine, repr(time.time()))
+    pipe.pexpire(queue + ":pfxv", ttl_ms)
     pipe.execute()
 
 
 @dataclass(slots=True)
-class _Summaries:
-    at: float
-    engines: dict[str, tuple[int, frozenset[bytes]]]
+class _Summary:
+    version: bytes
+    block_size: int
+    held: frozenset[bytes]
 
 
 class PrefixRouter:
     """A gateway's routing by cached prefix (asyncio, redis.asyncio client)."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, _Summaries] = {}
+        self._cache: dict[str, dict[str, _Summary]] = {}  # queue -> engine -> its summary
 
     async def target(self, client: Any, queue: str, token_ids: Sequence[int]) -> str:
         """The engine holding the longest cached prefix of `token_ids`; '' when none
@@ -86,7 +88,8 @@ class PrefixRouter:
             return ""
         best, best_len = [], 0
         by_size: dict[int, list[bytes]] = {}
-        for engine, (block_size, held) in engines.items():
+        for engine, summary in engines.items():
+            block_size, held = summary.block_size, summary.held
             keys = by_size.get(block_size)
             if keys is None:
                 keys = by_size[block_size] = [k[:SUMMARY_BYTES] for k in prompt_keys(token_ids, block_size)]
@@ -100,25 +103,27 @@ class PrefixRouter:
                 best.append(engine)
         return random.choice(best) if best else ""
 
-    async def _summaries(self, client: Any, queue: str) -> dict[str, tuple[int, frozenset[bytes]]]:
-        cached = self._cache.get(queue)
-        if cached is not None and time.monotonic() - cached.at < _REFRESH_S:
-            return cached.engines
-        names = sorted(
-            m.decode() if isinstance(m, bytes) else str(m) for m in await client.smembers(queue + ":pfxs")
-        )
-        blobs = await client.mget([summary_key(queue, n) for n in names]) if names else []
-        engines: dict[str, tuple[int, frozenset[bytes]]] = {}
-        gone = []
-        for name, blob in zip(names, blobs, strict=True):
-            if blob is None:  # its engine stopped heartbeating
-                gone.append(name)
+    async def _summaries(self, client: Any, queue: str) -> dict[str, _Summary]:
+        """The live engines' summaries, fetching those whose version moved."""
+        versions = {
+            (k.decode() if isinstance(k, bytes) else str(k)): bytes(v)
+            for k, v in (await client.hgetall(queue + ":pfxv")).items()
+        }
+        known = self._cache.setdefault(queue, {})
+        for gone in set(known) - set(versions):
+            del known[gone]
+        stale = sorted(e for e, v in versions.items() if e not in known or known[e].version != v)
+        blobs = await client.mget([summary_key(queue, e) for e in stale]) if stale else []
+        dead = []
+        for engine, blob in zip(stale, blobs, strict=True):
+            known.pop(engine, None)
+            if blob is None:  # its engine stopped heartbeating: the summary expired
+                dead.append(engine)
                 continue
             try:
-                engines[name] = unpack(blob)
+                known[engine] = _Summary(versions[engine], *unpack(blob))
             except ValueError as e:
-                log.warning("engine %s published a summary this gateway cannot read: %s", name, e)
-        if gone:
-            await client.srem(queue + ":pfxs", *gone)
-        self._cache[queue] = _Summaries(time.monotonic(), engines)
-        return engines
+                log.warning("engine %s published a summary this gateway cannot read: %s", engine, e)
+        if dead:
+            await client.hdel(queue + ":pfxv", *dead)
+        return known

@@ -18,9 +18,12 @@ suffixes of the request stream's key (so they share its Redis Cluster hash slot)
                             entry is the request entry (r, i, d) and, when the gateway
                             routed it, `e`: the engine it is meant for
     {queue}:nt              one-entry stream that wakes idle engines on a submit
+    {queue}:seen            hash: per engine, its last take, its usual interval between
+                            takes and whether its last take filled its room
 
 A routed entry (`e`) is taken by its engine, or by any engine once it has waited
-`steal_after_s` (its engine is busy, or gone): no request waits on a busy engine.
+`steal_after_s` and its engine is busy (see TAKE): no request waits on a busy engine,
+and none leaves an engine that is about to take it.
 """
 
 from __future__ import annotations
@@ -92,19 +95,35 @@ return {1, w, id}
 COUNT = "local tenant = ''\n" + _COUNT + "return total\n"
 
 # An engine's take: up to ARGV[3] entries in turn (highest priority first, tenants
-# round robin inside it), each one this engine may take (not routed, routed here, or
-# routed elsewhere and older than ARGV[5] ms), moved into the request stream; then
-# one XREADGROUP delivers them (and any hand-back waiting there) to the engine.
+# round robin inside it), each one this engine may take, moved into the request stream;
+# then one XREADGROUP delivers them (and any hand-back waiting there) to the engine.
+# An entry routed to another engine is this one's once it has waited ARGV[5] ms and
+# that engine is busy: its last take filled its room, or it has not taken for twice
+# its usual interval between takes (it is mid-step, full, or gone). `{queue}:seen`
+# keeps, per engine, its last take (ms), that interval (a moving average) and whether
+# the take filled its room.
 # KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, tenants
 TAKE = """
 local q, n, me = KEYS[1], tonumber(ARGV[3]), ARGV[4]
 local steal, scan, width = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]) - 1
+local seen = q .. ':seen'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local busy = {}
+local function isBusy(e)
+  if busy[e] == nil then
+    local v = redis.call('HMGET', seen, e, e .. ':p', e .. ':f')
+    local last, period = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+    busy[e] = last == 0 or v[3] == '1' or now - last >= math.max(steal, 2 * period)
+  end
+  return busy[e]
+end
 local function mayTake(id, f)
   for i = 1, #f, 2 do
     if f[i] == 'e' then
-      return f[i + 1] == me or now - tonumber(string.match(id, '^(%d+)')) >= steal
+      local e = f[i + 1]
+      if e == me then return true end
+      return now - tonumber(string.match(id, '^(%d+)')) >= steal and isBusy(e)
     end
   end
   return true
@@ -147,6 +166,11 @@ for _, prio in ipairs(redis.call('ZREVRANGE', q .. ':lv', 0, -1)) do
   end
   if taken >= n then break end
 end
+local v = redis.call('HMGET', seen, me, me .. ':p')
+local last, period = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+if last > 0 then period = 0.8 * period + 0.2 * math.min(now - last, 1000) end
+redis.call('HSET', seen, me, now, me .. ':p', period, me .. ':f', taken >= n and '1' or '0')
+redis.call('PEXPIRE', seen, 3600000)
 return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', q, '>')
 """
 
