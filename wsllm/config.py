@@ -372,7 +372,8 @@ class RedisConfig:
     steal_after_s: float = field(
         default=0.05,
         metadata={
-            "help": "a request routed to an engine that has not taken it this long may be taken by any engine"
+            "help": "a request routed to an engine may be taken by another once it waited this long and its "
+            "engine is busy (docs/routing.md)"
         },
     )
     limit_lease_s: float = field(

@@ -106,7 +106,8 @@ class GatewayBroker(abc.ABC):
         context: dict[str, Any] | None = None,
     ) -> None:
         """Queue `request` for an engine; this gateway receives its events. Raises
-        QueueFull when the broker's `max_queue_depth` requests already wait,
+        QueueFull when the broker's `max_queue_depth` requests already wait, or the
+        request's tenant has its share of them (`max_queue_share`, fair_queue.py),
         BrokerClosed after close(), BrokerUnavailable while the store is down.
         Never waits for an engine to take it. A resumable broker keeps `context`
         (JSON) with the request, for `lookup` by its id."""
