@@ -164,8 +164,10 @@ def report(res: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
         "\n".join(rows)
         + f"\n\nHit rate prefix / one engine: **{hit_ratio:.2f}** (target >= 0.9); TTFT p50 prefix / fifo: "
         f"**{ttft_ratio:.2f}** (target <= 0.7). {args.chats} chats x {args.turns} turns (first message "
-        f"{args.first} tokens, then {args.later}; answers {args.reply} tokens), all chats at once; a random Llama "
-        f"of hidden size {args.hidden}, {args.layers} layers, float32 on the CPU; steal delay {args.steal_ms} ms."
+        f"{args.first} tokens, then {args.later}; answers {args.reply} tokens), all chats at once; "
+        + (args.model or f"a random Llama of hidden size {args.hidden}, {args.layers} layers")
+        + f", float32 on the CPU; {args.engines} engines as threads of one process on one "
+        f"redis-server; steal delay {args.steal_ms} ms."
     )
 
 
@@ -175,7 +177,7 @@ def write_docs(text: str, command: str) -> None:
     section = (
         "## Prefix-aware routing\n\n"
         f"`{command}` ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{time.strftime('%Y-%m-%d')}; `{flags.strip()[:120]}...`).\n\n{text}\n"
+        f"{time.strftime('%Y-%m-%d')}).\n\n{text}\n\nCPU (`grep -m1 flags /proc/cpuinfo`):\n\n```\n{flags.strip()}\n```\n"
     )
     old = path.read_text()
     pattern = re.compile(r"^## Prefix-aware routing\n.*?(?=^## |\Z)", re.S | re.M)
@@ -193,8 +195,9 @@ def main() -> None:
     p.add_argument("--first", type=int, default=768, help="tokens of each chat's first message")
     p.add_argument("--later", type=int, default=48, help="tokens of each later message")
     p.add_argument("--reply", type=int, default=16, help="tokens of each answer")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512, help="the random model's hidden size")
+    p.add_argument("--layers", type=int, default=4, help="the random model's layers")
+    p.add_argument("--model", default=None, help="a model directory instead (e.g. SmolLM2 with --engines 2)")
     p.add_argument("--steal-ms", type=float, default=50.0)
     p.add_argument("--redis-url", default=None, help="an existing Redis (flushed!); default: start one")
     p.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
@@ -204,8 +207,8 @@ def main() -> None:
     from wsllm.engine.engine import LLMEngine
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp), args.hidden, args.layers)
-        cfg = EngineConfig(model=model, num_kv_blocks=4096, max_num_seqs=16, dtype="float32")
+        model = args.model or make_model(Path(tmp), args.hidden, args.layers)
+        cfg = EngineConfig(model=model, num_kv_blocks=2048, max_num_seqs=16, dtype="float32")
         engines = [LLMEngine.from_config(cfg) for _ in range(args.engines)]
         with redis_server(args.redis_url) as url:
             res = {
