@@ -58,7 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if rcfg.uses_redis:
         return _serve_redis(ecfg, gcfg, rcfg, mcfg, lcfg)
-    broker = MemoryBroker(max_queue_depth=gcfg.max_queue_depth)
+    broker = MemoryBroker(max_queue_depth=gcfg.max_queue_depth, max_queue_share=gcfg.max_queue_share)
     models = mcfg.model or [None]
     workers: list[EngineWorker] = []
     try:
@@ -154,7 +154,13 @@ def gateway(args: argparse.Namespace) -> int:
     if not _keys_ok(gcfg):
         return 2
     default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
-    broker = RedisBroker(rcfg.url(), model=default, cfg=rcfg, max_queue_depth=gcfg.max_queue_depth)
+    broker = RedisBroker(
+        rcfg.url(),
+        model=default,
+        cfg=rcfg,
+        max_queue_depth=gcfg.max_queue_depth,
+        max_queue_share=gcfg.max_queue_share,
+    )
     try:
         app, names = _gateway_app(gcfg, mcfg, broker)
         _run_gateway(app, gcfg, names, lcfg.log_level)
@@ -227,7 +233,13 @@ def _serve_redis(
             pdeath = _die_with_parent if sys.platform == "linux" else None
             children.append((engine_id, subprocess.Popen(cmd, env=env, preexec_fn=pdeath)))
         default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
-        broker = RedisBroker(url, model=default, cfg=rcfg, max_queue_depth=gcfg.max_queue_depth)
+        broker = RedisBroker(
+            url,
+            model=default,
+            cfg=rcfg,
+            max_queue_depth=gcfg.max_queue_depth,
+            max_queue_share=gcfg.max_queue_share,
+        )
         try:
             if not all(_wait_registered(broker, eid, child) for eid, child in children):
                 return 1

@@ -183,6 +183,13 @@ class GatewayConfig:
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
+    max_queue_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "the fraction of max_queue_depth one tenant's waiting requests may fill (429 for that "
+            "tenant only past it); 1: no per-tenant share"
+        },
+    )
     max_priority: int = field(
         default=0,
         metadata={"help": "highest `priority` a request may ask for, unless its tenant's max_priority says"},
@@ -264,6 +271,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)}")
         if not 0 <= self.queue_timeout_s <= 1e6:
             raise ValueError(f"queue_timeout_s must be in [0, 1e6] seconds, got {self.queue_timeout_s}")
+        if not 0 < self.max_queue_share <= 1:
+            raise ValueError(f"max_queue_share must be in (0, 1], got {self.max_queue_share}")
 
 
 @dataclass(slots=True)
@@ -373,6 +382,21 @@ class RedisConfig:
     redis_connect_timeout_s: float = field(
         default=2.0, metadata={"help": "a connection to Redis not made within this long fails"}
     )
+    routing: str = field(
+        default="prefix",
+        metadata={
+            "help": "how a gateway picks the engine for a request: prefix (the engine holding the longest "
+            "cached prefix of its prompt, docs/routing.md) or fifo (whichever engine pulls first)",
+            "choices": lambda: ["prefix", "fifo"],
+        },
+    )
+    steal_after_s: float = field(
+        default=0.05,
+        metadata={
+            "help": "a request routed to an engine may be taken by another once it waited this long and its "
+            "engine is busy (docs/routing.md)"
+        },
+    )
     limit_lease_s: float = field(
         default=30.0,
         metadata={
@@ -399,6 +423,10 @@ class RedisConfig:
             raise ValueError("redis_socket_timeout_s and redis_connect_timeout_s must be in (0, 600] seconds")
         if self.limit_lease_s < 3:
             raise ValueError(f"limit_lease_s must be >= 3, got {self.limit_lease_s}")
+        if self.routing not in ("prefix", "fifo"):
+            raise ValueError(f"routing must be prefix or fifo, got {self.routing!r}")
+        if not 0 <= self.steal_after_s <= 60:
+            raise ValueError(f"steal_after_s must be in [0, 60] seconds, got {self.steal_after_s}")
 
     @property
     def uses_redis(self) -> bool:

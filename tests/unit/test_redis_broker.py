@@ -19,6 +19,7 @@ import pytest
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis import RedisBroker
+from wsllm.broker.redis_queue import waiting_key
 from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
@@ -305,9 +306,10 @@ def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -
     r = engine._sync
     q = engine.keys.queue("m")
     asyncio.run(gw.submit(req("named", max_tokens=4)))  # a gateway waits for this one
-    entry_id = r.xrange(q)[0][0]
-    good = orjson.loads(r.xrange(q)[0][1][b"r"])
-    r.xdel(q, entry_id)
+    w = waiting_key(q, 0, "")  # where it waits until an engine takes it
+    entry_id = r.xrange(w)[0][0]
+    good = orjson.loads(r.xrange(w)[0][1][b"r"])
+    r.xdel(w, entry_id)
     bad = orjson.loads(orjson.dumps(good))
     bad["item"]["params"]["top_k"] = 2**64 - 1
     r.xadd(q, {"r": orjson.dumps(bad)})  # names its request: its client is told

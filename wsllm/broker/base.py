@@ -106,7 +106,8 @@ class GatewayBroker(abc.ABC):
         context: dict[str, Any] | None = None,
     ) -> None:
         """Queue `request` for an engine; this gateway receives its events. Raises
-        QueueFull when the broker's `max_queue_depth` requests already wait,
+        QueueFull when the broker's `max_queue_depth` requests already wait, or the
+        request's tenant has its share of them (`max_queue_share`, fair_queue.py),
         BrokerClosed after close(), BrokerUnavailable while the store is down.
         Never waits for an engine to take it. A resumable broker keeps `context`
         (JSON) with the request, for `lookup` by its id."""
@@ -197,10 +198,10 @@ class EngineBroker(abc.ABC):
     @abc.abstractmethod
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
         """Take up to `max_n` queued requests. Waits up to `timeout` seconds for the
-        first one; returns [] when none came. With `rank` (the engine's admission
-        order: lower first), a broker that can choose takes the best-ranked ones,
-        oldest first among equals; one that cannot (a Redis stream is read in order)
-        takes the oldest."""
+        first one; returns [] when none came. Both brokers take by priority, then
+        tenants in turn (fair_queue.py); with `rank` (the engine's admission order:
+        lower first) the memory broker orders a level's tenants by it first, while the
+        Redis queue (shared by engines with different ranks) keeps its own turns."""
 
     @abc.abstractmethod
     def aborts(self) -> list[str]:

@@ -9,23 +9,25 @@ engine side, takes any request (one model, the default).
 Everything is guarded by one `threading.Lock`, held only for a few list operations,
 so the asyncio side never waits on the engine. The worker thread wakes the loop with
 `call_soon_threadsafe`, and only when the reader task is actually waiting. Both
-queues are bounded: `submit` raises QueueFull past `max_queue_depth`, and `publish`
-blocks the worker (backpressure) while `max_event_batches` batches are unread.
+queues are bounded: `submit` raises QueueFull past `max_queue_depth` (or past the
+tenant's share of it), and `publish` blocks the worker (backpressure) while
+`max_event_batches` batches are unread. Waiting requests are taken by priority, then
+round robin by tenant (`fair_queue.py`, the same rules as the Redis queue).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator
 from threading import Condition, Lock
 from typing import Any
 
 from wsllm.broker.base import Broker, BrokerClosed, EngineBroker, QueueFull, Rank
+from wsllm.broker.fair_queue import FairQueue
 from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,11 @@ _EXPIRY_CHECK_S = 0.05
 
 class MemoryBroker(Broker):
     def __init__(
-        self, max_queue_depth: int = 256, max_event_batches: int = 1024, max_aborts: int = 65536
+        self,
+        max_queue_depth: int = 256,
+        max_event_batches: int = 1024,
+        max_aborts: int = 65536,
+        max_queue_share: float = 1.0,
     ) -> None:
         if max_queue_depth < 1 or max_event_batches < 1:
             raise ValueError("max_queue_depth and max_event_batches must be >= 1")
@@ -49,7 +55,7 @@ class MemoryBroker(Broker):
         # an engine of another model sleeps on (a submit for A never wakes B's puller)
         self._has_pending: dict[str | None, Condition] = {None: Condition(self._lock)}
         self._has_space = Condition(self._lock)  # signalled when the reader drains events
-        self._pending: OrderedDict[str, GenerateRequest] = OrderedDict()
+        self._pending = FairQueue(max_queue_depth, max_queue_share)
         self._max_aborts = max_aborts
         # one queue of abort ids per engine side: every engine sees every abort
         self._aborts: dict[str | None, deque[str]] = {None: deque(maxlen=max_aborts)}
@@ -73,22 +79,19 @@ class MemoryBroker(Broker):
         context: dict[str, Any] | None = None,
     ) -> None:
         # context serves resuming, which this broker does not do.
-        cap = self.max_queue_depth
         with self._lock:
             if self._closed:
                 raise BrokerClosed("the broker is closed")
-            if len(self._pending) >= cap:
-                raise QueueFull(f"{len(self._pending)} requests are already waiting for an engine")
-            if request.request_id in self._pending:
-                raise ValueError(f"request id {request.request_id!r} is already queued")
-            self._pending[request.request_id] = request
+            if (refused := self._pending.refusal(request)) is not None:
+                raise QueueFull(refused)
+            self._pending.push(request)
             for key in (None, request.model):
                 if (cond := self._has_pending.get(key)) is not None:
                     cond.notify_all()
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
-            if self._pending.pop(request_id, None) is None:
+            if self._pending.remove(request_id) is None:
                 # Pulled already (or never seen): the engine drops it on its next step.
                 for q in self._aborts.values():
                     q.append(request_id)
@@ -149,21 +152,20 @@ class MemoryBroker(Broker):
         if max_n <= 0:
             return []
         deadline = time.monotonic() + timeout
+
+        # Priority first, then tenants by the engine's rank and in turn (fair_queue.py).
+        def mine(r: GenerateRequest) -> bool:
+            return model is None or r.model == model
+
         with self._lock:
             while not self._closed:
-                mine = [r for r in self._pending.values() if model is None or r.model == model]
-                if mine:
-                    break
+                if out := self._pending.take(max_n, mine, rank):
+                    return out
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
                 self._has_pending[model].wait(min(remaining, _POLL_S))
-            else:
-                return []
-            if rank is not None and len(mine) > max_n:  # the engine's best, oldest first among equals
-                best = heapq.nsmallest(max_n, enumerate(mine), key=lambda ir: (rank(ir[1]), ir[0]))
-                return [self._pending.pop(r.request_id) for _, r in best]
-            return [self._pending.pop(r.request_id) for r in mine[:max_n]]
+            return []
 
     def _expire(self) -> None:
         """End the waiting requests that are past their queue deadline, freeing their
@@ -173,11 +175,11 @@ class MemoryBroker(Broker):
             if now < self._next_expiry_check or self._closed:
                 return
             self._next_expiry_check = now + _EXPIRY_CHECK_S
-            expired = [r for r in self._pending.values() if r.expired(now)]
+            expired = [r for r in self._pending if r.expired(now)]
             if not expired:
                 return
             for r in expired:
-                del self._pending[r.request_id]
+                self._pending.remove(r.request_id)
             waited = [f"{now - r.arrival_time:.1f}" if r.arrival_time else "?" for r in expired]
             self._events.append(
                 [

@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from wsllm.broker import prefix_routing
 from wsllm.broker.base import Broker, Rank, Resumable
 from wsllm.broker.limits import Limiter
 from wsllm.broker.redis_engine import EngineSide
@@ -46,6 +47,7 @@ class RedisBroker(Broker):
         cfg: RedisConfig | None = None,
         max_queue_depth: int = 256,
         engine_id: str | None = None,
+        max_queue_share: float = 1.0,
     ) -> None:
         self.cfg = cfg or RedisConfig()
         self.url = url
@@ -57,7 +59,7 @@ class RedisBroker(Broker):
         # Blocking reads wait at most 0.25 s at a time (redis_engine._BLOCK_SLICE_S).
         self._sync = redis.Redis.from_url(url, **client_options(self.cfg, wait_s=0.25))
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth)
+        self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth, max_queue_share)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
 
     @property
@@ -131,6 +133,16 @@ class RedisBroker(Broker):
     def heartbeat(self, info: EngineInfo) -> None:
         self.engine.heartbeat(info)
         self.gateway.invalidate_engines()
+
+    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:
+        """Which prefix blocks this engine caches, for prefix-aware routing (the worker
+        calls it when the broker has it)."""
+        if self.cfg.routing == "prefix" and not self.engine.closed.is_set():
+            ttl_ms = int(self.cfg.engine_ttl_s * 1000)
+            try:
+                prefix_routing.publish(self._sync, self.engine.queue, self.consumer, block_size, keys, ttl_ms)
+            except UNAVAILABLE as e:
+                log.debug("redis unavailable for the prefix summary (%s)", e)
 
     def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:
         if model != self.model:

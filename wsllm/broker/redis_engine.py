@@ -30,7 +30,8 @@ import redis
 import redis.exceptions
 
 from wsllm.broker.redis_dead import DeadLetters, abort_target
-from wsllm.broker.redis_keys import EXPIRE_WAITING, GROUP, REFRESH, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
+from wsllm.broker.redis_queue import EXPIRE, Taker
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
@@ -81,7 +82,8 @@ class EngineSide:
         self._aborts_fresh = False  # publish read the abort stream since the last aborts()
         self._down = False  # Redis was unreachable at the last try
         self._refresh = r.register_script(REFRESH)
-        self._expire = r.register_script(EXPIRE_WAITING)
+        self._expire = r.register_script(EXPIRE)
+        self.taker = Taker(r, self.queue, GROUP, consumer, cfg.steal_after_s)
         self._next_expiry = 0.0
         # The failure event of an expired request, around its JSON-quoted id.
         before, after = encode([TokenEvent.failure("\0", ERR_QUEUE_TIMEOUT, _EXPIRED_MSG, 0)]).split(
@@ -168,13 +170,15 @@ class EngineSide:
                 raise
 
     def _read_new(self, count: int, timeout: float) -> list[GenerateRequest]:
+        """New requests in the queue's turn (priority, tenants round robin, routed ones
+        to their engine first: `redis_queue.py`)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            block = int(min(left, _BLOCK_SLICE_S) * 1000) if left > 0.001 else None
-            resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: ">"}, count=count, block=block)
-            got = self._admit([(i.decode(), f) for i, f in (resp[0][1] if resp else [])])
-            if got or block is None or self.closed.is_set():
+            entries = self.taker.take(
+                count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S
+            )
+            got = self._admit([(i.decode(), f) for i, f in entries])
+            if got or time.monotonic() >= deadline or self.closed.is_set():
                 return got
 
     def _admit(self, entries: list[Entry]) -> list[GenerateRequest]:

@@ -25,17 +25,11 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from wsllm.broker import redis_queue
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
-from wsllm.broker.redis_keys import (
-    ABORT,
-    ENGINES,
-    GROUP,
-    POSITIONS,
-    SUBMIT,
-    UNAVAILABLE,
-    Keys,
-    client_options,
-)
+from wsllm.broker.fair_queue import tenant_cap
+from wsllm.broker.prefix_routing import PrefixRouter
+from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys, client_options
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_events, encode
@@ -58,12 +52,22 @@ class _Follow:
 
 
 class GatewaySide:
-    def __init__(self, url: str, keys: Keys, cfg: RedisConfig, model: str, max_queue_depth: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        keys: Keys,
+        cfg: RedisConfig,
+        model: str,
+        max_queue_depth: int,
+        max_queue_share: float = 1.0,
+    ) -> None:
         self.url = url
         self.keys = keys
         self.cfg = cfg
         self.model = model
         self.max_queue_depth = max_queue_depth
+        self.tenant_cap = tenant_cap(max_queue_depth, max_queue_share)
+        self.router = PrefixRouter() if cfg.routing == "prefix" else None
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.wake_key = keys.wake(self.gateway_id)
         self.closed = False
@@ -72,7 +76,8 @@ class GatewaySide:
             weakref.WeakKeyDictionary()
         )
         self._follows: dict[str, _Follow] = {}
-        self._queued: dict[str, str] = {}  # request id -> its entry id, until its first event
+        # request id -> (its waiting stream, its entry id there), until its first event
+        self._queued: dict[str, tuple[str, str]] = {}
         self._positions: dict[str, int] = {}
         self._positions_at = 0.0
         self._engines: tuple[float, list[EngineInfo]] = (0.0, [])
@@ -98,33 +103,39 @@ class GatewaySide:
         self,
         request: GenerateRequest,
         context: dict[str, Any] | None,
+        target: str = "",
     ) -> None:
+        """Queue `request` (for engine `target` first, when routed: `redis_queue.py`)."""
         if self.closed:
             raise BrokerClosed("the broker is closed")
         rid = request.request_id
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(rid), self.wake_key]
+        if not target and self.router is not None:
+            try:
+                target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
+            except UNAVAILABLE as e:
+                raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         self._follows[rid] = _Follow(n=request.params.n)  # before it can have events
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
-            args = [
-                GROUP,
-                self.max_queue_depth,
-                encode(request),
-                meta,
-                ttl_ms,
-                rid,
-                repr(request.queue_deadline),
-            ]
-            ok, value = await self._call(SUBMIT, keys, args)
+            args = redis_queue.submit_args(
+                GROUP, self.max_queue_depth, self.tenant_cap, encode(request), meta, ttl_ms, rid,
+                request.queue_deadline, request.priority, request.tenant, target,
+            )  # fmt: skip
+            ok, value, where = await self._call(redis_queue.SUBMIT, keys, args)
         except BaseException:
             self._follows.pop(rid, None)
             raise
         if not ok:
             self._follows.pop(rid, None)
+            if where == b"tenant":
+                raise QueueFull(
+                    f"{value} requests of this tenant are already waiting (its share of the queue)"
+                )
             raise QueueFull(f"{value} requests are already waiting for an engine")
-        self._queued[rid] = value.decode()
+        self._queued[rid] = (value.decode(), where.decode())
 
     async def abort(self, request_id: str, attach: int | None = None, keep: bool = True) -> bool:
         """Abort; with `attach`, only if no client resumed the request since then. With
@@ -336,27 +347,23 @@ class GatewaySide:
         self._engines = (0.0, [])
 
     async def pending(self) -> int:
-        q = self.keys.queue(self.model)
         try:
-            pipe = self.client().pipeline(transaction=False)
-            pipe.xlen(q)
-            pipe.xpending(q, GROUP)
-            size, pend = await pipe.execute(raise_on_error=False)
-        except UNAVAILABLE:
+            return max(
+                0, int(await self.client().eval(redis_queue.COUNT, 1, self.keys.queue(self.model), GROUP))
+            )
+        except (*UNAVAILABLE, redis.exceptions.ResponseError):
             return 0
-        if isinstance(size, Exception) or isinstance(pend, Exception):
-            return 0
-        return max(0, int(size) - int(pend["pending"]))
 
     async def position(self, request_id: str) -> int | None:
         if request_id not in self._queued:
             return 0 if request_id in self._follows else None
         if time.monotonic() - self._positions_at >= self.cfg.queue_poll_s / 2:
             self._positions_at = time.monotonic()
-            queued = sorted(self._queued.items(), key=lambda kv: kv[1])
+            queued = list(self._queued.items())
+            flat = [part for _, where in queued for part in where]
             try:
                 places = await self.client().eval(
-                    POSITIONS, 1, self.keys.queue(self.model), GROUP, _POSITION_SCAN, *[e for _, e in queued]
+                    redis_queue.POSITIONS, 1, self.keys.queue(self.model), _POSITION_SCAN, *flat
                 )
             except UNAVAILABLE:
                 return None

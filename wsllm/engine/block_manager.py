@@ -9,16 +9,10 @@ and sits in an LRU of reusable blocks until its memory is needed.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-
-def block_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    h = hashlib.sha256()
-    h.update(parent or b"root")
-    h.update(b"|".join(str(t).encode() for t in token_ids))
-    return h.digest()
+from wsllm.prefix_hash import block_key  # the one hash chain: routing computes it too
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -242,6 +236,12 @@ class BlockManager:
         assert not (free & ev) and not (free & used) and not (ev & used), "block in two pools"
         assert len(free) + len(ev) + len(used) == self.num_blocks, "a block is lost"
         assert set(self._cached.values()) == set(self._key_of), "cache maps disagree"
+
+    def cached_keys(self, limit: int) -> list[bytes]:
+        """The chain keys of the cached blocks, the `limit` most recently cached (what
+        this engine tells the gateways it holds, for prefix-aware routing)."""
+        keys = list(self._cached)
+        return keys[-limit:] if limit > 0 else []
 
     @property
     def hit_rate(self) -> float:

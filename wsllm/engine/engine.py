@@ -205,6 +205,12 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
+    def cached_prefix(self, limit: int = 16384) -> tuple[int, list[bytes]]:
+        """(block size, chain keys of up to `limit` cached prefix blocks, newest last):
+        what a broker publishes for prefix-aware routing. Empty without prefix caching."""
+        bm = self.block_manager
+        return bm.block_size, bm.cached_keys(limit) if bm.enable_prefix_caching else []
+
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(

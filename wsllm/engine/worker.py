@@ -117,6 +117,8 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._stepped = threading.Condition()
         self._last_heartbeat = 0.0
+        self._prefix_at = 0.0  # when the cached prefix blocks were last published
+        self._prefix_sig: tuple[int, bytes, bytes] = (0, b"", b"")
         #: called with each published batch (tests, metrics); runs on the worker thread
         self.on_publish: Callable[[list[TokenEvent]], None] | None = None
 
@@ -219,6 +221,7 @@ class EngineWorker:
         self._apply_aborts(self.broker.aborts())
         if self.engine.has_unfinished():
             events += self._step()
+        self._maybe_publish_prefix(any(e.finish_reason for e in events))  # before the answers end
         if events:
             self.broker.publish(events)
             if self.on_publish is not None:
@@ -363,6 +366,22 @@ class EngineWorker:
             return
         self._last_heartbeat = now
         self.broker.heartbeat(self.info())
+
+    def _maybe_publish_prefix(self, finished: bool) -> None:
+        """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
+        engine caches: when they changed and a request ended (its conversation's next
+        turn may come at once) or a heartbeat is due, and at least once per heartbeat."""
+        publish = getattr(self.broker, "publish_prefix", None)
+        cached = getattr(self.engine, "cached_prefix", None)
+        now = time.monotonic()
+        if publish is None or cached is None or not (finished or now - self._prefix_at >= self.heartbeat_s):
+            return
+        block_size, keys = cached()
+        sig = (len(keys), keys[0] if keys else b"", keys[-1] if keys else b"")
+        if sig == self._prefix_sig and now - self._prefix_at < self.heartbeat_s:
+            return
+        self._prefix_sig, self._prefix_at = sig, now
+        publish(block_size, keys)
 
     def info(self) -> EngineInfo:
         return EngineInfo(

@@ -1,0 +1,31 @@
+"""The prefix cache's hash chain, shared by the engine's block manager (which keys its
+cached KV blocks by it) and the broker's prefix-aware routing (which computes a
+prompt's keys to find the engine holding the longest cached prefix). One function,
+so that the two can never disagree. No torch."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+#: bytes of a block key an engine publishes for routing (a 1 in 2^64 clash costs one miss)
+SUMMARY_BYTES = 8
+
+
+def block_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The key of a full KV block: SHA-256 over its parent's key and its token ids."""
+    h = hashlib.sha256()
+    h.update(parent or b"root")
+    h.update(b"|".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+def prompt_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain keys of the prompt's blocks an engine could take from its cache: the
+    full blocks, leaving at least one token to compute (as `BlockManager` matches)."""
+    keys: list[bytes] = []
+    parent: bytes | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)
+    return keys
