@@ -159,6 +159,7 @@ def stages(num_kv_blocks: int) -> None:
     while engine.has_unfinished():
         engine.step()
     stage("one structured request (llguidance's index)")
+    print_mappings(os.getpid())  # while the engine is alive
 
 
 def main() -> None:
@@ -171,7 +172,6 @@ def main() -> None:
         print_mappings(args.pid)
     if args.stages:
         stages(args.num_kv_blocks)
-        print_mappings(os.getpid())
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ class Matchers:
             import llguidance.hf  # noqa: F401
             import transformers
 
-            _ = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
+            _ = transformers.PreTrainedTokenizerFast
             if self.index_at_start:
                 self._pool.submit(self._build)
 
@@ -169,9 +169,12 @@ class Matchers:
         if self._tokenizer is None and self._tokenizer_error is None:
             try:
                 import llguidance.hf
-                from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.model_dir)
+                # The gateway's class (tokenizer.json and its added tokens), not AutoTokenizer:
+                # the same vocabulary, without importing transformers' auto classes (tens of MB).
+                from transformers import PreTrainedTokenizerFast
+
+                hf = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
                 self._tokenizer = llguidance.hf.from_tokenizer(  # a slow tokenizer: ValueError
                     hf,  # type: ignore[arg-type]
                     n_vocab=self.vocab_size,

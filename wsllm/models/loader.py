@@ -204,8 +204,12 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
 def quant_cache_path(gguf: Path) -> Path:
     """Where a GGUF's weights, repacked for the quantized kernels, are cached: beside
     its converted directory."""
+    from wsllm.models.gguf_weights import CACHE_VERSION
+
     conv = _gguf_cache_path(gguf)
-    return conv.with_name(conv.name + "-quant")
+    # one directory per cache format: a checkout of another format (another worktree, an
+    # older install) on the same cache keeps its own instead of repacking over this one
+    return conv.with_name(f"{conv.name}-quant{CACHE_VERSION}")
 
 
 def release_freed_heap() -> None:
