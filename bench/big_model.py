@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wsllm-args", default="")
     p.add_argument(
-        "--llama-args", default="", help='extra args for llama-server, e.g. --llama-args="--no-mmap"'
+        "--llama-args",
+        default="",
+        help='extra args for llama-server, e.g. --llama-args="-lm none" (read, not mmap)',
     )
     p.add_argument("--peers-dir", type=Path, default=None)
     p.add_argument("--no-write-docs", dest="write_docs", action="store_false")
