@@ -28,6 +28,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -273,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     if "wsllm" in args.servers:  # the one-time config/tokenizer conversion and repack: not "ready in"
         warm = ("from wsllm.config import EngineConfig; from wsllm.models.build import build_model; "
                 f"build_model(EngineConfig(model={str(gguf_path)!r}, num_kv_blocks=16))")  # fmt: skip
+        t = time.monotonic()
         subprocess.run([sys.executable, "-c", warm], check=True)
+        print(f"wsllm's config, tokenizer and repack ready (cached after the first run) in "
+              f"{time.monotonic() - t:.0f} s", file=sys.stderr)  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="big-model-")))
         serving_peers.write_prompts(args, work)
