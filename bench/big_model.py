@@ -17,6 +17,12 @@ start, as `make serve` would have; both get the same KV capacity (llama-server's
 
     python bench/big_model.py                     # both servers; writes docs/benchmarks.md
     python bench/big_model.py --servers wsllm --no-write-docs
+    python bench/big_model.py --llama-args="-lm none"   # llama-server reading, not mapping, the file
+
+Time on 2 cores (a busy machine's smoke runs): writing the GGUF ~30 s and wsllm's repack
+1.5-4.5 min (75 s of CPU, peak 1.2 GB), both once; then each server 6-30 s to ready plus its
+load (8 requests x 32 tokens per level at a few tokens/s: minutes). 23 GB of RAM is enough
+(peaks: wsllm 5.6 GB, llama-server 8.2 GB with its defaults).
 """
 
 from __future__ import annotations
