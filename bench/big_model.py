@@ -17,6 +17,12 @@ start, as `make serve` would have; both get the same KV capacity (llama-server's
 
     python bench/big_model.py                     # both servers; writes docs/benchmarks.md
     python bench/big_model.py --servers wsllm --no-write-docs
+    python bench/big_model.py --llama-args="-lm none"   # llama-server reading, not mapping, the file
+
+Time on 2 cores (a busy machine's smoke runs): writing the GGUF ~30 s and wsllm's repack
+1.5-4.5 min (75 s of CPU, peak 1.2 GB), both once; then each server 6-30 s to ready plus its
+load (8 requests x 32 tokens per level at a few tokens/s: minutes). 23 GB of RAM is enough
+(peaks: wsllm 5.6 GB, llama-server 8.2 GB with its defaults).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +172,7 @@ def server_argv(name: str, gguf_path: Path, port: int, args: argparse.Namespace)
     if not binary.exists():
         raise SystemExit(f"llama-server is not built: {binary} is missing; run python bench/peers_setup.py")
     return [str(binary), "-m", str(gguf_path), *host, "-np", str(max(args.levels)), "-c", str(args.ctx),
-            "-t", str(args.threads), "--alias", gguf_path.stem]  # fmt: skip
+            "-t", str(args.threads), "--alias", gguf_path.stem, *shlex.split(args.llama_args)]  # fmt: skip
 
 
 def measure(name: str, gguf_path: Path, args: argparse.Namespace, work: Path) -> dict[str, object]:
@@ -196,20 +203,27 @@ def section(rows: list[dict[str, object]], args: argparse.Namespace, command: st
     ratio = ""
     if {"wsllm", "llamacpp"} <= set(by):
         ws, lc = by["wsllm"], by["llamacpp"]
-        c1 = args.levels[0]
-        tw = serving_report.tokens_per_s(ws["runs"][c1])  # type: ignore[index]
-        tl = serving_report.tokens_per_s(lc["runs"][c1])  # type: ignore[index]
-        ratio = (
-            f"wsllm / llama-server: tokens/s at c={c1} **{tw / tl:.2f}x**, peak resident memory "
-            f"**{float(ws['peak_mb']) / float(lc['peak_mb']):.2f}x**.\n"  # type: ignore[arg-type]
+        speed = ", ".join(
+            f"c={c} **{serving_report.tokens_per_s(ws['runs'][c]) / serving_report.tokens_per_s(lc['runs'][c]):.2f}x**"  # type: ignore[index]
+            for c in args.levels
         )
+        ratio = (
+            f"wsllm / llama-server: tokens/s {speed}; peak resident memory "
+            f"**{float(ws['peak_mb']) / float(lc['peak_mb']):.2f}x** (goal: at most 1.15x, c=1 at least 1.0x); "  # type: ignore[arg-type]
+            f"ready in {float(ws['ready_s']):.1f} s against {float(lc['ready_s']):.1f} s.\n"  # type: ignore[arg-type]
+        )
+    kv_dtype, kv_bytes = _kv_dtype()
     return "\n".join(
         [
             f"## {TITLE}\n",
             f"`bench/big_model.py`: a random-weight GGUF with Llama-3-8B's shapes ({gguf_path.stat().st_size / 2**30:.2f} GiB; "
             "Q4_K, with Q6_K for attn_v, ffn_down and output), served by each server alone; `wsllm bench` chat "
             f"prompts, {args.num_requests} requests per level, {args.output_len} output tokens, greedy, `ignore_eos`; "
-            f"both servers hold {args.ctx} tokens of KV. Peak resident memory: the server's process tree, sampled.\n",
+            f"both servers hold {args.ctx} tokens of KV (wsllm {args.ctx // 16} blocks of 16 in {kv_dtype}, "
+            f"{_kv_mb(args.ctx, kv_bytes):.0f} MB; llama-server `-c {args.ctx}` in f16, {_kv_mb(args.ctx, 2):.0f} MB). "
+            "Peak resident memory: the server's process tree, sampled every 0.2 s while it loads and serves "
+            "(each server maps the weights' file: its pages count once read; llama-server also keeps the "
+            "copies it repacks for its CPU kernels beside the mapped file).\n",
             f"```\n{command}\n```\n",
             f"{datetime.date.today().isoformat()}, {serving_report.cpu_model()}.\n",
             "\n".join(lines) + "\n",
@@ -217,6 +231,22 @@ def section(rows: list[dict[str, object]], args: argparse.Namespace, command: st
             f"CPU (`grep -m1 flags /proc/cpuinfo`):\n\n```\n{serving_report.cpu_flags()}\n```",
         ]
     )
+
+
+def _kv_mb(tokens: int, elem_bytes: int) -> float:
+    s = SHAPES
+    return 2 * s["layers"] * tokens * s["kv_heads"] * (s["hidden"] // s["heads"]) * elem_bytes / 2**20
+
+
+def _kv_dtype() -> tuple[str, int]:
+    """wsllm's KV dtype here and its bytes: the engine's dtype (auto: bf16 where the CPU has
+    it natively, else fp32)."""
+    import torch
+
+    from wsllm.models.build import cpu_flags, pick_dtype
+
+    dtype, _ = pick_dtype("auto", torch.device("cpu"), cpu_flags())
+    return str(dtype).removeprefix("torch."), dtype.itemsize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="llama-server -t (default: the cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wsllm-args", default="")
+    p.add_argument(
+        "--llama-args",
+        default="",
+        help='extra args for llama-server, e.g. --llama-args="-lm none" (read, not mmap)',
+    )
     p.add_argument("--peers-dir", type=Path, default=None)
     p.add_argument("--no-write-docs", dest="write_docs", action="store_false")
     args = p.parse_args(argv)
@@ -245,7 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     if "wsllm" in args.servers:  # the one-time config/tokenizer conversion and repack: not "ready in"
         warm = ("from wsllm.config import EngineConfig; from wsllm.models.build import build_model; "
                 f"build_model(EngineConfig(model={str(gguf_path)!r}, num_kv_blocks=16))")  # fmt: skip
+        t = time.monotonic()
         subprocess.run([sys.executable, "-c", warm], check=True)
+        print(f"wsllm's config, tokenizer and repack ready (cached after the first run) in "
+              f"{time.monotonic() - t:.0f} s", file=sys.stderr)  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="big-model-")))
         serving_peers.write_prompts(args, work)

@@ -12,6 +12,11 @@ paths, all existing torch kernels (no GEMM of ours):
 - ours (kernels/cpu/, `wsllm.kernels.quant.qlinear`) on GGUF Q8_0, Q4_0 and Q4_1 blocks, on
   the best ISA path of the CPU and, with `--all-isas`, on each path it has (avx2, scalar);
 
+`--formats` times our kernels per GGUF format (Q4_0 ... Q6_K) on the linear layers of one
+Llama-3-8B layer (q, k, v, o, gate, up, down; two distinct copies so that the weights stream
+from memory): milliseconds per layer and the packed weights' GB/s at M = 1 and 8, the
+figures that say whether a format's kernel (the K-quants of a Q4_K_M file) is the gap at c=1.
+
 `--layers` times one layer of each shape instead, ours against oneDNN over the de-quantized
 weight (fp32, and bf16 packed for bf16 activations) at M in 1..2048, the calls interleaved and
 the best of several repeats kept (a shared machine: read the ratios): docs/kernels.md's table.
@@ -26,6 +31,7 @@ layer's output against fp32 (relative to the output's scale).
     .venv/bin/python bench/quantized_linear.py [--batch-sizes 1,8,32] [--steps 10] [--all-isas]
     .venv/bin/python bench/quantized_linear.py --batch-sizes 128,512 --steps 2   # prefill
     .venv/bin/python bench/quantized_linear.py --layers [--threads 2]              # one layer, M 1..2048
+    .venv/bin/python bench/quantized_linear.py --formats [--threads 2]             # per format, 8B shapes
 """
 
 from __future__ import annotations
@@ -159,11 +165,16 @@ def main() -> None:
     ap.add_argument("--all-isas", action="store_true", help="time our kernels on every ISA path the CPU has")
     ap.add_argument("--layers", action="store_true", help="one layer per shape at M in 1..2048 (prefill)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--formats", action="store_true", help="our kernels per GGUF format, Llama-3-8B shapes")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     ok, why = quant.native_status()
     print(why)
+    if args.formats:
+        with torch.inference_mode():
+            format_sweep([int(b) for b in args.batch_sizes.split(",")][:2], max(3, args.steps))
+        return
     if args.layers:
         with torch.inference_mode():
             sizes = (
@@ -206,6 +217,66 @@ def main() -> None:
             err = ((p[name](x) - ref).abs().max() / ref.abs().max()).item()
             cells = [f"{tok_s[name][b]:,.1f} ({tok_s[name][b] / base[b]:.2f}x)" for b in sizes]
             print(f"| {name} | " + " | ".join(cells) + f" | {err:.1e} |")
+
+
+# (out, in) of one Llama-3-8B layer's linear layers: q, k, v, o, gate, up, down
+LAYER_8B = [
+    (4096, 4096),
+    (1024, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (14336, 4096),
+    (14336, 4096),
+    (4096, 14336),
+]
+# where each format's fp16 scales sit in a GGUF block (byte offsets): set, the rest random
+_SCALE_BYTES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _random_weight(qtype: str, n: int, k: int, g: torch.Generator) -> quant.QuantWeight:
+    """Random blocks (the kernels' time does not depend on the values) with small finite scales."""
+    from wsllm.kernels.quant_formats import BLOCK
+
+    bs, ts = BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, k // bs, ts), dtype=torch.uint8, generator=g)
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
+    for off in _SCALE_BYTES[qtype]:
+        raw[..., off : off + 2] = scale
+    return quant.pack(qtype, raw.reshape(n, -1), (n, k))
+
+
+def format_sweep(sizes: list[int], reps: int) -> None:
+    """Our kernels per format on two copies of one Llama-3-8B layer: ms per layer, GB/s."""
+    g = torch.Generator().manual_seed(0)
+    print(f"kernel path {quant.kernel_path()}, {torch.get_num_threads()} threads; one Llama-3-8B layer "
+          "(q, k, v, o, gate, up, down), two copies read in turn; best of the repeats")  # fmt: skip
+    print("| format | MB per layer | " + " | ".join(f"M={m}: ms per layer (GB/s)" for m in sizes) + " |")
+    print("| --- | ---: |" + " ---: |" * len(sizes))
+    for qtype in quant.QTYPES:
+        layers = [[_random_weight(qtype, n, k, g) for n, k in LAYER_8B] for _ in range(2)]
+        mb = sum(w.nbytes() for w in layers[0]) / 1e6
+        cells = []
+        for m in sizes:
+            xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in LAYER_8B}}
+
+            def step(
+                layers: list[list[quant.QuantWeight]] = layers, xs: dict[int, torch.Tensor] = xs
+            ) -> None:
+                for layer in layers:
+                    for w in layer:
+                        quant.qlinear(xs[w.in_features], w)
+
+            step()  # warm-up
+            best = min(_timed(step) for _ in range(reps)) / 2  # per layer
+            cells.append(f"{best * 1e3:.2f} ({mb / 1e3 / best:.1f})")
+        print(f"| {qtype} | {mb:.0f} | " + " | ".join(cells) + " |", flush=True)
+        del layers
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _can_pin(isa: str) -> bool:

@@ -2,11 +2,13 @@
 `wsllm serve` (SmolLM2) runs, a regex-constrained request arrives a second later, and
 the plain stream's largest gap between two chunks is measured (and the structured
 request's latency). The first structured request needs llguidance's index of the
-tokenizer; the servers build it on a thread when the model is loaded (Matchers.warm), so
-it is ready before anyone asks. `--no-warm` is not a flag of the server: compare with a
-checkout before the warm-up (git stash) to see the stall it removes.
+tokenizer; by default the first structured request has it built (on the matchers' thread:
+100+ MB that a server nobody asks for structured output never holds), and with
+`--structured-index-at-start` the server builds it when the model is loaded. Compare the
+two with the variable:
 
     .venv/bin/python bench/structured_first_request.py
+    WSLLM_STRUCTURED_INDEX_AT_START=1 .venv/bin/python bench/structured_first_request.py
 """
 
 from __future__ import annotations

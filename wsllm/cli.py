@@ -48,7 +48,7 @@ def serve(args: argparse.Namespace) -> int:
     from wsllm.broker.memory import MemoryBroker
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
-    from wsllm.models.loader import model_name_for
+    from wsllm.models.loader import model_name_for, release_freed_heap
     from wsllm.server.app import create_app, uvicorn_config
 
     ecfg, gcfg, rcfg, mcfg, lcfg = _configs(
@@ -78,6 +78,7 @@ def serve(args: argparse.Namespace) -> int:
         engines = [cast(LLMEngine, w.engine) for w in workers]
         dirs = {e.model_name: Path(e.model_dir) for e in engines}
         app = create_app(gcfg, broker, engines[0].model_dir, engines[0].model_name, tokenizer_dirs=dirs)
+        release_freed_heap()  # the tokenizers' load temporaries: ~30 MB resident otherwise
         server = uvicorn.Server(uvicorn_config(app, gcfg, log_level=lcfg.log_level))
         host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
         print(f"wsllm: serving {', '.join(dirs)} at http://{host}:{gcfg.port}/", flush=True)

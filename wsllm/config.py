@@ -81,6 +81,13 @@ class EngineConfig:
             "help": "longest a request waits for its structured-output spec to compile: an error past it"
         },
     )
+    structured_index_at_start: bool = field(
+        default=False,
+        metadata={
+            "help": "build structured output's tokenizer index when the model loads (100+ MB resident "
+            "from then on) instead of when the first structured request arrives (which then waits for it)"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     pooling: str = field(
         default="auto",

@@ -5,9 +5,10 @@ Shared by the gateway and the engine, and torch-free (llguidance's core is Rust)
   cannot be compiled, so that the gateway answers 400 naming the problem;
 - `grammar_for(spec)`: the llguidance grammar of a spec;
 - `Matchers`: the engine's factory of per-sequence matchers, compiling on a helper
-  thread (never the engine's step thread). It builds the tokenizer (about a second)
-  once, and keeps the last compiled specs so that a repeated schema costs a copy, not
-  a compile;
+  thread (never the engine's step thread). It builds llguidance's index of the
+  tokenizer (about a second, and 100+ MB resident for the rest of the process) once,
+  when the first structured request arrives (or at start, with `index_at_start`), and
+  keeps the last compiled specs so that a repeated schema costs a copy, not a compile;
 - `check_spec_within(spec, limit_s)`: the gateway's check, off the event loop on a
   thread of its own, with a deadline.
 
@@ -109,8 +110,13 @@ class Matchers:
     thread: a flood of unique schemas queues behind itself (each request bounded by the
     engine's deadline), not beside the model on every core."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int], index_at_start: bool = False
+    ) -> None:
         self.model_dir = str(model_dir)
+        # False: `warm` leaves the index to the first structured request, so that a server
+        # nobody asks for structured output does not hold it (EngineConfig.structured_index_at_start)
+        self.index_at_start = index_at_start
         self.vocab_size = vocab_size  # the model's logits width, which masks cover
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: LLTokenizer | None = None
@@ -122,9 +128,11 @@ class Matchers:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="wsllm-llguidance")
 
     def warm(self) -> None:
-        """Build the tokenizer's index on the helper thread now, so that the first
-        structured request does not wait seconds for it. Servers call this once the
-        model is loaded; tests that never ask for structured output leave it."""
+        """Servers call this once the model is loaded. With `index_at_start`, build the
+        tokenizer's index on the helper thread now, so that the first structured request
+        does not wait for it; without, only make the later build safe beside the gateway's
+        threads (the first structured request then waits for the build, and the other
+        streams see one pause of a few hundred ms while it holds the GIL)."""
         if not self._warmed:
             self._warmed = True
             # transformers resolves its names lazily, and not safely from two threads at
@@ -132,8 +140,9 @@ class Matchers:
             import llguidance.hf  # noqa: F401
             import transformers
 
-            _ = transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast
-            self._pool.submit(self._build)
+            _ = transformers.PreTrainedTokenizerFast
+            if self.index_at_start:
+                self._pool.submit(self._build)
 
     def start(self, spec: Any) -> Future[LLMatcher]:
         """A matcher at the start of `spec`'s grammar, compiled on the helper thread: the
@@ -160,9 +169,12 @@ class Matchers:
         if self._tokenizer is None and self._tokenizer_error is None:
             try:
                 import llguidance.hf
-                from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.model_dir)
+                # The gateway's class (tokenizer.json and its added tokens), not AutoTokenizer:
+                # the same vocabulary, without importing transformers' auto classes (tens of MB).
+                from transformers import PreTrainedTokenizerFast
+
+                hf = PreTrainedTokenizerFast.from_pretrained(self.model_dir)
                 self._tokenizer = llguidance.hf.from_tokenizer(  # a slow tokenizer: ValueError
                     hf,  # type: ignore[arg-type]
                     n_vocab=self.vocab_size,

@@ -105,3 +105,25 @@ def test_the_gateway_check_has_a_deadline() -> None:
             await check_spec_within(heavy_spec(), 0.001)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_the_tokenizer_index_is_built_by_the_first_structured_request_unless_asked_at_start(
+    tiny_model_dir: Path, at_start: bool
+) -> None:
+    """The index holds 100+ MB for the life of the process: a server nobody asks for
+    structured output never builds it (EngineConfig.structured_index_at_start builds it
+    when the model loads, as every server once did)."""
+    cfg = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.01, structured_index_at_start=at_start
+    )
+    engine = LLMEngine.from_config(cfg)
+    engine.matchers.warm()  # as the servers do once the model is loaded
+    engine.matchers._pool.submit(lambda: None).result()  # whatever warm queued has run
+    assert (engine.matchers._tokenizer is not None) == at_start
+    engine.add_request(
+        "s", PROMPT, SamplingParams(max_tokens=6, temperature=0, structured={"choice": ["yes", "no"]})
+    )
+    out = drain(engine)["s"]
+    assert out.error is None and out.outputs[0].token_ids, out
+    assert engine.matchers._tokenizer is not None

@@ -80,7 +80,7 @@ class LLMEngine:
             config.prompt_logprob_cost,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
-        self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids)  # loads nothing until used
+        self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)

@@ -156,6 +156,7 @@ def build_model(config: EngineConfig) -> BuiltModel:
         # every model, and a first build inside a step would stall that step and the
         # engine's heartbeats for as long as the compiler runs.
         quant.native_status()
+    loader.release_freed_heap()
     log.info("loaded %s in %.1fs on %s (%s)", model_dir, time.time() - t, device, dtype)
     return BuiltModel(
         model,

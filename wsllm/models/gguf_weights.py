@@ -8,33 +8,40 @@ so it is undone on the raw rows of blocks, exactly as transformers' GGUF loader 
 it on de-quantized values. q/k/v and gate/up are fused into one weight where the parts
 share a format (a Q4_K_M file mixes Q4_K and Q6_K inside attention: those stay apart).
 
-The repacked weights are cached once beside the converted HF directory, as one
-safetensors file of `QuantWeight.state()` tensors plus `index.json`.
+The repacked weights are cached once beside the converted HF directory: one flat file of
+tensors (`weights.bin`, each 64-byte aligned) and `index.json` saying where each lies.
+The repack streams: one module at a time (a long tensor in chunks of rows) from the GGUF's
+memory map to the file, so that an 8B model is repacked in a few hundred MB, never held
+whole. Loading maps the file: the weights are resident as the OS pages them in (as
+llama.cpp's mmap), not copied onto the heap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from wsllm.kernels import quant, quant_formats
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: weights.bin + offsets in index.json (1: one safetensors file)
+_ALIGN = 64  # each tensor's offset in weights.bin: any dtype's view, and cache lines
+_CHUNK_ROWS = 256 * quant_formats.ROWS  # rows packed at a time (whole groups of ROWS)
 # One linear's weight: blocks kept as they are, or an fp32 [rows, in_features] tensor.
 LinearPart = quant.QuantWeight | torch.Tensor
 
@@ -108,17 +115,39 @@ def _as_float(t: Any, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
-def read_gguf(path: Path, cfg: ModelConfig) -> QuantCheckpoint:
-    """Read `path`'s tensors: linear weights of the kernels' formats as raw rows of
-    blocks, the rest as fp32, Q/K rows un-permuted for a llama-architecture file."""
-    from gguf import GGUFReader
+@dataclass(slots=True)
+class _Source:
+    """One GGUF tensor that becomes (part of) a linear weight; read when written."""
 
-    reader = GGUFReader(str(path))
+    qtype: str  # a kernel format kept as it is, or "F32" (de-quantized)
+    tensor: Any  # gguf's ReaderTensor: a view of the memory-mapped file
+    shape: tuple[int, int]  # [rows, in_features]
+    n_head: int | None  # un-permute Q/K rows over this many heads
+
+    def rows(self) -> np.ndarray:
+        """[rows, bytes] of blocks (a view of the map unless un-permuted) or fp32 [rows, cols]."""
+        if self.qtype == "F32":
+            raw = _as_float(self.tensor, self.shape)
+        else:
+            raw = np.asarray(self.tensor.data).reshape(self.shape[0], -1)
+        return raw if self.n_head is None else _unpermute_rows(raw, self.n_head)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a GGUF holds, before any weight is read: linear parts per module, norms and
+    biases (small: read now), kernel formats counted."""
+
+    linears: dict[str, dict[int, _Source]] = field(default_factory=dict)
+    floats: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _plan(reader: Any, cfg: ModelConfig) -> _Plan:
     arch_field = reader.fields.get("general.architecture")
     permuted = arch_field is not None and arch_field.contents() == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    ckpt = QuantCheckpoint()
-    raw_parts: dict[str, dict[int, tuple[str, np.ndarray, tuple[int, int]]]] = {}
+    plan = _Plan()
     biases: dict[str, dict[int, np.ndarray]] = {}
     for t in reader.tensors:
         target = _target(t.name)
@@ -128,49 +157,133 @@ def read_gguf(path: Path, cfg: ModelConfig) -> QuantCheckpoint:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         what = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         n_head = heads.get(what) if permuted else None
-        qtype = t.tensor_type.name
         if kind == "norm" or kind == "bias":
             v = _as_float(t, shape)
-            if n_head:
-                v = _unpermute_rows(v, n_head)
+            v = v if n_head is None else _unpermute_rows(v, n_head)
             if kind == "norm":
-                ckpt.floats[mod] = torch.from_numpy(v.copy())
+                plan.floats[mod] = torch.from_numpy(v.copy())
             else:
                 biases.setdefault(mod, {})[idx] = v
             continue
+        qtype = t.tensor_type.name
         if qtype in quant.QTYPES and len(shape) == 2:
-            raw = np.asarray(t.data).reshape(shape[0], -1)
-            ckpt.counts[qtype] = ckpt.counts.get(qtype, 0) + 1
+            plan.counts[qtype] = plan.counts.get(qtype, 0) + 1
         else:  # a float tensor, or a format without a kernel: fp32
-            qtype, raw = "F32", _as_float(t, shape)
-        if n_head:
-            raw = _unpermute_rows(raw, n_head)
-        raw_parts.setdefault(mod, {})[idx] = (qtype, raw, (shape[0], shape[1]))
-    for mod, parts in raw_parts.items():
-        ckpt.linears[mod] = _fuse([parts[i] for i in sorted(parts)])
+            qtype = "F32"
+        plan.linears.setdefault(mod, {})[idx] = _Source(qtype, t, (shape[0], shape[1]), n_head)
     for mod, bs in biases.items():
-        ckpt.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
-    ckpt.tied = "lm_head" not in ckpt.linears
-    return ckpt
+        plan.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
+    return plan
 
 
-def _fuse(parts: list[tuple[str, np.ndarray, tuple[int, int]]]) -> list[LinearPart]:
+def _runs(parts: list[_Source]) -> list[list[_Source]]:
     """Neighbouring parts of one kernel format become one packed weight (their rows of
     blocks concatenated): q/k/v of a Q4_0 file give one, those of a Q4_K_M file two
     (q and k in Q4_K, v in Q6_K). Float parts stay fp32 tensors, one each."""
-    runs: list[list[tuple[str, np.ndarray, tuple[int, int]]]] = []
+    runs: list[list[_Source]] = []
     for part in parts:
-        if runs and part[0] == runs[-1][0][0] and part[0] != "F32":
+        if runs and part.qtype == runs[-1][0].qtype and part.qtype != "F32":
             runs[-1].append(part)
         else:
             runs.append([part])
-    out: list[LinearPart] = []
-    for run in runs:
-        qtype, cols = run[0][0], run[0][2][1]
-        # copies: the reader's arrays are views of the mapped file
-        raw = torch.from_numpy(np.concatenate([r for _, r, _ in run]))
-        out.append(raw if qtype == "F32" else quant.pack(qtype, raw, (raw.shape[0], cols)))
-    return out
+    return runs
+
+
+def _row_chunks(parts: list[np.ndarray], chunk: int) -> Iterator[np.ndarray]:
+    """The rows of `parts` stacked, `chunk` rows at a time (the last may be shorter)."""
+    pending: list[np.ndarray] = []
+    have = 0
+    for p in parts:
+        start = 0
+        while start < len(p):
+            take = min(chunk - have, len(p) - start)
+            pending.append(p[start : start + take])
+            have, start = have + take, start + take
+            if have == chunk:
+                yield np.concatenate(pending)
+                pending, have = [], 0
+    if pending:
+        yield np.concatenate(pending)
+
+
+class _Blob:
+    """weights.bin being written: tensors one after another, each at an aligned offset."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.pos = f, 0
+
+    def begin(self) -> int:
+        """Align for the next tensor; its offset."""
+        pad = -self.pos % _ALIGN
+        self.f.write(b"\0" * pad)
+        self.pos += pad
+        return self.pos
+
+    def write(self, a: np.ndarray | torch.Tensor) -> None:
+        """Append `a`'s bytes (a tensor written in pieces: call once per piece)."""
+        arr = np.ascontiguousarray(a.numpy() if isinstance(a, torch.Tensor) else a)
+        self.f.write(memoryview(arr).cast("B"))
+        self.pos += arr.nbytes
+
+
+def _write_run(blob: _Blob, run: list[_Source]) -> dict[str, Any]:
+    """One linear part into `blob`, packed chunk by chunk; its index entry."""
+    qtype, cols = run[0].qtype, run[0].shape[1]
+    offset = blob.begin()
+    if qtype == "F32":
+        rows = run[0].rows()
+        blob.write(rows.astype(np.float32, copy=False))
+        return {"qtype": "F32", "shape": list(rows.shape), "offset": offset}
+    n, layout = 0, None
+    for chunk in _row_chunks([s.rows() for s in run], _CHUNK_ROWS):
+        w = quant.pack(qtype, chunk, (len(chunk), cols))
+        blob.write(w.packed)
+        n += len(chunk)
+        layout = w.state()["layout"].tolist()
+    return {"qtype": qtype, "shape": [n, cols], "offset": offset, "layout": layout}
+
+
+def _drop_pages(reader: Any) -> None:
+    """Let go of the GGUF pages read so far: they stay in the page cache, but no longer
+    count as this process's resident memory (the repack would otherwise grow to the
+    file's size)."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
+    """Repack `path`'s weights into the cache directory `out` (atomically: all of it or
+    nothing), one module at a time: linear weights of the kernels' formats in the
+    kernels' layout, the rest fp32, Q/K rows un-permuted for a llama-architecture file."""
+    from gguf import GGUFReader
+    from tqdm import tqdm
+
+    reader = GGUFReader(str(path))
+    plan = _plan(reader, cfg)
+    index: dict[str, Any] = {"version": CACHE_VERSION, "layout": _layout_tag(), "source": str(path),
+                             "tied": "lm_head" not in plan.linears, "counts": plan.counts,
+                             "floats": {}, "linears": {}}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        with open(tmp / "weights.bin", "wb") as f:
+            blob = _Blob(f)
+            for name, v in plan.floats.items():
+                index["floats"][name] = {"shape": list(v.shape), "offset": blob.begin()}
+                blob.write(v.float().contiguous())
+            for mod, parts in tqdm(plan.linears.items(), desc=f"repacking {path.name}", unit="module"):
+                runs = _runs([parts[i] for i in sorted(parts)])
+                index["linears"][mod] = [_write_run(blob, run) for run in runs]
+                _drop_pages(reader)
+        (tmp / "index.json").write_text(json.dumps(index, indent=1))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("cached the repacked weights in %s", out)
 
 
 def _layout_tag() -> str:
@@ -181,46 +294,6 @@ def _layout_tag() -> str:
     for f in (quant_formats.__file__, __file__):
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
-
-
-def save_cache(ckpt: QuantCheckpoint, out: Path, source: Path) -> None:
-    """Write `ckpt` to `out` (a directory, atomically: all of it or nothing)."""
-    tensors: dict[str, torch.Tensor] = {f"float.{k}": v.contiguous() for k, v in ckpt.floats.items()}
-    index: dict[str, Any] = {
-        "version": CACHE_VERSION,
-        "layout": _layout_tag(),
-        "source": str(source),
-        "tied": ckpt.tied,
-        "counts": ckpt.counts,
-        "linears": {},
-    }
-    for mod, parts in ckpt.linears.items():
-        entries = []
-        for i, p in enumerate(parts):
-            if isinstance(p, torch.Tensor):
-                tensors[f"{mod}.{i}.float"] = p.contiguous()
-                entries.append({"qtype": "F32", "shape": list(p.shape)})
-                continue
-            state = p.state()
-            for k, v in state.items():
-                tensors[f"{mod}.{i}.{k}"] = v.contiguous()
-            entries.append(
-                {"qtype": p.qtype, "shape": [p.out_features, p.in_features], "keys": sorted(state)}
-            )
-        index["linears"][mod] = entries
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
-        save_file(tensors, str(tmp / "weights.safetensors"))
-        (tmp / "index.json").write_text(json.dumps(index, indent=1))
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("cached the repacked weights in %s", out)
 
 
 def load_cache(out: Path) -> QuantCheckpoint | None:
@@ -236,26 +309,40 @@ def load_cache(out: Path) -> QuantCheckpoint | None:
         return None
     try:
         return _read_cache(out, index)
-    except (OSError, KeyError, ValueError) as e:  # ValueError: a state of another layout
+    except (OSError, KeyError, ValueError, RuntimeError) as e:  # ValueError: a state of another layout
         log.info("the cached weights in %s cannot be used (%s): repacking", out, e)
         return None
 
 
 def _read_cache(out: Path, index: dict[str, Any]) -> QuantCheckpoint:
+    """Views of weights.bin, mapped (copy-on-write, never written): paged in as read."""
+    path = out / "weights.bin"
+    blob = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+
+    def view(offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        if offset + n > blob.numel():
+            raise ValueError(f"{path} is shorter than its index says")
+        return blob[offset : offset + n].view(dtype).view(shape)
+
     ckpt = QuantCheckpoint(tied=index["tied"], counts=index["counts"])
-    with safe_open(str(out / "weights.safetensors"), framework="pt") as st:
-        for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            if key.startswith("float."):
-                ckpt.floats[key.removeprefix("float.")] = st.get_tensor(key)
-        for mod, entries in index["linears"].items():
-            parts: list[LinearPart] = []
-            for i, e in enumerate(entries):
-                if e["qtype"] == "F32":
-                    parts.append(st.get_tensor(f"{mod}.{i}.float"))
-                    continue
-                state = {k: st.get_tensor(f"{mod}.{i}.{k}") for k in e["keys"]}
-                parts.append(quant.QuantWeight.from_state(e["qtype"], tuple(e["shape"]), state))
-            ckpt.linears[mod] = parts
+    for name, e in index["floats"].items():
+        ckpt.floats[name] = view(e["offset"], e["shape"], torch.float32)
+    for mod, entries in index["linears"].items():
+        parts: list[LinearPart] = []
+        for e in entries:
+            if e["qtype"] == "F32":
+                parts.append(view(e["offset"], e["shape"], torch.float32))
+                continue
+            n, k = e["shape"]
+            bs = quant_formats.BLOCK[e["qtype"]][0]
+            groups = -(-n // quant_formats.ROWS)
+            packed = view(
+                e["offset"], [groups, k // bs, quant_formats.packed_block_bytes(e["qtype"])], torch.uint8
+            )
+            state = {"packed": packed, "layout": torch.tensor(e["layout"], dtype=torch.int32)}
+            parts.append(quant.QuantWeight.from_state(e["qtype"], (n, k), state))
+        ckpt.linears[mod] = parts
     return ckpt
 
 
@@ -265,8 +352,10 @@ def load_gguf_weights(path: Path, cache: Path, cfg: ModelConfig) -> QuantCheckpo
     if ckpt is not None:
         return ckpt
     log.info("repacking %s for the quantized kernels (once; cached in %s)", path.name, cache)
-    ckpt = read_gguf(path, cfg)
     if cache.exists():  # a stale layout: replace it
         shutil.rmtree(cache, ignore_errors=True)
-    save_cache(ckpt, cache, path)
+    repack(path, cache, cfg)
+    ckpt = load_cache(cache)
+    if ckpt is None:
+        raise RuntimeError(f"the weights repacked into {cache} cannot be read back")
     return ckpt

@@ -14,6 +14,7 @@ their quantized blocks (wsllm/models/gguf_weights.py).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -203,5 +204,22 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
 def quant_cache_path(gguf: Path) -> Path:
     """Where a GGUF's weights, repacked for the quantized kernels, are cached: beside
     its converted directory."""
+    from wsllm.models.gguf_weights import CACHE_VERSION
+
     conv = _gguf_cache_path(gguf)
-    return conv.with_name(conv.name + "-quant")
+    # one directory per cache format: a checkout of another format (another worktree, an
+    # older install) on the same cache keeps its own instead of repacking over this one
+    return conv.with_name(f"{conv.name}-quant{CACHE_VERSION}")
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`). Loading a model
+    and its tokenizers frees tens of MB of temporaries (parsed JSON, conversion buffers)
+    that glibc would otherwise keep resident for the life of the process, scattered
+    between live blocks where its automatic trim of the heap's top cannot reach them.
+    Call it once loading is done; elsewhere than glibc it does nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)

@@ -1,0 +1,64 @@
+"""The GGUF repack (wsllm/models/gguf_weights.py) streams: a long tensor is packed in
+chunks of rows, fused parts (q/k/v, gate/up) are joined chunk by chunk, and what it
+caches is the same whatever the chunk; the cache is read as a map of its file, not a
+copy onto the heap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from wsllm.kernels import quant_formats
+
+from wsllm.models import gguf_weights
+from wsllm.models.llama import ModelConfig
+from wsllm.models.loader import convert_gguf, read_hf_config
+
+
+def test_a_repack_in_chunks_of_rows_caches_what_one_in_whole_tensors_does(
+    tiny_gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
+    monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", 1 << 30)  # every tensor in one piece
+    gguf_weights.repack(tiny_gguf_path, tmp_path / "whole", cfg)
+    monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", quant_formats.ROWS)  # one group of rows at a time
+    gguf_weights.repack(tiny_gguf_path, tmp_path / "chunks", cfg)
+    whole, chunks = gguf_weights.load_cache(tmp_path / "whole"), gguf_weights.load_cache(tmp_path / "chunks")
+    assert whole is not None and chunks is not None
+    assert whole.linears.keys() == chunks.linears.keys() and whole.counts == chunks.counts
+    fused = [m for m, parts in whole.linears.items() if "gate_up" in m and len(parts) == 1]
+    assert fused, "the tiny GGUF fuses gate/up (and q/k): the chunks cross the parts' boundaries"
+    for mod, parts in whole.linears.items():
+        for a, b in zip(parts, chunks.linears[mod], strict=True):
+            if isinstance(a, torch.Tensor):
+                assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+            else:
+                assert not isinstance(b, torch.Tensor)
+                assert (a.qtype, a.out_features, a.in_features) == (b.qtype, b.out_features, b.in_features)
+                assert torch.equal(a.packed, b.packed), mod
+    for name, v in whole.floats.items():
+        assert torch.equal(v, chunks.floats[name])
+
+
+def _mapped_from(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process that map `path` (/proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5] == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def test_the_cached_weights_are_a_map_of_the_file_not_a_copy(tiny_gguf_path: Path, tmp_path: Path) -> None:
+    """Resident only as read, like llama.cpp's mmap: an 8B model's 5 GB are not copied onto
+    the heap at start."""
+    cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
+    ckpt = gguf_weights.load_gguf_weights(tiny_gguf_path, tmp_path / "cache", cfg)
+    ranges = _mapped_from((tmp_path / "cache" / "weights.bin").resolve())
+    weights = [p.packed for parts in ckpt.linears.values() for p in parts if not isinstance(p, torch.Tensor)]
+    assert ranges and weights
+    for w in weights:
+        assert any(lo <= w.data_ptr() < hi for lo, hi in ranges)
