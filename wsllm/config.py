@@ -51,6 +51,13 @@ class EngineConfig:
             "log_softmax and top-k over the vocabulary): such prompts are prefilled in smaller chunks"
         },
     )
+    prefill_tokens_while_decoding: int = field(
+        default=256,
+        metadata={
+            "help": "most prompt tokens in a step that also decodes running streams: a long prompt "
+            "is prefilled in chunks this small while others stream, so their next token waits less"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap; default: the model's"}
     )
@@ -107,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.prefill_tokens_while_decoding < 1:
+            raise ValueError("prefill_tokens_while_decoding must be >= 1")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
         if not self.structured_compile_timeout_s > 0:

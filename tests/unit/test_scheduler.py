@@ -36,10 +36,15 @@ workload = st.lists(
     blocks=st.integers(13, 40),
     caching=st.booleans(),
     plp_cost=st.sampled_from([0.0, 1.0, 2.5]),
+    while_decoding=st.sampled_from([None, 3, 16]),
 )
-def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching, plp_cost) -> None:  # type: ignore[no-untyped-def]
+def test_budget_progress_and_no_leak(
+    reqs, max_seqs, budget, blocks, caching, plp_cost, while_decoding
+) -> None:  # type: ignore[no-untyped-def]
     bm = BlockManager(blocks, 8, watermark=0.0, enable_prefix_caching=caching)
-    sched = Scheduler(bm, max_seqs, budget, prompt_logprob_cost=plp_cost)
+    sched = Scheduler(
+        bm, max_seqs, budget, prompt_logprob_cost=plp_cost, prefill_tokens_while_decoding=while_decoding
+    )
     pending = [
         (
             arrive,
@@ -60,8 +65,12 @@ def test_budget_progress_and_no_leak(reqs, max_seqs, budget, blocks, caching, pl
         for arrive, s in pending:
             if arrive == step:
                 sched.add(s)
+        streaming = {id(s) for s in sched.running if s.num_uncomputed <= 1}
         out = sched.schedule()
         assert sum(step_cost(s, n, plp_cost) for s, n in out.scheduled) <= budget
+        if while_decoding and any(id(s) in streaming for s, _ in out.scheduled):
+            prompts = sum(step_cost(s, n, plp_cost) for s, n in out.scheduled if id(s) not in streaming)
+            assert prompts <= while_decoding, "a step that decodes took more prompt work than allowed"
         assert len(out.scheduled) <= max_seqs
         assert len({id(s) for s, _ in out.scheduled}) == len(out.scheduled)
         for s, n in out.scheduled:
@@ -111,6 +120,32 @@ def test_a_prompt_logprobs_prompt_is_prefilled_in_chunks_that_leave_room_for_dec
     # 16 decode tokens, then each prompt token and its logprob row count twice in 512
     assert max(chunks) == (512 - 16) // 2
     assert sum(chunks) == 1500
+
+
+def test_a_long_prompt_arrives_in_small_chunks_while_streams_decode_and_whole_when_none_do() -> None:
+    bm = BlockManager(400, 16, watermark=0.0)
+    sched = Scheduler(bm, 64, 512, prefill_tokens_while_decoding=128)
+    alone = Sequence("alone", 0, [3] * 1500, SamplingParams(max_tokens=1), 0.0)
+    sched.add(alone)
+    assert [n for _, n in sched.schedule().scheduled] == [512], "nothing decodes: the whole budget"
+    sched.remove(alone)
+    streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
+    for s in streams:
+        sched.add(s)
+    _step(sched)  # the streams' prompts
+    long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 1500:
+        out = sched.schedule()
+        got = {s.request_id: n for s, n in out.scheduled}
+        assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
+        chunks.append(got["long"])
+        for s, n in out.scheduled:
+            if s.num_computed_tokens + n == s.num_tokens:
+                s.output_token_ids.append(5)
+        sched.finish_step(out.scheduled)
+    assert max(chunks) == 128 and sum(chunks) == 1500
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:

@@ -78,6 +78,7 @@ class LLMEngine:
             config.preemption_mode,
             swapper,
             config.prompt_logprob_cost,
+            config.prefill_tokens_while_decoding,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)

@@ -18,7 +18,11 @@ The budget (`max_num_batched_tokens`) bounds a step's work, not only its tokens:
 token whose row also computes a prompt logprob (lm_head, log_softmax and top-k over the
 whole vocabulary) costs `1 + prompt_logprob_cost`, so such a prompt is prefilled in
 smaller chunks and no request makes a step longer than the budget allows. Tenants are
-charged the same cost.
+charged the same cost. A step that decodes running streams gives prompts at most
+`prefill_tokens_while_decoding` of its budget: a long prompt then arrives in small
+chunks, so the streams' next token waits for a short step (Sarathi-Serve's stall-free
+batching; llama.cpp mixes prompts in its 512-token micro-batches), and a prompt that
+arrives while nothing decodes still takes the whole budget, for its first token's sake.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         swapper: object | None = None,
         prompt_logprob_cost: float = 0.0,
+        prefill_tokens_while_decoding: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -72,6 +77,8 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.swapper = swapper  # CpuSwapSpace when preemption_mode == "swap"
         self.prompt_logprob_cost = prompt_logprob_cost  # budget tokens per prompt-logprob row, extra
+        # the budget left to prompts in a step that also decodes (None: the whole budget)
+        self.prefill_while_decoding = prefill_tokens_while_decoding or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -185,7 +192,11 @@ class Scheduler:
         queue = [q for q in self.running if q.num_uncomputed <= 1]
         queue += [q for q in self.running if q.num_uncomputed > 1]
         taken: set[int] = set()
+        decodes, capped = 0, False
         for seq in queue:
+            if not capped and decodes and seq.num_uncomputed > 1:
+                capped = True  # streams decode in this step: what follows is prompt work
+                budget = min(budget, self.prefill_while_decoding)
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
@@ -203,7 +214,10 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 self._charge(seq, cost)
                 taken.add(seq.seq_id)
+                decodes += seq.num_uncomputed <= 1
                 budget -= cost
+        if decodes and not capped:
+            budget = min(budget, self.prefill_while_decoding)
         return budget
 
     def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
