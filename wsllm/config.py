@@ -75,6 +75,7 @@ class EngineConfig:
         },
     )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    fake_step_ms: float | None = field(default=None, metadata={"help": "no model: N ms steps, fixed tokens"})
     pooling: str = field(
         default="auto",
         metadata={
@@ -93,10 +94,9 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not self.structured_compile_timeout_s > 0:
-            raise ValueError(
-                f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}"
-            )
+        for name in ("structured_compile_timeout_s", "fake_step_ms"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
