@@ -32,13 +32,14 @@ import contextlib
 import datetime
 import math
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too."""
+    while True:
+        port = random.randrange(20000, 45000)
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 10000))
+            return port
+
+
 @dataclass
 class Row:
     label: str
@@ -71,6 +82,8 @@ class Row:
     requests: int
     errors: int
     bytes_per_stream: float
+    by_command: dict[str, float] = field(default_factory=dict)  # commands per token, by command
+    cpu_us: dict[str, float] = field(default_factory=dict)  # CPU µs per token by role: gateway, engines, load
 
 
 class Run:
@@ -79,13 +92,23 @@ class Run:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args, self.workdir = args, workdir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.roles: dict[int, str] = {}  # pid -> gateway | engines | load
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "ab") as out:
             p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         self.procs.append(p)
+        self.roles[p.pid] = name.split("-")[0]
         return p
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each role's processes together."""
+        out: dict[str, float] = {}
+        for pid, role in self.roles.items():
+            with contextlib.suppress(OSError):
+                out[role] = out.get(role, 0.0) + scale_redis.cpu_seconds(pid)
+        return out
 
     def child(self, role: str, *flags: str) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), "--role", role, *flags]
@@ -168,7 +191,7 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
     """One configuration: `shards` 0 is `--redis-url` as it is, 1 one instance, N a cluster."""
     dep = None
     if shards:
-        ports = [free_port() for _ in range(shards)]
+        ports = [cluster_port() if shards > 1 else free_port() for _ in range(shards)]
         dep = scale_redis.start(ports, workdir / "redis", shards > 1, args.redis_cpu, str(os.getpid()))
         if args.redis_cpu and not dep.capped:
             print("warning: no writable cgroup here; the servers run uncapped", file=sys.stderr)
@@ -186,10 +209,10 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
         clients = run.start_load(bases, names, args.warmup_s + args.duration_s)
         t0 = start + args.warmup_s
         time.sleep(max(0.0, t0 - time.time()))
-        s0 = dep.sample() if dep else []
+        s0, c0 = (dep.sample() if dep else []), run.cpu()
         time.sleep(args.duration_s)
         t1 = time.time()
-        s1 = dep.sample() if dep else []
+        s1, c1 = (dep.sample() if dep else []), run.cpu()
         mem1 = sum(n.memory() for n in dep.nodes) if dep else 0
         results, failures = _collect(clients, args)
     finally:
@@ -198,7 +221,10 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
             dep.stop()
     for f in failures[:5]:
         print(f"  {label}: a socket failed: {f}", file=sys.stderr)
-    return _row(label, args, results, s0, s1, t0, t1, (mem1 - mem0) / args.streams)
+    row = _row(label, args, results, s0, s1, t0, t1, (mem1 - mem0) / args.streams)
+    tokens = max(1.0, row.tokens_s * (t1 - t0))
+    row.cpu_us = {role: (c1.get(role, 0.0) - c0.get(role, 0.0)) / tokens * 1e6 for role in c0}
+    return row
 
 
 def _collect(clients: list[tuple[Any, Path]], args: argparse.Namespace) -> tuple[list[Any], list[str]]:
@@ -240,10 +266,15 @@ def _row(label: str, args: argparse.Namespace, results: list[Any], s0: list[Any]
         (b["throttled"] - a["throttled"]) / max(1, b["periods"] - a["periods"])
         for a, b in zip(s0, s1, strict=True)
     ]
+    by: dict[str, float] = {}
+    for a, b in zip(s0, s1, strict=True):
+        for cmd, n in b["by"].items():
+            by[cmd] = by.get(cmd, 0.0) + (n - a["by"].get(cmd, 0)) / max(1, tokens)
+    top = dict(sorted(by.items(), key=lambda kv: -kv[1])[:6])
     return Row(
         label, tokens / secs, cores, thr, calls / max(1, tokens), calls / secs,
         (_pct(ttft, 0.5), _pct(ttft, 0.99)), (_pct(tpot, 0.5), _pct(tpot, 0.99)),
-        len(window), len(window) - len(ok), bytes_per_stream,
+        len(window), len(window) - len(ok), bytes_per_stream, top,
     )  # fmt: skip
 
 
@@ -262,6 +293,18 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
             f"| {r.ttft_added[0]:.0f} / {r.ttft_added[1]:.0f} | {r.tpot_added[0]:.1f} / {r.tpot_added[1]:.1f} "
             f"| {r.requests} ({r.errors}) | {r.bytes_per_stream:,.0f} |\n"
         )
+    body += (
+        "\nCommands per token, the largest: "
+        + "; ".join(f"{r.label}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.by_command.items()) for r in rows)
+        + ".\n"
+    )
+    body += (
+        "\nCPU per token (µs), by process role: "
+        + "; ".join(
+            f"{r.label}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.cpu_us.items())) for r in rows
+        )
+        + ".\n"
+    )
     tail = (
         f"\n{args.engines} fake engines ({args.engine_procs} processes, steps of {args.step_ms:g} ms, "
         f"{args.max_num_seqs} sequences each), {args.gateways} gateways, {args.clients} load clients, "

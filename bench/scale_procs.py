@@ -63,11 +63,13 @@ def run_engines(args: argparse.Namespace) -> None:
     done.wait()
     for w in workers:  # stop pulling, hand back what they hold, deregister
         w.drain_gracefully(0.0)
+    deadline = time.monotonic() + 10  # a Redis already gone must not keep this process
     for w in workers:
         with contextlib.suppress(Exception):
-            w.stop(10)
+            w.stop(max(0.1, deadline - time.monotonic()))
     for b in brokers:
-        b.close()
+        with contextlib.suppress(Exception):
+            b.close()
 
 
 # -- the load client ------------------------------------------------------------------------
@@ -100,7 +102,9 @@ class Socket:
         import websockets
 
         c = self.client
-        async with websockets.connect(self.url, ping_interval=None, max_size=1 << 22, open_timeout=60) as ws:
+        async with websockets.connect(
+            self.url, ping_interval=None, max_size=1 << 22, open_timeout=60, close_timeout=1
+        ) as ws:
             await ws.recv()  # hello
             for _ in range(self.streams):
                 await self._send(ws)
@@ -142,10 +146,15 @@ class Load:
             sockets.append(Socket(self, url, n, first + k))
             k += n
         tasks = []
-        for i, s in enumerate(sockets):  # connect over `ramp_s`, not all in one burst
+        for s in sockets:  # connect over `ramp_s`, not all in one burst
             tasks.append(asyncio.create_task(self._guarded(s)))
-            await asyncio.sleep(ramp_s * (i + 1) / len(sockets) - ramp_s * i / len(sockets))
-        await asyncio.gather(*tasks)
+            await asyncio.sleep(ramp_s / len(sockets))
+        # At the end, leave: what is still in flight is cancelled by the gateways as
+        # clients that went away. Waiting for it would measure the drain, not the load.
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, self.stop_at - time.time()))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _guarded(self, s: Socket) -> None:
         try:

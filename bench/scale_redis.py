@@ -29,6 +29,12 @@ CGROUP_V2 = Path("/sys/fs/cgroup")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
 @dataclass
 class Node:
     """One redis-server on a local port, optionally in a CPU-capped cgroup."""
@@ -90,17 +96,16 @@ class Node:
             return True
         return False
 
-    def sample(self) -> dict[str, float]:
+    def sample(self) -> dict[str, Any]:
         """Cumulative CPU seconds, commands and throttled periods, to subtract later."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+        cpu = cpu_seconds(self.pid)
         info: dict[str, Any] = self.client().info("commandstats")
-        calls = sum(int(v["calls"]) for k, v in info.items() if k != "cmdstat_cluster")
+        by = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items() if k != "cmdstat_cluster"}
         periods = throttled = 0
         if self.cgroup is not None and (self.cgroup / "cpu.stat").exists():
             stat = dict(ln.split() for ln in (self.cgroup / "cpu.stat").read_text().splitlines() if ln)
             periods, throttled = int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
-        return {"cpu_s": cpu, "calls": calls, "periods": periods, "throttled": throttled}
+        return {"cpu_s": cpu, "calls": sum(by.values()), "periods": periods, "throttled": throttled, "by": by}
 
     def memory(self) -> int:
         return int(self.client().info("memory")["used_memory"])
@@ -137,7 +142,7 @@ class Deployment:
         rows = self.nodes[0].client().execute_command("CLUSTER", "SLOTS")
         return [(int(r[0]), int(r[1]), ports[int(r[2][1])]) for r in rows]
 
-    def sample(self) -> list[dict[str, float]]:
+    def sample(self) -> list[dict[str, Any]]:
         return [n.sample() for n in self.nodes]
 
     def stop(self) -> None:
