@@ -11,7 +11,8 @@ names (`--models`, all the same tokenizer) are chosen so that each master owns t
 number of them; requests go round the names. After `--warmup-s` it measures for
 `--duration-s`:
 
-- tokens/s: completion tokens of the requests that ended in the window, at the clients;
+- tokens/s: tokens received by the clients in the window (as they arrive, so that
+  requests still running count);
 - Redis CPU per server (/proc/PID/stat) and the share of its quota periods throttled
   (near 1: Redis was the bound), commands per token (INFO commandstats);
 - added latency: time to first token less one step, and the time per output token
@@ -207,29 +208,32 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
         mem0 = sum(n.memory() for n in dep.nodes) if dep else 0
         start = time.time()
         clients = run.start_load(bases, names, args.warmup_s + args.duration_s)
-        t0 = start + args.warmup_s
+        t0 = float(math.ceil(start + args.warmup_s))  # whole seconds: tokens are counted per second
         time.sleep(max(0.0, t0 - time.time()))
         s0, c0 = (dep.sample() if dep else []), run.cpu()
-        time.sleep(args.duration_s)
-        t1 = time.time()
+        t1 = t0 + math.ceil(args.duration_s)
+        time.sleep(max(0.0, t1 - time.time()))
         s1, c1 = (dep.sample() if dep else []), run.cpu()
         mem1 = sum(n.memory() for n in dep.nodes) if dep else 0
-        results, failures = _collect(clients, args)
+        results, failures, by_s = _collect(clients, args)
     finally:
         run.stop()
         if dep:
             dep.stop()
     for f in failures[:5]:
         print(f"  {label}: a socket failed: {f}", file=sys.stderr)
-    row = _row(label, args, results, s0, s1, t0, t1, (mem1 - mem0) / args.streams)
-    tokens = max(1.0, row.tokens_s * (t1 - t0))
-    row.cpu_us = {role: (c1.get(role, 0.0) - c0.get(role, 0.0)) / tokens * 1e6 for role in c0}
+    tokens = sum(n for sec, n in by_s.items() if t0 <= sec < t1)
+    row = _row(label, args, results, tokens, s0, s1, t0, t1, (mem1 - mem0) / args.streams)
+    row.cpu_us = {role: (c1.get(role, 0.0) - c0.get(role, 0.0)) / max(1, tokens) * 1e6 for role in c0}
     return row
 
 
-def _collect(clients: list[tuple[Any, Path]], args: argparse.Namespace) -> tuple[list[Any], list[str]]:
+def _collect(
+    clients: list[tuple[Any, Path]], args: argparse.Namespace
+) -> tuple[list[Any], list[str], dict[int, int]]:
     results: list[Any] = []
     failures: list[str] = []
+    by_s: dict[int, int] = {}
     for proc, path in clients:
         try:
             proc.wait(args.warmup_s + args.duration_s + 120)
@@ -239,9 +243,11 @@ def _collect(clients: list[tuple[Any, Path]], args: argparse.Namespace) -> tuple
             data = orjson.loads(path.read_bytes())
             results += data["results"]
             failures += data["failures"]
+            for sec, n in data["tokens_by_s"].items():
+                by_s[int(sec)] = by_s.get(int(sec), 0) + n
         else:
             failures.append(f"load client {proc.args[-1]} wrote nothing")
-    return results, failures
+    return results, failures, by_s
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -251,11 +257,11 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _row(label: str, args: argparse.Namespace, results: list[Any], s0: list[Any], s1: list[Any],
-         t0: float, t1: float, bytes_per_stream: float) -> Row:  # fmt: skip
+def _row(label: str, args: argparse.Namespace, results: list[Any], tokens: int, s0: list[Any],
+         s1: list[Any], t0: float, t1: float, bytes_per_stream: float) -> Row:  # fmt: skip
+    """`tokens`: received in [t0, t1); latencies from the requests that ended in it."""
     window = [r for r in results if t0 <= r[2] <= t1]
     ok = [r for r in window if r[4] is None and r[3] > 0]
-    tokens = sum(r[3] for r in ok)
     secs = t1 - t0
     step = args.step_ms / 1000
     ttft = [(r[1] - r[0] - step) * 1000 for r in ok if r[1]]

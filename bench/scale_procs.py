@@ -10,7 +10,7 @@
   on each socket, sockets spread over the gateways and requests over the model names;
   each stream is a closed loop (a request, read to its `done`, then the next) until
   the run's end. Every request's send, first delta and end times and its completion
-  tokens go to a JSON file.
+  tokens go to a JSON file, with the tokens received in each wall-clock second.
 """
 
 from __future__ import annotations
@@ -114,8 +114,15 @@ class Socket:
                 rec = self.inflight.get(rid) if rid else None
                 if rec is None:
                     continue
-                if kind == "delta" and not rec[1]:
-                    rec[1] = time.time()
+                if kind == "delta":
+                    now = time.time()
+                    rec[1] = rec[1] or now
+                    # Tokens as they arrive, not only at a request's end: under overload few
+                    # requests end within the window. Every token of the fake's sentence is
+                    # a word with its leading space or the full stop (wsllm/engine/fake.py).
+                    text = m["text"]
+                    sec = int(now)
+                    c.tokens_by_s[sec] = c.tokens_by_s.get(sec, 0) + text.count(" ") + text.count(".")
                 elif kind in ("done", "error"):
                     del self.inflight[rid]
                     tokens = m["usage"]["completion_tokens"] if kind == "done" else 0
@@ -134,6 +141,7 @@ class Load:
         self.stop_at = time.time() + args.run_s
         self.results: list[tuple[float, float, float, int, str | None]] = []
         self.failures: list[str] = []
+        self.tokens_by_s: dict[int, int] = {}  # wall-clock second -> tokens received in it
 
     async def run(
         self, gateways: list[str], streams: int, per_socket: int, first: int, ramp_s: float
@@ -168,7 +176,8 @@ def run_load(args: argparse.Namespace) -> None:
     asyncio.run(
         load.run(args.gateway_urls.split(","), args.streams, args.per_socket, args.first, args.ramp_s)
     )
-    Path(args.out).write_bytes(orjson.dumps({"results": load.results, "failures": load.failures[:20]}))
+    out = {"results": load.results, "failures": load.failures[:20], "tokens_by_s": load.tokens_by_s}
+    Path(args.out).write_bytes(orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS))
 
 
 def add_child_arguments(p: argparse.ArgumentParser) -> None:
