@@ -15,9 +15,10 @@ number of them; requests go round the names. After `--warmup-s` it measures for
   requests still running count);
 - Redis CPU per server (/proc/PID/stat) and the share of its quota periods throttled
   (near 1: Redis was the bound), commands per token (INFO commandstats);
-- added latency: time to first token less one step, and the time per output token
-  less one step, p50 and p99 (the engines have room for every stream, so what is added
-  is the broker's, the gateways' and the machine's);
+- added latency: time to first token less one step, and the gap between a stream's
+  deltas less one step, p50 and p99 (the engines have room for every stream, so what
+  is added is the broker's, the gateways' and the machine's; at saturation, the wait
+  for a share of the bound);
 - Redis memory per live stream (used_memory with the streams live, less before).
 
     python bench/broker_scale.py --smoke                    # seconds: 4 engines, 100 streams
@@ -78,8 +79,8 @@ class Row:
     throttled: list[float]  # share of quota periods throttled, per server
     cmds_per_token: float
     cmds_s: float
-    ttft_added: tuple[float, float]  # p50, p99 in ms
-    tpot_added: tuple[float, float]
+    ttft_added: tuple[float, float]  # p50, p99 in ms: first token less one step
+    tpot_added: tuple[float, float]  # the same of the gaps between a stream's deltas
     requests: int
     errors: int
     bytes_per_stream: float
@@ -215,7 +216,7 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
         time.sleep(max(0.0, t1 - time.time()))
         s1, c1 = (dep.sample() if dep else []), run.cpu()
         mem1 = sum(n.memory() for n in dep.nodes) if dep else 0
-        results, failures, by_s = _collect(clients, args)
+        results, failures, by_s, latencies = _collect(clients, args)
     finally:
         run.stop()
         if dep:
@@ -223,17 +224,18 @@ def measure(args: argparse.Namespace, label: str, shards: int, workdir: Path) ->
     for f in failures[:5]:
         print(f"  {label}: a socket failed: {f}", file=sys.stderr)
     tokens = sum(n for sec, n in by_s.items() if t0 <= sec < t1)
-    row = _row(label, args, results, tokens, s0, s1, t0, t1, (mem1 - mem0) / args.streams)
+    row = _row(label, args, results, tokens, s0, s1, t0, t1, (mem1 - mem0) / args.streams, latencies)
     row.cpu_us = {role: (c1.get(role, 0.0) - c0.get(role, 0.0)) / max(1, tokens) * 1e6 for role in c0}
     return row
 
 
 def _collect(
     clients: list[tuple[Any, Path]], args: argparse.Namespace
-) -> tuple[list[Any], list[str], dict[int, int]]:
+) -> tuple[list[Any], list[str], dict[int, int], dict[str, list[Any]]]:
     results: list[Any] = []
     failures: list[str] = []
     by_s: dict[int, int] = {}
+    latencies: dict[str, list[Any]] = {"ttfts": [], "gaps": []}
     for proc, path in clients:
         try:
             proc.wait(args.warmup_s + args.duration_s + 120)
@@ -245,9 +247,11 @@ def _collect(
             failures += data["failures"]
             for sec, n in data["tokens_by_s"].items():
                 by_s[int(sec)] = by_s.get(int(sec), 0) + n
+            latencies["ttfts"] += data["ttfts"]
+            latencies["gaps"] += data["gaps"]
         else:
             failures.append(f"load client {proc.args[-1]} wrote nothing")
-    return results, failures, by_s
+    return results, failures, by_s, latencies
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -258,14 +262,15 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _row(label: str, args: argparse.Namespace, results: list[Any], tokens: int, s0: list[Any],
-         s1: list[Any], t0: float, t1: float, bytes_per_stream: float) -> Row:  # fmt: skip
-    """`tokens`: received in [t0, t1); latencies from the requests that ended in it."""
+         s1: list[Any], t0: float, t1: float, bytes_per_stream: float, lat: dict[str, list[Any]]) -> Row:  # fmt: skip
+    """`tokens`: received in [t0, t1); latencies: first tokens and gaps between deltas
+    received in it, less one step each."""
     window = [r for r in results if t0 <= r[2] <= t1]
     ok = [r for r in window if r[4] is None and r[3] > 0]
     secs = t1 - t0
     step = args.step_ms / 1000
-    ttft = [(r[1] - r[0] - step) * 1000 for r in ok if r[1]]
-    tpot = [((r[2] - r[1]) / (r[3] - 1) - step) * 1000 for r in ok if r[1] and r[3] > 1]
+    ttft = [(v - step) * 1000 for t, v in lat["ttfts"] if t0 <= t < t1]
+    tpot = [(v - step) * 1000 for t, v in lat["gaps"] if t0 <= t < t1]
     calls = sum(b["calls"] - a["calls"] for a, b in zip(s0, s1, strict=True))
     cores = [(b["cpu_s"] - a["cpu_s"]) / secs for a, b in zip(s0, s1, strict=True)]
     thr = [
@@ -287,7 +292,7 @@ def _row(label: str, args: argparse.Namespace, results: list[Any], tokens: int, 
 def table(rows: list[Row], args: argparse.Namespace) -> str:
     head = (
         "| configuration | tokens/s | Redis CPU per server (cores) | throttled | commands/token | commands/s "
-        "| TTFT added p50 / p99 (ms) | per-token added p50 / p99 (ms) | requests (errors) | Redis bytes/stream |\n"
+        "| TTFT added p50 / p99 (ms) | gap added p50 / p99 (ms) | requests (errors) | Redis bytes/stream |\n"
         "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
     body = ""
@@ -358,13 +363,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, default=64)
     p.add_argument("--engine-procs", type=int, default=8, help="processes the engines share (threads)")
-    p.add_argument("--streams", type=int, default=5000)
-    p.add_argument("--gateways", type=int, default=4)
+    p.add_argument("--streams", type=int, default=2000, help="up to 5000 fit in 2 cores and 20 GB")
+    p.add_argument("--gateways", type=int, default=2)
     p.add_argument("--clients", type=int, default=2, help="load client processes")
     p.add_argument("--per-socket", type=int, default=32, help="streams on one WebSocket")
-    p.add_argument("--step-ms", type=float, default=50.0)
+    p.add_argument("--step-ms", type=float, default=100.0)
     p.add_argument("--max-num-seqs", type=int, default=256, help="per engine: room for every stream")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--models", type=int, default=6, help="model names (a multiple of --cluster)")
     p.add_argument("--cluster", type=int, default=3, help="masters of the cluster configuration (0: none)")

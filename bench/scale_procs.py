@@ -80,7 +80,7 @@ class Socket:
 
     def __init__(self, client: Load, url: str, streams: int, first: int) -> None:
         self.client, self.url, self.streams, self.first = client, url, streams, first
-        self.inflight: dict[str, list[float]] = {}  # id -> [sent, first delta]
+        self.inflight: dict[str, list[float]] = {}  # id -> [sent, first delta, last delta]
         self.n = 0
 
     async def _send(self, ws: Any) -> None:
@@ -95,7 +95,7 @@ class Socket:
             "prompt": c.prompt,
             "max_tokens": c.max_tokens,
         }
-        self.inflight[rid] = [time.time(), 0.0]
+        self.inflight[rid] = [time.time(), 0.0, 0.0]
         await ws.send(orjson.dumps(msg).decode())
 
     async def run(self) -> None:
@@ -116,7 +116,12 @@ class Socket:
                     continue
                 if kind == "delta":
                     now = time.time()
-                    rec[1] = rec[1] or now
+                    if rec[1]:  # the wait since this request's previous delta
+                        c.gaps.append((now, now - rec[2]))
+                    else:  # its first token's
+                        rec[1] = now
+                        c.ttfts.append((now, now - rec[0]))
+                    rec[2] = now
                     # Tokens as they arrive, not only at a request's end: under overload few
                     # requests end within the window. Every token of the fake's sentence is
                     # a word with its leading space or the full stop (wsllm/engine/fake.py).
@@ -142,6 +147,8 @@ class Load:
         self.results: list[tuple[float, float, float, int, str | None]] = []
         self.failures: list[str] = []
         self.tokens_by_s: dict[int, int] = {}  # wall-clock second -> tokens received in it
+        self.ttfts: list[tuple[float, float]] = []  # (when, seconds from send to the first delta)
+        self.gaps: list[tuple[float, float]] = []  # (when, seconds since the request's previous delta)
 
     async def run(
         self, gateways: list[str], streams: int, per_socket: int, first: int, ramp_s: float
@@ -176,7 +183,13 @@ def run_load(args: argparse.Namespace) -> None:
     asyncio.run(
         load.run(args.gateway_urls.split(","), args.streams, args.per_socket, args.first, args.ramp_s)
     )
-    out = {"results": load.results, "failures": load.failures[:20], "tokens_by_s": load.tokens_by_s}
+    out = {
+        "results": load.results,
+        "failures": load.failures[:20],
+        "tokens_by_s": load.tokens_by_s,
+        "ttfts": load.ttfts,
+        "gaps": load.gaps,
+    }
     Path(args.out).write_bytes(orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS))
 
 
