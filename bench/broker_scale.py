@@ -15,10 +15,11 @@ number of them; requests go round the names. After `--warmup-s` it measures for
   requests still running count);
 - Redis CPU per server (/proc/PID/stat) and the share of its quota periods throttled
   (near 1: Redis was the bound), commands per token (INFO commandstats);
-- added latency: time to first token less one step, and the gap between a stream's
-  deltas less one step, p50 and p99 (the engines have room for every stream, so what
-  is added is the broker's, the gateways' and the machine's; at saturation, the wait
-  for a share of the bound);
+- added latency: time to first token less one step, p50 and p99, and the gap between
+  a stream's deltas (one step when nothing adds to it; 0 when deltas arrive together),
+  p50 and p99 (the engines have room for every stream, so what is added is the
+  broker's, the gateways' and the machine's; at saturation, the wait for a share of
+  the bound);
 - Redis memory per live stream (used_memory with the streams live, less before).
 
     python bench/broker_scale.py --smoke                    # seconds: 4 engines, 100 streams
@@ -80,7 +81,7 @@ class Row:
     cmds_per_token: float
     cmds_s: float
     ttft_added: tuple[float, float]  # p50, p99 in ms: first token less one step
-    tpot_added: tuple[float, float]  # the same of the gaps between a stream's deltas
+    tpot_added: tuple[float, float]  # p50, p99 in ms of the gaps between a stream's deltas
     requests: int
     errors: int
     bytes_per_stream: float
@@ -270,7 +271,7 @@ def _row(label: str, args: argparse.Namespace, results: list[Any], tokens: int, 
     secs = t1 - t0
     step = args.step_ms / 1000
     ttft = [(v - step) * 1000 for t, v in lat["ttfts"] if t0 <= t < t1]
-    tpot = [(v - step) * 1000 for t, v in lat["gaps"] if t0 <= t < t1]
+    tpot = [v * 1000 for t, v in lat["gaps"] if t0 <= t < t1]
     calls = sum(b["calls"] - a["calls"] for a, b in zip(s0, s1, strict=True))
     cores = [(b["cpu_s"] - a["cpu_s"]) / secs for a, b in zip(s0, s1, strict=True)]
     thr = [
@@ -292,7 +293,7 @@ def _row(label: str, args: argparse.Namespace, results: list[Any], tokens: int, 
 def table(rows: list[Row], args: argparse.Namespace) -> str:
     head = (
         "| configuration | tokens/s | Redis CPU per server (cores) | throttled | commands/token | commands/s "
-        "| TTFT added p50 / p99 (ms) | gap added p50 / p99 (ms) | requests (errors) | Redis bytes/stream |\n"
+        "| TTFT added p50 / p99 (ms) | delta gap p50 / p99 (ms) | requests (errors) | Redis bytes/stream |\n"
         "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
     body = ""
