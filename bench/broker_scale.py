@@ -375,7 +375,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", type=int, default=6, help="model names (a multiple of --cluster)")
     p.add_argument("--cluster", type=int, default=3, help="masters of the cluster configuration (0: none)")
     p.add_argument(
-        "--redis-cpu", type=float, default=0.025, help="cores each redis-server may use (0: no cap)"
+        "--redis-cpu", type=float, default=0.01, help="cores each redis-server may use (0: no cap)"
     )
     p.add_argument("--redis-url", default=None, help="measure this Redis only, as it is (no cap, no stats)")
     p.add_argument("--warmup-s", type=float, default=15.0)
