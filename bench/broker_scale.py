@@ -22,10 +22,16 @@ number of them; requests go round the names. After `--warmup-s` it measures for
   the bound);
 - Redis memory per live stream (used_memory with the streams live, less before).
 
-    python bench/broker_scale.py --smoke                    # seconds: 4 engines, 100 streams
-    python bench/broker_scale.py                            # 64 engines, 5000 streams, 1 instance vs 3 shards
-    python bench/broker_scale.py --redis-url redis://h:6379/0   # only that Redis, no cap
-    python bench/broker_scale.py --write-docs               # also docs/benchmarks.md and docs/scaling.md
+- CPU per token of each process role (gateways, engines, load clients).
+
+It runs as root (the cgroup) and needs a build with Redis Cluster URLs
+(`redis+cluster://`) for the cluster half; without one it measures one instance only.
+
+    python bench/broker_scale.py --smoke                     # seconds: 6 engines, 120 streams
+    python bench/broker_scale.py                             # 64 engines, 2000 streams, 1 instance vs 3 shards
+    python bench/broker_scale.py --streams 5000 --gateways 4 # the issue's 5,000 (gateways fall behind on 2 cores)
+    python bench/broker_scale.py --redis-url redis://h:6379/0    # only that Redis, no cap
+    python bench/broker_scale.py --write-docs                # also docs/benchmarks.md and docs/scaling.md
 """
 
 from __future__ import annotations
