@@ -201,7 +201,7 @@ def engine(args: argparse.Namespace) -> int:
 
 def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
     """`wsllm engine`'s engine: the model's, or with --fake-step-ms a fake one that needs
-    only the model's tokenizer (no torch, no weights: bench/broker_scale.py runs 64)."""
+    only the model's tokenizer (no torch, no weights), for load tests of the broker."""
     model = (mcfg.model or [None])[0]
     if ecfg.fake_step_ms is not None:
         from wsllm.engine.fake import FakeEngine
