@@ -173,17 +173,13 @@ def gateway(args: argparse.Namespace) -> int:
 def engine(args: argparse.Namespace) -> int:
     from wsllm.broker.base import read_tokenizer_files
     from wsllm.broker.redis import RedisBroker
-    from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
 
     ecfg, rcfg, mcfg = _configs(args, EngineConfig, RedisConfig, ModelRefConfig)
     if len(mcfg.model) > 1:
         print("wsllm: an engine serves one --model (start one engine per model)", file=sys.stderr)
         return 2
-    llm = LLMEngine.from_config(dataclasses.replace(ecfg, model=(mcfg.model or [None])[0]))
-    if mcfg.served_name:
-        llm.model_name = mcfg.served_name
-    llm.matchers.warm()  # structured output's index, off the engine thread
+    llm = _build_engine(ecfg, mcfg)
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     url = rcfg.url()
     broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
@@ -208,6 +204,27 @@ def engine(args: argparse.Namespace) -> int:
     finally:
         broker.close()
     return 0
+
+
+def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
+    """`wsllm engine`'s engine: the model's, or with --fake-step-ms a fake one that needs
+    only the model's tokenizer (no torch, no weights), for load tests of the broker."""
+    model = (mcfg.model or [None])[0]
+    if ecfg.fake_step_ms is not None:
+        from wsllm.engine.fake import FakeEngine
+
+        path, name = _tokenizer_and_name(model, mcfg.served_name)
+        n_seqs, n_wait, ctx = ecfg.max_num_seqs, ecfg.max_waiting, ecfg.max_model_len
+        return FakeEngine(
+            path, name, ecfg.fake_step_ms, max_num_seqs=n_seqs, max_waiting=n_wait, max_model_len=ctx
+        )
+    from wsllm.engine.engine import LLMEngine
+
+    llm = LLMEngine.from_config(dataclasses.replace(ecfg, model=model))
+    if mcfg.served_name:
+        llm.model_name = mcfg.served_name
+    llm.matchers.warm()  # structured output's index, off the engine thread
+    return llm
 
 
 def _redacted(url: str) -> str:

@@ -96,6 +96,7 @@ class EngineConfig:
         },
     )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    fake_step_ms: float | None = field(default=None, metadata={"help": "no model: N ms steps, fixed tokens"})
     pooling: str = field(
         default="auto",
         metadata={
@@ -118,10 +119,9 @@ class EngineConfig:
             raise ValueError("prefill_tokens_while_decoding must be >= 1")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
-        if not self.structured_compile_timeout_s > 0:
-            raise ValueError(
-                f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}"
-            )
+        for name in ("structured_compile_timeout_s", "fake_step_ms"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
