@@ -36,6 +36,7 @@ __all__ = [
     "QuantWeight",
     "dequantize_raw",
     "force_isa",
+    "isa_index",
     "kernel_path",
     "native_status",
     "pack",
@@ -199,6 +200,14 @@ def _isa_id(ext) -> int:  # type: ignore[no-untyped-def]
             else next(i for i in range(len(ISAS)) if ext.cpu_has(i))
         )
     return _chosen
+
+
+def isa_index() -> int:
+    """The ISA the native kernels run (an index into ISAS, force_isa's pin included); needs the build."""
+    ext = native.extension()
+    if ext is None:
+        raise RuntimeError(native.failure() or "no native build")
+    return _isa_id(ext)
 
 
 def kernel_path() -> str:

@@ -13,6 +13,11 @@
 #include "rowops.h"
 
 namespace wsq {
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                               torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
+}  // namespace wsq
+
+namespace wsq {
 namespace {
 
 bool cpu_has(int isa) {
@@ -207,6 +212,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
   m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
+  m.def("decode_attention", &wsq::decode_attention,
+        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see attention.h",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("isa"));
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

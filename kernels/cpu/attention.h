@@ -1,0 +1,50 @@
+// Paged decode attention on the CPU (kernels/cpu_attention.py): one query token per sequence
+// against its context in the paged KV cache, read through the block table in place (no gather,
+// no padding, no mask). No torch here, as in qgemm.h: the vector files compile without it.
+#pragma once
+
+#include <cstdint>
+
+namespace wsq {
+
+struct DecodeArgs {
+  const void* q;          // [n, H, D] rows q_stride elements apart, heads D apart
+  int64_t q_stride;
+  const void* k;          // caches [blocks, bs, Hk, D]
+  const void* v;
+  const int32_t* tables;  // [n, width] block ids
+  int64_t width;
+  const int32_t* lens;    // [n] context length, this step's token included
+  int H, Hk, D, bs;
+  float scale;
+  bool bf16;              // q, caches and out are bfloat16 bits (else float32)
+  void* out;              // [n, H * D]
+};
+
+// Work items are (sequence, kv head) pairs, item = seq * Hk + kv head; scratch holds
+// decode_scratch_floats(a) floats for the caller's thread.
+using DecodeFn = void (*)(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch);
+inline int64_t decode_scratch_floats(const DecodeArgs& a, int64_t max_len) {
+  return int64_t(a.H / a.Hk) * (a.D + max_len + 16);
+}
+
+DecodeFn decode_attention_avx512();  // D a multiple of 16
+DecodeFn decode_attention_avx2();    // D a multiple of 8
+DecodeFn decode_attention_scalar();
+
+// float -> bfloat16 bits, nearest even (as torch rounds); NaN stays NaN
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace wsq
