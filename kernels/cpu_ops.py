@@ -75,7 +75,9 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
     ext = _native_bf16(x)
     if ext is not None:
-        return ext.silu_mul(x)
+        from . import quant
+
+        return ext.silu_mul(x, quant.isa_index())
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 

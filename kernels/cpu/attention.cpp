@@ -1,6 +1,6 @@
 // Paged decode attention's entry point (kernels/cpu_attention.py): checks, the threaded loop
 // over (sequence, kv head) pairs, the ISA choice, and the scalar path.
-#include "attention.h"
+#include "fvec.h"
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>

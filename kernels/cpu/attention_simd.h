@@ -1,5 +1,5 @@
 // The decode attention of attention.h, written once for both vector ISAs. Included by
-// attn_avx512.cpp and attn_avx2.cpp (after <cmath>) inside their own namespace after they define WSQ_TARGET
+// fvec_avx512.cpp and fvec_avx2.cpp (after <cmath>) inside their own namespace after they define WSQ_TARGET
 // and `struct FV` (L float lanes: load(float*), load(uint16_t*) (bf16 bits), store, set1,
 // zero, add, sub, mul, fmadd(a, b, c) = a * b + c, max, hsum, hmax, exp).
 //

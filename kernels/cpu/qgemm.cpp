@@ -210,10 +210,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
   m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
+  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]", py::arg("x"), py::arg("isa") = 2);
   m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
   m.def("decode_attention", &wsq::decode_attention,
-        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see attention.h",
+        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("isa"));
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");

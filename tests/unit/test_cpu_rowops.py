@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wsllm.kernels import activation, cpu_ops, native, norms
+from wsllm.kernels import activation, cpu_ops, native, norms, quant
 from wsllm.kernels.cpu_attention import plan_cpu_attention, rotate
 from wsllm.kernels.rotary import compute_cos_sin_cache
 from wsllm.kernels.testing import row_op_tolerance
@@ -39,6 +39,23 @@ def test_bf16_rms_norm_with_and_without_the_residual_equals_the_reference(m: int
 def test_bf16_silu_and_mul_equals_the_reference(m: int) -> None:
     x = 3 * _rows(m, 2 * 1536, torch.bfloat16, 3)
     got = cpu_ops.silu_and_mul_cpu(x)
+    torch.testing.assert_close(got, activation.silu_and_mul_ref(x), **row_op_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", quant.ISAS)
+@pytest.mark.parametrize("d", [1536, 100])  # 100: a tail past the last whole vector
+def test_bf16_silu_and_mul_on_every_isa_path_equals_the_reference(isa: str, d: int) -> None:
+    try:
+        quant.force_isa(isa)
+    except RuntimeError:
+        pytest.skip(f"the {isa} path cannot run here")
+    try:
+        x = 4 * _rows(33, 2 * d, torch.bfloat16, 6)
+        x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zero
+        assert ext is not None
+        got = ext.silu_mul(x, quant.isa_index())
+    finally:
+        quant.force_isa(None)
     torch.testing.assert_close(got, activation.silu_and_mul_ref(x), **row_op_tolerance(torch.bfloat16))
 
 

@@ -1,14 +1,14 @@
-// The AVX-512 decode attention (attention_simd.h): 16 float lanes.
+// The AVX-512 float kernels (attention_simd.h, silu_simd.h): 16 float lanes.
 #include <immintrin.h>
 
 #include <cmath>
 
-#include "attention.h"
+#include "fvec.h"
 
 #define WSQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace wsq {
-namespace attn512 {
+namespace fvec512 {
 
 struct FV {
   using VF = __m512;
@@ -24,11 +24,23 @@ struct FV {
   WSQ_TARGET static VF add(VF a, VF b) { return _mm512_add_ps(a, b); }
   WSQ_TARGET static VF sub(VF a, VF b) { return _mm512_sub_ps(a, b); }
   WSQ_TARGET static VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  WSQ_TARGET static VF div(VF a, VF b) { return _mm512_div_ps(a, b); }
+  // to the nearest bfloat16 (even on ties), still as float; then its 16 bits stored
+  WSQ_TARGET static VF round_bf16(VF v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  WSQ_TARGET static void store_bf16(uint16_t* p, VF rounded) {
+    const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
+  }
   WSQ_TARGET static VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
   WSQ_TARGET static float hsum(VF v) { return _mm512_reduce_add_ps(v); }
-  // e^x for x <= 0 (scores minus their max), within a few ulp; below -87 it is ~1e-38, not 0
+  // e^x within a few ulp for x in [-87, 88]; clamped there (e^-87 ~ 1e-38 stands in for 0)
   WSQ_TARGET static VF exp(VF x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
     const VF nf = _mm512_cvtepi32_ps(n);
     VF r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x);
@@ -46,9 +58,11 @@ struct FV {
 };
 
 #include "attention_simd.h"
+#include "silu_simd.h"
 
-}  // namespace attn512
+}  // namespace fvec512
 
-DecodeFn decode_attention_avx512() { return attn512::decode_items; }
+DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
+SiluFn silu_mul_avx512() { return fvec512::silu_rows; }
 
 }  // namespace wsq

@@ -1,6 +1,8 @@
-// Paged decode attention on the CPU (kernels/cpu_attention.py): one query token per sequence
-// against its context in the paged KV cache, read through the block table in place (no gather,
-// no padding, no mask). No torch here, as in qgemm.h: the vector files compile without it.
+// The float vector kernels (fvec_avx512.cpp, fvec_avx2.cpp, a scalar version beside each caller):
+// paged decode attention on the CPU (attention.cpp, kernels/cpu_attention.py), one query token
+// per sequence against its context in the paged KV cache, read through the block table in place
+// (no gather, no padding, no mask); and SiLU(gate) * up over bf16 rows (rowops.cpp). No torch
+// here, as in qgemm.h: the vector files compile without it.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,12 @@ inline int64_t decode_scratch_floats(const DecodeArgs& a, int64_t max_len) {
 DecodeFn decode_attention_avx512();  // D a multiple of 16
 DecodeFn decode_attention_avx2();    // D a multiple of 8
 DecodeFn decode_attention_scalar();
+
+// bf16 rows [m0, m1) of x [M, 2 d] (gate | up) -> out [M, d]: silu(gate) rounded to bf16, times
+// up, rounded (the reference's roundings; the vector exp may differ from torch's in the last bit).
+using SiluFn = void (*)(const uint16_t* x, uint16_t* out, int64_t m0, int64_t m1, int64_t d);
+SiluFn silu_mul_avx512();
+SiluFn silu_mul_avx2();
 
 // float -> bfloat16 bits, nearest even (as torch rounds); NaN stays NaN
 inline uint16_t to_bf16(float f) {
