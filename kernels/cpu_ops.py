@@ -12,7 +12,8 @@ With the native build (kernels/native.py) these are one C++ call each
 reference's bits), and for bfloat16 rows, whose references take 5 to 15 ops,
 RMSNorm with its residual add and SiLU-and-mul (the references' rounding to
 bfloat16; the float sums and exp may differ from torch's in the last bit, so
-float32 keeps torch's ops, bit-identical to the references).
+float32 keeps torch's ops, bit-identical to the references). Those two run in
+AVX-512 or AVX2 vectors (kernels/cpu/rows_simd.h) on the path quant.force_isa pins.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ig
     return native.extension()
 
 
+def _isa() -> int:
+    """The vector path the native row ops take (quant.force_isa pins it for the tests)."""
+    from . import quant
+
+    return quant.isa_index()
+
+
 def _native_bf16(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
     return native_rows(x, other) if x.dtype is torch.bfloat16 else None
 
@@ -47,7 +55,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     # x: [num_tokens, hidden]
     ext = _native_bf16(x, weight)
     if ext is not None:
-        return ext.add_rms_norm(x, None, weight, eps)[0]
+        return ext.add_rms_norm(x, None, weight, eps, _isa())[0]
     if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
         return rms_norm_ref(x, weight, eps)
     if _FUSED_RMS_NORM is not None:
@@ -65,7 +73,7 @@ def add_rms_norm_cpu(
         and residual.shape == x.shape
         and residual.is_contiguous()
     ):
-        out, h = ext.add_rms_norm(x, residual, weight, eps)
+        out, h = ext.add_rms_norm(x, residual, weight, eps, _isa())
         return out, h
     h = x + residual
     return rms_norm_cpu(h, weight, eps), h
@@ -75,9 +83,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
     ext = _native_bf16(x)
     if ext is not None:
-        from . import quant
-
-        return ext.silu_mul(x, quant.isa_index())
+        return ext.silu_mul(x, _isa())
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 

@@ -39,6 +39,12 @@ DecodeFn decode_attention_scalar();
 using SiluFn = void (*)(const uint16_t* x, uint16_t* out, int64_t m0, int64_t m1, int64_t d);
 SiluFn silu_mul_avx512();
 SiluFn silu_mul_avx2();
+// bf16 rows [m0, m1): h = x + res (res null: no add, h unwritten), out = rms_norm(h) * w, with
+// the reference's roundings (rowops.h: add_rms_norm); the sum of squares in another order.
+using NormFn = void (*)(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out, uint16_t* h,
+                        int64_t m0, int64_t m1, int64_t K, float eps);
+NormFn norm_rows_avx512();
+NormFn norm_rows_avx2();
 
 // float -> bfloat16 bits, nearest even (as torch rounds); NaN stays NaN
 inline uint16_t to_bf16(float f) {

@@ -1,4 +1,4 @@
-// The AVX2 float kernels (attention_simd.h, silu_simd.h): 8 float lanes.
+// The AVX2 float kernels (attention_simd.h, rows_simd.h): 8 float lanes.
 #include <immintrin.h>
 
 #include <cmath>
@@ -62,11 +62,12 @@ struct FV {
 };
 
 #include "attention_simd.h"
-#include "silu_simd.h"
+#include "rows_simd.h"
 
 }  // namespace fvec256
 
 DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
 SiluFn silu_mul_avx2() { return fvec256::silu_rows; }
+NormFn norm_rows_avx2() { return fvec256::norm_rows; }
 
 }  // namespace wsq

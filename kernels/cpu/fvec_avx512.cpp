@@ -1,4 +1,4 @@
-// The AVX-512 float kernels (attention_simd.h, silu_simd.h): 16 float lanes.
+// The AVX-512 float kernels (attention_simd.h, rows_simd.h): 16 float lanes.
 #include <immintrin.h>
 
 #include <cmath>
@@ -58,11 +58,12 @@ struct FV {
 };
 
 #include "attention_simd.h"
-#include "silu_simd.h"
+#include "rows_simd.h"
 
 }  // namespace fvec512
 
 DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
 SiluFn silu_mul_avx512() { return fvec512::silu_rows; }
+NormFn norm_rows_avx512() { return fvec512::norm_rows; }
 
 }  // namespace wsq

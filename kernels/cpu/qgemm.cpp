@@ -209,7 +209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
   m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
   m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("isa") = 2);
   m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]", py::arg("x"), py::arg("isa") = 2);
   m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
   m.def("decode_attention", &wsq::decode_attention,

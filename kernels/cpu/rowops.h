@@ -10,8 +10,9 @@ namespace wsq {
 
 // (rms_norm(x + residual) * weight, x + residual), or of x alone when residual is None; the
 // rounding of kernels/norms.py (normalised row rounded to x's dtype before the weight).
+// isa as silu_mul's.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                        torch::Tensor weight, double eps);
+                                        torch::Tensor weight, double eps, int64_t isa);
 // [T, 2 d] -> [T, d]: silu(gate) rounded to x's dtype, times up (kernels/activation.py). isa as
 // quant.isa_index() chose it: bf16 rows take the vector path there (fvec.h), the rest plain loops.
 torch::Tensor silu_mul(torch::Tensor x, int64_t isa);
