@@ -18,6 +18,8 @@ AVX-512 or AVX2 vectors (kernels/cpu/rows_simd.h) on the path quant.force_isa pi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -26,25 +28,34 @@ from .norms import rms_norm_ref
 from .rotary import rotary_embedding_ref
 
 _FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+_modules: list[Any] = []  # [native, quant] once imported (the calls below run 100+ times a step)
+
+
+def _native() -> Any:
+    if not _modules:
+        # here, not at the top: `python -m wsllm.kernels.native` must not find it imported
+        from . import native, quant
+
+        _modules.extend((native, quant))
+    return _modules[0].extension()
 
 
 def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
     """The native extension when it can take x (and `other`, of the same dtype): a
     contiguous float32/bfloat16 CPU matrix; else None (the torch versions run)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
+    if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or not x.is_contiguous():
         return None
     if other is not None and (other.dtype is not x.dtype or not other.is_contiguous()):
         return None
-    from . import native  # here: `python -m wsllm.kernels.native` must not find it imported
-
-    return native.extension()
+    return _native()
 
 
 def _isa() -> int:
     """The vector path the native row ops take (quant.force_isa pins it for the tests)."""
-    from . import quant
-
-    return quant.isa_index()
+    return _modules[1].isa_index()
 
 
 def _native_bf16(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
@@ -67,12 +78,7 @@ def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = _native_bf16(x, weight)
-    if (
-        ext is not None
-        and residual.dtype is x.dtype
-        and residual.shape == x.shape
-        and residual.is_contiguous()
-    ):
+    if ext is not None and residual.dtype is x.dtype and residual.is_contiguous():  # C++ checks the shape
         out, h = ext.add_rms_norm(x, residual, weight, eps, _isa())
         return out, h
     h = x + residual

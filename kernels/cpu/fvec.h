@@ -24,10 +24,11 @@ struct DecodeArgs {
 };
 
 // Work items are (sequence, kv head) pairs, item = seq * Hk + kv head; scratch holds
-// decode_scratch_floats(a) floats for the caller's thread.
+// decode_scratch_floats(a) floats for the caller's thread, 8-byte aligned: each position's
+// row offset (int64) for the table's width, then up to G query rows and score rows.
 using DecodeFn = void (*)(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch);
 inline int64_t decode_scratch_floats(const DecodeArgs& a, int64_t max_len) {
-  return int64_t(a.H / a.Hk) * (a.D + max_len + 16);
+  return 2 * a.width * a.bs + int64_t(a.H / a.Hk) * (a.D + max_len + 16);
 }
 
 DecodeFn decode_attention_avx512();  // D a multiple of 16

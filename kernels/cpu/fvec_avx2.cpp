@@ -13,6 +13,7 @@ namespace fvec256 {
 struct FV {
   using VF = __m256;
   static constexpr int L = 8;
+  static constexpr int kValueChunk = 2;  // 4 heads x 2 accumulators + 2 value vectors fit
   WSQ_TARGET static VF load(const float* p) { return _mm256_loadu_ps(p); }
   WSQ_TARGET static VF load(const uint16_t* p) {  // bf16 -> float, exact
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

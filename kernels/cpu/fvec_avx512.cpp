@@ -13,6 +13,7 @@ namespace fvec512 {
 struct FV {
   using VF = __m512;
   static constexpr int L = 16;
+  static constexpr int kValueChunk = 4;  // 4 heads x 4 accumulators + 4 value vectors fit
   WSQ_TARGET static VF load(const float* p) { return _mm512_loadu_ps(p); }
   WSQ_TARGET static VF load(const uint16_t* p) {  // bf16 -> float, exact
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
