@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cpu_ops import native_rows
+from .cpu_ops import native_ext, native_isa, native_rows
 
 
 @dataclass(slots=True)
@@ -116,11 +116,7 @@ def plan_cpu_attention(
 
 def native_decode(dtype: torch.dtype) -> bool:
     """Whether decode rows of this dtype go to the native kernel (built, float32 or bfloat16)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False
-    from . import native  # here: `python -m wsllm.kernels.native` must not find it imported
-
-    return native.extension() is not None
+    return dtype in (torch.float32, torch.bfloat16) and native_ext() is not None
 
 
 def rotate(x: torch.Tensor, plan: CpuAttentionPlan) -> None:
@@ -206,12 +202,10 @@ def _decode(
     n, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if plan.decode_tables is not None:
-        from . import native, quant
-
-        ext = native.extension()
+        ext = native_ext()
         assert ext is not None
         o = ext.decode_attention(
-            q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, quant.isa_index()
+            q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, native_isa()
         )
         return o.view(n, num_heads, head_dim)
     assert plan.decode_index is not None and plan.decode_bias is not None

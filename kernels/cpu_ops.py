@@ -34,7 +34,8 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _modules: list[Any] = []  # [native, quant] once imported (the calls below run 100+ times a step)
 
 
-def _native() -> Any:
+def native_ext() -> Any:
+    """The native extension, or None (kernels/native.py: built once, never raising)."""
     if not _modules:
         # here, not at the top: `python -m wsllm.kernels.native` must not find it imported
         from . import native, quant
@@ -50,11 +51,11 @@ def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ig
         return None
     if other is not None and (other.dtype is not x.dtype or not other.is_contiguous()):
         return None
-    return _native()
+    return native_ext()
 
 
-def _isa() -> int:
-    """The vector path the native row ops take (quant.force_isa pins it for the tests)."""
+def native_isa() -> int:
+    """The vector path the native ops take (quant.force_isa pins it for the tests); after native_ext()."""
     return _modules[1].isa_index()
 
 
@@ -66,7 +67,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     # x: [num_tokens, hidden]
     ext = _native_bf16(x, weight)
     if ext is not None:
-        return ext.add_rms_norm(x, None, weight, eps, _isa())[0]
+        return ext.add_rms_norm(x, None, weight, eps, native_isa())[0]
     if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
         return rms_norm_ref(x, weight, eps)
     if _FUSED_RMS_NORM is not None:
@@ -79,7 +80,7 @@ def add_rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = _native_bf16(x, weight)
     if ext is not None and residual.dtype is x.dtype and residual.is_contiguous():  # C++ checks the shape
-        out, h = ext.add_rms_norm(x, residual, weight, eps, _isa())
+        out, h = ext.add_rms_norm(x, residual, weight, eps, native_isa())
         return out, h
     h = x + residual
     return rms_norm_cpu(h, weight, eps), h
@@ -89,7 +90,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
     ext = _native_bf16(x)
     if ext is not None:
-        return ext.silu_mul(x, _isa())
+        return ext.silu_mul(x, native_isa())
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 
