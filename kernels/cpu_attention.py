@@ -7,7 +7,7 @@ dispatch and the fused SDPA kernel has a large fixed cost with boolean masks:
 - **Decode rows** (the leading rows with one new token; the scheduler puts decodes
   first) are batched. With the native build (float32 and bfloat16) one C++ call per
   layer (kernels/cpu/attention.cpp) reads each row's context through its block table
-  in place: no gather, no padding, no mask. At 32 rows it took a third of the time of
+  in place: no gather, no padding, no mask. At 32 rows it took a quarter of the time of
   the torch version (docs/benchmarks.md), which is: one `index_select` per K and V over
   a block index built once per step, one SDPA call with an additive mask built once
   per step; the gather reads only the columns of the block table that the longest
