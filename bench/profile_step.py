@@ -8,6 +8,9 @@ the same run times a loop of plain `F.linear` calls over the model's weight shap
 batch B: the "matmul limit" the step is compared with.
 
     .venv/bin/python bench/profile_step.py --batch-sizes 1,32 [--steps 20] [--dtype float32]
+
+On a shared machine wall time mostly measures the neighbours: `--clock cpu --engine-arg
+threads=1` times by this thread's CPU time instead (the step runs on this thread alone).
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+CLOCK: Callable[[], float] = time.perf_counter  # --clock cpu: time.thread_time
+
+
 class PhaseTimer:
-    """Wraps bound methods so each call adds its wall time to a phase."""
+    """Wraps bound methods so each call adds its time (CLOCK) to a phase."""
 
     def __init__(self) -> None:
         self.total: dict[str, float] = defaultdict(float)
@@ -55,11 +61,11 @@ class PhaseTimer:
         def timed(*a: Any, **k: Any) -> Any:
             if not self.enabled:
                 return fn(*a, **k)
-            t = time.perf_counter()
+            t = CLOCK()
             try:
                 return fn(*a, **k)
             finally:
-                self.total[phase] += time.perf_counter() - t
+                self.total[phase] += CLOCK() - t
 
         setattr(obj, attr, timed)
 
@@ -103,11 +109,11 @@ def linear_limit(model: Any, batch: int, steps: int) -> float:
     with torch.inference_mode():
         for w in ws:
             F.linear(x[w.shape[1]], w)
-        t = time.perf_counter()
+        t = CLOCK()
         for _ in range(steps):
             for w in ws:
                 F.linear(x[w.shape[1]], w)
-    return (time.perf_counter() - t) / steps
+    return (CLOCK() - t) / steps
 
 
 def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -141,10 +147,10 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
 
     timer.wrap(quant, "qlinear", "quantized matmuls")  # QuantLinear calls it through the module
     timer.enabled = True
-    t = time.perf_counter()
+    t = CLOCK()
     for _ in range(args.steps):
         worker.run_once()
-    wall = (time.perf_counter() - t) / args.steps
+    wall = (CLOCK() - t) / args.steps
     timer.enabled = False
     phases = {k: v / args.steps for k, v in timer.total.items()}
     kinds: dict[str, float] = defaultdict(float)
@@ -208,7 +214,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--engine-arg", action="append", default=[], help="key=value for EngineConfig")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this thread's CPU time")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     extra: dict[str, Any] = {}
     for kv in args.engine_arg:
         k, v = kv.split("=", 1)

@@ -12,10 +12,13 @@ With the native build (kernels/native.py) these are one C++ call each
 reference's bits), and for bfloat16 rows, whose references take 5 to 15 ops,
 RMSNorm with its residual add and SiLU-and-mul (the references' rounding to
 bfloat16; the float sums and exp may differ from torch's in the last bit, so
-float32 keeps torch's ops, bit-identical to the references).
+float32 keeps torch's ops, bit-identical to the references). Those two run in
+AVX-512 or AVX2 vectors (kernels/cpu/rows_simd.h) on the path quant.force_isa pins.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +28,35 @@ from .norms import rms_norm_ref
 from .rotary import rotary_embedding_ref
 
 _FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+_modules: list[Any] = []  # [native, quant] once imported (the calls below run 100+ times a step)
+
+
+def native_ext() -> Any:
+    """The native extension, or None (kernels/native.py: built once, never raising)."""
+    if not _modules:
+        # here, not at the top: `python -m wsllm.kernels.native` must not find it imported
+        from . import native, quant
+
+        _modules.extend((native, quant))
+    return _modules[0].extension()
 
 
 def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
     """The native extension when it can take x (and `other`, of the same dtype): a
     contiguous float32/bfloat16 CPU matrix; else None (the torch versions run)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
+    if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or not x.is_contiguous():
         return None
     if other is not None and (other.dtype is not x.dtype or not other.is_contiguous()):
         return None
-    from . import native  # here: `python -m wsllm.kernels.native` must not find it imported
+    return native_ext()
 
-    return native.extension()
+
+def native_isa() -> int:
+    """The vector path the native ops take (quant.force_isa pins it for the tests); after native_ext()."""
+    return _modules[1].isa_index()
 
 
 def _native_bf16(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
@@ -47,7 +67,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     # x: [num_tokens, hidden]
     ext = _native_bf16(x, weight)
     if ext is not None:
-        return ext.add_rms_norm(x, None, weight, eps)[0]
+        return ext.add_rms_norm(x, None, weight, eps, native_isa())[0]
     if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
         return rms_norm_ref(x, weight, eps)
     if _FUSED_RMS_NORM is not None:
@@ -59,13 +79,8 @@ def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = _native_bf16(x, weight)
-    if (
-        ext is not None
-        and residual.dtype is x.dtype
-        and residual.shape == x.shape
-        and residual.is_contiguous()
-    ):
-        out, h = ext.add_rms_norm(x, residual, weight, eps)
+    if ext is not None and residual.dtype is x.dtype and residual.is_contiguous():  # C++ checks the shape
+        out, h = ext.add_rms_norm(x, residual, weight, eps, native_isa())
         return out, h
     h = x + residual
     return rms_norm_cpu(h, weight, eps), h
@@ -75,7 +90,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
     ext = _native_bf16(x)
     if ext is not None:
-        return ext.silu_mul(x)
+        return ext.silu_mul(x, native_isa())
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 

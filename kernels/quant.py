@@ -36,6 +36,7 @@ __all__ = [
     "QuantWeight",
     "dequantize_raw",
     "force_isa",
+    "isa_index",
     "kernel_path",
     "native_status",
     "pack",
@@ -47,6 +48,7 @@ __all__ = [
 ISAS = ("avx512_vnni", "avx2", "scalar")
 LAYOUT_VERSION = 1  # bump when quant_formats' packed layout changes: cached states then refuse to load
 _QTYPE_ID = {name: i for i, name in enumerate(QTYPES)}  # the C++ side's numbering
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _forced: str | None = None  # force_isa's pin
 _chosen: int | None = None  # the ISA qlinear runs, once known (index into ISAS)
 
@@ -156,25 +158,35 @@ def dequantize_raw(qtype: str, raw: torch.Tensor | np.ndarray, shape: tuple[int,
     return dequantize_fields(qtype, _raw_fields(qtype, blocks))
 
 
-def qlinear_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, the kernels' arithmetic (kernels/quant_ref.py): [M, K] -> [M, N] in x's dtype."""
+def qlinear_reference(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Plain torch, the kernels' arithmetic (kernels/quant_ref.py): [M, K] -> [M, N] in out_dtype
+    (default x's)."""
     f = packed_fields(w.qtype, w.packed)
     parts = block_parts(w.qtype, {name: t[: w.out_features] for name, t in f.items()})
-    return qlinear_parts(w.qtype, x, parts, bias)
+    return qlinear_parts(w.qtype, x, parts, bias, out_dtype)
 
 
-def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] float32 or bfloat16 -> [M, N] in x's dtype."""
+def qlinear(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x: [M, K] float32 or bfloat16 -> [M, N] in out_dtype (default: x's). A float32 result of
+    bfloat16 x comes from the kernel's float sums as they are (the logits: no rounding to bf16)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"qlinear of {w} needs x [M, {w.in_features}], got {tuple(x.shape)}")
     ext = native.extension()
     if ext is None:
-        return qlinear_reference(x, w, bias)
+        return qlinear_reference(x, w, bias, out_dtype)
     # float32 and bfloat16 go in and come out as they are (no conversion ops around the call)
-    native_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    native_dtype = x.dtype in _NATIVE_DTYPES
     xin = x.contiguous() if native_dtype else x.float().contiguous()
-    out = ext.qlinear(xin, w.packed, _QTYPE_ID[w.qtype], w.out_features, bias, _isa_id(ext))
-    return out if native_dtype else out.to(x.dtype)
+    isa = _chosen if _chosen is not None else _isa_id(ext)
+    out = ext.qlinear(
+        xin, w.packed, _QTYPE_ID[w.qtype], w.out_features, bias, isa, out_dtype is torch.float32
+    )
+    want = out_dtype or x.dtype
+    return out if out.dtype is want else out.to(want)
 
 
 def native_status() -> tuple[bool, str]:
@@ -199,6 +211,16 @@ def _isa_id(ext) -> int:  # type: ignore[no-untyped-def]
             else next(i for i in range(len(ISAS)) if ext.cpu_has(i))
         )
     return _chosen
+
+
+def isa_index() -> int:
+    """The ISA the native kernels run (an index into ISAS, force_isa's pin included); needs the build."""
+    if _chosen is not None:
+        return _chosen
+    ext = native.extension()
+    if ext is None:
+        raise RuntimeError(native.failure() or "no native build")
+    return _isa_id(ext)
 
 
 def kernel_path() -> str:

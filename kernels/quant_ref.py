@@ -76,9 +76,13 @@ def _block_terms(qtype: str, w: BlockParts, xq: torch.Tensor, dx: torch.Tensor, 
 
 
 def qlinear_parts(
-    qtype: str, x: torch.Tensor, w: BlockParts, bias: torch.Tensor | None = None
+    qtype: str,
+    x: torch.Tensor,
+    w: BlockParts,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] float32 or bfloat16 -> [M, N] in x's dtype, by the rule above."""
+    """x: [M, K] float32 or bfloat16 -> [M, N] in out_dtype (default x's), by the rule above."""
     xf = x.float()
     m, k = xf.shape
     n, nb = w.d.shape
@@ -93,7 +97,7 @@ def qlinear_parts(
         out[lo : lo + step] = acc
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 # -- GGUF quantization (equal to gguf.quants.quantize, which runs numpy) --------------------------

@@ -13,6 +13,11 @@
 #include "rowops.h"
 
 namespace wsq {
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                               torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
+}  // namespace wsq
+
+namespace wsq {
 namespace {
 
 bool cpu_has(int isa) {
@@ -109,9 +114,10 @@ void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes,
   });
 }
 
-// x [M, K] float32 or bfloat16 -> [M, n] in x's dtype (kernels/quant.py: qlinear).
+// x [M, K] float32 or bfloat16 -> [M, n] in x's dtype, or float32 when out_float (kernels/quant.py:
+// qlinear). Runs without the GIL, as torch's own ops do: the gateway's thread serves meanwhile.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
-                      c10::optional<torch::Tensor> bias, int64_t isa) {
+                      c10::optional<torch::Tensor> bias, int64_t isa, bool out_float) {
   TORCH_CHECK(qtype >= 0 && qtype < kNumQTypes, "unknown quantization type id ", qtype);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == torch::kFloat32) && x.is_contiguous() && x.is_cpu(),
@@ -150,10 +156,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   a.s16 = buf.s16.data();
   a.q = buf.q.data();
 
-  auto out = torch::empty({M, n}, x.options());
+  auto out = torch::empty({M, n}, out_float ? x.options().dtype(torch::kFloat32) : x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  if (bf16)
+  if (bf16 && !out_float)
     run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<at::BFloat16>());
   else
     run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<float>());
@@ -200,13 +206,19 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
+  using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
-        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"));
-  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]");
+        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"), py::arg("out_float") = false,
+        nogil());
+  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]", nogil());
   m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]");
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("isa") = 2);
+  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]", py::arg("x"), py::arg("isa") = 2);
   m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
+  m.def("decode_attention", &wsq::decode_attention,
+        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("isa"), nogil());
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

@@ -19,6 +19,8 @@ struct Vec {
   static constexpr int L = 8;
   // x rows per tile: the K-quants keep several sums per row, so fewer rows fit 16 registers
   static constexpr int tile(int qt) { return qt >= Q4_K ? 2 : 4; }
+  static constexpr bool kQ8Offset = false;  // vpmaddubsw's int16 pairs would saturate at 255 * 127 * 2
+  WSQ_TARGET static VI flip(VI w) { return w; }
   WSQ_TARGET static VI load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   WSQ_TARGET static VI bcast4(const int8_t* p) {
     int32_t v;

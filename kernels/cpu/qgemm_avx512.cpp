@@ -16,6 +16,8 @@ struct Vec {
   using VF = __m512;
   static constexpr int L = 16;
   static constexpr int tile(int) { return 4; }
+  static constexpr bool kQ8Offset = true;  // vpdpbusd adds without saturating (qgemm_simd.h)
+  WSQ_TARGET static VI flip(VI w) { return _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))); }
   WSQ_TARGET static VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   WSQ_TARGET static VI bcast4(const int8_t* p) {
     int32_t v;

@@ -21,6 +21,11 @@ using VI = typename Vec::VI;
 using VF = typename Vec::VF;
 constexpr int L = Vec::L, R = kRows / Vec::L;
 
+// Q8_0 where dot never saturates (VNNI): weights + 128 (the sign bit flipped) as the unsigned
+// operand, so each x row takes one dot per unit instead of dot_s's sign moves; the 128 * sum(x)
+// it adds is taken out with the block's sums of x, as Q4_0's 8 * sum(x). The same integers.
+constexpr bool kQ8Offset = Vec::kQ8Offset;
+
 template <int MT, int QT>
 WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
@@ -34,13 +39,15 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
       VI lo[R], hi[R];
       for (int h = 0; h < R; ++h) {
         const VI w = Vec::load(blk + o.qs + v * kUnit + h * L * 4);
-        lo[h] = QT == Q8_0 ? w : Vec::lo4(w);
+        lo[h] = QT == Q8_0 ? (kQ8Offset ? Vec::flip(w) : w) : Vec::lo4(w);
         hi[h] = QT == Q8_0 ? w : Vec::hi4(w);
       }
       for (int i = 0; i < MT; ++i) {
         const int8_t* x = a.qrow(m0 + i) + b * 32;
         const VI xl = Vec::bcast4(x + 4 * v);
-        if (QT == Q8_0) {
+        if (QT == Q8_0 && kQ8Offset) {
+          for (int h = 0; h < R; ++h) s[i][h] = Vec::dot(s[i][h], lo[h], xl);
+        } else if (QT == Q8_0) {
           for (int h = 0; h < R; ++h) s[i][h] = Vec::dot_s(s[i][h], lo[h], xl);
         } else {
           const VI xh = Vec::bcast4(x + 16 + 4 * v);
@@ -54,7 +61,9 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
       for (int i = 0; i < MT; ++i) {
         const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
         const int32_t xsum = a.sums(m0 + i)[2 * b] + a.sums(m0 + i)[2 * b + 1];
-        const VI si = QT == Q4_0 ? Vec::sub(s[i][h], Vec::set1(8 * xsum)) : s[i][h];
+        const VI si = QT == Q4_0               ? Vec::sub(s[i][h], Vec::set1(8 * xsum))
+                      : QT == Q8_0 && kQ8Offset ? Vec::sub(s[i][h], Vec::set1(128 * xsum))
+                                                : s[i][h];
         VF t = Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si));
         if (QT == Q4_1) t = Vec::fadd(t, Vec::fmul(Vec::fmul(mw, dx), Vec::fset1(float(xsum))));
         acc[i][h] = Vec::fadd(acc[i][h], t);

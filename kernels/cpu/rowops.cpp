@@ -2,6 +2,9 @@
 // float arithmetic in the references' order and rounding (-ffp-contract=off: no FMA).
 #include "rowops.h"
 
+#include "fvec.h"
+#include "qgemm.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -72,7 +75,7 @@ void rope_rows(T* qkv, const float* cos, const float* sin, T* kc, T* vc, const i
 }  // namespace
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                        torch::Tensor weight, double eps) {
+                                        torch::Tensor weight, double eps, int64_t isa) {
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.scalar_type() == x.scalar_type() &&
@@ -86,6 +89,20 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     h = torch::empty_like(x);
   }
   auto out = torch::empty_like(x);
+  const NormFn vec = x.scalar_type() != torch::kBFloat16 ? nullptr
+                     : isa == kAvx512Vnni                ? norm_rows_avx512()
+                     : isa == kAvx2                      ? norm_rows_avx2()
+                                                         : nullptr;
+  if (vec != nullptr) {
+    using B = at::BFloat16;
+    const auto* rp = residual.has_value() ? reinterpret_cast<const uint16_t*>(residual->data_ptr<B>()) : nullptr;
+    at::parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
+      vec(reinterpret_cast<const uint16_t*>(x.data_ptr<B>()), rp, reinterpret_cast<const uint16_t*>(weight.data_ptr<B>()),
+          reinterpret_cast<uint16_t*>(out.data_ptr<B>()), reinterpret_cast<uint16_t*>(h.data_ptr<B>()), m0, m1, K,
+          float(eps));
+    });
+    return {out, h};
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm", AT_DISPATCH_CASE(torch::kFloat32, [&] {
                        using T = scalar_t;
                        const T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
@@ -104,11 +121,22 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return {out, h};
 }
 
-torch::Tensor silu_mul(torch::Tensor x) {
+torch::Tensor silu_mul(torch::Tensor x, int64_t isa) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t M = x.size(0), d = x.size(1) / 2;
   auto out = torch::empty({M, d}, x.options());
+  // bf16 on a vector path: the exp in vectors (scalar std::exp was most of a 32-row step's row ops)
+  const SiluFn vec = x.scalar_type() != torch::kBFloat16 ? nullptr
+                     : isa == kAvx512Vnni                ? silu_mul_avx512()
+                     : isa == kAvx2                      ? silu_mul_avx2()
+                                                         : nullptr;
+  if (vec != nullptr) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) { vec(xp, op, m0, m1, d); });
+    return out;
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "silu_mul", AT_DISPATCH_CASE(torch::kFloat32, [&] {
                        at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) {
                          silu_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m0, m1, d);

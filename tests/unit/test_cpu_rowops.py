@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wsllm.kernels import activation, cpu_ops, native, norms
+from wsllm.kernels import activation, cpu_ops, native, norms, quant
 from wsllm.kernels.cpu_attention import plan_cpu_attention, rotate
 from wsllm.kernels.rotary import compute_cos_sin_cache
 from wsllm.kernels.testing import row_op_tolerance
@@ -39,6 +39,43 @@ def test_bf16_rms_norm_with_and_without_the_residual_equals_the_reference(m: int
 def test_bf16_silu_and_mul_equals_the_reference(m: int) -> None:
     x = 3 * _rows(m, 2 * 1536, torch.bfloat16, 3)
     got = cpu_ops.silu_and_mul_cpu(x)
+    torch.testing.assert_close(got, activation.silu_and_mul_ref(x), **row_op_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", quant.ISAS)
+@pytest.mark.parametrize("k", [576, 100])  # 100: a tail past the last whole vector
+def test_bf16_rms_norm_on_every_isa_path_equals_the_reference(isa: str, k: int) -> None:
+    try:
+        quant.force_isa(isa)
+    except RuntimeError:
+        pytest.skip(f"the {isa} path cannot run here")
+    x, r = _rows(33, k, torch.bfloat16, 7), _rows(33, k, torch.bfloat16, 8)
+    w = (1 + 0.1 * _rows(1, k, torch.float32, 9)[0]).to(torch.bfloat16)
+    try:
+        out, h = kernels.add_rms_norm(x, r, w, 1e-5)
+        plain = kernels.rms_norm(x, w, 1e-5)
+    finally:
+        quant.force_isa(None)
+    want, want_h = norms.add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(h, want_h), "x + residual is rounded as torch rounds"
+    torch.testing.assert_close(out, want, **row_op_tolerance(torch.bfloat16))
+    torch.testing.assert_close(plain, norms.rms_norm_ref(x, w, 1e-5), **row_op_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", quant.ISAS)
+@pytest.mark.parametrize("d", [1536, 100])  # 100: a tail past the last whole vector
+def test_bf16_silu_and_mul_on_every_isa_path_equals_the_reference(isa: str, d: int) -> None:
+    try:
+        quant.force_isa(isa)
+    except RuntimeError:
+        pytest.skip(f"the {isa} path cannot run here")
+    try:
+        x = 4 * _rows(33, 2 * d, torch.bfloat16, 6)
+        x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zero
+        assert ext is not None
+        got = ext.silu_mul(x, quant.isa_index())
+    finally:
+        quant.force_isa(None)
     torch.testing.assert_close(got, activation.silu_and_mul_ref(x), **row_op_tolerance(torch.bfloat16))
 
 

@@ -235,7 +235,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm.forward(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [rows, vocab] float32
+        as_float = getattr(self.lm_head, "forward_float", None)  # a quantized head sums in fp32
+        if as_float is not None:
+            return as_float(hidden)
         return self.lm_head.forward(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -34,6 +34,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in] -> [num_tokens, out]
         return quant.qlinear(x, self.qweight, self.qbias)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() as float32, from the kernel's sums (the LM head: logits not rounded to bf16)."""
+        return quant.qlinear(x, self.qweight, self.qbias, torch.float32)
+
     def extra_repr(self) -> str:
         return f"{self.qweight.qtype}, in={self.in_features}, out={self.out_features}"
 

@@ -1,0 +1,130 @@
+// Paged decode attention's entry point (kernels/cpu_attention.py): checks, the threaded loop
+// over (sequence, kv head) pairs, the ISA choice, and the scalar path.
+#include "fvec.h"
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "qgemm.h"
+
+namespace wsq {
+namespace {
+
+template <class T>
+float as_float(T x) {
+  if constexpr (sizeof(T) == 2)
+    return from_bf16(x);
+  else
+    return x;
+}
+
+template <class T>
+void decode_scalar_t(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch) {
+  const int G = a.H / a.Hk, D = a.D;
+  const int64_t row = int64_t(a.Hk) * D;
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  T* out = static_cast<T*>(a.out);
+  float* qf = scratch;
+  float* w = scratch + D;
+  std::vector<float> acc(D);
+  for (int64_t item = item0; item < item1; ++item) {
+    const int64_t s = item / a.Hk;
+    const int hk = int(item % a.Hk), len = a.lens[s];
+    const int32_t* table = a.tables + s * a.width;
+    for (int g = 0; g < G; ++g) {
+      const int h = hk * G + g;
+      for (int j = 0; j < D; ++j) qf[j] = as_float(q[s * a.q_stride + int64_t(h) * D + j]) * a.scale;
+      float mx = -INFINITY;
+      for (int p = 0; p < len; ++p) {
+        const T* kr = k + (int64_t(table[p / a.bs]) * a.bs + p % a.bs) * row + int64_t(hk) * D;
+        float d = 0.0f;
+        for (int j = 0; j < D; ++j) d += qf[j] * as_float(kr[j]);
+        w[p] = d;
+        mx = std::max(mx, d);
+      }
+      float sum = 0.0f;
+      for (int p = 0; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int p = 0; p < len; ++p) {
+        const T* vr = v + (int64_t(table[p / a.bs]) * a.bs + p % a.bs) * row + int64_t(hk) * D;
+        for (int j = 0; j < D; ++j) acc[j] += w[p] * as_float(vr[j]);
+      }
+      T* o = out + s * int64_t(a.H) * D + int64_t(h) * D;
+      for (int j = 0; j < D; ++j) {
+        if constexpr (sizeof(T) == 2)
+          o[j] = to_bf16(acc[j] / sum);
+        else
+          o[j] = acc[j] / sum;
+      }
+    }
+  }
+}
+
+void decode_scalar(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch) {
+  if (a.bf16)
+    decode_scalar_t<uint16_t>(a, item0, item1, scratch);
+  else
+    decode_scalar_t<float>(a, item0, item1, scratch);
+}
+
+}  // namespace
+
+DecodeFn decode_attention_scalar() { return decode_scalar; }
+
+// q [n, H, D] (rows may be strided: the q part of the fused qkv), caches [blocks, bs, Hk, D],
+// tables int32 [n, width], lens int32 [n] -> [n, H * D] in q's dtype. isa: the path quant.isa_index()
+// chose, checked against the CPU there (D not a multiple of the vector width takes the scalar path).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                               torch::Tensor lens, double scale, int64_t isa) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.is_cpu() && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [n, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "caches must be contiguous [blocks, block_size, Hk, D] of q's dtype");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hk = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hk > 0 && H % Hk == 0, "q's heads must be a multiple of the cache's");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && tables.scalar_type() == torch::kInt32 &&
+                  tables.is_contiguous(),
+              "tables must be contiguous int32 [n, width]");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == n && lens.scalar_type() == torch::kInt32 && lens.is_contiguous(),
+              "lens must be contiguous int32 [n]");
+  const int64_t width = tables.size(1), blocks = k_cache.size(0);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    TORCH_CHECK(lp[s] > 0 && lp[s] <= width * bs, "context length ", lp[s], " does not fit the block table");
+    for (int64_t b = 0; b < (lp[s] + bs - 1) / bs; ++b)
+      TORCH_CHECK_INDEX(tp[s * width + b] >= 0 && tp[s * width + b] < blocks, "block ", tp[s * width + b],
+                        " out of range");
+    max_len = std::max<int64_t>(max_len, lp[s]);
+  }
+  DecodeFn fn = decode_scalar;
+  if (isa == kAvx512Vnni && D % 16 == 0)
+    fn = decode_attention_avx512();
+  else if ((isa == kAvx512Vnni || isa == kAvx2) && D % 8 == 0)
+    fn = decode_attention_avx2();
+  auto out = torch::empty({n, H * D}, q.options());
+  DecodeArgs a{q.data_ptr(), q.stride(0),       k_cache.data_ptr(), v_cache.data_ptr(),
+               tp,           width,             lp,                 int(H),
+               int(Hk),      int(D),            int(bs),            float(scale),
+               dt == torch::kBFloat16, out.data_ptr()};
+  // A chunk must outweigh a fork/join: ~32K multiply-adds (2 G len D per item).
+  const int64_t per_item = 2 * (H / Hk) * max_len * D;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per_item, 1));
+  at::parallel_for(0, n * Hk, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(decode_scratch_floats(a, max_len));
+    fn(a, i0, i1, scratch.data());
+  });
+  return out;
+}
+
+}  // namespace wsq

@@ -1,0 +1,65 @@
+// The float vector kernels (fvec_avx512.cpp, fvec_avx2.cpp, a scalar version beside each caller):
+// paged decode attention on the CPU (attention.cpp, kernels/cpu_attention.py), one query token
+// per sequence against its context in the paged KV cache, read through the block table in place
+// (no gather, no padding, no mask); and SiLU(gate) * up over bf16 rows (rowops.cpp). No torch
+// here, as in qgemm.h: the vector files compile without it.
+#pragma once
+
+#include <cstdint>
+
+namespace wsq {
+
+struct DecodeArgs {
+  const void* q;          // [n, H, D] rows q_stride elements apart, heads D apart
+  int64_t q_stride;
+  const void* k;          // caches [blocks, bs, Hk, D]
+  const void* v;
+  const int32_t* tables;  // [n, width] block ids
+  int64_t width;
+  const int32_t* lens;    // [n] context length, this step's token included
+  int H, Hk, D, bs;
+  float scale;
+  bool bf16;              // q, caches and out are bfloat16 bits (else float32)
+  void* out;              // [n, H * D]
+};
+
+// Work items are (sequence, kv head) pairs, item = seq * Hk + kv head; scratch holds
+// decode_scratch_floats(a) floats for the caller's thread, 8-byte aligned: each position's
+// row offset (int64) for the table's width, then up to G query rows and score rows.
+using DecodeFn = void (*)(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch);
+inline int64_t decode_scratch_floats(const DecodeArgs& a, int64_t max_len) {
+  return 2 * a.width * a.bs + int64_t(a.H / a.Hk) * (a.D + max_len + 16);
+}
+
+DecodeFn decode_attention_avx512();  // D a multiple of 16
+DecodeFn decode_attention_avx2();    // D a multiple of 8
+DecodeFn decode_attention_scalar();
+
+// bf16 rows [m0, m1) of x [M, 2 d] (gate | up) -> out [M, d]: silu(gate) rounded to bf16, times
+// up, rounded (the reference's roundings; the vector exp may differ from torch's in the last bit).
+using SiluFn = void (*)(const uint16_t* x, uint16_t* out, int64_t m0, int64_t m1, int64_t d);
+SiluFn silu_mul_avx512();
+SiluFn silu_mul_avx2();
+// bf16 rows [m0, m1): h = x + res (res null: no add, h unwritten), out = rms_norm(h) * w, with
+// the reference's roundings (rowops.h: add_rms_norm); the sum of squares in another order.
+using NormFn = void (*)(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out, uint16_t* h,
+                        int64_t m0, int64_t m1, int64_t K, float eps);
+NormFn norm_rows_avx512();
+NormFn norm_rows_avx2();
+
+// float -> bfloat16 bits, nearest even (as torch rounds); NaN stays NaN
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace wsq

@@ -1,0 +1,78 @@
+"""The native paged decode attention (kernels/cpu/attention.cpp) against the torch reference,
+on every ISA path this CPU can run: contexts of one token, around a block and long, block
+tables scattered over the cache, grouped query heads, fp32 and bf16, head sizes that fill
+the vectors and one that leaves the AVX-512 path to the AVX2 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from wsllm.kernels import native, quant
+from wsllm.kernels.cpu_attention import cpu_paged_attention, plan_cpu_attention
+from wsllm.kernels.paged_attention import paged_decode_attention_ref
+from wsllm.kernels.testing import edge_lens, make_paged_case, tolerance
+
+ext = native.extension()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native build: {native.failure()}")
+
+
+def _isas() -> list[str]:
+    out = []
+    for isa in quant.ISAS:
+        try:
+            quant.force_isa(isa)
+            out.append(isa)
+        except RuntimeError:
+            pass
+    quant.force_isa(None)
+    return out
+
+
+@pytest.fixture(params=["avx512_vnni", "avx2", "scalar"])
+def isa(request):
+    if request.param not in _isas():
+        pytest.skip(f"the {request.param} path cannot run here")
+    quant.force_isa(request.param)
+    yield request.param
+    quant.force_isa(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (8, 128), (3, 24)])
+def test_decode_attention_equals_the_reference(
+    isa: str, dtype: torch.dtype, group: int, head_dim: int
+) -> None:
+    bs = 16
+    lens = edge_lens(bs)
+    c = make_paged_case(lens, None, bs, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    assert ext is not None
+    got = ext.decode_attention(
+        c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.scale, quant.isa_index()
+    )
+    want = paged_decode_attention_ref(*c.decode_args())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.view_as(want), want, **tolerance(dtype))
+
+
+def test_the_plan_sends_decode_rows_to_the_native_kernel_with_strided_queries() -> None:
+    # q as the model hands it over: the leading columns of the fused qkv rows
+    c = make_paged_case([5, 40, 17], None, 16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16)
+    n, h, d = c.q.shape
+    qkv = torch.cat([c.q.reshape(n, h * d), torch.randn(n, 6 * d).to(torch.bfloat16)], dim=1)
+    q = qkv[:, : h * d].view(n, h, d)
+    plan = plan_cpu_attention(c.block_tables.tolist(), [5, 40, 17], [1, 1, 1], 16, torch.bfloat16)
+    assert plan.decode_tables is not None and plan.decode_index is None, "no gather index is built"
+    out = cpu_paged_attention(q, q, q, c.k_cache, c.v_cache, plan, c.scale)
+    want = paged_decode_attention_ref(*c.decode_args())
+    torch.testing.assert_close(out, want, **tolerance(torch.bfloat16))
+
+
+def test_a_table_that_does_not_cover_the_context_is_refused() -> None:
+    c = make_paged_case([20], None, 16, num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32)
+    assert ext is not None
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ext.decode_attention(c.q, c.k_cache, c.v_cache, c.block_tables[:, :1], c.seq_lens, c.scale, 2)
+    bad = c.block_tables.clone()
+    bad[0, 1] = 10_000
+    with pytest.raises(IndexError, match="out of range"):
+        ext.decode_attention(c.q, c.k_cache, c.v_cache, bad, c.seq_lens, c.scale, 2)
