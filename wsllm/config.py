@@ -296,7 +296,8 @@ class RedisConfig:
     broker: str = field(
         default="memory",
         metadata={
-            "help": "memory (serve: all in this process) | redis://host:port/db, rediss://, unix://",
+            "help": "memory (serve: all in this process) | redis://host:port/db, rediss://, unix://, "
+            "redis+cluster://host:port[,host:port...] (a Redis Cluster)",
             "aliases": ("--redis-url",),
             "env_aliases": ("WSLLM_REDIS_URL",),
         },
@@ -372,7 +373,7 @@ class RedisConfig:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
         if self.broker != "memory" and not self.uses_redis:
             raise ValueError(
-                f"broker must be memory or a redis://, rediss:// or unix:// URL, got {self.broker!r}"
+                f"broker must be memory or a redis://, rediss://, unix:// or redis+cluster:// URL, got {self.broker!r}"
             )
         if not (0 < self.redis_socket_timeout_s <= 600 and 0 < self.redis_connect_timeout_s <= 600):
             raise ValueError("redis_socket_timeout_s and redis_connect_timeout_s must be in (0, 600] seconds")
@@ -381,7 +382,7 @@ class RedisConfig:
 
     @property
     def uses_redis(self) -> bool:
-        return self.broker.startswith(("redis://", "rediss://", "unix://"))
+        return self.broker.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://"))
 
     def url(self) -> str:
         """The Redis URL: --broker when it names Redis, else localhost (for `gateway`

@@ -31,6 +31,8 @@ import orjson
 import redis
 import websockets
 
+from wsllm.broker.redis_keys import Keys
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Short times so that recovery happens within a test's patience.
@@ -143,7 +145,7 @@ class Cluster:
 
     def pending_by_engine(self, model: str) -> dict[str, int]:
         """Requests each engine holds now (its pending entries)."""
-        info = self.redis().xpending(f"wsllm:q:{model}", "engines")
+        info = self.redis().xpending(Keys("wsllm").queue(model), "engines")
         return {c["name"].decode(): int(c["pending"]) for c in info.get("consumers", [])}
 
     def engine_stats(self) -> dict[str, dict[str, Any]]:

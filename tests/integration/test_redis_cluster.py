@@ -31,6 +31,8 @@ from redis_fixtures import (
     ws_url,
 )
 
+from wsllm.broker.redis_keys import Keys
+
 log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)  # the soak's Redis INFO and the crash timings go in the test log
 
@@ -317,7 +319,7 @@ def test_a_soak_of_2000_short_requests_leaves_redis_as_it_found_it(cluster: Clus
     assert during["keys"] > before["keys"] + 1000  # the finished requests' streams were there...
     assert after["keys"] <= before["keys"] + 2, (before["keys"], after["keys"])  # ...and are gone
     assert after["used_memory"] < before["used_memory"] + 512 * 1024
-    q = f"wsllm:q:{cluster_model(cluster)}"
+    q = Keys("wsllm").queue(cluster_model(cluster))
     assert cluster.redis().xlen(q) == 0
     # The consumers of the engines stopped earlier (kill -9, SIGTERM) are gone too.
     consumers = {c["name"].decode() for c in cluster.redis().xinfo_consumers(q, "engines")}

@@ -101,7 +101,7 @@ def test_two_gateways_share_a_tenants_tokens(gateways: tuple[str, str], redis_se
         ok = post(url, "sk-bob", 4)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
     r = redis_server.client()
-    limit_keys = r.keys("wsllm:t:*")
+    limit_keys = r.keys("wsllm:{t:*}:*")
     assert limit_keys and all(r.pttl(k) > 0 for k in limit_keys)  # nothing stays for ever
 
 

@@ -135,7 +135,7 @@ def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_dup
     # Done: its entry is acked and deleted, and its result stream expires.
     r_ = a._sync
     assert r_.xlen(a.keys.queue("m")) == 0
-    assert 0 < r_.pttl(a.keys.out("r1")) <= LEASE.stream_retention_s * 1000
+    assert 0 < r_.pttl(a.keys.out("m", "r1")) <= LEASE.stream_retention_s * 1000
 
 
 def test_an_unseeded_sampled_request_that_streamed_ends_with_worker_lost(brokers) -> None:
@@ -358,8 +358,10 @@ def test_an_unreadable_result_entry_ends_its_own_request_only(brokers) -> None:
 
         task = asyncio.create_task(reader())
         await asyncio.sleep(0.2)
-        engine._sync.xadd(engine.keys.out("hurt"), {"m": b"not json"})  # killed the reader once
-        engine._sync.xadd(engine.keys.out("hurt"), {"e": b'{"v":1,"kind":"events","items":[{"seq":"x"}]}'})
+        engine._sync.xadd(engine.keys.out("m", "hurt"), {"m": b"not json"})  # killed the reader once
+        engine._sync.xadd(
+            engine.keys.out("m", "hurt"), {"e": b'{"v":1,"kind":"events","items":[{"seq":"x"}]}'}
+        )
         await asyncio.to_thread(engine.publish, [tokens_event("fine", 0, [1]), tokens_event("hurt", 0, [2])])
         await asyncio.to_thread(engine.publish, [tokens_event("fine", 1, [3], "length")])
         await asyncio.wait_for(task, 10)

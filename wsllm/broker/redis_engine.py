@@ -63,8 +63,11 @@ class _Held:
 
 
 class EngineSide:
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
+    def __init__(
+        self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str, cluster: bool = False
+    ) -> None:
         self.r: Any = r  # redis-py's reply types are too loose to be useful here
+        self.cluster = cluster
         self.keys = keys
         self.cfg = cfg
         self.queue = keys.queue(model)
@@ -89,7 +92,7 @@ class EngineSide:
         )
         self._expired_event = (before, after)
         self.dead = DeadLetters(r, keys, cfg, model, self.queue)
-        self.recovery = Recovery(r, keys, cfg, self.queue, consumer)
+        self.recovery = Recovery(r, keys, cfg, model, consumer)
 
     # -- pull ------------------------------------------------------------------------
 
@@ -135,7 +138,7 @@ class EngineSide:
             GROUP,
             _EXPIRY_SCAN,
             repr(time.time()),
-            self.keys.out(""),
+            self.keys.out(self.model, ""),
             retention_ms,
         ]
         args += self._expired_event
@@ -208,7 +211,7 @@ class EngineSide:
             else:
                 rid = d.request.request_id if d.request is not None else ""
                 if d.final is not None:
-                    self.r.xadd(self.keys.out(rid), {"e": encode([d.final])}, nomkstream=True)
+                    self.r.xadd(self.keys.out(self.model, rid), {"e": encode([d.final])}, nomkstream=True)
                 self.ack([(d.entry_id, rid)])
         return out
 
@@ -284,13 +287,14 @@ class EngineSide:
 
         def build(pipe: Any) -> None:
             for rid, data in writes:
-                pipe.xadd(self.keys.out(rid), {"e": data}, nomkstream=True)
+                pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
             self._add_acks(pipe, ended)
             if read_aborts:  # the next aborts() call needs no round trip of its own
                 pipe.xread({self.keys.aborts: aborts_from}, count=10000)
 
         # MULTI/EXEC: a gateway's blocked XREAD wakes once for the whole step, not per XADD.
-        results = self._execute(build, transaction=True)
+        # A cluster has no MULTI across slots (the abort stream is in another one).
+        results = self._execute(build, transaction=not self.cluster)
         if results is None:
             return
         if read_aborts and not isinstance(results[-1], Exception):
@@ -330,7 +334,7 @@ class EngineSide:
             pipe.xack(self.queue, GROUP, entry_id)
             pipe.xdel(self.queue, entry_id)
             if rid:
-                pipe.pexpire(self.keys.out(rid), retention)
+                pipe.pexpire(self.keys.out(self.model, rid), retention)
 
     def ack(self, ended: list[tuple[str, str]]) -> None:
         self._execute(lambda pipe: self._add_acks(pipe, ended))

@@ -42,11 +42,12 @@ class Decision:
 
 
 class Recovery:
-    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, queue: str, consumer: str) -> None:
+    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
         self.r = r
         self.keys = keys
         self.cfg = cfg
-        self.queue = queue
+        self.model = model
+        self.queue = keys.queue(model)
         self.consumer = consumer
         self._cursor = "0-0"  # XAUTOCLAIM goes round the pending list in pages
         self._next_cleanup = 0.0
@@ -80,7 +81,7 @@ class Recovery:
                 req = e
             reqs.append(req)
             if isinstance(req, GenerateRequest):
-                pipe.xrange(self.keys.out(req.request_id))
+                pipe.xrange(self.keys.out(self.model, req.request_id))
             pipe.xpending_range(self.queue, GROUP, entry_id, entry_id, 1)
         results = iter(pipe.execute())
         out = []
