@@ -12,7 +12,12 @@ from typing import Any
 
 import orjson
 from bodies import completion
-from redis_fixtures import Deployment, Result, sse_text
+from redis_fixtures import (
+    Deployment,
+    Result,
+    on_one_and_on_a_cluster,  # noqa: F401 - every test runs on both
+    sse_text,
+)
 
 from wsllm.broker.redis_keys import Keys
 
