@@ -341,6 +341,13 @@ class RedisConfig:
     queue_poll_s: float = field(
         default=0.5, metadata={"help": "how often waiting WS requests get a `queued` position"}
     )
+    history_flush_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a running request's events are copied to its own (resumable) stream this often; "
+            "each step's events reach its gateway at once through the gateway's results stream"
+        },
+    )
     aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
     redis_socket_timeout_s: float = field(
@@ -369,6 +376,8 @@ class RedisConfig:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if min(self.stream_retention_s, self.request_ttl_s, self.engine_ttl_s) <= 0:
             raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
+        if self.history_flush_s <= 0:
+            raise ValueError(f"history_flush_s must be > 0, got {self.history_flush_s}")
         if self.request_ttl_s < self.stream_retention_s:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
         if self.broker != "memory" and not self.uses_redis:
@@ -381,8 +390,17 @@ class RedisConfig:
             raise ValueError(f"limit_lease_s must be >= 3, got {self.limit_lease_s}")
 
     @property
+    def results_tail_s(self) -> float:
+        """How long a gateway's results stream keeps an entry: a request's events not yet
+        copied to its history (at most `history_flush_s` old) stay there for the
+        retention after it ended, so an ended request needs no last copy."""
+        return self.stream_retention_s + 2 * self.history_flush_s
+
+    @property
     def uses_redis(self) -> bool:
-        return self.broker.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://"))
+        return self.broker.startswith(
+            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+        )
 
     def url(self) -> str:
         """The Redis URL: --broker when it names Redis, else localhost (for `gateway`

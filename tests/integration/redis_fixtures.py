@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST_FLAGS = [
     "--lease-s", "2", "--engine-heartbeat-s", "0.2", "--engine-ttl-s", "2",
     "--stream-retention-s", "4", "--resume-grace-s", "20", "--queue-poll-s", "0.2",
-    "--drain-timeout-s", "0.5",
+    "--drain-timeout-s", "0.5", "--history-flush-s", "1",
 ]  # fmt: skip
 ENGINE_FLAGS = ["--threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
 LEASE_S = 2.0
@@ -208,8 +208,8 @@ def _one_then_a_cluster(request: Any, redis_server: Any) -> Any:
     return redis_server if request.param == "one" else request.getfixturevalue("redis_cluster")
 
 
-#: A module that imports this (`from redis_fixtures import on_one_and_on_a_cluster  # noqa: F401`)
-#: runs every test that takes `redis_server` on one instance, then on the cluster.
+#: A module that imports this (an import that ruff's F401 must be told is used) runs
+#: every test that takes `redis_server` on one instance, then on the cluster.
 on_one_and_on_a_cluster = pytest.fixture(scope="module", params=["one", "cluster"], name="redis_server")(
     _one_then_a_cluster
 )

@@ -59,7 +59,7 @@ class RedisBroker(Broker):
         self.cluster = is_cluster(url)
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth)
-        self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer, cluster=self.cluster)
+        self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
 
     @property
     def consumer(self) -> str:

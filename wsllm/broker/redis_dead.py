@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_recovery import results_of
 from wsllm.config import RedisConfig
 from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
 from wsllm.wire import encode
@@ -50,8 +51,22 @@ class DeadLetters:
             )
             pipe.xadd(self.keys.out(self.model, rid), {"e": encode([ev])}, nomkstream=True)
             pipe.pexpire(self.keys.out(self.model, rid), int(self.cfg.stream_retention_s * 1000))
+            results = self._results(rid, fields)
+            if results:  # its gateway reads that one
+                pipe.xadd(results, {"e": encode([ev])})
+                pipe.pexpire(results, int(self.cfg.results_tail_s * 2000))
         pipe.execute()
         log.error("dead-lettered queue entry %s (%s)", entry_id, reason)
+
+    def _results(self, rid: str, fields: dict[bytes, bytes]) -> str:
+        """The results stream the request's gateway reads: the entry's, or (a malformed
+        entry may lack it) the one its meta names."""
+        tag = self.keys.model_tag(self.model)
+        results, _ = results_of(fields, "", tag)
+        if not results:
+            first = self.r.xrange(self.keys.out(self.model, rid), count=1)
+            results, _ = results_of(first[0][1] if first else {}, "", tag)
+        return results
 
     def item(self, item: object, reason: str) -> None:
         """Something the worker received and cannot serve (already out of the queue)."""

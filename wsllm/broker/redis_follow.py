@@ -17,8 +17,11 @@ class Follow:
     """A request whose result stream this gateway reads."""
 
     model: str
-    last_id: str = "0-0"
+    last_id: str = "0-0"  # read up to here in its history stream
     n: int = 1
+    results: str = ""  # the results stream its events come through ("": only its history)
+    tail_id: str = "0-0"  # read up to here in that results stream
+    history: bool = False  # followed from its start (a resume): read its history stream too
     next_seq: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 

@@ -1,10 +1,10 @@
 """The gateway side of the Redis broker: redis.asyncio on the app's event loop.
 
-The reader (`events()`) follows the result streams of this gateway's live requests
-with one blocking `XREAD` per model over that model's streams plus the gateway's
-wake-up stream of the model (a new request, or a resume, wakes it): a model's keys
-share one cluster slot, and a blocking read over several keys must stay inside one. It checks every event's `seq` per choice, so a
-duplicate (a retried publish) is dropped and a gap ends the request with
+The reader (`events()`) runs one `redis_reader.ModelReader` per model: the gateway's
+own results stream of the model carries every step's events of all its requests; a
+resumed request is read from its history stream and the results stream it went
+through. Every event's `seq` is checked per choice, so a duplicate (a retried
+publish, or the history's copy) is dropped and a gap ends the request with
 `worker_lost` instead of wrong text. An entry it cannot read ends its own request
 with `worker_lost` and nothing else. When Redis comes back after an outage it checks
 that each followed request still exists (Redis may have restarted empty) and ends
@@ -24,11 +24,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import redis.exceptions
 
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.redis_conn import async_client
-from wsllm.broker.redis_follow import Follow, checked, entry_events
+from wsllm.broker.redis_follow import Follow
 from wsllm.broker.redis_keys import (
     ABORT,
     ENGINES,
@@ -38,14 +37,14 @@ from wsllm.broker.redis_keys import (
     UNAVAILABLE,
     Keys,
 )
+from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
 from wsllm.config import RedisConfig
-from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_READ_BLOCK_MS = 1000  # the reader re-checks close() at least this often
-_ENGINES_CACHE_S = 0.25
+_ENGINES_CACHE_S = 1.0  # each look is a script of 2 + n commands
 _POSITION_SCAN = 10000
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
@@ -61,10 +60,11 @@ class GatewaySide:
         self.closed = False
         # One client per event loop: tests run several loops, and a client is bound to one.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self._results_ttl_ms = int(cfg.results_tail_s * 2000)
         self._models: set[str] = {model}  # the models this gateway reads (one reader each)
         self._model_of: OrderedDict[str, str] = OrderedDict()
         self._out: asyncio.Queue[list[TokenEvent]] | None = None  # the readers' batches
-        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._readers: dict[str, tuple[ModelReader, asyncio.Task[None]]] = {}
         self._follows: dict[str, Follow] = {}
         self._queued: dict[str, str] = {}  # request id -> its entry id, until its first event
         self._positions: dict[str, int] = {}
@@ -99,8 +99,13 @@ class GatewaySide:
         rid = request.request_id
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
-        keys = [self.keys.queue(model), self.keys.out(model, rid), self.keys.wake(model, self.gateway_id)]
-        self._follows[rid] = Follow(model, n=request.params.n)  # before it can have events
+        keys = [self.keys.queue(model), self.keys.out(model, rid)]
+        results = self.keys.results(model, self.gateway_id)
+        reader = self._readers.get(model)
+        # Before it can have events; from where this model's reader is now (see redis_reader).
+        self._follows[rid] = Follow(
+            model, n=request.params.n, results=results, tail_id=reader[0].cursor if reader else "0-0"
+        )
         self._start_reader(model)
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
@@ -112,6 +117,7 @@ class GatewaySide:
                 ttl_ms,
                 rid,
                 repr(request.queue_deadline),
+                results,
             ]
             ok, value = await self._call(SUBMIT, keys, args)
         except BaseException:
@@ -133,7 +139,7 @@ class GatewaySide:
         marker = encode([TokenEvent.abort_marker(request_id)])
         keys = [self.keys.out(model, request_id), self.keys.attached(model, request_id)]
         retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
-        args = [request_id, retention, marker, "" if attach is None else str(attach)]
+        args = [request_id, retention, marker, "" if attach is None else str(attach), self._results_ttl_ms]
         if await self._call(ABORT, keys, args) != 1:
             return False
         try:  # then tell every engine (the abort stream has a slot of its own)
@@ -201,7 +207,17 @@ class GatewaySide:
         """Read the request's stream from its start; count the attach (the grace abort
         of the client that left before is off). Returns the new attach count."""
         model = await self.model_of(request_id) or self.model
-        self._follows[request_id] = Follow(model)
+        try:
+            first = await self.client().xrange(self.keys.out(model, request_id), count=1)
+        except UNAVAILABLE as e:
+            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+        meta = first[0][1] if first else {}
+        results = meta.get(b"s", b"").decode(errors="replace")
+        if not results.startswith(self.keys.model_tag(model) + ":"):
+            results = ""  # only its history stream, then (the engines write every step there)
+        queued = meta.get(b"qe", b"0-0").decode(errors="replace")
+        start = f"{max(0, sid(queued)[0] - 1)}-0"  # its events there come after its queue entry
+        self._follows[request_id] = Follow(model, results=results, tail_id=start, history=True)
         self._start_reader(model)
         pipe = self.client().pipeline(transaction=False)
         pipe.incr(self.keys.attached(model, request_id))
@@ -213,6 +229,17 @@ class GatewaySide:
             self._follows.pop(request_id, None)
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         return int(attach)
+
+    @property
+    def follows(self) -> dict[str, Follow]:
+        return self._follows
+
+    def follows_of(self, model: str) -> list[tuple[str, Follow]]:
+        return [(r, f) for r, f in self._follows.items() if f.model == model]
+
+    def started(self, request_id: str) -> None:
+        """The request has events: it no longer waits in the queue."""
+        self._queued.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self._follows.pop(request_id, None)
@@ -230,12 +257,12 @@ class GatewaySide:
         try:
             while not self.closed:
                 with contextlib.suppress(TimeoutError):
-                    batch = await asyncio.wait_for(out.get(), _READ_BLOCK_MS / 1000)
+                    batch = await asyncio.wait_for(out.get(), READ_BLOCK_MS / 1000)
                     if batch:
                         yield batch
         finally:
             self._out = None
-            readers, self._readers = list(self._readers.values()), {}
+            readers, self._readers = [t for _, t in self._readers.values()], {}
             for t in readers:
                 t.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
@@ -244,86 +271,11 @@ class GatewaySide:
         """A reader for `model`'s streams, once events() runs (it starts those it lacks)."""
         self._models.add(model)
         if self._out is not None and model not in self._readers:
-            task = asyncio.get_running_loop().create_task(
-                self._read(model, self._out), name=f"wsllm-read-{model}"
-            )
-            self._readers[model] = task
+            reader = ModelReader(self, model)
+            task = asyncio.get_running_loop().create_task(reader.run(self._out), name=f"wsllm-read-{model}")
+            self._readers[model] = (reader, task)
 
-    async def _read(self, model: str, out: asyncio.Queue[list[TokenEvent]]) -> None:
-        reader = async_client(self.url, self.cfg, wait_s=_READ_BLOCK_MS / 1000, single_connection=True)
-        wake_key = self.keys.wake(model, self.gateway_id)
-        wake_id = "$"
-        broken = False
-        try:
-            while not self.closed:
-                # The follow state each read is for: a resume may replace it meanwhile, and
-                # then this read's entries are not for the new reader of that request.
-                reading = {
-                    self.keys.out(model, r): (r, f) for r, f in self._follows.items() if f.model == model
-                }
-                streams = {wake_key: wake_id} | {k: f.last_id for k, (_, f) in reading.items()}
-                try:
-                    if wake_id == "$":  # resolve "$" once, or a wake-up between reads would be missed
-                        last = await reader.xrevrange(wake_key, count=1)
-                        wake_id = streams[wake_key] = last[0][0].decode() if last else "0-0"
-                    resp = await reader.xread(streams, block=_READ_BLOCK_MS)
-                    if broken:
-                        broken = False
-                        log.warning("redis is back; checking the followed requests of %s", model)
-                        lost = await self._check_followed(model)
-                        if lost:
-                            await out.put(lost)
-                except UNAVAILABLE as e:
-                    if not broken:
-                        log.warning("redis unreachable (%s); the reader of %s retries", e, model)
-                    broken = True
-                    await asyncio.sleep(0.5)
-                    continue
-                except redis.exceptions.RedisError:  # never let the reader die: /ready depends on it
-                    log.exception("reading the result streams of %s failed; retrying", model)
-                    await asyncio.sleep(0.5)
-                    continue
-                batch: list[TokenEvent] = []
-                for key, entries in resp or []:
-                    key = key.decode()
-                    if key == wake_key:
-                        wake_id = entries[-1][0].decode()
-                        continue
-                    if key in reading:
-                        batch.extend(self._take(*reading[key], entries))
-                if batch:
-                    await out.put(batch)
-            await out.put([])  # closed: events() ends now
-        finally:
-            await reader.aclose()
-
-    def _take(self, rid: str, f: Follow, entries: list[Any]) -> list[TokenEvent]:
-        if self._follows.get(rid) is not f:  # forgotten, or followed anew (a resume), meanwhile
-            return []
-        out: list[TokenEvent] = []
-        for entry_id, fields in entries:
-            f.last_id = entry_id.decode()
-            try:
-                events = entry_events(f, fields)
-            except (WireError, orjson.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
-                # One bad entry ends its own request, and nothing else.
-                log.error("unreadable entry %s of %s: %s", entry_id, rid, e)
-                out.append(TokenEvent.lost(rid, "the engine sent an event this gateway cannot read"))
-                self.forget(rid)
-                return out
-            if events:
-                self._queued.pop(rid, None)
-            for raw in events:
-                ev = checked(rid, f, raw)
-                if ev is None:
-                    continue
-                out.append(ev)
-                if ev.ends_request or len(f.done) >= f.n:
-                    self.forget(rid)
-                    return out
-        return out
-
-    async def _check_followed(self, model: str) -> list[TokenEvent]:
+    async def check_followed(self, model: str) -> list[TokenEvent]:
         """After an outage: end the followed requests that Redis no longer knows."""
         rids = [r for r, f in self._follows.items() if f.model == model]
         if not rids:

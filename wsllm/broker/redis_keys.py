@@ -5,9 +5,12 @@ Redis Cluster hash tag (`{...}`), so that a cluster keeps together what one comm
 or script touches:
 
     {p}:{model}:q           request stream; consumer group `engines`, one consumer per engine
-    {p}:{model}:o:{rid}     result stream of one request: a `meta` entry (the gateway's context,
-                            the request entry's id), then one entry per engine step with that
-                            step's TokenEvents for the request
+    {p}:{model}:o:{rid}     history stream of one request: a `meta` entry (the gateway's context,
+                            the request entry's id, its gateway's results stream), then its
+                            events, copied there every `history_flush_s` and when it ends
+    {p}:{model}:r:{gateway} results stream of a gateway: one entry per engine step with that
+                            step's TokenEvents for all the gateway's requests (trimmed by age,
+                            `results_tail_s`); what the gateway reads live
     {p}:{model}:att:{rid}   how many times a client resumed the request: a grace abort goes
                             ahead only if nobody resumed it since the client it waits for left
     {p}:{model}:w:{gateway} a gateway's wake-up stream for this model (a new request to read)
@@ -98,6 +101,11 @@ class Keys:
     def out(self, model: str, request_id: str) -> str:
         return f"{self.model_tag(model)}:o:{request_id}"
 
+    def results(self, model: str, gateway_id: str) -> str:
+        """The results stream of one gateway for one model: each engine step's events
+        for all of that gateway's requests in one entry."""
+        return f"{self.model_tag(model)}:r:{gateway_id}"
+
     def attached(self, model: str, request_id: str) -> str:
         return f"{self.model_tag(model)}:att:{request_id}"
 
@@ -132,45 +140,63 @@ class Keys:
         return f"{self.prefix}:resp:{response_id}"
 
 
-# Admission and submit in one step: refuse when `max_queue_depth` entries wait (entries in
-# the stream minus those delivered and not yet acked), else queue the request, open its
-# result stream with the meta entry and wake the submitting gateway.
-# The entry carries the request (`r`) and, for the queue-deadline sweep below, its id
-# (`i`) and deadline (`d`, time.time() seconds; 0: none).
-# KEYS: queue, out, wake   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline
+# Admission and submit in one step: refuse when `max_queue_depth` entries wait (the group's
+# lag, or, when Redis does not know it, entries in the stream minus those delivered and not
+# yet acked: done ones are deleted), else queue the request and open its
+# history stream with the meta entry. The gateway reads its results stream all the time:
+# no wake-up is needed.
+# The entry carries the request (`r`), its gateway's results stream (`s`) and, for the
+# queue-deadline sweep below, its id (`i`) and deadline (`d`, time.time() seconds; 0: none).
+# KEYS: queue, out   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline,
+#                          results stream
 SUBMIT = """
-local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
-if not ok then
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-  pend = {0}
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+local lag, pend = false, nil
+if ok then
+  for _, g in ipairs(groups) do
+    local name, l, p
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then l = g[i + 1]
+      elseif g[i] == 'pending' then p = g[i + 1] end
+    end
+    if name == ARGV[1] then lag, pend = l, p end
+  end
 end
-local waiting = redis.call('XLEN', KEYS[1]) - pend[1]
+if pend == nil then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+  pend = 0
+end
+-- `lag` (entries not yet delivered) is unknown after an undelivered entry was deleted
+local waiting = lag or (redis.call('XLEN', KEYS[1]) - pend)
 if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
-local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7])
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id)
+local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7], 's', ARGV[8])
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id, 's', ARGV[8])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return {1, id}
 """
 
 # Abort from any gateway, the request's part (its model's slot): drop the entry if it
-# still waits and end the result stream with a whole-request abort marker (a resumed
+# still waits and end the history stream and its gateway's results stream with a
+# whole-request abort marker (a resumed
 # client sees the end). A grace abort passes ARGV[4], the attach count its client had:
 # it does nothing when a client resumed the request since (the count moved on). The
 # caller tells every engine (the abort stream, another slot) when this returns 1.
-# KEYS: out, attached   ARGV: rid, retention_ms, marker, attach ('' = always)
+# KEYS: out, attached   ARGV: rid, retention_ms, marker, attach ('' = always), results ttl_ms
 ABORT = """
 if ARGV[4] ~= '' and (redis.call('GET', KEYS[2]) or '0') ~= ARGV[4] then return 0 end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #first == 0 then return -1 end
 local f = first[1][2]
-local q, e
+local q, e, s
 for i = 1, #f, 2 do
-  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] end
+  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] elseif f[i] == 's' then s = f[i + 1] end
 end
 if q and e then redis.call('XDEL', q, e) end
 redis.call('XADD', KEYS[1], '*', 'e', ARGV[3])
+if s then
+  redis.call('XADD', s, '*', 'e', ARGV[3])
+  if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -218,16 +244,22 @@ EXPIRE_WAITING = (
 local now = tonumber(ARGV[3])
 local expired = {}
 for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
-  local f, d, rid = e[2], nil, nil
+  local f, d, rid, res = e[2], nil, nil, nil
   for i = 1, #f, 2 do
-    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1] end
+    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1]
+    elseif f[i] == 's' then res = f[i + 1] end
   end
   if d and rid and d > 0 and d <= now then
     redis.call('XDEL', KEYS[1], e[1])
     local out = ARGV[4] .. rid
     if redis.call('EXISTS', out) == 1 then
-      redis.call('XADD', out, '*', 'e', ARGV[6] .. cjson.encode(rid) .. ARGV[7])
+      local ev = ARGV[6] .. cjson.encode(rid) .. ARGV[7]
+      redis.call('XADD', out, '*', 'e', ev)
       redis.call('PEXPIRE', out, ARGV[5])
+      if res then
+        redis.call('XADD', res, '*', 'e', ev)
+        if redis.call('PTTL', res) == -1 then redis.call('PEXPIRE', res, ARGV[5]) end
+      end
     end
     expired[#expired + 1] = rid
   end
@@ -255,17 +287,23 @@ return out
 """
 
 # Lease refresh: reset the idle time of the entries this engine still owns (so that
-# XAUTOCLAIM leaves them alone), and report those it does not own any more.
-# KEYS: queue   ARGV: group, consumer, entry ids...   -> ids no longer ours
+# XAUTOCLAIM leaves them alone), and report those it does not own any more. One XPENDING
+# of this consumer's entries and one XCLAIM per 1000 of them, whatever their number.
+# KEYS: queue   ARGV: group, consumer, scan limit, entry ids...   -> ids no longer ours
 REFRESH = """
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
+local mine = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[3], ARGV[2])) do
+  mine[p[1]] = true
+end
+local lost, keep = {}, {}
+for i = 4, #ARGV do
+  if mine[ARGV[i]] then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+end
+for i = 1, #keep, 1000 do
+  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
+  for j = i, math.min(i + 999, #keep) do args[#args + 1] = keep[j] end
+  args[#args + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(args))
 end
 return lost
 """
