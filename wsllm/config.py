@@ -397,6 +397,12 @@ class RedisConfig:
         return self.stream_retention_s + 2 * self.history_flush_s
 
     @property
+    def results_ttl_ms(self) -> int:
+        """The TTL its writers give a results stream every `results_tail_s / 4`: its last
+        entry lives the tail, and the stream of a gateway gone goes soon after."""
+        return int(self.results_tail_s * 1250)
+
+    @property
     def uses_redis(self) -> bool:
         return self.broker.startswith(
             ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")

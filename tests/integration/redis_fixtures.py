@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST_FLAGS = [
     "--lease-s", "2", "--engine-heartbeat-s", "0.2", "--engine-ttl-s", "2",
     "--stream-retention-s", "4", "--resume-grace-s", "20", "--queue-poll-s", "0.2",
-    "--drain-timeout-s", "0.5", "--history-flush-s", "1",
+    "--drain-timeout-s", "0.5", "--history-flush-s", "0.5",
 ]  # fmt: skip
 ENGINE_FLAGS = ["--threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
 LEASE_S = 2.0

@@ -19,6 +19,8 @@ import pytest
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis import RedisBroker
+from wsllm.broker.redis_conn import cluster_settings
+from wsllm.broker.redis_keys import Keys
 from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
@@ -374,3 +376,60 @@ def test_an_unreadable_results_entry_ends_only_the_requests_it_held(brokers) -> 
     hurt = [e for e in got if e.request_id == "hurt"]
     assert [(e.error_code, e.finish_reason) for e in hurt] == [("worker_lost", "error")]
     assert text_of([e for e in got if e.request_id == "fine"]) == [1, 3]
+
+
+def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their_own() -> None:
+    from redis.crc import key_slot
+
+    k = Keys("wsllm")
+    model = [k.queue("m"), k.out("m", "r1"), k.results("m", "gw"), k.attached("m", "r1"), k.wake("m", "gw"),
+             k.dead("m"), k.tokenizer("m")]  # fmt: skip
+    slots = {key_slot(key.encode()) for key in model}
+    assert len(slots) == 1
+    assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1
+    assert len({key_slot(x.encode()) for x in (k.aborts, k.engines, k.engine("e1"))}) == 1
+    assert key_slot(k.queue("m").encode()) != key_slot(k.queue("other").encode())  # models spread
+
+
+def test_a_cluster_url_names_its_nodes_and_credentials() -> None:
+    nodes, opts = cluster_settings("rediss+cluster://u:p%40ss@10.0.0.1:7000,10.0.0.2:7001/0")
+    assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert opts == {"username": "u", "password": "p@ss", "ssl": True}
+    with pytest.raises(ValueError, match="database 0"):
+        cluster_settings("redis+cluster://h:7000/2")
+    with pytest.raises(ValueError, match="host:port"):
+        cluster_settings("redis+cluster://h")
+
+
+def test_a_step_of_many_requests_costs_a_few_commands(brokers, any_redis: Any) -> None:
+    """One XADD per gateway per step, whatever the number of requests in it; a request's
+    own stream gets its events only every history_flush_s (and they still reach a resume)."""
+    gw, engine = brokers(), brokers("engine-a")
+    for i in range(16):
+        asyncio.run(gw.submit(req(f"s{i}")))
+    pull_until(engine, 16)
+    r = any_redis.client()
+
+    def calls() -> int:
+        """Commands Redis ran (on every primary of a cluster), INFO and the cluster
+        client's own routing look-ups (COMMAND GETKEYS for an XREAD) aside."""
+        nodes = r.get_primaries() if hasattr(r, "get_primaries") else [None]
+        total = 0
+        for node in nodes:
+            stats = r.info("commandstats", **({"target_nodes": node} if node is not None else {}))
+            own = ("cmdstat_info", "cmdstat_command", "cmdstat_hello", "cmdstat_cluster")
+            total += sum(int(v["calls"]) for k, v in stats.items() if not k.startswith(own))
+        return total
+
+    engine.publish(
+        [tokens_event(f"s{i}", 0, [5]) for i in range(16)]
+    )  # the first publish reads the aborts too
+    before = calls()
+    for seq in (1, 2, 3):
+        engine.publish([tokens_event(f"s{i}", seq, [5 + seq]) for i in range(16)])
+    assert calls() - before <= 3 * 2 + 1  # per step: the results XADD and the aborts read
+    engine.publish([tokens_event(f"s{i}", 4, [9], "length") for i in range(16)])
+    gw2 = brokers()
+    assert asyncio.run(gw2.lookup("s3")) is not None
+    asyncio.run(gw2.follow("s3"))
+    assert text_of(asyncio.run(read(gw2, "s3"))) == [5, 6, 7, 8, 9]  # nothing in its history yet

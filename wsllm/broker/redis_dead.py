@@ -54,7 +54,7 @@ class DeadLetters:
             results = self._results(rid, fields)
             if results:  # its gateway reads that one
                 pipe.xadd(results, {"e": encode([ev])})
-                pipe.pexpire(results, int(self.cfg.results_tail_s * 2000))
+                pipe.pexpire(results, self.cfg.results_ttl_ms)
         pipe.execute()
         log.error("dead-lettered queue entry %s (%s)", entry_id, reason)
 

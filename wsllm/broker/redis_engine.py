@@ -250,7 +250,7 @@ class EngineSide(Registry):
         pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
         if results:
             pipe.xadd(results, {"e": data})
-            pipe.pexpire(results, int(self.cfg.results_tail_s * 2000))
+            pipe.pexpire(results, self.cfg.results_ttl_ms)
         pipe.execute()
 
     def held_entry_ids(self) -> set[str]:
@@ -345,7 +345,7 @@ class EngineSide(Registry):
             for key, data in live_data:
                 pipe.xadd(key, {"e": data}, minid=min_id, approximate=True)
             for key in expire:  # the stream of a gateway gone for good goes away
-                pipe.pexpire(key, int(tail_s * 2000))
+                pipe.pexpire(key, self.cfg.results_ttl_ms)
             self._add_acks(pipe, ended)
             if read_aborts:  # the next aborts() call needs no round trip of its own
                 pipe.xread({self.keys.aborts: aborts_from}, count=10000)

@@ -44,7 +44,7 @@ from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_ENGINES_CACHE_S = 1.0  # each look is a script of 2 + n commands
+_ENGINES_CACHE_S = 0.25
 _POSITION_SCAN = 10000
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
@@ -60,7 +60,7 @@ class GatewaySide:
         self.closed = False
         # One client per event loop: tests run several loops, and a client is bound to one.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
-        self._results_ttl_ms = int(cfg.results_tail_s * 2000)
+        self._results_ttl_ms = cfg.results_ttl_ms
         self._models: set[str] = {model}  # the models this gateway reads (one reader each)
         self._model_of: OrderedDict[str, str] = OrderedDict()
         self._out: asyncio.Queue[list[TokenEvent]] | None = None  # the readers' batches
@@ -81,11 +81,17 @@ class GatewaySide:
     def wake_keys(self) -> list[str]:
         return [self.keys.wake(m, self.gateway_id) for m in sorted(self._models)]
 
+    def _unavailable(self, e: Exception) -> BrokerUnavailable:
+        """The error for an unreachable Redis; the cached registry goes too (/ready must not
+        report engines it cannot see now)."""
+        self.invalidate_engines()
+        return BrokerUnavailable(f"redis is unreachable: {e}")
+
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return await self.client().eval(script, len(keys), *keys, *args)
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
 
     # -- submit and abort ----------------------------------------------------------------
 
@@ -147,7 +153,7 @@ class GatewaySide:
                 self.keys.aborts, {"r": request_id}, maxlen=self.cfg.aborts_maxlen, approximate=True
             )
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         return True
 
     async def model_of(self, request_id: str) -> str | None:
@@ -168,7 +174,7 @@ class GatewaySide:
                 pipe.exists(self.keys.out(m, request_id))
             found = await pipe.execute()
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         for m, n in zip(models, found, strict=True):
             if n:
                 self._model_of[request_id] = m
@@ -194,7 +200,7 @@ class GatewaySide:
         try:
             first = await self.client().xrange(self.keys.out(model, request_id), count=1)
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         if not first or b"m" not in first[0][1]:
             return None
         try:
@@ -207,18 +213,21 @@ class GatewaySide:
         """Read the request's stream from its start; count the attach (the grace abort
         of the client that left before is off). Returns the new attach count."""
         model = await self.model_of(request_id) or self.model
+        # At once (no await before it): a read for the follow this one replaces must not
+        # hand this client events after it asked to start over. Its history stream first;
+        # the results stream it goes on in once its meta is read.
+        f = self._follows[request_id] = Follow(model, history=True)
+        self._start_reader(model)
         try:
             first = await self.client().xrange(self.keys.out(model, request_id), count=1)
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            self._follows.pop(request_id, None)
+            raise self._unavailable(e) from None
         meta = first[0][1] if first else {}
         results = meta.get(b"s", b"").decode(errors="replace")
-        if not results.startswith(self.keys.model_tag(model) + ":"):
-            results = ""  # only its history stream, then (the engines write every step there)
-        queued = meta.get(b"qe", b"0-0").decode(errors="replace")
-        start = f"{max(0, sid(queued)[0] - 1)}-0"  # its events there come after its queue entry
-        self._follows[request_id] = Follow(model, results=results, tail_id=start, history=True)
-        self._start_reader(model)
+        if results.startswith(self.keys.model_tag(model) + ":"):  # else only its history stream
+            queued = meta.get(b"qe", b"0-0").decode(errors="replace")
+            f.results, f.tail_id = results, f"{max(0, sid(queued)[0] - 1)}-0"  # events after its entry
         pipe = self.client().pipeline(transaction=False)
         pipe.incr(self.keys.attached(model, request_id))
         pipe.pexpire(self.keys.attached(model, request_id), int(self.cfg.request_ttl_s * 1000))
@@ -227,7 +236,7 @@ class GatewaySide:
             attach, _, _ = await pipe.execute()
         except UNAVAILABLE as e:
             self._follows.pop(request_id, None)
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         return int(attach)
 
     @property
@@ -296,7 +305,7 @@ class GatewaySide:
         try:
             got = await self.client().hgetall(self.keys.tokenizer(model))
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         if not got:
             return None
         return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
@@ -308,7 +317,7 @@ class GatewaySide:
         try:
             flat = await self.client().eval(ENGINES, 1, self.keys.engines, self.keys.engine(""))
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         now = time.time()
         ttl_ms = self.cfg.engine_ttl_s * 1000
         infos = []
