@@ -82,3 +82,24 @@ def async_client(url: str, cfg: RedisConfig, wait_s: float = 0.0, single_connect
 
     nodes, extra = cluster_settings(url)
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+
+
+async def reader_client(url: str, cfg: RedisConfig, key: str, wait_s: float) -> Any:
+    """A client for one blocking reader: one connection of its own. On a cluster, a plain
+    client of the node that holds `key`'s slot (all the keys one read names share it):
+    a blocking read needs no routing, and the cluster client can swallow the cancel of
+    a blocked read. A read that meets MOVED (a failover, a resharding) asks again."""
+    if not is_cluster(url):
+        return async_client(url, cfg, wait_s=wait_s, single_connection=True)
+    import redis.asyncio
+
+    c = async_client(url, cfg)
+    try:
+        await c.initialize()
+        node = c.get_node_from_key(key)
+        host, port = node.host, node.port
+    finally:
+        await c.aclose()
+    _, extra = cluster_settings(url)
+    opts = client_options(cfg, asyncio=True, wait_s=wait_s)
+    return redis.asyncio.Redis(host=host, port=port, single_connection_client=True, **opts, **extra)

@@ -24,6 +24,7 @@ history).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis.exceptions
 
-from wsllm.broker.redis_conn import async_client
+from wsllm.broker.redis_conn import reader_client
 from wsllm.broker.redis_follow import Follow, checked, entry_events
 from wsllm.broker.redis_keys import UNAVAILABLE
 from wsllm.types import TokenEvent, WireError
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # the reader re-checks close() at least this often
+_CLOSE_S = 2.0
 _BAD = (WireError, orjson.JSONDecodeError, TypeError, ValueError, AttributeError)
 
 
@@ -50,6 +52,14 @@ def sid(entry_id: str) -> tuple[int, int]:
     """A stream entry id as numbers, for comparing."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _raise_if_cancelled() -> None:
+    """A cluster client can turn the cancel of a blocked read into a connection error:
+    the reader must still stop, not retry."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 @dataclass(slots=True)
@@ -82,11 +92,18 @@ class ModelReader:
         return r
 
     async def run(self, out: asyncio.Queue[list[TokenEvent]]) -> None:
-        reader = async_client(self.gw.url, self.gw.cfg, wait_s=READ_BLOCK_MS / 1000, single_connection=True)
+        reader: Any = None
         wake_id = "$"
         broken = False
         try:
             while not self.gw.closed:
+                if reader is None:
+                    try:
+                        reader = await reader_client(self.gw.url, self.gw.cfg, self.own, READ_BLOCK_MS / 1000)
+                    except (*UNAVAILABLE, redis.exceptions.RedisError) as e:
+                        log.warning("no connection for the reader of %s (%s); retrying", self.model, e)
+                        await asyncio.sleep(0.5)
+                        continue
                 rnd = self._round()
                 streams = (
                     {self.wake_key: wake_id}
@@ -105,13 +122,20 @@ class ModelReader:
                         if lost:
                             out.put_nowait(lost)
                 except UNAVAILABLE as e:
+                    _raise_if_cancelled()
                     if not broken:
                         log.warning("redis unreachable (%s); the reader of %s retries", e, self.model)
                     broken = True
                     await asyncio.sleep(0.5)
                     continue
-                except redis.exceptions.RedisError:  # never let the reader die: /ready depends on it
-                    log.exception("reading the result streams of %s failed; retrying", self.model)
+                except redis.exceptions.RedisError as e:  # never let the reader die: /ready depends on it
+                    _raise_if_cancelled()
+                    if str(e).startswith(("MOVED", "ASK", "CLUSTERDOWN")):  # the slot moved: find its node
+                        log.warning("the slot of %s moved (%s); reconnecting its reader", self.model, e)
+                        await self._close(reader)
+                        reader = None
+                    else:
+                        log.exception("reading the result streams of %s failed; retrying", self.model)
                     await asyncio.sleep(0.5)
                     continue
                 got = {k.decode(): entries for k, entries in resp or []}
@@ -131,7 +155,13 @@ class ModelReader:
                     out.put_nowait(batch)
             out.put_nowait([])  # closed: events() ends now
         finally:
-            await reader.aclose()
+            await self._close(reader)
+
+    @staticmethod
+    async def _close(reader: Any) -> None:
+        if reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reader.aclose(), _CLOSE_S)
 
     def _take(self, rid: str, f: Follow, entries: list[Any]) -> list[TokenEvent]:
         """Entries of a request's history stream."""

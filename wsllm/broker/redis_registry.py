@@ -88,6 +88,7 @@ class Registry:
         pipe.execute()
 
     def deregister(self, engine_id: str) -> None:
+        self._next_registry = 0.0  # a heartbeat after this one registers it again at once
         try:
             pipe = self.r.pipeline(transaction=False)
             pipe.delete(self.keys.engine(engine_id))
