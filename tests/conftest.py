@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +343,25 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's 3-master Redis Cluster (tests/integration/redis_fixtures.py),
+    started on first use; its `url` is a `redis+cluster://` one."""
+    sys.path.insert(0, str(Path(__file__).parent / "integration"))
+    from redis_fixtures import RedisClusterServer
+
+    server = RedisClusterServer(tmp_path_factory.mktemp("redis-cluster"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["one", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> Any:
+    """The session's redis-server, then its Redis Cluster: a test that takes this runs
+    on both."""
+    return request.getfixturevalue("redis_server" if request.param == "one" else "redis_cluster")

@@ -342,7 +342,8 @@ class RedisConfig:
     broker: str = field(
         default="memory",
         metadata={
-            "help": "memory (serve: all in this process) | redis://host:port/db, rediss://, unix://",
+            "help": "memory (serve: all in this process) | redis://host:port/db, rediss://, unix://, "
+            "redis+cluster://host:port[,host:port...] (a Redis Cluster)",
             "aliases": ("--redis-url",),
             "env_aliases": ("WSLLM_REDIS_URL",),
         },
@@ -385,6 +386,13 @@ class RedisConfig:
     )
     queue_poll_s: float = field(
         default=0.5, metadata={"help": "how often waiting WS requests get a `queued` position"}
+    )
+    history_flush_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a running request's events are copied to its own (resumable) stream this often; "
+            "each step's events reach its gateway at once through the gateway's results stream"
+        },
     )
     aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
@@ -429,11 +437,13 @@ class RedisConfig:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if min(self.stream_retention_s, self.request_ttl_s, self.engine_ttl_s) <= 0:
             raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
+        if self.history_flush_s <= 0:
+            raise ValueError(f"history_flush_s must be > 0, got {self.history_flush_s}")
         if self.request_ttl_s < self.stream_retention_s:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
         if self.broker != "memory" and not self.uses_redis:
             raise ValueError(
-                f"broker must be memory or a redis://, rediss:// or unix:// URL, got {self.broker!r}"
+                f"broker must be memory or a redis://, rediss://, unix:// or redis+cluster:// URL, got {self.broker!r}"
             )
         if not (0 < self.redis_socket_timeout_s <= 600 and 0 < self.redis_connect_timeout_s <= 600):
             raise ValueError("redis_socket_timeout_s and redis_connect_timeout_s must be in (0, 600] seconds")
@@ -445,8 +455,23 @@ class RedisConfig:
             raise ValueError(f"steal_after_s must be in [0, 60] seconds, got {self.steal_after_s}")
 
     @property
+    def results_tail_s(self) -> float:
+        """How long a gateway's results stream keeps an entry: a request's events not yet
+        copied to its history (at most `history_flush_s` old) stay there for the
+        retention after it ended, so an ended request needs no last copy."""
+        return self.stream_retention_s + 2 * self.history_flush_s
+
+    @property
+    def results_ttl_ms(self) -> int:
+        """The TTL its writers give a results stream every `results_tail_s / 4`: its last
+        entry lives the tail, and the stream of a gateway gone goes soon after."""
+        return int(self.results_tail_s * 1250)
+
+    @property
     def uses_redis(self) -> bool:
-        return self.broker.startswith(("redis://", "rediss://", "unix://"))
+        return self.broker.startswith(
+            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+        )
 
     def url(self) -> str:
         """The Redis URL: --broker when it names Redis, else localhost (for `gateway`

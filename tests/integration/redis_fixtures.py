@@ -10,6 +10,10 @@ checks (text, seq, finish reason, error code).
 
 `Deployment` is the mixed one of the `redis_deployment` fixture (tests/integration/
 conftest.py): the engine and gateway A in this process, gateway B a child process.
+
+`RedisClusterServer` is a 3-master Redis Cluster on local ports (the session's
+`redis_cluster` fixture, tests/conftest.py); `redis_client(url)` a blocking client of
+either kind.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,8 +33,13 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
 import websockets
+
+from wsllm.broker.redis_conn import is_cluster, sync_client
+from wsllm.broker.redis_keys import Keys
+from wsllm.config import RedisConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST_FLAGS = [
     "--lease-s", "2", "--engine-heartbeat-s", "0.2", "--engine-ttl-s", "2",
     "--stream-retention-s", "4", "--resume-grace-s", "20", "--queue-poll-s", "0.2",
-    "--drain-timeout-s", "0.5",
+    "--drain-timeout-s", "0.5", "--history-flush-s", "0.5",
 ]  # fmt: skip
 ENGINE_FLAGS = ["--threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
 LEASE_S = 2.0
@@ -139,19 +149,19 @@ class Cluster:
         return list(self.gateways)
 
     def redis(self) -> Any:
-        return redis.Redis.from_url(self.redis_url)
+        return redis_client(self.redis_url)
 
     def pending_by_engine(self, model: str) -> dict[str, int]:
         """Requests each engine holds now (its pending entries)."""
-        info = self.redis().xpending(f"wsllm:q:{model}", "engines")
+        info = self.redis().xpending(Keys("wsllm").queue(model), "engines")
         return {c["name"].decode(): int(c["pending"]) for c in info.get("consumers", [])}
 
     def engine_stats(self) -> dict[str, dict[str, Any]]:
         r = self.redis()
         return {
             i.decode(): orjson.loads(v)["stats"]
-            for i in r.smembers("wsllm:engines")
-            if (v := r.get(f"wsllm:engine:{i.decode()}"))
+            for i in r.smembers(Keys("wsllm").engines)
+            if (v := r.get(Keys("wsllm").engine(i.decode())))
         }
 
     def stop(self) -> None:
@@ -191,6 +201,99 @@ class Deployment:
             time.sleep(0.05)
         s = self.engine.stats()
         assert s.num_free_blocks == s.num_total_blocks, s
+
+
+def _one_then_a_cluster(request: Any, redis_server: Any) -> Any:
+    """The session's redis-server, then its 3-master Redis Cluster."""
+    return redis_server if request.param == "one" else request.getfixturevalue("redis_cluster")
+
+
+#: A module that imports this (an import that ruff's F401 must be told is used) runs
+#: every test that takes `redis_server` on one instance, then on the cluster.
+on_one_and_on_a_cluster = pytest.fixture(scope="module", params=["one", "cluster"], name="redis_server")(
+    _one_then_a_cluster
+)
+
+
+def redis_client(url: str) -> Any:
+    """A blocking client of one Redis or of a cluster (`redis+cluster://`)."""
+    return sync_client(url, RedisConfig()) if is_cluster(url) else redis.Redis.from_url(url)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisClusterServer:
+    """Three `redis-server --cluster-enabled yes` masters on free ports, joined by
+    `redis-cli --cluster create` (no replicas), no persistence; `url` names all three
+    (`redis+cluster://...`). `client()` is a cluster client: FLUSHALL, KEYS and SCAN
+    go to every master."""
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        self.workdir = workdir
+        self.ports = [_cluster_port() for _ in range(masters)]
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, timeout: float = 20.0) -> None:
+        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        assert exe and cli, "redis-server and redis-cli are needed (sudo apt-get install -y redis-server)"
+        for port in self.ports:
+            d = self.workdir / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
+                    "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file",
+                    str(d / "nodes.conf"), "--cluster-node-timeout", "5000", "--loglevel", "warning"]  # fmt: skip
+            with open(d / "redis.log", "ab") as log:
+                self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            self._until(deadline, lambda p=port: redis.Redis(port=p, socket_connect_timeout=0.5).ping())
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout)  # fmt: skip
+
+        def ready() -> bool:
+            for p in self.ports:
+                info = redis.Redis(port=p).cluster("info")
+                if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) < len(
+                    self.ports
+                ):
+                    return False
+            return True
+
+        self._until(deadline, ready)
+
+    def _until(self, deadline: float, check: Any) -> None:
+        while True:
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                if check():
+                    return
+            assert all(p.poll() is None for p in self.procs), f"a redis-server exited; see {self.workdir}"
+            assert time.monotonic() < deadline, "the Redis Cluster did not come up"
+            time.sleep(0.05)
+
+    def client(self) -> Any:
+        return redis_client(self.url)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            p.wait(10)
+        self.procs = []
 
 
 # -- clients ------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ class Chaos:
         """Until no request stream and no dead-letter stream holds an entry (and, with
         `results_too`, every result stream has expired)."""
         r = self.redis.client()
-        patterns = ["wsllm:q:*", "wsllm:dead:*"] + (["wsllm:o:*"] if results_too else [])
+        patterns = ["wsllm:{*}:q", "wsllm:{*}:dead"] + (["wsllm:{*}:o:*"] if results_too else [])
         deadline = time.monotonic() + timeout
         while True:
             left = {k.decode(): r.xlen(k) for p in patterns for k in r.scan_iter(match=p)}

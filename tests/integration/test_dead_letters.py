@@ -12,7 +12,14 @@ from typing import Any
 
 import orjson
 from bodies import completion
-from redis_fixtures import Deployment, Result, sse_text
+from redis_fixtures import (
+    Deployment,
+    Result,
+    on_one_and_on_a_cluster,  # noqa: F401 - every test runs on both
+    sse_text,
+)
+
+from wsllm.broker.redis_keys import Keys
 
 
 def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
@@ -20,7 +27,8 @@ def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
 ) -> None:
     dep = redis_deployment
     r = dep.redis
-    queue, aborts, dead = f"wsllm:q:{dep.model}", "wsllm:aborts", f"wsllm:dead:{dep.model}"
+    keys = Keys("wsllm")
+    queue, aborts, dead = keys.queue(dep.model), keys.aborts, keys.dead(dep.model)
     good = completion([31, 32, 33], 150)
     (alone,) = [asyncio.run(sse_text(dep.a, good))]
     valid = orjson.loads(r.xrange(queue)[0][1][b"r"]) if r.xlen(queue) else None

@@ -17,7 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from redis_fixtures import ROOT, Cluster, free_port
+from redis_fixtures import (
+    ROOT,
+    Cluster,
+    free_port,
+    on_one_and_on_a_cluster,  # noqa: F401 - every test runs on both
+)
 
 WORDS = re.compile(r"^( ?w\d+)*$")  # all the text the word model can write
 A, B = "tiny-llama", "tiny-words"

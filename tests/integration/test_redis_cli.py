@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 from redis_fixtures import free_port
 
+from wsllm.broker.redis_keys import Keys
+
 PASSWORD = "s3cret-pw-4711"
 
 
@@ -56,7 +58,7 @@ def test_serve_with_redis_runs_an_engine_child_and_stops_it(redis_server: Any, t
             time.sleep(0.2)
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert redis_server.client().scard("wsllm:engines") == 1
+        assert redis_server.client().scard(Keys("wsllm").engines) == 1
         (child,) = children(proc.pid)
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert " engine " in cmdline and PASSWORD not in cmdline, cmdline
@@ -64,5 +66,5 @@ def test_serve_with_redis_runs_an_engine_child_and_stops_it(redis_server: Any, t
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    assert redis_server.client().scard("wsllm:engines") == 0, "the engine child did not deregister"
+    assert redis_server.client().scard(Keys("wsllm").engines) == 0, "the engine child did not deregister"
     rc.execute_command("ACL", "DELUSER", "wsllm-test")

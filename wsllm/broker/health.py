@@ -13,14 +13,15 @@ import sys
 
 import redis
 
-from wsllm.broker.redis_keys import Keys, client_options
+from wsllm.broker.redis_conn import sync_client
+from wsllm.broker.redis_keys import Keys
 from wsllm.config import RedisConfig, from_args
 
 
 def main() -> int:
     rcfg = from_args(RedisConfig)
     keys = Keys(rcfg.redis_prefix)
-    r = redis.Redis.from_url(rcfg.url(), **client_options(rcfg))
+    r = sync_client(rcfg.url(), rcfg)
     try:
         if rcfg.engine_id:
             alive = bool(r.exists(keys.engine(rcfg.engine_id)))

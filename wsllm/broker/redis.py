@@ -10,6 +10,7 @@ crashed engine's requests is in `redis_recovery.py` and `replay.py`; the reasons
 the layout are in docs/architecture.md.
 
     broker = RedisBroker("redis://localhost:6379/0", model="SmolLM2-135M-Instruct")
+    broker = RedisBroker("redis+cluster://10.0.0.1:7000,10.0.0.2:7000", model=...)  # a cluster
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis
-
 from wsllm.broker import prefix_routing
 from wsllm.broker.base import Broker, Rank, Resumable
 from wsllm.broker.limits import Limiter
+from wsllm.broker.redis_conn import is_cluster, sync_client
 from wsllm.broker.redis_engine import EngineSide
 from wsllm.broker.redis_gateway import GatewaySide
-from wsllm.broker.redis_keys import UNAVAILABLE, Keys, client_options
+from wsllm.broker.redis_keys import UNAVAILABLE, Keys
 from wsllm.broker.redis_limits import RedisLimiter
 from wsllm.broker.redis_responses import RedisResponseStore
 from wsllm.broker.response_store import ResponseStore
@@ -57,7 +57,8 @@ class RedisBroker(Broker):
         self.queue_poll_s = self.cfg.queue_poll_s
         self.resume_grace_s = self.cfg.resume_grace_s
         # Blocking reads wait at most 0.25 s at a time (redis_engine._BLOCK_SLICE_S).
-        self._sync = redis.Redis.from_url(url, **client_options(self.cfg, wait_s=0.25))
+        self._sync: Any = sync_client(url, self.cfg, wait_s=0.25)
+        self.cluster = is_cluster(url)
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth, max_queue_share)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
@@ -170,9 +171,10 @@ class RedisBroker(Broker):
             return
         self.gateway.closed = True
         self.engine.closed.set()
-        try:  # wake the reader so that events() ends now, not at its next timeout
-            self._sync.xadd(self.gateway.wake_key, {"x": "1"}, maxlen=1, approximate=False)
-            self._sync.expire(self.gateway.wake_key, 60)
+        try:  # wake the readers so that events() ends now, not at their next timeout
+            for key in self.gateway.wake_keys():
+                self._sync.xadd(key, {"x": "1"}, maxlen=1, approximate=False)
+                self._sync.expire(key, 60)
         except UNAVAILABLE:
             pass
         self._sync.close()

@@ -9,7 +9,8 @@ from typing import Any
 
 import orjson
 
-from wsllm.broker.redis_keys import DEAD_ABORT, GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_recovery import results_of
 from wsllm.config import RedisConfig
 from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
 from wsllm.wire import encode
@@ -27,7 +28,6 @@ class DeadLetters:
         self.model = model
         self.queue = queue
         self.stream = keys.dead(model)
-        self._move_abort = r.register_script(DEAD_ABORT)
 
     def request_entry(
         self, entry_id: str, fields: dict[bytes, bytes], reason: str, final: TokenEvent | None = None
@@ -49,10 +49,24 @@ class DeadLetters:
             ev = final or TokenEvent.failure(
                 rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {reason}"
             )
-            pipe.xadd(self.keys.out(rid), {"e": encode([ev])}, nomkstream=True)
-            pipe.pexpire(self.keys.out(rid), int(self.cfg.stream_retention_s * 1000))
+            pipe.xadd(self.keys.out(self.model, rid), {"e": encode([ev])}, nomkstream=True)
+            pipe.pexpire(self.keys.out(self.model, rid), int(self.cfg.stream_retention_s * 1000))
+            results = self._results(rid, fields)
+            if results:  # its gateway reads that one
+                pipe.xadd(results, {"e": encode([ev])})
+                pipe.pexpire(results, self.cfg.results_ttl_ms)
         pipe.execute()
         log.error("dead-lettered queue entry %s (%s)", entry_id, reason)
+
+    def _results(self, rid: str, fields: dict[bytes, bytes]) -> str:
+        """The results stream the request's gateway reads: the entry's, or (a malformed
+        entry may lack it) the one its meta names."""
+        tag = self.keys.model_tag(self.model)
+        results, _ = results_of(fields, "", tag)
+        if not results:
+            first = self.r.xrange(self.keys.out(self.model, rid), count=1)
+            results, _ = results_of(first[0][1] if first else {}, "", tag)
+        return results
 
     def item(self, item: object, reason: str) -> None:
         """Something the worker received and cannot serve (already out of the queue)."""
@@ -67,16 +81,22 @@ class DeadLetters:
             log.error("dead letter lost while redis is unreachable (%s): %r", reason, item)
 
     def abort_entry(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
-        """A malformed abort entry. Every engine reads the abort stream; the one that
-        deletes the entry first moves it here (a script: exactly once)."""
-        flat = [x for kv in fields.items() for x in kv]
-        args = [entry_id, ABORT_REASON, self.cfg.dead_letter_maxlen, self.model, *flat]
+        """A malformed abort entry. Every engine reads the abort stream; the one whose
+        XDEL removes it moves it here, exactly once (two commands, not a script: the
+        abort stream and this model's dead letters may be on different cluster shards)."""
+        dead = dict(fields) | {
+            b"reason": ABORT_REASON.encode(),
+            b"entry": entry_id.encode(),
+            b"stream": b"aborts",
+            b"model": self.model.encode(),
+        }
         try:
-            moved = self._move_abort(keys=[self.keys.aborts, self.stream], args=args)
+            if not self.r.xdel(self.keys.aborts, entry_id):
+                return  # another engine moved it
+            self.r.xadd(self.stream, dead, maxlen=self.cfg.dead_letter_maxlen)
         except UNAVAILABLE:
-            return  # it stays in the abort stream; engines that read it later try again
-        if moved:
-            log.error("dead-lettered abort entry %s", entry_id)
+            return  # it stays in the abort stream (or is lost with Redis); engines that read it later try again
+        log.error("dead-lettered abort entry %s", entry_id)
 
 
 def abort_target(fields: dict[bytes, bytes]) -> str | None:

@@ -8,8 +8,10 @@ worker loop (no asyncio).
   this side applies). Every entry is decoded strictly (`wire.decode_request`); one
   that is not a valid request goes to the dead-letter stream with the reason, and so
   does a malformed entry of the abort stream.
-- `publish` sends one engine step in one pipelined round trip: one `XADD` per request
-  to its result stream, plus `XACK` + `XDEL` (+ expiry) for the requests that ended.
+- `publish` sends one engine step in one pipelined round trip: one `XADD` per gateway
+  (its results stream: that step's events of all its requests), a copy of a request's
+  events to its own history stream every `history_flush_s` and when it ends, plus
+  `XACK` + `XDEL` (+ expiry) for the requests that ended.
 - `heartbeat` refreshes the registry and the lease on every entry this engine holds.
 - A Redis outage pauses the engine: `publish` retries until Redis is back (or the
   broker closes); `pull` returns nothing meanwhile.
@@ -22,26 +24,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import redis
 import redis.exceptions
 
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import EXPIRE, Taker
-from wsllm.broker.redis_recovery import Decision, Entry, Recovery
+from wsllm.broker.redis_recovery import Decision, Entry, Recovery, results_of
+from wsllm.broker.redis_registry import Registry
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
-from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent, WireError
+from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_request, encode
 
 log = logging.getLogger(__name__)
 
-# A model's published tokenizer outlives its last engine by this much (milliseconds).
-_TOKENIZER_TTL_MS = 24 * 3600 * 1000
 
 _BLOCK_SLICE_S = 0.25  # a blocked pull re-checks close() this often
 _RETRY_S = 0.5  # pause between tries while Redis is down
@@ -59,12 +59,16 @@ class _Held:
     request: GenerateRequest
     done: set[int]
     replay: Replay | None = None
+    results: str = ""  # its gateway's results stream ("": none, every step goes to its history)
+    start: str = "0-0"  # the results stream holds its events from this id on
+    unflushed: list[TokenEvent] = field(default_factory=list)  # not yet in its history stream
+    flushed_at: float = 0.0
     dropped: bool = False  # not ours any more (lost lease, handed back): publish nothing
     aborted: bool = False  # the worker was told to abort it
 
 
-class EngineSide:
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
+class EngineSide(Registry):
+    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
         self.r: Any = r  # redis-py's reply types are too loose to be useful here
         self.keys = keys
         self.cfg = cfg
@@ -85,20 +89,23 @@ class EngineSide:
         self._expire = r.register_script(EXPIRE)
         self.taker = Taker(r, self.queue, GROUP, consumer, cfg.steal_after_s)
         self._next_expiry = 0.0
+        self._maybe_waiting = True  # the last read filled its count: entries may wait
+        self._results_ttl: dict[str, float] = {}  # results stream -> when its TTL was last set
+        self._next_registry = 0.0
         # The failure event of an expired request, around its JSON-quoted id.
         before, after = encode([TokenEvent.failure("\0", ERR_QUEUE_TIMEOUT, _EXPIRED_MSG, 0)]).split(
             b'"\\u0000"'
         )
         self._expired_event = (before, after)
         self.dead = DeadLetters(r, keys, cfg, model, self.queue)
-        self.recovery = Recovery(r, keys, cfg, self.queue, consumer)
+        self.recovery = Recovery(r, keys, cfg, model, consumer)
 
     # -- pull ------------------------------------------------------------------------
 
     def pull(self, max_n: int, timeout: float) -> list[GenerateRequest]:
         if self.closed.is_set():
             return []
-        self._expire_waiting()  # also when this engine is full: that is when requests wait
+        self._expire_waiting(max_n)  # also when this engine is full: that is when requests wait
         if max_n <= 0:
             return []
         try:
@@ -125,11 +132,15 @@ class EngineSide:
             self._ensure_group()
             return []
 
-    def _expire_waiting(self) -> None:
+    def _expire_waiting(self, max_n: int) -> None:
         """End the waiting requests past their queue deadline (every engine sweeps a few
-        times a second; the script makes the sweep and the engines' reads exclusive)."""
+        times a second while requests may wait: it is full, or its last read took as many
+        as it asked for; else every few seconds. The script makes the sweep and the
+        engines' reads exclusive)."""
         now = time.monotonic()
-        if now < self._next_expiry:
+        if now < self._next_expiry or (
+            max_n > 0 and not self._maybe_waiting and now < self._next_expiry + 2.0
+        ):
             return
         self._next_expiry = now + _EXPIRY_S
         retention_ms = int(self.cfg.stream_retention_s * 1000)
@@ -137,10 +148,10 @@ class EngineSide:
             GROUP,
             _EXPIRY_SCAN,
             repr(time.time()),
-            self.keys.out(""),
+            self.keys.out(self.model, ""),
             retention_ms,
         ]
-        args += self._expired_event
+        args += [*self._expired_event, self.keys.model_tag(self.model) + ":"]
         try:
             expired = self._expire(keys=[self.queue], args=args)
         except (*UNAVAILABLE, redis.exceptions.ResponseError) as e:  # pull() reports an outage
@@ -177,6 +188,7 @@ class EngineSide:
             entries = self.taker.take(
                 count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S
             )
+            self._maybe_waiting = len(entries) >= count
             got = self._admit([(i.decode(), f) for i, f in entries])
             if got or time.monotonic() >= deadline or self.closed.is_set():
                 return got
@@ -190,13 +202,13 @@ class EngineSide:
                 seen.append((entry_id, fields))
                 continue
             try:
-                if b"r" not in fields or not set(fields) <= {b"r", b"i", b"d"}:
-                    raise WireError(f"the entry must have the field r (and i, d); it has {sorted(fields)}")
+                if b"r" not in fields or not set(fields) <= {b"r", b"i", b"d", b"s"}:
+                    raise WireError(f"the entry must have the field r (and i, d, s); it has {sorted(fields)}")
                 req = decode_request(fields[b"r"])
             except WireError as e:  # nobody can serve it: out of the queue, into the dead letters
                 self.dead.request_entry(entry_id, fields, f"invalid request entry: {e}")
                 continue
-            if self.hold(entry_id, req):
+            if self.hold(entry_id, req, fields=fields):
                 fresh.append(req)
         return fresh + (self._apply(self.recovery.decide(seen)) if seen else [])
 
@@ -205,24 +217,44 @@ class EngineSide:
         out = []
         for d in decisions:
             if d.request is not None and d.plan in (Plan.FRESH, Plan.REPLAY):
-                if self.hold(d.entry_id, d.request, d.replay):
+                if self.hold(d.entry_id, d.request, d.replay, d.fields):
                     out.append(d.request)
             elif d.plan is Plan.DEAD:
                 self.dead.request_entry(d.entry_id, d.fields, d.reason, final=d.final)
             else:
                 rid = d.request.request_id if d.request is not None else ""
                 if d.final is not None:
-                    self.r.xadd(self.keys.out(rid), {"e": encode([d.final])}, nomkstream=True)
+                    self.final(rid, d.fields, d.final)
                 self.ack([(d.entry_id, rid)])
         return out
 
-    def hold(self, entry_id: str, req: GenerateRequest, replay: Replay | None = None) -> bool:
+    def hold(
+        self,
+        entry_id: str,
+        req: GenerateRequest,
+        replay: Replay | None = None,
+        fields: dict[bytes, bytes] | None = None,
+    ) -> bool:
+        results, start = results_of(fields or {}, entry_id, self.keys.model_tag(self.model))
         with self._lock:
             if req.request_id in self._held:  # delivered twice (a hand-back raced): run it once
                 log.warning("%s: %s is already running here", self.consumer, req.request_id)
                 return False
-            self._held[req.request_id] = _Held(entry_id, req.params.n, req, set(), replay)
+            held = _Held(entry_id, req.params.n, req, set(), replay, results, start)
+            held.flushed_at = time.monotonic()
+            self._held[req.request_id] = held
         return True
+
+    def final(self, rid: str, fields: dict[bytes, bytes], ev: TokenEvent) -> None:
+        """A request's last event, from recovery: to its history and its gateway."""
+        results, _ = results_of(fields, "", self.keys.model_tag(self.model))
+        data = encode([ev])
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
+        if results:
+            pipe.xadd(results, {"e": data})
+            pipe.pexpire(results, self.cfg.results_ttl_ms)
+        pipe.execute()
 
     def held_entry_ids(self) -> set[str]:
         with self._lock:
@@ -266,42 +298,74 @@ class EngineSide:
         by_request: dict[str, list[TokenEvent]] = {}
         for ev in events:
             by_request.setdefault(ev.request_id, []).append(ev)
-        writes: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
+        live: dict[str, list[TokenEvent]] = {}  # results stream -> this step's events for it
+        history: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
         ended: list[tuple[str, str]] = []
+        now = time.monotonic()
         with self._lock:
             for rid, evs in by_request.items():
                 held = self._held.get(rid)
-                if held is not None:
-                    evs = self._filter(held, evs)
-                    if self._ended(held, evs):
-                        del self._held[rid]
-                        if not held.dropped:
-                            ended.append((held.entry_id, rid))
-                    if held.dropped:
-                        continue
-                if evs:
-                    writes.append((rid, encode(evs)))
-        if not writes and not ended:
+                if held is None:  # not running here: its history gets it, nothing else knows where
+                    history.append((rid, encode(evs)))
+                    continue
+                evs = self._filter(held, evs)
+                done = self._ended(held, evs)
+                if done:
+                    del self._held[rid]
+                    if not held.dropped:
+                        ended.append((held.entry_id, rid))
+                if held.dropped:
+                    continue
+                if evs and held.results:
+                    live.setdefault(held.results, []).extend(evs)
+                held.unflushed.extend(evs)
+                # The history gets a copy now and then; an ended request's last events stay
+                # in the results stream for the retention (RedisConfig.results_tail_s).
+                if held.unflushed and (not held.results or now - held.flushed_at >= self.cfg.history_flush_s):
+                    history.append((rid, encode(held.unflushed)))
+                    held.unflushed, held.flushed_at = [], now
+        if not live and not history and not ended:
             return
+        self._write(live, history, ended)
+
+    def _write(
+        self,
+        live: dict[str, list[TokenEvent]],
+        history: list[tuple[str, bytes]],
+        ended: list[tuple[str, str]],
+    ) -> None:
         read_aborts = self._started
         aborts_from = self._aborts_cursor or "0-0"
+        tail_s = self.cfg.results_tail_s
+        min_id = f"{max(0, int((time.time() - tail_s) * 1000))}-0"
+        now = time.monotonic()
+        expire = [k for k in live if now - self._results_ttl.get(k, -tail_s) >= tail_s / 4]
+        live_data = [(key, encode(evs)) for key, evs in live.items()]
 
         def build(pipe: Any) -> None:
-            for rid, data in writes:
-                pipe.xadd(self.keys.out(rid), {"e": data}, nomkstream=True)
+            for rid, data in history:
+                pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
+            for key, data in live_data:
+                pipe.xadd(key, {"e": data}, minid=min_id, approximate=True)
+            for key in expire:  # the stream of a gateway gone for good goes away
+                pipe.pexpire(key, self.cfg.results_ttl_ms)
             self._add_acks(pipe, ended)
             if read_aborts:  # the next aborts() call needs no round trip of its own
                 pipe.xread({self.keys.aborts: aborts_from}, count=10000)
 
-        # MULTI/EXEC: a gateway's blocked XREAD wakes once for the whole step, not per XADD.
-        results = self._execute(build, transaction=True)
+        # One pipeline, no MULTI: each gateway's read wakes once anyway (one entry per step).
+        results = self._execute(build)
         if results is None:
             return
+        for key in expire:
+            self._results_ttl[key] = now
+        if len(self._results_ttl) > 4 * max(1, len(live)) + 64:  # forget streams not written lately
+            self._results_ttl = {k: t for k, t in self._results_ttl.items() if now - t < tail_s}
         if read_aborts and not isinstance(results[-1], Exception):
             self._take_aborts(results[-1])
             self._aborts_fresh = True
-        for (rid, _), res in zip(writes, results, strict=False):
-            if res is None:  # its result stream is gone (expired, or Redis lost it): stop it
+        for (rid, _), res in zip(history, results, strict=False):
+            if res is None:  # its history stream is gone (expired, or Redis lost it): stop it
                 self._drop(rid)
 
     def _filter(self, held: _Held, evs: list[TokenEvent]) -> list[TokenEvent]:
@@ -334,7 +398,7 @@ class EngineSide:
             pipe.xack(self.queue, GROUP, entry_id)
             pipe.xdel(self.queue, entry_id)
             if rid:
-                pipe.pexpire(self.keys.out(rid), retention)
+                pipe.pexpire(self.keys.out(self.model, rid), retention)
 
     def ack(self, ended: list[tuple[str, str]]) -> None:
         self._execute(lambda pipe: self._add_acks(pipe, ended))
@@ -356,82 +420,3 @@ class EngineSide:
                     self._down = True
                     log.warning("%s: redis unavailable (%s); the step waits for it", self.consumer, e)
                 self.closed.wait(_RETRY_S)
-
-    # -- registry and leases -----------------------------------------------------------
-
-    def heartbeat(self, info: EngineInfo) -> None:
-        d = info.to_dict() | {"last_seen": time.time()}
-        ttl_ms = int(self.cfg.engine_ttl_s * 1000)
-        with self._lock:
-            owned = {h.entry_id: rid for rid, h in self._held.items() if not h.dropped}
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.set(self.keys.engine(info.engine_id), orjson.dumps(d), px=ttl_ms)
-            pipe.sadd(self.keys.engines, info.engine_id)
-            pipe.pexpire(self.keys.tokenizer(self.model), _TOKENIZER_TTL_MS)
-            pipe.execute()
-            # Refreshing the leases a few times per lease is enough (and cheap).
-            if owned and self._started and time.monotonic() >= self._next_refresh:
-                self._next_refresh = time.monotonic() + self.cfg.lease_s / 4
-                lost = self._refresh(keys=[self.queue], args=[GROUP, self.consumer, *owned])
-                for entry_id in lost or []:
-                    rid = owned[entry_id.decode() if isinstance(entry_id, bytes) else entry_id]
-                    log.warning("%s: lost its lease on %s; stopping it here", self.consumer, rid)
-                    self._drop(rid)
-        except UNAVAILABLE as e:
-            log.debug("redis unavailable for the heartbeat (%s)", e)
-        except redis.exceptions.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            for rid in owned.values():  # the group (and our entries) are gone: Redis restarted
-                self._drop(rid)
-
-    def publish_tokenizer(self, files: dict[str, bytes]) -> None:
-        """Store this model's tokenizer files for the gateways (kept while any engine of
-        the model heartbeats, then for a day)."""
-        key = self.keys.tokenizer(self.model)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(key)
-        if files:
-            pipe.hset(key, mapping=files)
-            pipe.pexpire(key, _TOKENIZER_TTL_MS)
-        pipe.execute()
-
-    def deregister(self, engine_id: str) -> None:
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.delete(self.keys.engine(engine_id))
-            pipe.srem(self.keys.engines, engine_id)
-            pipe.execute()
-            if self._started and not self._held:
-                pending = self.r.xpending_range(self.queue, GROUP, "-", "+", 1, consumername=self.consumer)
-                if not pending:
-                    self.r.xgroup_delconsumer(self.queue, GROUP, self.consumer)
-        except UNAVAILABLE as e:
-            log.warning("redis unavailable while deregistering (%s)", e)
-        except redis.exceptions.ResponseError:
-            pass
-
-    def release(self, request_ids: list[str]) -> list[str]:
-        """Re-queue held requests (marked `h`: their result streams are checked when
-        they are pulled again) and ack the old entries, atomically per request."""
-        left = []
-        for rid in request_ids:
-            with self._lock:
-                held = self._held.get(rid)
-            if held is None or held.dropped:
-                left.append(rid)
-                continue
-            fields = {"r": encode(held.request), "h": "1"}
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.queue, fields)
-            pipe.xack(self.queue, GROUP, held.entry_id)
-            pipe.xdel(self.queue, held.entry_id)
-            try:
-                pipe.execute()
-            except UNAVAILABLE:
-                left.append(rid)
-                continue
-            held.dropped = True
-            log.info("%s: handed %s back to the queue", self.consumer, rid)
-        return left

@@ -1,9 +1,10 @@
 """The gateway side of the Redis broker: redis.asyncio on the app's event loop.
 
-The reader (`events()`) follows the result streams of this gateway's live requests
-with one blocking `XREAD` over all of them plus the gateway's wake-up stream (a new
-request, or a resume, wakes it). It checks every event's `seq` per choice, so a
-duplicate (a retried publish) is dropped and a gap ends the request with
+The reader (`events()`) runs one `redis_reader.ModelReader` per model: the gateway's
+own results stream of the model carries every step's events of all its requests; a
+resumed request is read from its history stream and the results stream it went
+through. Every event's `seq` is checked per choice, so a duplicate (a retried
+publish, or the history's copy) is dropped and a gap ends the request with
 `worker_lost` instead of wrong text. An entry it cannot read ends its own request
 with `worker_lost` and nothing else. When Redis comes back after an outage it checks
 that each followed request still exists (Redis may have restarted empty) and ends
@@ -13,42 +14,35 @@ those that do not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from wsllm.broker import redis_queue
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.prefix_routing import PrefixRouter
-from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys, client_options
+from wsllm.broker.redis_conn import async_client
+from wsllm.broker.redis_follow import Follow
+from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
 from wsllm.config import RedisConfig
-from wsllm.types import EngineInfo, GenerateRequest, TokenEvent, WireError
-from wsllm.wire import decode_events, encode
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
+from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_READ_BLOCK_MS = 1000  # the reader re-checks close() at least this often
 _ENGINES_CACHE_S = 0.25
 _POSITION_SCAN = 10000
-
-
-@dataclass(slots=True)
-class _Follow:
-    """A request whose result stream this gateway reads."""
-
-    last_id: str = "0-0"
-    n: int = 1
-    next_seq: dict[int, int] = field(default_factory=dict)
-    done: set[int] = field(default_factory=set)
+_MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
 
 class GatewaySide:
@@ -69,13 +63,15 @@ class GatewaySide:
         self.tenant_cap = tenant_cap(max_queue_depth, max_queue_share)
         self.router = PrefixRouter() if cfg.routing == "prefix" else None
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        self.wake_key = keys.wake(self.gateway_id)
         self.closed = False
         # One client per event loop: tests run several loops, and a client is bound to one.
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._follows: dict[str, _Follow] = {}
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self._results_ttl_ms = cfg.results_ttl_ms
+        self._models: set[str] = {model}  # the models this gateway reads (one reader each)
+        self._model_of: OrderedDict[str, str] = OrderedDict()
+        self._out: asyncio.Queue[list[TokenEvent]] | None = None  # the readers' batches
+        self._readers: dict[str, tuple[ModelReader, asyncio.Task[None]]] = {}
+        self._follows: dict[str, Follow] = {}
         # request id -> (its waiting stream, its entry id there), until its first event
         self._queued: dict[str, tuple[str, str]] = {}
         self._positions: dict[str, int] = {}
@@ -86,16 +82,23 @@ class GatewaySide:
         loop = asyncio.get_running_loop()
         r = self._clients.get(loop)
         if r is None:
-            r = self._clients[loop] = aioredis.Redis.from_url(
-                self.url, **client_options(self.cfg, asyncio=True)
-            )
+            r = self._clients[loop] = async_client(self.url, self.cfg)
         return r
+
+    def wake_keys(self) -> list[str]:
+        return [self.keys.wake(m, self.gateway_id) for m in sorted(self._models)]
+
+    def _unavailable(self, e: Exception) -> BrokerUnavailable:
+        """The error for an unreachable Redis; the cached registry goes too (/ready must not
+        report engines it cannot see now)."""
+        self.invalidate_engines()
+        return BrokerUnavailable(f"redis is unreachable: {e}")
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return await self.client().eval(script, len(keys), *keys, *args)
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
 
     # -- submit and abort ----------------------------------------------------------------
 
@@ -111,18 +114,24 @@ class GatewaySide:
         rid = request.request_id
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
-        keys = [self.keys.queue(model), self.keys.out(rid), self.wake_key]
+        keys = [self.keys.queue(model), self.keys.out(model, rid)]
         if not target and self.router is not None:
             try:
                 target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
             except UNAVAILABLE as e:
-                raise BrokerUnavailable(f"redis is unreachable: {e}") from None
-        self._follows[rid] = _Follow(n=request.params.n)  # before it can have events
+                raise self._unavailable(e) from None
+        results = self.keys.results(model, self.gateway_id)
+        reader = self._readers.get(model)
+        # Before it can have events; from where this model's reader is now (see redis_reader).
+        self._follows[rid] = Follow(
+            model, n=request.params.n, results=results, tail_id=reader[0].cursor if reader else "0-0"
+        )
+        self._start_reader(model)
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
             args = redis_queue.submit_args(
                 GROUP, self.max_queue_depth, self.tenant_cap, encode(request), meta, ttl_ms, rid,
-                request.queue_deadline, request.priority, request.tenant, target,
+                request.queue_deadline, request.priority, request.tenant, target, results,
             )  # fmt: skip
             ok, value, where = await self._call(redis_queue.SUBMIT, keys, args)
         except BaseException:
@@ -141,12 +150,50 @@ class GatewaySide:
         """Abort; with `attach`, only if no client resumed the request since then. With
         `keep` False its result stream goes at once (its resume token then names nothing)
         instead of staying resumable for the retention time."""
+        model = await self.model_of(request_id)
         self.forget(request_id)
+        if model is None:
+            return False  # no result stream: nothing to end (the script would say -1)
         marker = encode([TokenEvent.abort_marker(request_id)])
-        keys = [self.keys.out(request_id), self.keys.aborts, self.keys.attached(request_id)]
+        keys = [self.keys.out(model, request_id), self.keys.attached(model, request_id)]
         retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
-        args = [request_id, retention, marker, self.cfg.aborts_maxlen, "" if attach is None else str(attach)]
-        return bool(await self._call(ABORT, keys, args) == 1)
+        args = [request_id, retention, marker, "" if attach is None else str(attach), self._results_ttl_ms]
+        if await self._call(ABORT, keys, args) != 1:
+            return False
+        try:  # then tell every engine (the abort stream has a slot of its own)
+            await self.client().xadd(
+                self.keys.aborts, {"r": request_id}, maxlen=self.cfg.aborts_maxlen, approximate=True
+            )
+        except UNAVAILABLE as e:
+            raise self._unavailable(e) from None
+        return True
+
+    async def model_of(self, request_id: str) -> str | None:
+        """The model whose slot holds the request's result stream: known for a request
+        this gateway follows or looked up, else found among the models it knows of
+        (its own, those it served, those of live engines). None: no such stream."""
+        f = self._follows.get(request_id)
+        if f is not None:
+            return f.model
+        if request_id in self._model_of:
+            return self._model_of[request_id]
+        models = [self.model, *sorted(self._models - {self.model})]
+        with contextlib.suppress(BrokerUnavailable):
+            models += sorted({i.model for i in await self.engines()} - set(models))
+        try:
+            pipe = self.client().pipeline(transaction=False)
+            for m in models:
+                pipe.exists(self.keys.out(m, request_id))
+            found = await pipe.execute()
+        except UNAVAILABLE as e:
+            raise self._unavailable(e) from None
+        for m, n in zip(models, found, strict=True):
+            if n:
+                self._model_of[request_id] = m
+                while len(self._model_of) > _MODEL_CACHE:
+                    self._model_of.popitem(last=False)
+                return m
+        return None
 
     async def ping(self, timeout: float) -> bool:
         """Whether Redis answers a PING within `timeout` seconds."""
@@ -159,10 +206,13 @@ class GatewaySide:
     # -- resume --------------------------------------------------------------------------
 
     async def lookup(self, request_id: str) -> Resumable | None:
+        model = await self.model_of(request_id)
+        if model is None:
+            return None
         try:
-            first = await self.client().xrange(self.keys.out(request_id), count=1)
+            first = await self.client().xrange(self.keys.out(model, request_id), count=1)
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         if not first or b"m" not in first[0][1]:
             return None
         try:
@@ -174,135 +224,86 @@ class GatewaySide:
     async def follow(self, request_id: str) -> int:
         """Read the request's stream from its start; count the attach (the grace abort
         of the client that left before is off). Returns the new attach count."""
-        self._follows[request_id] = _Follow()
+        model = await self.model_of(request_id) or self.model
+        # At once (no await before it): a read for the follow this one replaces must not
+        # hand this client events after it asked to start over. Its history stream first;
+        # the results stream it goes on in once its meta is read.
+        f = self._follows[request_id] = Follow(model, history=True)
+        self._start_reader(model)
+        try:
+            first = await self.client().xrange(self.keys.out(model, request_id), count=1)
+        except UNAVAILABLE as e:
+            self._follows.pop(request_id, None)
+            raise self._unavailable(e) from None
+        meta = first[0][1] if first else {}
+        results = meta.get(b"s", b"").decode(errors="replace")
+        if results.startswith(self.keys.model_tag(model) + ":"):  # else only its history stream
+            queued = meta.get(b"qe", b"0-0").decode(errors="replace")
+            f.results, f.tail_id = results, f"{max(0, sid(queued)[0] - 1)}-0"  # events after its entry
         pipe = self.client().pipeline(transaction=False)
-        pipe.incr(self.keys.attached(request_id))
-        pipe.pexpire(self.keys.attached(request_id), int(self.cfg.request_ttl_s * 1000))
-        pipe.xadd(self.wake_key, {"x": "1"}, maxlen=1, approximate=False)
+        pipe.incr(self.keys.attached(model, request_id))
+        pipe.pexpire(self.keys.attached(model, request_id), int(self.cfg.request_ttl_s * 1000))
+        pipe.xadd(self.keys.wake(model, self.gateway_id), {"x": "1"}, maxlen=1, approximate=False)
         try:
             attach, _, _ = await pipe.execute()
         except UNAVAILABLE as e:
             self._follows.pop(request_id, None)
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         return int(attach)
+
+    @property
+    def follows(self) -> dict[str, Follow]:
+        return self._follows
+
+    def follows_of(self, model: str) -> list[tuple[str, Follow]]:
+        return [(r, f) for r, f in self._follows.items() if f.model == model]
+
+    def started(self, request_id: str) -> None:
+        """The request has events: it no longer waits in the queue."""
+        self._queued.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self._follows.pop(request_id, None)
         self._queued.pop(request_id, None)
         self._positions.pop(request_id, None)
+        self._model_of.pop(request_id, None)
 
     # -- the reader ----------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
-        reader: Any = aioredis.Redis.from_url(
-            self.url,
-            single_connection_client=True,
-            **client_options(self.cfg, asyncio=True, wait_s=_READ_BLOCK_MS / 1000),
-        )
-        wake_id = "$"
-        broken = False
+        """The events of every followed request, from one reader task per model."""
+        self._out = out = asyncio.Queue[list[TokenEvent]]()
+        for m in list(self._models):
+            self._start_reader(m)
         try:
             while not self.closed:
-                # The follow state each read is for: a resume may replace it meanwhile, and
-                # then this read's entries are not for the new reader of that request.
-                reading = {self.keys.out(r): (r, f) for r, f in self._follows.items()}
-                streams = {self.wake_key: wake_id} | {k: f.last_id for k, (_, f) in reading.items()}
-                try:
-                    if wake_id == "$":  # resolve "$" once, or a wake-up between reads would be missed
-                        last = await reader.xrevrange(self.wake_key, count=1)
-                        wake_id = streams[self.wake_key] = last[0][0].decode() if last else "0-0"
-                    resp = await reader.xread(streams, block=_READ_BLOCK_MS)
-                    if broken:
-                        broken = False
-                        log.warning("redis is back; checking %d followed requests", len(self._follows))
-                        lost = await self._check_followed()
-                        if lost:
-                            yield lost
-                except UNAVAILABLE as e:
-                    if not broken:
-                        log.warning("redis unreachable (%s); the reader retries", e)
-                    broken = True
-                    await asyncio.sleep(0.5)
-                    continue
-                except redis.exceptions.RedisError:  # never let the reader die: /ready depends on it
-                    log.exception("reading result streams failed; retrying")
-                    await asyncio.sleep(0.5)
-                    continue
-                batch: list[TokenEvent] = []
-                for key, entries in resp or []:
-                    key = key.decode()
-                    if key == self.wake_key:
-                        wake_id = entries[-1][0].decode()
-                        continue
-                    if key in reading:
-                        batch.extend(self._take(*reading[key], entries))
-                if batch:
-                    yield batch
+                with contextlib.suppress(TimeoutError):
+                    batch = await asyncio.wait_for(out.get(), READ_BLOCK_MS / 1000)
+                    if batch:
+                        yield batch
         finally:
-            await reader.aclose()
+            self._out = None
+            readers, self._readers = [t for _, t in self._readers.values()], {}
+            for t in readers:
+                t.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
 
-    def _take(self, rid: str, f: _Follow, entries: list[Any]) -> list[TokenEvent]:
-        if self._follows.get(rid) is not f:  # forgotten, or followed anew (a resume), meanwhile
-            return []
-        out: list[TokenEvent] = []
-        for entry_id, fields in entries:
-            f.last_id = entry_id.decode()
-            try:
-                events = self._entry_events(f, fields)
-            except (WireError, orjson.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
-                # One bad entry ends its own request, and nothing else.
-                log.error("unreadable entry %s of %s: %s", entry_id, rid, e)
-                out.append(TokenEvent.lost(rid, "the engine sent an event this gateway cannot read"))
-                self.forget(rid)
-                return out
-            if events:
-                self._queued.pop(rid, None)
-            for raw in events:
-                ev = self._checked(rid, f, raw)
-                if ev is None:
-                    continue
-                out.append(ev)
-                if ev.ends_request or len(f.done) >= f.n:
-                    self.forget(rid)
-                    return out
-        return out
+    def _start_reader(self, model: str) -> None:
+        """A reader for `model`'s streams, once events() runs (it starts those it lacks)."""
+        self._models.add(model)
+        if self._out is not None and model not in self._readers:
+            reader = ModelReader(self, model)
+            task = asyncio.get_running_loop().create_task(reader.run(self._out), name=f"wsllm-read-{model}")
+            self._readers[model] = (reader, task)
 
-    @staticmethod
-    def _entry_events(f: _Follow, fields: dict[bytes, bytes]) -> list[TokenEvent]:
-        """The events of one result-stream entry (the meta entry has none)."""
-        if b"m" in fields:
-            n = orjson.loads(fields[b"m"]).get("n", 1)
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"bad choice count {n!r}")
-            f.n = n
-        if b"e" not in fields:
-            return []
-        return decode_events(fields[b"e"])
-
-    @staticmethod
-    def _checked(rid: str, f: _Follow, ev: TokenEvent) -> TokenEvent | None:
-        """Drop duplicates and events of another request; turn a gap into worker_lost."""
-        if ev.request_id != rid:
-            return None
-        if ev.seq >= 0 and not ev.ends_request and not ev.whole_request:
-            want = f.next_seq.get(ev.index, 0)
-            if ev.seq < want:
-                return None
-            if ev.seq > want:
-                return TokenEvent.lost(rid, f"events {want}..{ev.seq - 1} of this request were lost")
-            f.next_seq[ev.index] = want + 1
-        if ev.finish_reason is not None and not ev.whole_request:
-            f.done.add(ev.index)
-        return ev
-
-    async def _check_followed(self) -> list[TokenEvent]:
+    async def check_followed(self, model: str) -> list[TokenEvent]:
         """After an outage: end the followed requests that Redis no longer knows."""
-        rids = list(self._follows)
+        rids = [r for r, f in self._follows.items() if f.model == model]
         if not rids:
             return []
         pipe = self.client().pipeline(transaction=False)
         for rid in rids:
-            pipe.xrange(self.keys.out(rid), count=1)
+            pipe.xrange(self.keys.out(model, rid), count=1)
         lost = []
         for rid, first in zip(rids, await pipe.execute(), strict=True):
             if not first or b"m" not in first[0][1]:
@@ -316,7 +317,7 @@ class GatewaySide:
         try:
             got = await self.client().hgetall(self.keys.tokenizer(model))
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         if not got:
             return None
         return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
@@ -328,7 +329,7 @@ class GatewaySide:
         try:
             flat = await self.client().eval(ENGINES, 1, self.keys.engines, self.keys.engine(""))
         except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+            raise self._unavailable(e) from None
         now = time.time()
         ttl_ms = self.cfg.engine_ttl_s * 1000
         infos = []
@@ -359,15 +360,21 @@ class GatewaySide:
             return 0 if request_id in self._follows else None
         if time.monotonic() - self._positions_at >= self.cfg.queue_poll_s / 2:
             self._positions_at = time.monotonic()
-            queued = list(self._queued.items())
-            flat = [part for _, where in queued for part in where]
-            try:
-                places = await self.client().eval(
-                    redis_queue.POSITIONS, 1, self.keys.queue(self.model), _POSITION_SCAN, *flat
-                )
-            except UNAVAILABLE:
-                return None
-            self._positions = {rid: int(p) for (rid, _), p in zip(queued, places, strict=True)}
+            by_model: dict[str, list[tuple[str, tuple[str, str]]]] = {}
+            for rid, where in self._queued.items():
+                f = self._follows.get(rid)
+                by_model.setdefault(f.model if f is not None else self.model, []).append((rid, where))
+            positions: dict[str, int] = {}
+            for model, queued in by_model.items():  # one script per model: each queue is in its own slot
+                flat = [part for _, where in queued for part in where]
+                try:
+                    places = await self.client().eval(
+                        redis_queue.POSITIONS, 1, self.keys.queue(model), _POSITION_SCAN, *flat
+                    )
+                except UNAVAILABLE:
+                    return None
+                positions |= {rid: int(p) for (rid, _), p in zip(queued, places, strict=True)}
+            self._positions = positions
         return self._positions.get(request_id)
 
     async def aclose(self) -> None:

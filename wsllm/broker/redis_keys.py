@@ -1,23 +1,46 @@
 """The Redis key layout and the Lua scripts that keep multi-key steps atomic.
 
-Every key starts with the deployment's prefix (`wsllm` by default):
+Every key starts with the deployment's prefix (`wsllm` by default) and carries a
+Redis Cluster hash tag (`{...}`), so that a cluster keeps together what one command
+or script touches:
 
-    {p}:q:{model}       request stream; consumer group `engines`, one consumer per engine
-    {p}:o:{request_id}  result stream of one request: a `meta` entry (the gateway's context,
-                        the request entry's id), then one entry per engine step with that
-                        step's TokenEvents for the request
-    {p}:att:{rid}       how many times a client resumed the request: a grace abort goes
-                        ahead only if nobody resumed it since the client it waits for left
-    {p}:w:{gateway}     a gateway's wake-up stream (a new request to read)
-    {p}:aborts          broadcast abort stream, read by every engine
-    {p}:dead:{model}    dead-letter stream: queue and abort entries no engine can serve, with
-                        the reason
-    {p}:engines         set of engine ids; {p}:engine:{id} its heartbeat, with a TTL
-    {p}:t:{tenant}:rpm  a tenant's requests bucket (hash: level, time), gone once it would be
-    {p}:t:{tenant}:tpm  full again; its tokens bucket the same (`limits.py`)
-    {p}:t:{tenant}:live the tenant's in-flight requests: sorted set of request ids scored by
-                        their lease's expiry, refreshed while they run
-    {p}:resp:{id}       a stored Responses answer (hash: tenant, record), with its TTL
+    {p}:{model}:q           request stream; consumer group `engines`, one consumer per engine
+    {p}:{model}:o:{rid}     history stream of one request: a `meta` entry (the gateway's context,
+                            the request entry's id, its gateway's results stream), then its
+                            events, copied there every `history_flush_s` and when it ends
+    {p}:{model}:r:{gateway} results stream of a gateway: one entry per engine step with that
+                            step's TokenEvents for all the gateway's requests (trimmed by age,
+                            `results_tail_s`); what the gateway reads live
+    {p}:{model}:att:{rid}   how many times a client resumed the request: a grace abort goes
+                            ahead only if nobody resumed it since the client it waits for left
+    {p}:{model}:w:{gateway} a gateway's wake-up stream for this model (a new request to read)
+    {p}:{model}:dead        dead-letter stream: queue and abort entries no engine can serve,
+                            with the reason
+    {p}:{model}:tok         the model's tokenizer files, published by its engines
+    {p}:{p}:aborts          broadcast abort stream, read by every engine
+    {p}:{p}:engines         set of engine ids; {p}:{p}:engine:{id} its heartbeat, with a TTL
+    {p}:{t:tenant}:rpm      a tenant's requests bucket (hash: level, time), gone once it would be
+    {p}:{t:tenant}:tpm      full again; its tokens bucket the same (`limits.py`)
+    {p}:{t:tenant}:live     the tenant's in-flight requests: sorted set of request ids scored by
+                            their lease's expiry, refreshed while they run
+    {p}:resp:{id}           a stored Responses answer (hash: tenant, record), with its TTL
+
+Slots. A model's keys share the slot of `{model}`: the submit script, the gateway's
+blocking XREAD over its requests' result streams and its wake-up stream, the
+queue-deadline sweep and the engines' reads all stay inside it, so models spread over
+the shards of a cluster. The deployment-wide keys (engine registry, abort stream)
+share the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}`
+(every LIMIT_* script touches one tenant's keys only). What changed for the cluster:
+the abort script no longer writes the broadcast abort stream itself (a model's slot
+and the global one may live on different shards): it does the per-request part
+atomically (attach check, the queue entry out, the end marker) and the gateway then
+adds the broadcast entry, so an abort that the script refused is never broadcast,
+and one the script did is (a gateway crash between the two leaves a request that
+runs to its end, its client gone). Moving a malformed abort entry to a model's
+dead-letter stream is two commands for the same reason: the XDEL that removes it
+still decides which engine moves it, once.
+
+A model name must not contain `{` or `}` (they would change the hash tag).
 
 docs/architecture.md (the broker section) explains the choice of one result stream
 per request.
@@ -63,85 +86,117 @@ def client_options(cfg: RedisConfig, asyncio: bool = False, wait_s: float = 0.0)
 class Keys:
     prefix: str
 
-    def queue(self, model: str) -> str:
-        return f"{self.prefix}:q:{model}"
-
-    def out(self, request_id: str) -> str:
-        return f"{self.prefix}:o:{request_id}"
-
-    def attached(self, request_id: str) -> str:
-        return f"{self.prefix}:att:{request_id}"
-
-    def wake(self, gateway_id: str) -> str:
-        return f"{self.prefix}:w:{gateway_id}"
+    def model_tag(self, model: str) -> str:
+        """The start of every key of `model`: one cluster hash slot per model."""
+        return f"{self.prefix}:{{{model}}}"
 
     @property
-    def aborts(self) -> str:
-        return f"{self.prefix}:aborts"
+    def global_tag(self) -> str:
+        """The start of the deployment-wide keys (registry, aborts): a slot of their own."""
+        return f"{self.prefix}:{{{self.prefix}}}"
+
+    def queue(self, model: str) -> str:
+        return f"{self.model_tag(model)}:q"
+
+    def out(self, model: str, request_id: str) -> str:
+        return f"{self.model_tag(model)}:o:{request_id}"
+
+    def results(self, model: str, gateway_id: str) -> str:
+        """The results stream of one gateway for one model: each engine step's events
+        for all of that gateway's requests in one entry."""
+        return f"{self.model_tag(model)}:r:{gateway_id}"
+
+    def attached(self, model: str, request_id: str) -> str:
+        return f"{self.model_tag(model)}:att:{request_id}"
+
+    def wake(self, model: str, gateway_id: str) -> str:
+        return f"{self.model_tag(model)}:w:{gateway_id}"
 
     def dead(self, model: str) -> str:
-        return f"{self.prefix}:dead:{model}"
-
-    @property
-    def engines(self) -> str:
-        return f"{self.prefix}:engines"
-
-    def engine(self, engine_id: str) -> str:
-        return f"{self.prefix}:engine:{engine_id}"
+        return f"{self.model_tag(model)}:dead"
 
     def tokenizer(self, model: str) -> str:
         """A model's tokenizer files (hash: file name -> bytes), published by its engines
         so that a gateway anywhere can load it."""
-        return f"{self.prefix}:tok:{model}"
+        return f"{self.model_tag(model)}:tok"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.global_tag}:aborts"
+
+    @property
+    def engines(self) -> str:
+        return f"{self.global_tag}:engines"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.global_tag}:engine:{engine_id}"
 
     def tenant(self, tenant: str, what: str) -> str:
         """A tenant's limit key: `rpm`, `tpm` (buckets) or `live` (in-flight leases)."""
-        return f"{self.prefix}:t:{tenant}:{what}"
+        return f"{self.prefix}:{{t:{tenant}}}:{what}"
 
     def response(self, response_id: str) -> str:
         """A stored Responses answer (`redis_responses.py`)."""
         return f"{self.prefix}:resp:{response_id}"
 
 
-# Admission and submit in one step: refuse when `max_queue_depth` entries wait (entries in
-# the stream minus those delivered and not yet acked), else queue the request, open its
-# result stream with the meta entry and wake the submitting gateway.
-# The entry carries the request (`r`) and, for the queue-deadline sweep below, its id
-# (`i`) and deadline (`d`, time.time() seconds; 0: none).
-# KEYS: queue, out, wake   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline
+# Admission and submit in one step: refuse when `max_queue_depth` entries wait (the group's
+# lag, or, when Redis does not know it, entries in the stream minus those delivered and not
+# yet acked: done ones are deleted), else queue the request and open its
+# history stream with the meta entry. The gateway reads its results stream all the time:
+# no wake-up is needed.
+# The entry carries the request (`r`), its gateway's results stream (`s`) and, for the
+# queue-deadline sweep below, its id (`i`) and deadline (`d`, time.time() seconds; 0: none).
+# KEYS: queue, out   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline,
+#                          results stream
 SUBMIT = """
-local ok, pend = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
-if not ok then
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-  pend = {0}
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+local lag, pend = false, nil
+if ok then
+  for _, g in ipairs(groups) do
+    local name, l, p
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then l = g[i + 1]
+      elseif g[i] == 'pending' then p = g[i + 1] end
+    end
+    if name == ARGV[1] then lag, pend = l, p end
+  end
 end
-local waiting = redis.call('XLEN', KEYS[1]) - pend[1]
+if pend == nil then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+  pend = 0
+end
+-- `lag` (entries not yet delivered) is unknown after an undelivered entry was deleted
+local waiting = lag or (redis.call('XLEN', KEYS[1]) - pend)
 if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
-local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7])
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id)
+local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7], 's', ARGV[8])
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id, 's', ARGV[8])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return {1, id}
 """
 
-# Abort from any gateway: drop the entry if it still waits, tell every engine, and end
-# the result stream with a whole-request abort marker (a resumed client sees the end).
-# A grace abort passes ARGV[5], the attach count its client had: it does nothing when a
-# client resumed the request since (the count moved on).
-# KEYS: out, aborts, attached   ARGV: rid, retention_ms, marker, aborts_maxlen, attach ('' = always)
+# Abort from any gateway, the request's part (its model's slot): drop the entry if it
+# still waits and end the history stream and its gateway's results stream with a
+# whole-request abort marker (a resumed
+# client sees the end). A grace abort passes ARGV[4], the attach count its client had:
+# it does nothing when a client resumed the request since (the count moved on). The
+# caller tells every engine (the abort stream, another slot) when this returns 1.
+# KEYS: out, attached   ARGV: rid, retention_ms, marker, attach ('' = always), results ttl_ms
 ABORT = """
-if ARGV[5] ~= '' and (redis.call('GET', KEYS[3]) or '0') ~= ARGV[5] then return 0 end
+if ARGV[4] ~= '' and (redis.call('GET', KEYS[2]) or '0') ~= ARGV[4] then return 0 end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #first == 0 then return -1 end
 local f = first[1][2]
-local q, e
+local q, e, s
 for i = 1, #f, 2 do
-  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] end
+  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] elseif f[i] == 's' then s = f[i + 1] end
 end
 if q and e then redis.call('XDEL', q, e) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'r', ARGV[1])
 redis.call('XADD', KEYS[1], '*', 'e', ARGV[3])
+if s then
+  redis.call('XADD', s, '*', 'e', ARGV[3])
+  if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -189,16 +244,22 @@ EXPIRE_WAITING = (
 local now = tonumber(ARGV[3])
 local expired = {}
 for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
-  local f, d, rid = e[2], nil, nil
+  local f, d, rid, res = e[2], nil, nil, nil
   for i = 1, #f, 2 do
-    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1] end
+    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1]
+    elseif f[i] == 's' then res = f[i + 1] end
   end
   if d and rid and d > 0 and d <= now then
     redis.call('XDEL', KEYS[1], e[1])
     local out = ARGV[4] .. rid
     if redis.call('EXISTS', out) == 1 then
-      redis.call('XADD', out, '*', 'e', ARGV[6] .. cjson.encode(rid) .. ARGV[7])
+      local ev = ARGV[6] .. cjson.encode(rid) .. ARGV[7]
+      redis.call('XADD', out, '*', 'e', ev)
       redis.call('PEXPIRE', out, ARGV[5])
+      if res then
+        redis.call('XADD', res, '*', 'e', ev)
+        if redis.call('PTTL', res) == -1 then redis.call('PEXPIRE', res, ARGV[5]) end
+      end
     end
     expired[#expired + 1] = rid
   end
@@ -226,33 +287,25 @@ return out
 """
 
 # Lease refresh: reset the idle time of the entries this engine still owns (so that
-# XAUTOCLAIM leaves them alone), and report those it does not own any more.
-# KEYS: queue   ARGV: group, consumer, entry ids...   -> ids no longer ours
+# XAUTOCLAIM leaves them alone), and report those it does not own any more. One XPENDING
+# of this consumer's entries and one XCLAIM per 1000 of them, whatever their number.
+# KEYS: queue   ARGV: group, consumer, scan limit, entry ids...   -> ids no longer ours
 REFRESH = """
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
+local mine = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', ARGV[3], ARGV[2])) do
+  mine[p[1]] = true
+end
+local lost, keep = {}, {}
+for i = 4, #ARGV do
+  if mine[ARGV[i]] then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+end
+for i = 1, #keep, 1000 do
+  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
+  for j = i, math.min(i + 999, #keep) do args[#args + 1] = keep[j] end
+  args[#args + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(args))
 end
 return lost
-"""
-
-# Move a malformed abort entry to the dead-letter stream, once: the engine whose XDEL
-# removes it does the move; the others find it gone.
-# KEYS: aborts, dead   ARGV: entry id, reason, dead_maxlen, model, the entry's fields...
-DEAD_ABORT = """
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
-local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-for _, v in ipairs({'reason', ARGV[2], 'entry', ARGV[1], 'stream', 'aborts', 'model', ARGV[4]}) do
-  fields[#fields + 1] = v
-end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
-return 1
 """
 
 # Rate limits (wsllm/broker/limits.py has the rules). Time is Redis's own (TIME), so

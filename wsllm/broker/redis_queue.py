@@ -15,8 +15,9 @@ suffixes of the request stream's key (so they share its Redis Cluster hash slot)
                             their virtual time (round robin)
     {queue}:clk             hash: each priority's clock (the time of the tenant served last)
     {queue}:wq:{prio}:{t}   stream of tenant t's waiting requests at that priority; each
-                            entry is the request entry (r, i, d) and, when the gateway
-                            routed it, `e`: the engine it is meant for
+                            entry is the request entry (r, i, d, s: its gateway's results
+                            stream) and, when the gateway routed it, `e`: the engine it is
+                            meant for (the take drops `e`, so the engine admits r, i, d, s)
     {queue}:nt              one-entry stream that wakes idle engines on a submit
     {queue}:seen            hash: per engine, its last take, its usual interval between
                             takes and whether its last take filled its room
@@ -61,11 +62,12 @@ end
 """
 
 # Admission and submit in one step: refuse past the depth or the tenant's share, else
-# queue the request in its (priority, tenant) stream, open its result stream with the
-# meta entry (`q`/`qe` name the waiting entry: an abort deletes it there), wake the
-# submitting gateway and the idle engines.
-# KEYS: queue, out, wake   ARGV: group, depth, tenant cap, request, meta, ttl_ms, request
-# id, deadline, priority, tenant, target engine ('' none)
+# queue the request in its (priority, tenant) stream, open its history stream with the
+# meta entry (`q`/`qe` name the waiting entry: an abort deletes it there; `s` the
+# gateway's results stream) and wake the idle engines. The gateway reads its results
+# stream all the time: it needs no wake-up.
+# KEYS: queue, out   ARGV: group, depth, tenant cap, request, meta, ttl_ms, request
+# id, deadline, priority, tenant, target engine ('' none), results stream
 #   -> {1, waiting stream, entry id} or {0, count, 'depth' | 'tenant'}
 SUBMIT = (
     "local tenant = ARGV[10]\n"
@@ -75,17 +77,15 @@ if total >= tonumber(ARGV[2]) then return {0, total, 'depth'} end
 if mine >= tonumber(ARGV[3]) then return {0, mine, 'tenant'} end
 local prio = ARGV[9]
 local rr, w = q .. ':rr:' .. prio, q .. ':wq:' .. prio .. ':' .. tenant
-local fields = {'r', ARGV[4], 'i', ARGV[7], 'd', ARGV[8]}
+local fields = {'r', ARGV[4], 'i', ARGV[7], 'd', ARGV[8], 's', ARGV[12]}
 if ARGV[11] ~= '' then fields[#fields + 1] = 'e'; fields[#fields + 1] = ARGV[11] end
 local id = redis.call('XADD', w, '*', unpack(fields))
 if not redis.call('ZSCORE', rr, tenant) then
   redis.call('ZADD', rr, redis.call('HGET', q .. ':clk', prio) or 0, tenant)
 end
 redis.call('ZADD', q .. ':lv', prio, prio)
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[5], 'q', w, 'qe', id)
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[5], 'q', w, 'qe', id, 's', ARGV[12])
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
-redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'x', '1')
-redis.call('PEXPIRE', KEYS[3], ARGV[6])
 redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
 return {1, w, id}
 """
@@ -175,10 +175,11 @@ return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS'
 """
 
 # Queue deadlines over the waiting streams: entries whose deadline `d` passed leave,
-# and the result stream of each (if its client still has one) gets the failure event,
-# built around the JSON-quoted request id. Same ARGV as redis_keys.EXPIRE_WAITING.
+# and the history stream of each (if its client still has one) and its gateway's
+# results stream `s` get the failure event, built around the JSON-quoted request id.
 # KEYS: queue   ARGV: group, scan_limit, now, out key prefix, retention_ms,
-#                     event before the id, event after the id   -> expired request ids
+#                     event before the id, event after the id, the model's key tag + ':'
+#                     -> expired request ids
 EXPIRE = """
 local q, budget, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local expired = {}
@@ -189,16 +190,23 @@ for _, l in ipairs(redis.call('ZRANGE', q .. ':lv', 0, -1)) do
     local entries = redis.call('XRANGE', w, '-', '+', 'COUNT', budget)
     budget = budget - #entries
     for _, e in ipairs(entries) do
-      local f, d, rid = e[2], nil, nil
+      local f, d, rid, res = e[2], nil, nil, nil
       for i = 1, #f, 2 do
-        if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1] end
+        if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1]
+        elseif f[i] == 's' then res = f[i + 1] end
       end
       if d and rid and d > 0 and d <= now then
         redis.call('XDEL', w, e[1])
         local out = ARGV[4] .. rid
         if redis.call('EXISTS', out) == 1 then
-          redis.call('XADD', out, '*', 'e', ARGV[6] .. cjson.encode(rid) .. ARGV[7])
+          local ev = ARGV[6] .. cjson.encode(rid) .. ARGV[7]
+          redis.call('XADD', out, '*', 'e', ev)
           redis.call('PEXPIRE', out, ARGV[5])
+          -- only a stream of this model's slot (the script's keys are all in it)
+          if res and string.sub(res, 1, #ARGV[8]) == ARGV[8] then
+            redis.call('XADD', res, '*', 'e', ev)
+            if redis.call('PTTL', res) == -1 then redis.call('PEXPIRE', res, ARGV[5]) end
+          end
         end
         expired[#expired + 1] = rid
       end
@@ -290,6 +298,9 @@ def submit_args(
     priority: int,
     tenant: str,
     target: str,
+    results: str,
 ) -> list[Any]:
     """ARGV of SUBMIT, in order."""
-    return [group, depth, cap, request, meta, ttl_ms, request_id, repr(deadline), priority, tenant, target]
+    return [
+        group, depth, cap, request, meta, ttl_ms, request_id, repr(deadline), priority, tenant, target, results,
+    ]  # fmt: skip

@@ -42,11 +42,12 @@ class Decision:
 
 
 class Recovery:
-    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, queue: str, consumer: str) -> None:
+    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
         self.r = r
         self.keys = keys
         self.cfg = cfg
-        self.queue = queue
+        self.model = model
+        self.queue = keys.queue(model)
         self.consumer = consumer
         self._cursor = "0-0"  # XAUTOCLAIM goes round the pending list in pages
         self._next_cleanup = 0.0
@@ -80,12 +81,17 @@ class Recovery:
                 req = e
             reqs.append(req)
             if isinstance(req, GenerateRequest):
-                pipe.xrange(self.keys.out(req.request_id))
+                pipe.xrange(self.keys.out(self.model, req.request_id))
+                results_key, start = self._results_of(fields, entry_id)
+                if results_key:  # what the history stream does not have yet
+                    pipe.xrange(results_key, start, "+")
             pipe.xpending_range(self.queue, GROUP, entry_id, entry_id, 1)
         results = iter(pipe.execute())
         out = []
         for (entry_id, fields), req in zip(entries, reqs, strict=True):
             stream = next(results) if isinstance(req, GenerateRequest) else None
+            if stream is not None and self._results_of(fields, entry_id)[0]:
+                stream = (stream, next(results))
             pend = next(results)
             deliveries = int(pend[0]["times_delivered"]) if pend else 1
             if not isinstance(req, GenerateRequest):
@@ -99,15 +105,22 @@ class Recovery:
         entry_id: str,
         fields: dict[bytes, bytes],
         req: GenerateRequest,
-        stream: list[Any],
+        stream: Any,
         deliveries: int,
     ) -> Decision:
         rid = req.request_id
         req.queue_deadline = 0.0  # an engine took it before: no longer a waiting request
-        if not stream:  # its result stream expired: nobody waits for it any more
+        own, tail = stream if isinstance(stream, tuple) else (stream, [])
+        if not own:  # its history stream expired: nobody waits for it any more
             return Decision(entry_id, fields, Plan.DONE, req)
         try:
-            history = History.of([decode_events(f[b"e"]) for _, f in stream if b"e" in f])
+            # Its history, then its gateway's results stream from its start: a copy of
+            # what the history has is dropped by seq (History.add).
+            batches = [decode_events(f[b"e"]) for _, f in own if b"e" in f]
+            batches += [
+                [e for e in decode_events(f[b"e"]) if e.request_id == rid] for _, f in tail or [] if b"e" in f
+            ]
+            history = History.of(batches)
         except WireError as e:
             msg = f"the request's result stream cannot be read ({e})"
             return Decision(entry_id, fields, Plan.LOST, req, final=TokenEvent.lost(rid, msg))
@@ -132,6 +145,9 @@ class Recovery:
             return Decision(entry_id, fields, what, req, final=error_event(rid, history, msg))
         return Decision(entry_id, fields, what, req)
 
+    def _results_of(self, fields: dict[bytes, bytes], entry_id: str) -> tuple[str, str]:
+        return results_of(fields, entry_id, self.keys.model_tag(self.model))
+
     def _remove_dead_consumers(self) -> None:
         """Consumers of engines that are gone and hold nothing any more."""
         idle_ms = int(self.cfg.lease_s * 2000)
@@ -142,3 +158,12 @@ class Recovery:
             if not self.r.exists(self.keys.engine(name)):
                 self.r.xgroup_delconsumer(self.queue, GROUP, name)
                 log.info("%s: removed the consumer of gone engine %s", self.consumer, name)
+
+
+def results_of(fields: dict[bytes, bytes], entry_id: str, tag: str) -> tuple[str, str]:
+    """A queue entry's results stream (`s`; "" when none, or when it is not in the
+    model's slot, `tag`) and the id its events there start from (`st` of a handed-back
+    entry, else the entry's own id)."""
+    results = fields.get(b"s", b"").decode(errors="replace")
+    start = fields.get(b"st", b"").decode(errors="replace") or entry_id
+    return (results if results.startswith(tag + ":") else ""), start

@@ -1,0 +1,105 @@
+"""Redis clients for the broker: one Redis instance, or a Redis Cluster when the URL
+says so.
+
+    redis://host:6379/0                          one instance (also rediss://, unix://)
+    redis+cluster://host:7000,host:7001,host:7002 a cluster: any reachable nodes of it,
+    rediss+cluster://user:password@host:7000     the rest are discovered (TLS: rediss)
+
+A cluster client (`redis.cluster.RedisCluster`, `redis.asyncio.cluster.RedisCluster`)
+sends each command to the shard that holds its keys' slot; the key layout
+(`redis_keys.py`) keeps what one command, script or MULTI touches in one slot. A
+cluster has no databases: a `/db` in the URL is refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+from wsllm.broker.redis_keys import client_options
+from wsllm.config import RedisConfig
+
+log = logging.getLogger(__name__)
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def cluster_settings(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The startup nodes of a `redis+cluster://` URL and the client settings it names
+    (username, password, ssl)."""
+    scheme, rest = url.split("://", 1)
+    userinfo, _, where = rest.rpartition("@")
+    hosts, _, path = where.split("?", 1)[0].partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has only database 0, the URL names {path!r}")
+    nodes = []
+    for part in hosts.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"a cluster node must be host:port, got {part!r} in {url!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    opts: dict[str, Any] = {}
+    if userinfo:
+        user, sep, password = userinfo.partition(":")
+        if sep:
+            opts["password"] = unquote(password)
+            if user:
+                opts["username"] = unquote(user)
+        else:
+            opts["password"] = unquote(user)
+    if scheme.startswith("rediss"):
+        opts["ssl"] = True
+    return nodes, opts
+
+
+def sync_client(url: str, cfg: RedisConfig, wait_s: float = 0.0) -> Any:
+    """A blocking client (the engine side, tools)."""
+    opts = client_options(cfg, wait_s=wait_s)
+    if not is_cluster(url):
+        import redis
+
+        return redis.Redis.from_url(url, **opts)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, extra = cluster_settings(url)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+
+
+def async_client(url: str, cfg: RedisConfig, wait_s: float = 0.0, single_connection: bool = False) -> Any:
+    """An asyncio client (the gateway side). `single_connection`: a reader that blocks
+    on its own connection (one instance only: a cluster client keeps a pool per node)."""
+    opts = client_options(cfg, asyncio=True, wait_s=wait_s)
+    if not is_cluster(url):
+        import redis.asyncio
+
+        return redis.asyncio.Redis.from_url(url, single_connection_client=single_connection, **opts)
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    nodes, extra = cluster_settings(url)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+
+
+async def reader_client(url: str, cfg: RedisConfig, key: str, wait_s: float) -> Any:
+    """A client for one blocking reader: one connection of its own. On a cluster, a plain
+    client of the node that holds `key`'s slot (all the keys one read names share it):
+    a blocking read needs no routing, and the cluster client can swallow the cancel of
+    a blocked read. A read that meets MOVED (a failover, a resharding) asks again."""
+    if not is_cluster(url):
+        return async_client(url, cfg, wait_s=wait_s, single_connection=True)
+    import redis.asyncio
+
+    c = async_client(url, cfg)
+    try:
+        await c.initialize()
+        node = c.get_node_from_key(key)
+        host, port = node.host, node.port
+    finally:
+        await c.aclose()
+    _, extra = cluster_settings(url)
+    opts = client_options(cfg, asyncio=True, wait_s=wait_s)
+    return redis.asyncio.Redis(host=host, port=port, single_connection_client=True, **opts, **extra)
