@@ -5,6 +5,9 @@ Redis Cluster hash tag (`{...}`), so that a cluster keeps together what one comm
 or script touches:
 
     {p}:{model}:q           request stream; consumer group `engines`, one consumer per engine
+    {p}:{model}:q:...       the waiting streams per (priority, tenant), their round robin,
+                            the engines' wake-up and the prefix summaries (`redis_queue.py`,
+                            `prefix_routing.py`): suffixes of the request stream's key
     {p}:{model}:o:{rid}     history stream of one request: a `meta` entry (the gateway's context,
                             the request entry's id, its gateway's results stream), then its
                             events, copied there every `history_flush_s` and when it ends
@@ -140,40 +143,9 @@ class Keys:
         return f"{self.prefix}:resp:{response_id}"
 
 
-# Admission and submit in one step: refuse when `max_queue_depth` entries wait (the group's
-# lag, or, when Redis does not know it, entries in the stream minus those delivered and not
-# yet acked: done ones are deleted), else queue the request and open its
-# history stream with the meta entry. The gateway reads its results stream all the time:
-# no wake-up is needed.
-# The entry carries the request (`r`), its gateway's results stream (`s`) and, for the
-# queue-deadline sweep below, its id (`i`) and deadline (`d`, time.time() seconds; 0: none).
-# KEYS: queue, out   ARGV: group, max_queue_depth, request, meta, ttl_ms, request id, deadline,
-#                          results stream
-SUBMIT = """
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-local lag, pend = false, nil
-if ok then
-  for _, g in ipairs(groups) do
-    local name, l, p
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then l = g[i + 1]
-      elseif g[i] == 'pending' then p = g[i + 1] end
-    end
-    if name == ARGV[1] then lag, pend = l, p end
-  end
-end
-if pend == nil then
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-  pend = 0
-end
--- `lag` (entries not yet delivered) is unknown after an undelivered entry was deleted
-local waiting = lag or (redis.call('XLEN', KEYS[1]) - pend)
-if waiting >= tonumber(ARGV[2]) then return {0, waiting} end
-local id = redis.call('XADD', KEYS[1], '*', 'r', ARGV[3], 'i', ARGV[6], 'd', ARGV[7], 's', ARGV[8])
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[4], 'q', KEYS[1], 'qe', id, 's', ARGV[8])
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-return {1, id}
-"""
+# Submit, the engines' take, the queue-deadline sweep and queue positions are in
+# `redis_queue.py` (priority levels, tenants in turn, routed entries), all in the
+# model's slot: their keys are suffixes of `Keys.queue(model)`.
 
 # Abort from any gateway, the request's part (its model's slot): drop the entry if it
 # still waits and end the history stream and its gateway's results stream with a
@@ -200,73 +172,6 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
-
-# Lua: `last`, the group ARGV[1]'s last delivered id on the stream KEYS[1]; the entries
-# after it wait for an engine.
-_LAST_DELIVERED = """
-local last = '0-0'
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if ok then
-  for _, g in ipairs(groups) do
-    local name, ld
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then ld = g[i + 1] end
-    end
-    if name == ARGV[1] then last = ld end
-  end
-end
-"""
-
-# Places of waiting entries: those after the group's last delivered id, in order.
-# KEYS: queue   ARGV: group, scan_limit, entry ids...   -> 1-based place, or 0 (taken)
-POSITIONS = (
-    _LAST_DELIVERED
-    + """
-local place = {}
-for i, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
-  place[e[1]] = i
-end
-local out = {}
-for i = 3, #ARGV do out[#out + 1] = place[ARGV[i]] or 0 end
-return out
-"""
-)
-
-# Queue deadlines: waiting entries whose deadline `d` has passed leave the queue, and
-# the result stream of each (if its client still has one) gets the failure event,
-# built from a template around the JSON-quoted request id. Atomic with the engines'
-# XREADGROUP: an entry is either taken by an engine or expired, never both.
-# KEYS: queue   ARGV: group, scan_limit, now, out key prefix, retention_ms,
-#                     event before the id, event after the id   -> expired request ids
-EXPIRE_WAITING = (
-    _LAST_DELIVERED
-    + """
-local now = tonumber(ARGV[3])
-local expired = {}
-for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])) do
-  local f, d, rid, res = e[2], nil, nil, nil
-  for i = 1, #f, 2 do
-    if f[i] == 'd' then d = tonumber(f[i + 1]) elseif f[i] == 'i' then rid = f[i + 1]
-    elseif f[i] == 's' then res = f[i + 1] end
-  end
-  if d and rid and d > 0 and d <= now then
-    redis.call('XDEL', KEYS[1], e[1])
-    local out = ARGV[4] .. rid
-    if redis.call('EXISTS', out) == 1 then
-      local ev = ARGV[6] .. cjson.encode(rid) .. ARGV[7]
-      redis.call('XADD', out, '*', 'e', ev)
-      redis.call('PEXPIRE', out, ARGV[5])
-      if res then
-        redis.call('XADD', res, '*', 'e', ev)
-        if redis.call('PTTL', res) == -1 then redis.call('PEXPIRE', res, ARGV[5]) end
-      end
-    end
-    expired[#expired + 1] = rid
-  end
-end
-return expired
-"""
-)
 
 # Live engines: the ids whose heartbeat key still exists, with its payload and the
 # milliseconds it has left; ids whose key expired leave the set.
