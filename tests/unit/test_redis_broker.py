@@ -202,6 +202,8 @@ def test_an_abort_from_another_gateway_reaches_the_engine_holding_the_request(br
     asyncio.run(gw1.submit(req("r6")))
     pull_until(engine)
     asyncio.run(gw2.abort("r6"))
+    # its taken entry leaves the request stream at once: were its engine gone, nothing stays
+    assert engine._sync.xlen(engine.keys.queue("m")) == 0
     assert engine.aborts() == ["r6"]
     assert engine.aborts() == []
 
@@ -388,7 +390,7 @@ def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their
     q = k.queue("m")  # routing's keys (redis_queue, prefix_routing) are suffixes of it
     model = [q, k.out("m", "r1"), k.results("m", "gw"), k.attached("m", "r1"), k.wake("m", "gw"),
              k.dead("m"), k.tokenizer("m"), waiting_key(q, 3, "acme"), summary_key(q, "e1"),
-             *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":pfxv"))]  # fmt: skip
+             *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
     slots = {key_slot(key.encode()) for key in model}
     assert len(slots) == 1
     assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_queue import taken_key
 from wsllm.broker.redis_recovery import results_of
 from wsllm.config import RedisConfig
 from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
@@ -46,6 +47,7 @@ class DeadLetters:
         pipe.xack(self.queue, GROUP, entry_id)
         pipe.xdel(self.queue, entry_id)
         if rid:
+            pipe.hdel(taken_key(self.queue), rid)
             ev = final or TokenEvent.failure(
                 rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {reason}"
             )

@@ -32,7 +32,7 @@ import redis.exceptions
 
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
-from wsllm.broker.redis_queue import EXPIRE, Taker
+from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery, results_of
 from wsllm.broker.redis_registry import Registry
 from wsllm.broker.replay import Plan, Replay
@@ -399,6 +399,9 @@ class EngineSide(Registry):
             pipe.xdel(self.queue, entry_id)
             if rid:
                 pipe.pexpire(self.keys.out(self.model, rid), retention)
+        rids = [rid for _, rid in ended if rid]
+        if rids:  # one command for the step: the take's record of where they were
+            pipe.hdel(taken_key(self.queue), *rids)
 
     def ack(self, ended: list[tuple[str, str]]) -> None:
         self._execute(lambda pipe: self._add_acks(pipe, ended))

@@ -21,6 +21,9 @@ suffixes of the request stream's key (so they share its Redis Cluster hash slot)
     {queue}:nt              one-entry stream that wakes idle engines on a submit
     {queue}:seen            hash: per engine, its last take, its usual interval between
                             takes and whether its last take filled its room
+    {queue}:tk              hash: request id -> its entry in the request stream, from the
+                            take until the engine acks it (an abort deletes the entry
+                            there once it left its waiting stream: `redis_keys.ABORT`)
 
 A routed entry (`e`) is taken by its engine, or by any engine once it has waited
 `steal_after_s` and its engine is busy (see TAKE): no request waits on a busy engine,
@@ -63,8 +66,9 @@ end
 
 # Admission and submit in one step: refuse past the depth or the tenant's share, else
 # queue the request in its (priority, tenant) stream, open its history stream with the
-# meta entry (`q`/`qe` name the waiting entry: an abort deletes it there; `s` the
-# gateway's results stream) and wake the idle engines. The gateway reads its results
+# meta entry (`q`/`qe` name the waiting entry: an abort deletes it there, or, once
+# taken, in the request stream `rq` through `{queue}:tk`; `s` the gateway's results
+# stream) and wake the idle engines. The gateway reads its results
 # stream all the time: it needs no wake-up.
 # KEYS: queue, out   ARGV: group, depth, tenant cap, request, meta, ttl_ms, request
 # id, deadline, priority, tenant, target engine ('' none), results stream
@@ -84,7 +88,7 @@ if not redis.call('ZSCORE', rr, tenant) then
   redis.call('ZADD', rr, redis.call('HGET', q .. ':clk', prio) or 0, tenant)
 end
 redis.call('ZADD', q .. ':lv', prio, prio)
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[5], 'q', w, 'qe', id, 's', ARGV[12])
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[5], 'q', w, 'qe', id, 's', ARGV[12], 'rq', q)
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
 redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
 return {1, w, id}
@@ -136,12 +140,14 @@ local function takeOne(prio, rr)
     local entries = redis.call('XRANGE', w, '-', '+', 'COUNT', scan)
     for _, e in ipairs(entries) do
       if mayTake(e[1], e[2]) then
-        local f, moved = e[2], {}
+        local f, moved, rid = e[2], {}, nil
         for j = 1, #f, 2 do
           if f[j] ~= 'e' then moved[#moved + 1] = f[j]; moved[#moved + 1] = f[j + 1] end
+          if f[j] == 'i' then rid = f[j + 1] end
         end
         redis.call('XDEL', w, e[1])
-        redis.call('XADD', q, '*', unpack(moved))
+        local id = redis.call('XADD', q, '*', unpack(moved))
+        if rid then redis.call('HSET', q .. ':tk', rid, id) end
         redis.call('HSET', q .. ':clk', prio, score)
         if redis.call('XLEN', w) == 0 then
           redis.call('DEL', w)
@@ -245,6 +251,11 @@ for i = 2, #ARGV, 2 do
 end
 return out
 """
+
+
+def taken_key(queue: str) -> str:
+    """The hash of taken requests' entries in the request stream (see the module doc)."""
+    return f"{queue}:tk"
 
 
 def waiting_key(queue: str, priority: int, tenant: str) -> str:
