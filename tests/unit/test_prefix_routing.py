@@ -32,12 +32,12 @@ def engines(tiny_model_dir: Path) -> list[Any]:
 
 @pytest.fixture
 def rig(
-    redis_server: Any, engines: list[Any]
+    any_redis: Any, engines: list[Any]
 ) -> Iterator[tuple[RedisBroker, list[EngineWorker], list[TokenEvent]]]:
-    redis_server.client().flushall()
+    any_redis.client().flushall()
     cfg = RedisConfig(steal_after_s=30.0, routing="prefix")
-    gw = RedisBroker(redis_server.url, model="m", cfg=cfg)
-    sides = [RedisBroker(redis_server.url, model="m", cfg=cfg, engine_id=f"e{i}") for i in range(2)]
+    gw = RedisBroker(any_redis.url, model="m", cfg=cfg)
+    sides = [RedisBroker(any_redis.url, model="m", cfg=cfg, engine_id=f"e{i}") for i in range(2)]
     events: list[TokenEvent] = []
     workers = [
         EngineWorker(e, s, engine_id=f"e{i}", idle_wait_s=0.0)
@@ -82,11 +82,11 @@ def test_a_resent_conversation_lands_on_the_engine_holding_its_prefix(rig: Any) 
     assert w0.engine.block_manager.hit_tokens - hits_before >= 64  # the history came from its cache
 
 
-def test_a_request_for_a_busy_engine_is_taken_by_an_idle_one(redis_server: Any) -> None:
-    redis_server.client().flushall()
+def test_a_request_for_a_busy_engine_is_taken_by_an_idle_one(any_redis: Any) -> None:
+    any_redis.client().flushall()
     cfg = RedisConfig(steal_after_s=1.0, routing="prefix")
-    gw = RedisBroker(redis_server.url, model="m", cfg=cfg)
-    busy, idle = (RedisBroker(redis_server.url, model="m", cfg=cfg, engine_id=e) for e in ("busy", "idle"))
+    gw = RedisBroker(any_redis.url, model="m", cfg=cfg)
+    busy, idle = (RedisBroker(any_redis.url, model="m", cfg=cfg, engine_id=e) for e in ("busy", "idle"))
     try:
         prompt = list(range(1, 70))
         busy.publish_prefix(16, prompt_keys(prompt, 16))

@@ -41,14 +41,16 @@ def memory() -> Iterator[Broker]:
     b.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def make(request: pytest.FixtureRequest) -> Callable[..., contextlib.AbstractContextManager[Broker]]:
+    """The memory broker, one redis-server, a 3-master Redis Cluster."""
     if request.param == "memory":
         return memory
     from wsllm.broker.redis import RedisBroker
 
-    url = request.getfixturevalue("redis_server").url
-    request.getfixturevalue("redis_server").client().flushall()
+    server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+    url = server.url
+    server.client().flushall()
 
     @contextlib.contextmanager
     def redis(**cfg: Any) -> Iterator[Broker]:
@@ -157,13 +159,13 @@ def test_waiting_requests_abort_expire_and_are_counted_per_tenant(make: Any) -> 
             submit(b, req(f"x{i}", "a"))  # its share is free again
 
 
-def test_a_taken_request_is_handed_back_and_recovered_through_the_request_stream(redis_server: Any) -> None:
+def test_a_taken_request_is_handed_back_and_recovered_through_the_request_stream(any_redis: Any) -> None:
     from wsllm.broker.redis import RedisBroker
 
-    redis_server.client().flushall()
+    any_redis.client().flushall()
     cfg = RedisConfig(lease_s=1.0, engine_heartbeat_s=0.2)
-    a = RedisBroker(redis_server.url, model="m", cfg=cfg, engine_id="a", max_queue_depth=DEPTH)
-    b = RedisBroker(redis_server.url, model="m", cfg=cfg, engine_id="b", max_queue_depth=DEPTH)
+    a = RedisBroker(any_redis.url, model="m", cfg=cfg, engine_id="a", max_queue_depth=DEPTH)
+    b = RedisBroker(any_redis.url, model="m", cfg=cfg, engine_id="b", max_queue_depth=DEPTH)
     try:
         submit(a, req("back", "t", priority=1))
         submit(a, req("crash", "u"))
