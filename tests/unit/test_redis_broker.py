@@ -408,35 +408,67 @@ def test_a_cluster_url_names_its_nodes_and_credentials() -> None:
         cluster_settings("redis+cluster://h")
 
 
+def command_stats(r: Any) -> dict[str, int]:
+    """Calls per command Redis ran, summed over every primary of a cluster."""
+    nodes = r.get_primaries() if hasattr(r, "get_primaries") else [None]
+    out: dict[str, int] = {}
+    for node in nodes:
+        stats = r.info("commandstats", **({"target_nodes": node} if node is not None else {}))
+        for k, v in stats.items():
+            out[k] = out.get(k, 0) + int(v["calls"])
+    return out
+
+
 def test_a_step_of_many_requests_costs_a_few_commands(brokers, any_redis: Any) -> None:
     """One XADD per gateway per step, whatever the number of requests in it; a request's
-    own stream gets its events only every history_flush_s (and they still reach a resume)."""
+    own stream gets its events only every history_flush_s (and they still reach a resume).
+    On a cluster the client finds an XREAD's keys itself (no COMMAND GETKEYS)."""
     gw, engine = brokers(), brokers("engine-a")
     for i in range(16):
         asyncio.run(gw.submit(req(f"s{i}")))
     pull_until(engine, 16)
     r = any_redis.client()
 
-    def calls() -> int:
-        """Commands Redis ran (on every primary of a cluster), INFO and the cluster
-        client's own routing look-ups (COMMAND GETKEYS for an XREAD) aside."""
-        nodes = r.get_primaries() if hasattr(r, "get_primaries") else [None]
-        total = 0
-        for node in nodes:
-            stats = r.info("commandstats", **({"target_nodes": node} if node is not None else {}))
-            own = ("cmdstat_info", "cmdstat_command", "cmdstat_hello", "cmdstat_cluster")
-            total += sum(int(v["calls"]) for k, v in stats.items() if not k.startswith(own))
-        return total
+    def calls() -> tuple[int, int]:
+        """Commands Redis ran, INFO and the cluster's own (CLUSTER, HELLO) aside; and the
+        routing look-ups of a cluster client (COMMAND GETKEYS)."""
+        stats = command_stats(r)
+        own = ("cmdstat_info", "cmdstat_command", "cmdstat_hello", "cmdstat_cluster")
+        getkeys = sum(n for k, n in stats.items() if k.startswith("cmdstat_command|getkeys"))
+        return sum(n for k, n in stats.items() if not k.startswith(own)), getkeys
 
     engine.publish(
         [tokens_event(f"s{i}", 0, [5]) for i in range(16)]
     )  # the first publish reads the aborts too
-    before = calls()
+    before, getkeys = calls()
     for seq in (1, 2, 3):
         engine.publish([tokens_event(f"s{i}", seq, [5 + seq]) for i in range(16)])
-    assert calls() - before <= 3 * 2 + 1  # per step: the results XADD and the aborts read
+    after, getkeys_after = calls()
+    assert after - before <= 3 * 2 + 1  # per step: the results XADD and the aborts read
+    assert getkeys_after == getkeys
     engine.publish([tokens_event(f"s{i}", 4, [9], "length") for i in range(16)])
     gw2 = brokers()
     assert asyncio.run(gw2.lookup("s3")) is not None
     asyncio.run(gw2.follow("s3"))
     assert text_of(asyncio.run(read(gw2, "s3"))) == [5, 6, 7, 8, 9]  # nothing in its history yet
+
+
+def test_concurrent_callers_share_one_registry_read(brokers, any_redis: Any) -> None:
+    """Requests admitted while the registry read is in flight wait for it instead of
+    each starting one (a slow Redis would get more reads the slower it answers)."""
+    gw, engine = brokers(), brokers("engine-a")
+    engine.heartbeat(EngineInfo(engine_id="engine-a", model="m", max_model_len=64))
+    r = any_redis.client()
+
+    def scripts() -> int:
+        stats = command_stats(r)
+        return sum(n for k, n in stats.items() if k.startswith(("cmdstat_eval", "cmdstat_evalsha")))
+
+    async def many() -> list[list[EngineInfo]]:
+        gw.gateway.invalidate_engines()
+        return await asyncio.gather(*(gw.engines() for _ in range(20)))
+
+    before = scripts()
+    got = asyncio.run(many())
+    assert scripts() - before == 1
+    assert all([i.engine_id for i in g] == ["engine-a"] for g in got)

@@ -13,6 +13,7 @@ cluster has no databases: a `/db` in the URL is refused rather than ignored.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 from urllib.parse import unquote
@@ -57,6 +58,54 @@ def cluster_settings(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return nodes, opts
 
 
+def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of an XREAD / XREADGROUP (the first half of what follows STREAMS); None
+    for any other command, or one this does not parse."""
+    name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+    if name.upper() not in ("XREAD", "XREADGROUP"):
+        return None
+    skip = {"COUNT": 2, "BLOCK": 2, "GROUP": 3, "NOACK": 1, "CLAIM": 2}
+    i = 1
+    while i < len(args):
+        word = args[i].decode() if isinstance(args[i], bytes) else str(args[i])
+        if word.upper() == "STREAMS":
+            rest = args[i + 1 :]
+            return list(rest[: len(rest) // 2]) if rest and len(rest) % 2 == 0 else None
+        if word.upper() not in skip:
+            return None
+        i += skip[word.upper()]
+    return None
+
+
+def _local_stream_keys(client: Any) -> Any:
+    """Teach a cluster client the keys of XREAD and XREADGROUP: redis-py asks a node
+    (`COMMAND GETKEYS`, always the same one) for those of every command whose keys
+    move, a third of the cluster's commands per token in bench/broker_scale.py, all on
+    one shard. The parser is swapped for a subclass in place (it keeps what it read)."""
+    parser = client.commands_parser
+    if getattr(client, "_wsllm_local_keys", False):
+        return client
+    base = type(parser)
+    if inspect.iscoroutinefunction(base.get_keys):
+
+        class _AsyncParser(base):  # type: ignore[misc, valid-type]
+            async def get_keys(self, *args: Any) -> Any:
+                keys = stream_read_keys(args)
+                return tuple(keys) if keys is not None else await super().get_keys(*args)
+
+        parser.__class__ = _AsyncParser
+    else:
+
+        class _Parser(base):  # type: ignore[misc, valid-type]
+            def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+                keys = stream_read_keys(args)
+                return keys if keys is not None else super().get_keys(redis_conn, *args)
+
+        parser.__class__ = _Parser
+    client._wsllm_local_keys = True
+    return client
+
+
 def sync_client(url: str, cfg: RedisConfig, wait_s: float = 0.0) -> Any:
     """A blocking client (the engine side, tools)."""
     opts = client_options(cfg, wait_s=wait_s)
@@ -67,7 +116,9 @@ def sync_client(url: str, cfg: RedisConfig, wait_s: float = 0.0) -> Any:
     from redis.cluster import ClusterNode, RedisCluster
 
     nodes, extra = cluster_settings(url)
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+    return _local_stream_keys(
+        RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+    )
 
 
 def async_client(url: str, cfg: RedisConfig, wait_s: float = 0.0, single_connection: bool = False) -> Any:
@@ -81,7 +132,9 @@ def async_client(url: str, cfg: RedisConfig, wait_s: float = 0.0, single_connect
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
     nodes, extra = cluster_settings(url)
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+    return _local_stream_keys(
+        RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **opts, **extra)
+    )
 
 
 async def reader_client(url: str, cfg: RedisConfig, key: str, wait_s: float) -> Any:

@@ -77,6 +77,10 @@ class GatewaySide:
         self._positions: dict[str, int] = {}
         self._positions_at = 0.0
         self._engines: tuple[float, list[EngineInfo]] = (0.0, [])
+        # The registry read in flight, per event loop: callers share it (one read at a time).
+        self._engines_reads: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Task[list[EngineInfo]]
+        ] = weakref.WeakKeyDictionary()
 
     def client(self) -> Any:  # redis-py's reply types are too loose to be useful here
         loop = asyncio.get_running_loop()
@@ -323,9 +327,29 @@ class GatewaySide:
         return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
 
     async def engines(self) -> list[EngineInfo]:
+        """The live engines, from a copy cached for `_ENGINES_CACHE_S`. Past that, one read
+        at a time: the callers that find one in flight wait for it instead of starting
+        their own (on a slow Redis, every request admitted meanwhile would add a read of
+        a GET and a PTTL per engine, slowing it further)."""
         at, cached = self._engines
         if time.monotonic() - at < _ENGINES_CACHE_S:
             return cached
+        loop = asyncio.get_running_loop()
+        task = self._engines_reads.get(loop)
+        if task is None:
+            task = self._engines_reads[loop] = loop.create_task(self._read_engines())
+            task.add_done_callback(self._engines_read_done)
+        # shield: a caller that is cancelled must not cancel the read the others wait for
+        return await asyncio.shield(task)
+
+    def _engines_read_done(self, task: asyncio.Task[list[EngineInfo]]) -> None:
+        loop = task.get_loop()
+        if self._engines_reads.get(loop) is task:
+            del self._engines_reads[loop]
+        if not task.cancelled():
+            task.exception()  # retrieved: its waiters may all have been cancelled
+
+    async def _read_engines(self) -> list[EngineInfo]:
         try:
             flat = await self.client().eval(ENGINES, 1, self.keys.engines, self.keys.engine(""))
         except UNAVAILABLE as e:
