@@ -68,7 +68,7 @@ class RedisConfig:
             "each step's events reach its gateway at once through the gateway's results stream"
         },
     )
-    aborts_maxlen: int = field(default=10000, metadata={"help": "length of the broadcast abort stream"})
+    aborts_maxlen: int = field(default=10000, metadata={"help": "length of each model's abort stream"})
     dead_letter_maxlen: int = field(default=10000, metadata={"help": "length of each dead-letter stream"})
     redis_socket_timeout_s: float = field(
         default=5.0,

@@ -28,7 +28,7 @@ def test_malformed_entries_go_to_the_dead_letters_and_the_engine_serves_on(
     dep = redis_deployment
     r = dep.redis
     keys = Keys("wsllm")
-    queue, aborts, dead = keys.queue(dep.model), keys.aborts, keys.dead(dep.model)
+    queue, aborts, dead = keys.queue(dep.model), keys.aborts(dep.model), keys.dead(dep.model)
     good = completion([31, 32, 33], 150)
     (alone,) = [asyncio.run(sse_text(dep.a, good))]
     valid = orjson.loads(r.xrange(queue)[0][1][b"r"]) if r.xlen(queue) else None

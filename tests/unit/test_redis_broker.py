@@ -339,14 +339,14 @@ def test_malformed_abort_entries_are_dead_lettered_once_and_aborts_go_on(brokers
     asyncio.run(gw.submit(req("r10")))
     pull_until(a)
     pull_for(b, 0.1)  # both engines have started reading the abort stream
-    r.xadd(a.keys.aborts, {"x": b"1"})
-    r.xadd(a.keys.aborts, {"r": b"\xff\xfe"})
-    r.xadd(a.keys.aborts, {"r": b"r10", "extra": b"1"})
+    r.xadd(a.keys.aborts("m"), {"x": b"1"})
+    r.xadd(a.keys.aborts("m"), {"r": b"\xff\xfe"})
+    r.xadd(a.keys.aborts("m"), {"r": b"r10", "extra": b"1"})
     asyncio.run(gw.abort("r10"))
     assert a.aborts() == ["r10"] and b.aborts() == []
     dead = r.xrange(a.keys.dead("m"))
     assert len(dead) == 3 and all(d[1][b"reason"].startswith(b"invalid abort entry") for d in dead)
-    assert r.xlen(a.keys.aborts) == 1  # the good one stays for every engine
+    assert r.xlen(a.keys.aborts("m")) == 1  # the good one stays for every engine
 
 
 def test_an_unreadable_results_entry_ends_only_the_requests_it_held(brokers) -> None:
@@ -390,11 +390,11 @@ def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their
     q = k.queue("m")  # routing's keys (redis_queue, prefix_routing) are suffixes of it
     model = [q, k.out("m", "r1"), k.results("m", "gw"), k.attached("m", "r1"), k.wake("m", "gw"),
              k.dead("m"), k.tokenizer("m"), waiting_key(q, 3, "acme"), summary_key(q, "e1"),
-             *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
+             k.aborts("m"), *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
     slots = {key_slot(key.encode()) for key in model}
     assert len(slots) == 1
     assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1
-    assert len({key_slot(x.encode()) for x in (k.aborts, k.engines, k.engine("e1"))}) == 1
+    assert len({key_slot(x.encode()) for x in (k.engines, k.engine("e1"))}) == 1
     assert key_slot(k.queue("m").encode()) != key_slot(k.queue("other").encode())  # models spread
 
 

@@ -83,9 +83,8 @@ class DeadLetters:
             log.error("dead letter lost while redis is unreachable (%s): %r", reason, item)
 
     def abort_entry(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
-        """A malformed abort entry. Every engine reads the abort stream; the one whose
-        XDEL removes it moves it here, exactly once (two commands, not a script: the
-        abort stream and this model's dead letters may be on different cluster shards)."""
+        """A malformed abort entry. Every engine of the model reads the abort stream; the
+        one whose XDEL removes it moves it here, exactly once."""
         dead = dict(fields) | {
             b"reason": ABORT_REASON.encode(),
             b"entry": entry_id.encode(),
@@ -93,7 +92,7 @@ class DeadLetters:
             b"model": self.model.encode(),
         }
         try:
-            if not self.r.xdel(self.keys.aborts, entry_id):
+            if not self.r.xdel(self.keys.aborts(self.model), entry_id):
                 return  # another engine moved it
             self.r.xadd(self.stream, dead, maxlen=self.cfg.dead_letter_maxlen)
         except UNAVAILABLE:

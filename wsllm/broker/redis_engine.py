@@ -80,6 +80,7 @@ class EngineSide(Registry):
         self._lock = threading.Lock()  # _held is touched by pull/publish/heartbeat (one thread) and release
         self._started = False
         self._aborts_cursor: str | None = None
+        self._aborts_key = keys.aborts(model)  # this model's engines' abort stream
         self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
         self._next_reclaim = 0.0
         self._next_refresh = 0.0
@@ -162,7 +163,7 @@ class EngineSide(Registry):
 
     def _start(self, max_n: int) -> list[GenerateRequest]:
         self._ensure_group()
-        last = self.r.xrevrange(self.keys.aborts, count=1)
+        last = self.r.xrevrange(self._aborts_key, count=1)
         self._aborts_cursor = last[0][0].decode() if last else "0-0"
         # Our own pending entries first: a restart under the same consumer name.
         # More than it has room for stay pending; they are reclaimed after the lease.
@@ -269,7 +270,7 @@ class EngineSide(Registry):
             self._aborts_fresh = False
         elif self._started and not self.closed.is_set():
             with contextlib.suppress(*UNAVAILABLE):
-                self._take_aborts(self.r.xread({self.keys.aborts: self._aborts_cursor or "0-0"}, count=10000))
+                self._take_aborts(self.r.xread({self._aborts_key: self._aborts_cursor or "0-0"}, count=10000))
         out, self._local_aborts = self._local_aborts, []
         return list(dict.fromkeys(out))
 
@@ -351,7 +352,7 @@ class EngineSide(Registry):
                 pipe.pexpire(key, self.cfg.results_ttl_ms)
             self._add_acks(pipe, ended)
             if read_aborts:  # the next aborts() call needs no round trip of its own
-                pipe.xread({self.keys.aborts: aborts_from}, count=10000)
+                pipe.xread({self._aborts_key: aborts_from}, count=10000)
 
         # One pipeline, no MULTI: each gateway's read wakes once anyway (one entry per step).
         results = self._execute(build)

@@ -159,18 +159,15 @@ class GatewaySide:
         if model is None:
             return False  # no result stream: nothing to end (the script would say -1)
         marker = encode([TokenEvent.abort_marker(request_id)])
-        keys = [self.keys.out(model, request_id), self.keys.attached(model, request_id)]
+        keys = [
+            self.keys.out(model, request_id),
+            self.keys.attached(model, request_id),
+            self.keys.aborts(model),
+        ]
         retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
-        args = [request_id, retention, marker, "" if attach is None else str(attach), self._results_ttl_ms]
-        if await self._call(ABORT, keys, args) != 1:
-            return False
-        try:  # then tell every engine (the abort stream has a slot of its own)
-            await self.client().xadd(
-                self.keys.aborts, {"r": request_id}, maxlen=self.cfg.aborts_maxlen, approximate=True
-            )
-        except UNAVAILABLE as e:
-            raise self._unavailable(e) from None
-        return True
+        attached = "" if attach is None else str(attach)
+        args = [request_id, retention, marker, attached, self._results_ttl_ms, self.cfg.aborts_maxlen]
+        return bool(await self._call(ABORT, keys, args) == 1)
 
     async def model_of(self, request_id: str) -> str | None:
         """The model whose slot holds the request's result stream: known for a request

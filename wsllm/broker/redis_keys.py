@@ -20,7 +20,7 @@ or script touches:
     {p}:{model}:dead        dead-letter stream: queue and abort entries no engine can serve,
                             with the reason
     {p}:{model}:tok         the model's tokenizer files, published by its engines
-    {p}:{p}:aborts          broadcast abort stream, read by every engine
+    {p}:{model}:aborts      the model's abort stream, read by every engine of the model
     {p}:{p}:engines         set of engine ids; {p}:{p}:engine:{id} its heartbeat, with a TTL
     {p}:{t:tenant}:rpm      a tenant's requests bucket (hash: level, time), gone once it would be
     {p}:{t:tenant}:tpm      full again; its tokens bucket the same (`limits.py`)
@@ -31,17 +31,13 @@ or script touches:
 Slots. A model's keys share the slot of `{model}`: the submit script, the gateway's
 blocking XREAD over its requests' result streams and its wake-up stream, the
 queue-deadline sweep and the engines' reads all stay inside it, so models spread over
-the shards of a cluster. The deployment-wide keys (engine registry, abort stream)
-share the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}`
-(every LIMIT_* script touches one tenant's keys only). What changed for the cluster:
-the abort script no longer writes the broadcast abort stream itself (a model's slot
-and the global one may live on different shards): it does the per-request part
-atomically (attach check, the queue entry out, the end marker) and the gateway then
-adds the broadcast entry, so an abort that the script refused is never broadcast,
-and one the script did is (a gateway crash between the two leaves a request that
-runs to its end, its client gone). Moving a malformed abort entry to a model's
-dead-letter stream is two commands for the same reason: the XDEL that removes it
-still decides which engine moves it, once.
+the shards of a cluster. The abort stream is the model's too (every engine reads it
+each loop: a deployment-wide one made one shard hot, docs/scaling.md), so the abort
+script ends the request and tells its engines in one step. The engine registry shares
+the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}` (every
+LIMIT_* script touches one tenant's keys only). Moving a malformed abort entry to the
+model's dead-letter stream is two commands: the XDEL that removes it decides which
+engine moves it, once.
 
 A model name must not contain `{` or `}` (they would change the hash tag).
 
@@ -95,7 +91,7 @@ class Keys:
 
     @property
     def global_tag(self) -> str:
-        """The start of the deployment-wide keys (registry, aborts): a slot of their own."""
+        """The start of the deployment-wide keys (the engine registry): a slot of its own."""
         return f"{self.prefix}:{{{self.prefix}}}"
 
     def queue(self, model: str) -> str:
@@ -123,9 +119,9 @@ class Keys:
         so that a gateway anywhere can load it."""
         return f"{self.model_tag(model)}:tok"
 
-    @property
-    def aborts(self) -> str:
-        return f"{self.global_tag}:aborts"
+    def aborts(self, model: str) -> str:
+        """The abort stream of `model`'s engines (in its slot: one per model)."""
+        return f"{self.model_tag(model)}:aborts"
 
     @property
     def engines(self) -> str:
@@ -152,9 +148,10 @@ class Keys:
 # gone leaves nothing behind) and end the history stream and its gateway's results stream with a
 # whole-request abort marker (a resumed
 # client sees the end). A grace abort passes ARGV[4], the attach count its client had:
-# it does nothing when a client resumed the request since (the count moved on). The
-# caller tells every engine (the abort stream, another slot) when this returns 1.
-# KEYS: out, attached   ARGV: rid, retention_ms, marker, attach ('' = always), results ttl_ms
+# it does nothing when a client resumed the request since (the count moved on). Then it
+# tells the model's engines (its abort stream).
+# KEYS: out, attached, aborts   ARGV: rid, retention_ms, marker, attach ('' = always),
+#                               results ttl_ms, aborts maxlen
 ABORT = """
 if ARGV[4] ~= '' and (redis.call('GET', KEYS[2]) or '0') ~= ARGV[4] then return 0 end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
@@ -179,6 +176,7 @@ if s then
   if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'r', ARGV[1])
 return 1
 """
 
