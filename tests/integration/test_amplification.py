@@ -252,13 +252,20 @@ def test_long_texts_are_tokenized_one_at_a_time_below_the_servers_priority(
 
 
 def test_prompt_logprobs_are_charged_as_a_second_pass_over_the_prompt(
-    live_server: Any, tiny_engine: Any
+    live_server: Any, tiny_model_dir: Any
 ) -> None:
     """Each prompt-logprobs row is about a token's work (lm_head, log_softmax and top-k
     over the vocabulary) and the engine's step budget counts it so; the tenant's charge
     did not, so the table came free."""
+    from wsllm.config import EngineConfig
+    from wsllm.engine.engine import LLMEngine
+
     prompt = (PROMPT * 6)[:60]
-    with live_server(tiny_engine, anonymous_tpm=100) as s:
+    # an engine of its own: the module's server (`srv`) holds the session's tiny engine
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=4, dtype="float32")
+    )
+    with live_server(engine, anonymous_tpm=100) as s:
         body = {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
         table = httpx.post(f"{s.base_url}/v1/completions", json=body, timeout=60)
         plain = httpx.post(

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis.exceptions
@@ -37,9 +37,6 @@ from wsllm.broker.redis_follow import Follow, checked, entry_events
 from wsllm.broker.redis_keys import UNAVAILABLE
 from wsllm.types import TokenEvent, WireError
 from wsllm.wire import decode_events
-
-if TYPE_CHECKING:
-    from wsllm.broker.redis_gateway import GatewaySide
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +69,7 @@ class _Round:
 
 
 class ModelReader:
-    def __init__(self, gw: GatewaySide, model: str) -> None:
+    def __init__(self, gw: Any, model: str) -> None:  # a redis_gateway.GatewaySide (it imports this module)
         self.gw = gw
         self.model = model
         self.own = gw.keys.results(model, gw.gateway_id)

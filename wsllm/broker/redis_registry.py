@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis.exceptions
@@ -17,9 +17,6 @@ from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo
 from wsllm.wire import encode
-
-if TYPE_CHECKING:
-    from wsllm.broker.redis_engine import _Held
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +32,7 @@ class Registry:
     queue: str
     consumer: str
     _lock: threading.Lock
-    _held: dict[str, _Held]
+    _held: dict[str, Any]  # redis_engine._Held (not imported: redis_engine imports this module)
     _started: bool
     _next_refresh: float
     _next_registry: float
