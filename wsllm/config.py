@@ -191,6 +191,13 @@ class GatewayConfig:
             "help": "longest a structured-output spec may take to check (waiting included): 400 past it"
         },
     )
+    spec_compile_tokens_per_s: int = field(
+        default=2000,
+        metadata={
+            "help": "tokens charged to the tenant per second the gateway spent compiling a request's "
+            "structured-output spec (about what a second of prefill computes on a small CPU); 0: free"
+        },
+    )
     max_prompt_logprobs: int = field(
         default=65536,
         metadata={"help": "largest prompt-logprobs table: prompt tokens x (prompt_logprobs + 1) entries"},

@@ -47,8 +47,10 @@ from wsllm.server.quota import (
     admit,
     check_priority,
     coarse_charge,
+    compile_charge,
     counted,
     exact_charge,
+    kept_charge,
     meter_call,
     take_lease,
 )
@@ -131,7 +133,9 @@ class Gateway:
             ticket = await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
             try:
                 prep = await prepared()
-                await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params))
+                spec = compile_charge(prep.compile_s, self.cfg.spec_compile_tokens_per_s)
+                await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params, spec))
+                ticket.kept = kept_charge(len(prep.prompt_ids), prep.params, spec)
                 gen = await self._submit(model, prep, rid, priority, tenant.name)
             except BaseException:
                 await ticket.release(0)  # never queued: nothing used
@@ -154,6 +158,17 @@ class Gateway:
         refusal (429 APIError) counts in `metrics` (the default model's when None)."""
         with counted(metrics or self.metrics, tenant):
             return await meter_call(self.limiter, tenant)
+
+    async def charge_work(self, tenant: Tenant, tokens: int) -> None:
+        """Take `tokens` from `tenant`'s tokens bucket for work already done that
+        generates nothing (`/tokenize`'s and `/detokenize`'s token counts): never refused
+        (the rpm was taken before the work, by `meter`), but the tenant's next requests
+        wait for the bucket to fill again. Nothing without a tpm."""
+        if tokens > 0 and tenant.limits.tpm:
+            try:
+                await self.limiter.adjust(tenant.name, tenant.limits, tokens)
+            except BrokerError:  # the answer is computed: a broker fault does not withhold it
+                log.warning("could not charge %d tokens to tenant %s", tokens, tenant.name)
 
     async def _submit(
         self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: str

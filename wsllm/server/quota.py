@@ -81,14 +81,27 @@ def _text_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8", "surrogatepass")) // _BYTES_PER_TOKEN)
 
 
-def exact_charge(prompt_tokens: int, params: SamplingParams) -> int:
+def exact_charge(prompt_tokens: int, params: SamplingParams, compile_tokens: int = 0) -> int:
     """A prepared request's token charge: its prompt plus what it may generate, every
     sequence generated at once (a beam search's width, not its `n`), and with prompt
     logprobs its prompt once more: each row's lm_head, log_softmax and top-k is about a
-    token's work, which the engine's step budget counts too (`prompt_logprob_cost`)."""
+    token's work, which the engine's step budget counts too (`prompt_logprob_cost`);
+    plus `compile_tokens`, its structured-output spec's compile (`compile_charge`)."""
     width = params.beam_width if params.use_beam_search else params.n
+    return prompt_tokens + kept_charge(prompt_tokens, params, compile_tokens) + width * params.max_tokens
+
+
+def kept_charge(prompt_tokens: int, params: SamplingParams, compile_tokens: int = 0) -> int:
+    """The part of `exact_charge` that is work done whatever the request then uses (its
+    prompt-logprob rows, its spec's compile): no refund gives it back."""
     rows = prompt_tokens if params.prompt_logprobs is not None else 0
-    return prompt_tokens + rows + width * params.max_tokens
+    return rows + compile_tokens
+
+
+def compile_charge(compile_s: float, tokens_per_s: int) -> int:
+    """Tokens for the seconds the gateway spent compiling a spec, at `tokens_per_s`
+    (GatewayConfig.spec_compile_tokens_per_s)."""
+    return math.ceil(compile_s * tokens_per_s)
 
 
 def too_large(tenant: Tenant, tokens: int) -> APIError | None:
@@ -99,7 +112,8 @@ def too_large(tenant: Tenant, tokens: int) -> APIError | None:
     return APIError(
         429,
         ERR_RATE_LIMITED,
-        f"this request is charged {tokens} tokens (its prompt, again with prompt_logprobs, plus n or beam_width x max_tokens), "
+        f"this request is charged {tokens} tokens (its prompt, again with prompt_logprobs, plus n or beam_width x max_tokens, "
+        "plus its structured-output spec's compile time), "
         f"more than tenant {tenant.name!r} may use in a minute ({tpm} tokens per minute); "
         "it can never pass: lower max_tokens, n or beam_width",
     )
@@ -158,6 +172,9 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False
     charged: int = 0  # tokens taken from the tokens bucket so far
+    # of `charged`, work done whatever the request then uses (its prompt-logprob rows, its
+    # spec's compile): `release` never refunds it
+    kept: int = 0
 
     def __post_init__(self) -> None:
         self.charged = self.decision.charged
@@ -194,7 +211,7 @@ class Ticket:
             self.released = True
             return
         self.released = True
-        refund = 0 if used_tokens is None else max(0, self.charged - used_tokens)
+        refund = 0 if used_tokens is None else max(0, self.charged - self.kept - used_tokens)
         try:
             await self.limiter.release(self.tenant.name, self.tenant.limits, self.request_id, refund)
         except BrokerError:  # the lease expires by itself (Redis); the refund is lost

@@ -2,7 +2,9 @@
 prompt (or a chat's messages, through the model's template) costs in tokens before
 sending it, and the text of token ids. Same API key, model names and limits as the
 generate routes (docs/protocol.md, "Tokenize and detokenize"). Each call takes one
-request of the tenant's rpm before the tokenizer runs (`Gateway.meter`)."""
+request of the tenant's rpm before the tokenizer runs (`Gateway.meter`) and, after it,
+its token count from the tenant's tpm (`Gateway.charge_work`): a tokenizer pass over a
+prompt is work a tenant could otherwise multiply for free."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ async def tokenize(request: Request) -> Response:
     model, max_len = await gw.models.resolve(req.model, tenant)
     headers = await gw.meter(tenant, model.svc.metrics)
     ids = await prepare.tokenize(req, model, gw.cfg)
+    await gw.charge_work(tenant, len(ids))
 
     def answer() -> bytes:
         # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
@@ -46,4 +49,6 @@ async def detokenize(request: Request) -> Response:
     tenant = request_tenant(request.state)
     model, _ = await gw.models.resolve(req.model, tenant)
     headers = await gw.meter(tenant, model.svc.metrics)
-    return JSONResponse({"prompt": await prepare.detokenize(req, model.codec)}, headers=headers)
+    text = await prepare.detokenize(req, model.codec)
+    await gw.charge_work(tenant, len(req.tokens))
+    return JSONResponse({"prompt": text}, headers=headers)
