@@ -77,5 +77,7 @@ def test_a_spec_whose_compile_costs_more_than_the_tpm_is_refused_so(srv: Any) ->
         srv.gateway.cfg.spec_compile_tokens_per_s = old
     assert r.status_code == 429, r.text
     assert "structured-output spec" in r.json()["error"]["message"]
-    ok = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": PROMPT[:5], "max_tokens": 4}, timeout=60)
+    ok = httpx.post(
+        f"{srv.base_url}/v1/completions", json={"prompt": PROMPT[:5], "max_tokens": 4}, timeout=60
+    )
     assert ok.status_code == 200, ok.text
