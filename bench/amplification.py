@@ -50,6 +50,19 @@ prompt-logprob rows, and every event-loop stall over 20 ms):
   plain long prompt's chunk, paid-for work, is now the longest step: at context 1,500 a
   token costs 2.6x what it costs at 0 (the CPU attention), so the 2x bar on 2 cores
   needs `--batched-tokens` near 256 or a faster attention, not a smaller charge.
+- A prompt-logprob row is not the outlier the traces suggested: per row 0.8-1.2 ms of CPU
+  (one thread; the LM head's row is 0.65-0.9 of it) against 2.5-4.5 ms for the row's own
+  prompt token, so the charge of 1.0 is about 3x the cost (scheduler docstring). What
+  stretches steps is the GIL: every operator of a step hands it back and then waits up to
+  the switch interval (5 ms) for it, so any thread of the server running Python (or native
+  code that keeps the GIL) stalls the engine far beyond its own CPU. One thread doing one
+  job in a loop beside 16 decodes (one torch thread, step wall median, 108 ms alone):
+  rendering a 1,500 x 20 prompt table (0.1 s of Python) 539 ms; `wire.encode` of that table
+  (a Redis publish, on the step thread itself: `asdict` deep-copies it, 0.13-0.25 s, where a
+  shallow dict gives the same bytes in 3 ms) 487; `wire.decode` of it (pydantic keeps the
+  GIL for its 0.1 s) 5,026; compiling a unique 40-field schema 355; /tokenize of 900k
+  characters (`encode_batch`) 364. With `sys.setswitchinterval(0.0005)` (this script's
+  `--switch-interval-ms 0.5`): 345, 326, 5,174, 332 and 289 against 131 alone.
 - Not changed here: the engine's torch threads. Where the gateway shares the engine's
   cores (`wsllm serve` on 2 cores), `--threads` one less than the cores trades some
   throughput for steady steps; compare `--threads 1` with the default on a quiet machine.
@@ -147,7 +160,14 @@ def trace_server(engine: Any, path: str) -> Any:
     return monitor
 
 
-def serve(port: int, model: str | None, threads: int | None, batched_tokens: int, trace: str | None) -> None:
+def serve(
+    port: int,
+    model: str | None,
+    threads: int | None,
+    batched_tokens: int,
+    trace: str | None,
+    switch_interval_ms: float | None = None,
+) -> None:
     import uvicorn
 
     from wsllm.broker.memory import MemoryBroker
@@ -156,6 +176,8 @@ def serve(port: int, model: str | None, threads: int | None, batched_tokens: int
     from wsllm.engine.worker import EngineWorker
     from wsllm.server.app import create_app, uvicorn_config
 
+    if switch_interval_ms is not None:  # how long a GIL-holding gateway thread keeps a step waiting
+        sys.setswitchinterval(switch_interval_ms / 1000)
     broker = MemoryBroker(max_queue_depth=4096)
     # the engine loads on the thread that runs it, as in `wsllm serve` (EngineWorker.spawn)
     worker = EngineWorker.spawn(
@@ -190,6 +212,7 @@ def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
     cmd += ["--threads", str(args.threads)] if args.threads else []
     cmd += ["--batched-tokens", str(args.batched_tokens)]
     cmd += ["--trace", args.trace] if args.trace else []
+    cmd += ["--switch-interval-ms", str(args.switch_interval_ms)] if args.switch_interval_ms else []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -415,11 +438,19 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a few requests of each kind, to check it runs")
     p.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
     p.add_argument("--trace", help="write the server's engine steps and event-loop stalls to this file")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="the server's sys.setswitchinterval (Python's default: 5 ms), to compare GIL hand-over",
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        return serve(args.port, args.model, args.threads, args.batched_tokens, args.trace)
+        return serve(
+            args.port, args.model, args.threads, args.batched_tokens, args.trace, args.switch_interval_ms
+        )
     if args.smoke:
         args.streams, args.tokens, args.attacks, args.concurrency, args.repeat = 2, 24, 8, 2, 1
         args.tokenize_chars, args.lead_s = 20_000, 0.5

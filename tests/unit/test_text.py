@@ -210,3 +210,17 @@ def test_special_token_text_in_a_message_stays_text(codec: TextCodec) -> None:
             codec.render_chat([{"role": "user", "content": "hi"}]), add_special_tokens=False
         ).ids
     )
+
+
+def test_token_strs_are_the_vocabularys_strings_short_or_long(codec: TextCodec) -> None:
+    # vLLM's /tokenize token_strs: a long prompt reads them from a table of the vocabulary
+    # (the GIL held a sixth as long), a short one asks the tokenizer: the same strings
+    rng = random.Random(1)
+    text = " ".join(rng.choice(TEXTS) for _ in range(600))
+    ids = codec.encode(text)
+    assert len(ids) > 4096, "long enough for the table"
+    short = codec.token_strs(ids[:50])
+    long = codec.token_strs(ids)
+    assert long == [codec.backend.id_to_token(t) for t in ids]
+    assert short == long[:50] and "Ġworld" in long
+    assert codec.token_strs([codec.backend.get_vocab_size(), ids[0]]) == [None, long[0]]  # past the table

@@ -30,8 +30,12 @@ from wsllm import kernels
 from wsllm.engine.sequence import Sequence
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
-# Rows of [rows, vocab] fp32 logits reduced at once: 2**26 floats (256 MiB) per slice.
-_LOGPROB_SLICE_FLOATS = 1 << 26
+# Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
+# vocabulary) per slice. The slice stays in the last-level cache through its passes (gather,
+# top-k, max, exp, sum), is reused from the heap rather than mapped afresh, and is still
+# wide enough that the LM head's kernel reads its weights once for many rows.
+_LOGPROB_SLICE_FLOATS = 1 << 21
+_LOGPROB_SLICE_MIN_ROWS = 16  # a large vocabulary: fewer rows would read the LM head too often
 
 
 @dataclass(slots=True)
@@ -194,19 +198,32 @@ class ModelRunner:
         return out
 
     def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[Any]:
-        """[logprob of targets[i], top `top` (token, logprob)] for each row of hidden [rows, hidden]."""
+        """[logprob of targets[i], top `top` (token, logprob)] for each row of hidden [rows, hidden].
+
+        A row's cost is its LM-head row (a decode's logits; the rest of the forward is the
+        row's own token) and a few passes over its logits: logprob = logit - logsumexp, so
+        the chosen token's logit is gathered and the top N taken from the logits themselves
+        (log_softmax is monotonic in a row), then the logsumexp is computed in place
+        (max, exp, sum: no [rows, vocab] copy), and each slice's numbers come back to
+        Python in one `.tolist()` for the values and one for the top ids."""
         vocab = self.model.config.vocab_size
-        step = max(1, _LOGPROB_SLICE_FLOATS // vocab)
-        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        step = max(_LOGPROB_SLICE_MIN_ROWS, _LOGPROB_SLICE_FLOATS // vocab)
+        top = min(top, vocab)
+        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)[:, None]  # [rows, 1]
         entries: list[Any] = []
         for a in range(0, len(targets), step):
-            lp = self.model.compute_logits(hidden[a : a + step])[:, :vocab].log_softmax(dim=-1)
-            chosen = lp.gather(1, tgt[a : a + step, None])[:, 0].tolist()
-            if not top:
-                entries += [[c, []] for c in chosen]
+            logits = self.model.compute_logits(hidden[a : a + step])[:, :vocab]  # [s, vocab] fp32
+            picked = logits.gather(1, tgt[a : a + step])  # [s, 1]
+            top_i = None
+            if top:
+                top_v, top_i = logits.topk(top, dim=-1)  # [s, top]
+                picked = torch.cat([picked, top_v], dim=1)  # [s, 1 + top]
+            peak = logits.amax(dim=-1, keepdim=True)  # [s, 1]
+            lse = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True).log_().add_(peak)  # logits spent
+            values = picked.sub_(lse).tolist()
+            if top_i is None:
+                entries += [[v[0], []] for v in values]
                 continue
-            top_v, top_i = lp.topk(min(top, vocab), dim=-1)
-            ids, vals = top_i.tolist(), top_v.tolist()
-            for j, c in enumerate(chosen):
-                entries.append([c, [[t, v] for t, v in zip(ids[j], vals[j], strict=True)]])
+            for v, ids in zip(values, top_i.tolist(), strict=True):
+                entries.append([v[0], [[t, lp] for t, lp in zip(ids, v[1:], strict=True)]])
         return entries

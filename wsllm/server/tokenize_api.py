@@ -34,7 +34,7 @@ async def tokenize(request: Request) -> Response:
 
     def answer() -> bytes:
         # vLLM's token_strs: the vocabulary's own strings (byte-level: "Ġworld" for " world")
-        strs = [model.codec.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
+        strs = model.codec.token_strs(ids) if req.return_token_strs else None
         return orjson.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
 
     # a long prompt's answer is megabytes of JSON: built off the loop
