@@ -118,11 +118,6 @@ def test_a_websocket_client_resumes_on_the_other_gateway(cluster: Cluster) -> No
     assert joined(first + rest) == whole
 
 
-@pytest.mark.xfail(
-    reason="known bug since routing and the per-gateway results streams were merged: about one run in two, "
-    "a token reaches the resumed client twice (61 deltas for max_tokens 60); issue 24's note tracks it",
-    strict=False,
-)
 def test_a_resume_while_the_old_socket_still_closes_keeps_the_new_one(cluster: Cluster) -> None:
     """A client that reconnects to the same gateway before that gateway noticed its
     old socket went: the old one's clean-up must not cut the resumed stream."""

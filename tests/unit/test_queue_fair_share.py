@@ -182,3 +182,23 @@ def test_a_taken_request_is_handed_back_and_recovered_through_the_request_stream
     finally:
         a.close()
         b.close()
+
+
+def test_once_every_waiting_request_is_taken_the_turn_keys_are_gone(make: Any) -> None:
+    """The levels, the tenants' turns and their streams live only while requests wait
+    (the take removes them as it empties them): the soak's 'Redis as it found it'."""
+    with make() as b:
+        if not hasattr(b, "_sync"):
+            pytest.skip("the memory broker keeps no keys")
+        for i in range(6):
+            submit(b, req(f"w{i}", f"t{i % 3}", priority=i % 2))
+        got: list[str] = []
+        for _ in range(10):
+            got += [r.request_id for r in b.pull(2, timeout=0.5)]
+            if len(got) == 6:
+                break
+        assert sorted(got) == [f"w{i}" for i in range(6)]
+        turn_keys = [
+            k for k in b._sync.scan_iter(match="*:q:*") if not k.endswith((b":nt", b":seen", b":tk"))
+        ]
+        assert turn_keys == []

@@ -231,6 +231,34 @@ def test_a_request_resumes_on_another_gateway_by_its_id(brokers) -> None:
     assert attach == 1 and asyncio.run(gw1.abort_unless_resumed("r7", 0)) is False
 
 
+def test_a_resume_on_the_same_gateway_gets_each_event_once_in_order(brokers) -> None:
+    """Events read for the old client but not yet routed when its owner resumes on the
+    same gateway do not reach the new client: it reads them, in order, from the start."""
+    gw, engine = brokers(), brokers("engine-a")
+    asyncio.run(gw.submit(req("r8"), context={"api": "ws_chat"}))
+    pull_until(engine)
+
+    async def go() -> list[TokenEvent]:
+        events = gw.events()
+        await asyncio.to_thread(engine.publish, [tokens_event("r8", 0, [31])])
+        got = list(await asyncio.wait_for(anext(events), 10))  # the old client's first event
+        await asyncio.to_thread(engine.publish, [tokens_event("r8", 1, [32])])
+        deadline = time.monotonic() + 10
+        while not gw.gateway._out.qsize():  # read for the old client, not routed yet
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await gw.follow("r8")  # the resume replaces the old client's follow
+        resumed: list[TokenEvent] = []
+        await asyncio.to_thread(engine.publish, [tokens_event("r8", 2, [33], "stop")])
+        while not resumed or resumed[-1].finish_reason is None:
+            resumed += await asyncio.wait_for(anext(events), 10)
+        await events.aclose()
+        return got + resumed
+
+    events = asyncio.run(go())
+    assert [(e.seq, e.token_ids) for e in events] == [(0, [31]), (0, [31]), (1, [32]), (2, [33])]
+
+
 def test_a_resumed_request_is_aborted_after_its_new_client_leaves_too(brokers) -> None:
     """One resume must not turn the grace abort off for good: the client that resumed
     it leaves as well, and its own grace abort goes ahead."""

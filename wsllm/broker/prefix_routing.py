@@ -58,12 +58,17 @@ def summary_key(queue: str, engine: str) -> str:
     return f"{queue}:pfx:{engine}"
 
 
-def publish(r: Any, queue: str, engine: str, block_size: int, keys: Sequence[bytes], ttl_ms: int) -> None:
-    """Store an engine's summary (blocking redis-py, the engine's side)."""
+def publish(
+    r: Any, queue: str, engine: str, block_size: int, keys: Sequence[bytes], ttl_ms: int, versions_ttl: bool
+) -> None:
+    """Store an engine's summary (blocking redis-py, the engine's side); with
+    `versions_ttl`, give the versions hash its TTL again (a few times per TTL is enough:
+    every command counts against the tokens generated)."""
     pipe = r.pipeline(transaction=False)
     pipe.set(summary_key(queue, engine), pack(block_size, keys), px=ttl_ms)
     pipe.hset(queue + ":pfxv", engine, repr(time.time()))
-    pipe.pexpire(queue + ":pfxv", ttl_ms)
+    if versions_ttl:
+        pipe.pexpire(queue + ":pfxv", ttl_ms)
     pipe.execute()
 
 

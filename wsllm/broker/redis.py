@@ -16,6 +16,7 @@ the layout are in docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -62,6 +63,7 @@ class RedisBroker(Broker):
         consumer = engine_id or self.cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth, max_queue_share)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
+        self._versions_ttl_at = 0.0  # when the prefix versions hash needs its TTL again
 
     @property
     def consumer(self) -> str:
@@ -141,7 +143,13 @@ class RedisBroker(Broker):
         if self.cfg.routing == "prefix" and not self.engine.closed.is_set():
             ttl_ms = int(self.cfg.engine_ttl_s * 1000)
             try:
-                prefix_routing.publish(self._sync, self.engine.queue, self.consumer, block_size, keys, ttl_ms)
+                now = time.monotonic()
+                refresh = now >= self._versions_ttl_at
+                if refresh:
+                    self._versions_ttl_at = now + self.cfg.engine_ttl_s / 4
+                prefix_routing.publish(
+                    self._sync, self.engine.queue, self.consumer, block_size, keys, ttl_ms, refresh
+                )
             except UNAVAILABLE as e:
                 log.debug("redis unavailable for the prefix summary (%s)", e)
 

@@ -395,9 +395,11 @@ class EngineSide(Registry):
 
     def _add_acks(self, pipe: Any, ended: list[tuple[str, str]]) -> None:
         retention = int(self.cfg.stream_retention_s * 1000)
-        for entry_id, rid in ended:
-            pipe.xack(self.queue, GROUP, entry_id)
-            pipe.xdel(self.queue, entry_id)
+        if ended:  # one XACK and one XDEL for the step, whatever ended in it
+            ids = [entry_id for entry_id, _ in ended]
+            pipe.xack(self.queue, GROUP, *ids)
+            pipe.xdel(self.queue, *ids)
+        for _, rid in ended:
             if rid:
                 pipe.pexpire(self.keys.out(self.model, rid), retention)
         rids = [rid for _, rid in ended if rid]

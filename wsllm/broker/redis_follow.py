@@ -1,6 +1,12 @@
 """What a gateway keeps per followed request, and the checks on each event it reads
 from the request's result stream (`redis_gateway.GatewaySide`'s reader): duplicates
-(a retried publish) are dropped and a gap ends the request with `worker_lost`."""
+(a retried publish) are dropped and a gap ends the request with `worker_lost`.
+
+A follow is replaced, not updated, when its request is followed again (a resume on
+the same gateway): the new one reads the request from its start. The reader hands
+each event on with the follow it was checked against (`Read`), and the gateway drops
+those whose follow went stale before they were routed: they were read for the old
+client, and a new one gets them again, in order, from the history."""
 
 from __future__ import annotations
 
@@ -24,6 +30,14 @@ class Follow:
     history: bool = False  # followed from its start (a resume): read its history stream too
     next_seq: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    #: replaced by a new follow (a resume) or forgotten by its client: the events read
+    #: for it and not yet handed on are dropped
+    stale: bool = False
+
+
+# An event as the reader passed it, with the follow it was checked against (None: an
+# event of no follow, such as a request lost while Redis was away).
+Read = tuple[TokenEvent, Follow | None]
 
 
 def entry_events(f: Follow, fields: dict[bytes, bytes]) -> list[TokenEvent]:

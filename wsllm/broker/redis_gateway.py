@@ -31,7 +31,7 @@ from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resuma
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.prefix_routing import PrefixRouter
 from wsllm.broker.redis_conn import async_client
-from wsllm.broker.redis_follow import Follow
+from wsllm.broker.redis_follow import Follow, Read
 from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
 from wsllm.config import RedisConfig
@@ -69,7 +69,7 @@ class GatewaySide:
         self._results_ttl_ms = cfg.results_ttl_ms
         self._models: set[str] = {model}  # the models this gateway reads (one reader each)
         self._model_of: OrderedDict[str, str] = OrderedDict()
-        self._out: asyncio.Queue[list[TokenEvent]] | None = None  # the readers' batches
+        self._out: asyncio.Queue[list[Read]] | None = None  # the readers' batches
         self._readers: dict[str, tuple[ModelReader, asyncio.Task[None]]] = {}
         self._follows: dict[str, Follow] = {}
         # request id -> (its waiting stream, its entry id there), until its first event
@@ -229,6 +229,9 @@ class GatewaySide:
         # At once (no await before it): a read for the follow this one replaces must not
         # hand this client events after it asked to start over. Its history stream first;
         # the results stream it goes on in once its meta is read.
+        old = self._follows.get(request_id)
+        if old is not None:  # its events not yet handed on were the old client's
+            old.stale = True
         f = self._follows[request_id] = Follow(model, history=True)
         self._start_reader(model)
         try:
@@ -264,22 +267,38 @@ class GatewaySide:
         self._queued.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
-        self._follows.pop(request_id, None)
+        """Stop following the request (its client left, or it was aborted): events read
+        for it and not yet handed on are dropped."""
+        f = self.ended(request_id)
+        if f is not None:
+            f.stale = True
+
+    def ended(self, request_id: str) -> Follow | None:
+        """The reader handed on the request's last event: stop following it."""
+        f = self._follows.pop(request_id, None)
         self._queued.pop(request_id, None)
         self._positions.pop(request_id, None)
         self._model_of.pop(request_id, None)
+        return f
 
     # -- the reader ----------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         """The events of every followed request, from one reader task per model."""
-        self._out = out = asyncio.Queue[list[TokenEvent]]()
+        self._out = out = asyncio.Queue[list[Read]]()
         for m in list(self._models):
             self._start_reader(m)
         try:
             while not self.closed:
                 with contextlib.suppress(TimeoutError):
-                    batch = await asyncio.wait_for(out.get(), READ_BLOCK_MS / 1000)
+                    reads = await asyncio.wait_for(out.get(), READ_BLOCK_MS / 1000)
+                    # Checked now, as the batch is routed: a resume may have replaced a
+                    # follow while its events waited in the queue (redis_follow.Read).
+                    batch = [ev for ev, f in reads if f is None or not f.stale]
+                    if len(batch) < len(reads):
+                        log.info(
+                            "dropped %d events read for a client that resumed since", len(reads) - len(batch)
+                        )
                     if batch:
                         yield batch
         finally:

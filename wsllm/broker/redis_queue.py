@@ -55,11 +55,13 @@ if not ok then
   pend = {0}
 end
 local total, mine = redis.call('XLEN', q) - pend[1], 0
+local levels, queued = {}, {}  -- the levels waiting; the levels where `tenant` waits
 for _, l in ipairs(redis.call('ZRANGE', q .. ':lv', 0, -1)) do
+  levels[l] = true
   for _, t in ipairs(redis.call('ZRANGE', q .. ':rr:' .. l, 0, -1)) do
     local n = redis.call('XLEN', q .. ':wq:' .. l .. ':' .. t)
     total = total + n
-    if t == tenant then mine = mine + n end
+    if t == tenant then mine = mine + n; queued[l] = true end
   end
 end
 """
@@ -84,10 +86,12 @@ local rr, w = q .. ':rr:' .. prio, q .. ':wq:' .. prio .. ':' .. tenant
 local fields = {'r', ARGV[4], 'i', ARGV[7], 'd', ARGV[8], 's', ARGV[12]}
 if ARGV[11] ~= '' then fields[#fields + 1] = 'e'; fields[#fields + 1] = ARGV[11] end
 local id = redis.call('XADD', w, '*', unpack(fields))
-if not redis.call('ZSCORE', rr, tenant) then
+if not levels[prio] then  -- a new level: no clock yet (a level's clock goes with it)
+  redis.call('ZADD', rr, 0, tenant)
+  redis.call('ZADD', q .. ':lv', prio, prio)
+elseif not queued[prio] then
   redis.call('ZADD', rr, redis.call('HGET', q .. ':clk', prio) or 0, tenant)
 end
-redis.call('ZADD', q .. ':lv', prio, prio)
 redis.call('XADD', KEYS[2], '*', 'm', ARGV[5], 'q', w, 'qe', id, 's', ARGV[12], 'rq', q)
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
 redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
@@ -105,8 +109,14 @@ COUNT = "local tenant = ''\n" + _COUNT + "return total\n"
 # that engine is busy: its last take filled its room, or it has not taken for twice
 # its usual interval between takes (it is mid-step, full, or gone). `{queue}:seen`
 # keeps, per engine, its last take (ms), that interval (a moving average) and whether
-# the take filled its room.
-# KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, tenants
+# the take filled its room; the engine passes its own last take and interval back in
+# (ARGV[8], ARGV[9]: they come back with the take's reply), so the script only writes.
+# Every call is a command counted against each generated token: the script keeps what
+# it learnt in locals (a tenant stream's length from its XRANGE, a level's clock until
+# the level is done) instead of asking again.
+# KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, tenants,
+#                     last take (ms, 0: none), interval (ms)
+#   -> {now (ms), interval, XREADGROUP reply}
 TAKE = """
 local q, n, me = KEYS[1], tonumber(ARGV[3]), ARGV[4]
 local steal, scan, width = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]) - 1
@@ -132,8 +142,12 @@ local function mayTake(id, f)
   end
   return true
 end
+-- one entry of the level's turn; returns taken, the tenant's new score (nil: none
+-- taken), and whether the level's tenants are all gone
 local function takeOne(prio, rr)
   local tenants = redis.call('ZRANGE', rr, 0, width, 'WITHSCORES')
+  local left = #tenants / 2  -- tenants of the level still in rr (of those looked at)
+  local all = #tenants / 2 <= width  -- the ZRANGE saw every tenant of the level
   for i = 1, #tenants, 2 do
     local tenant, score = tenants[i], tonumber(tenants[i + 1])
     local w = q .. ':wq:' .. prio .. ':' .. tenant
@@ -145,39 +159,52 @@ local function takeOne(prio, rr)
           if f[j] ~= 'e' then moved[#moved + 1] = f[j]; moved[#moved + 1] = f[j + 1] end
           if f[j] == 'i' then rid = f[j + 1] end
         end
-        redis.call('XDEL', w, e[1])
         local id = redis.call('XADD', q, '*', unpack(moved))
         if rid then redis.call('HSET', q .. ':tk', rid, id) end
-        redis.call('HSET', q .. ':clk', prio, score)
-        if redis.call('XLEN', w) == 0 then
+        if #entries == 1 then  -- it was the tenant's last waiting entry
           redis.call('DEL', w)
           redis.call('ZREM', rr, tenant)
+          left = left - 1
         else
+          redis.call('XDEL', w, e[1])
           redis.call('ZADD', rr, score + 1, tenant)
         end
-        return true
+        return true, score, all and left == 0
       end
     end
-    if #entries == 0 then redis.call('DEL', w); redis.call('ZREM', rr, tenant) end
+    if #entries == 0 then
+      redis.call('DEL', w)
+      redis.call('ZREM', rr, tenant)
+      left = left - 1
+    end
   end
-  return false
+  return false, nil, all and left == 0
 end
 local taken = 0
 for _, prio in ipairs(redis.call('ZREVRANGE', q .. ':lv', 0, -1)) do
   local rr = q .. ':rr:' .. prio
-  while taken < n and takeOne(prio, rr) do taken = taken + 1 end
-  if redis.call('EXISTS', rr) == 0 then
+  local clock, gone = nil, false
+  while taken < n do
+    local ok, score, empty = takeOne(prio, rr)
+    if ok then taken = taken + 1; clock = score end
+    gone = empty
+    if not ok or empty then break end
+  end
+  if gone then  -- exact: takeOne saw every tenant of the level, or some stay
     redis.call('ZREM', q .. ':lv', prio)
     redis.call('HDEL', q .. ':clk', prio)
+  elseif clock then
+    redis.call('HSET', q .. ':clk', prio, clock)
   end
   if taken >= n then break end
 end
-local v = redis.call('HMGET', seen, me, me .. ':p')
-local last, period = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+local last, period = tonumber(ARGV[8]), tonumber(ARGV[9])
 if last > 0 then period = 0.8 * period + 0.2 * math.min(now - last, 1000) end
-redis.call('HSET', seen, me, now, me .. ':p', period, me .. ':f', taken >= n and '1' or '0')
-redis.call('PEXPIRE', seen, 3600000)
-return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', q, '>')
+if redis.call('HSET', seen, me, now, me .. ':p', period, me .. ':f', taken >= n and '1' or '0') > 0 then
+  redis.call('PEXPIRE', seen, 3600000)  -- new fields: a new engine, or a new hash
+end
+local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', q, '>')
+return {now, tostring(period), got}
 """
 
 # Queue deadlines over the waiting streams: entries whose deadline `d` passed leave,
@@ -275,6 +302,8 @@ class Taker:
         self.consumer = consumer
         self.steal_ms = int(steal_after_s * 1000)
         self._take = r.register_script(TAKE)
+        self._last = 0  # this engine's last take (Redis's clock, ms) and its usual interval
+        self._period = 0.0
 
     def take(self, count: int, timeout: float, closed: threading.Event, slice_s: float) -> list[Any]:
         """Raw XREADGROUP entries: [(entry id, fields), ...]. Waits on the wake-up
@@ -283,10 +312,9 @@ class Taker:
         wake = self.queue + ":nt"
         while True:
             last = self.r.xrevrange(wake, count=1) if timeout > 0 else None
-            resp = self._take(
-                keys=[self.queue],
-                args=[self.group, self.consumer, count, self.consumer, self.steal_ms, SCAN, TENANTS],
-            )
+            args = [self.group, self.consumer, count, self.consumer, self.steal_ms, SCAN, TENANTS]
+            now, period, resp = self._take(keys=[self.queue], args=[*args, self._last, self._period])
+            self._last, self._period = int(now), float(period)
             # A script's reply is raw: each entry's fields come as a flat list.
             entries = [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in (resp[0][1] if resp else [])]
             left = deadline - time.monotonic()

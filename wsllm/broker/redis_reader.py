@@ -33,7 +33,7 @@ import orjson
 import redis.exceptions
 
 from wsllm.broker.redis_conn import reader_client
-from wsllm.broker.redis_follow import Follow, checked, entry_events
+from wsllm.broker.redis_follow import Follow, Read, checked, entry_events
 from wsllm.broker.redis_keys import UNAVAILABLE
 from wsllm.types import TokenEvent, WireError
 from wsllm.wire import decode_events
@@ -88,7 +88,7 @@ class ModelReader:
                     r.cursors[f.results] = f.tail_id
         return r
 
-    async def run(self, out: asyncio.Queue[list[TokenEvent]]) -> None:
+    async def run(self, out: asyncio.Queue[list[Read]]) -> None:
         reader: Any = None
         wake_id = "$"
         broken = False
@@ -117,7 +117,7 @@ class ModelReader:
                         log.warning("redis is back; checking the followed requests of %s", self.model)
                         lost = await self.gw.check_followed(self.model)
                         if lost:
-                            out.put_nowait(lost)
+                            out.put_nowait([(ev, None) for ev in lost])
                 except UNAVAILABLE as e:
                     _raise_if_cancelled()
                     if not broken:
@@ -138,7 +138,7 @@ class ModelReader:
                 got = {k.decode(): entries for k, entries in resp or []}
                 if self.wake_key in got:
                     wake_id = got[self.wake_key][-1][0].decode()
-                batch: list[TokenEvent] = []
+                batch: list[Read] = []
                 for key, (
                     rid,
                     f,
@@ -160,29 +160,27 @@ class ModelReader:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reader.aclose(), _CLOSE_S)
 
-    def _take(self, rid: str, f: Follow, entries: list[Any]) -> list[TokenEvent]:
+    def _take(self, rid: str, f: Follow, entries: list[Any]) -> list[Read]:
         """Entries of a request's history stream."""
         if self.gw.follows.get(rid) is not f:  # forgotten, or followed anew (a resume), meanwhile
             return []
-        out: list[TokenEvent] = []
+        out: list[Read] = []
         for entry_id, fields in entries:
             f.last_id = entry_id.decode()
             try:
                 events = entry_events(f, fields)
             except _BAD as e:  # one bad entry ends its own request, and nothing else
                 log.error("unreadable entry %s of %s: %s", entry_id, rid, e)
-                out.append(TokenEvent.lost(rid, "the engine sent an event this gateway cannot read"))
-                self.gw.forget(rid)
+                out.append((TokenEvent.lost(rid, "the engine sent an event this gateway cannot read"), f))
+                self.gw.ended(rid)
                 return out
             if self._apply(rid, f, events, out):
                 return out
         return out
 
-    def _take_live(
-        self, key: str, follows: dict[str, Follow], start: str, entries: list[Any]
-    ) -> list[TokenEvent]:
+    def _take_live(self, key: str, follows: dict[str, Follow], start: str, entries: list[Any]) -> list[Read]:
         """Entries of a results stream: each step's events of many requests."""
-        out: list[TokenEvent] = []
+        out: list[Read] = []
         last = start
         # A new request of this gateway joined during the read at the cursor it started
         # from (or later): the read covers it too. A resume needs its history first.
@@ -215,7 +213,7 @@ class ModelReader:
             self.cursor = last
         return out
 
-    def _apply(self, rid: str, f: Follow, events: list[TokenEvent], out: list[TokenEvent]) -> bool:
+    def _apply(self, rid: str, f: Follow, events: list[TokenEvent], out: list[Read]) -> bool:
         """Check and keep a request's events; True once it ended (forgotten)."""
         if events:
             self.gw.started(rid)
@@ -223,8 +221,8 @@ class ModelReader:
             ev = checked(rid, f, raw)
             if ev is None:
                 continue
-            out.append(ev)
+            out.append((ev, f))
             if ev.ends_request or len(f.done) >= f.n:
-                self.gw.forget(rid)
+                self.gw.ended(rid)
                 return True
         return False
