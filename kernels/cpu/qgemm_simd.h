@@ -10,6 +10,10 @@
 //   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte,
 //   shl16, shr16 (16-bit lanes, constant counts), and8(v, byte mask)
 //   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
+//   pairs(u, s)    int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1] (vpmaddubsw); add16, madd16
+//                  (int16 pairs times int16 pairs, summed into int32: vpmaddwd)
+//   scale16u/s(p)  L per-row scale bytes (unsigned / signed), each in both int16 halves of its lane
+//   pair16u/s(a, b) two rows of L scale bytes, lane r = (a[r], b[r]) as int16; shl32
 //   add, sub, mullo, set1 on VI; cvt, fmul, fadd, fsub, fset1, fzero, store on VF
 // A unit holds 4 bytes of each of the 16 rows of a group: lane r = row r, and the same 4
 // quants of x in every lane (a broadcast load) make one `vpdpbusd` of 16 rows' partial sums.
@@ -72,58 +76,92 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   }
 }
 
+// The K-quants on int16 pair sums, one vector of L rows (`h`) over all the blocks at a time:
+// `pairs` (vpmaddubsw) gives int16 sums of 2 products, a few units' of them add in int16
+// without overflowing, and one `madd16` (vpmaddwd) against the sub-block's scale in both int16
+// halves of every lane gives the int32 sc_j * dot_j at once: no int32 sum per sub-block, no
+// vpmulld, and few enough registers for several rows of x per weight vector. The integers are those of kernels/quant_ref.py (exact, any order), so are the results' bits.
+// The min (Q4_K, Q5_K) and -32 (Q6_K) terms are one madd16 per pair of sub-blocks against the
+// x sums (int16: |sum of 32 quants| <= 4064), the pair's two scales side by side in each lane.
+// tile() runs the blocks kChunk at a time, each vector of rows in turn over them (the chunk
+// stays in L1 for the next), and the first pass prefetches the chunk after: on one core the
+// stream's bandwidth needs requests in flight ahead of the loads (Q6_K: 1.6x with it).
+constexpr int kChunk = 4;
+
+WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 halves of every lane
+  return Vec::set1(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
+}
+
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
 // the bytes of qs (low nibbles: the first), Q5_K's fifth bits are bit j of qh for sub-block j.
-template <int MT, int QT>
-WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+// NH vectors of rows h0 .. h0 + NH - 1 together (batch 1: both of AVX2's, sharing x's loads).
+template <int MT, int NH, int QT>
+WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, int h0, int b0, int b1, VF (*acc)[MT]) {
   constexpr Off o = offsets(QT);
-  for (int b = 0; b < a.nb; ++b) {
+  // units per int16 sum: 8 * 2 * 15 * 127 (4 bits) and 4 * 2 * 31 * 127 (5 bits) < 2**15
+  constexpr int chunk = QT == Q4_K ? 8 : 4;
+  for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    VI isum[MT][R];
-    for (int i = 0; i < MT; ++i)
-      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
+    if (h0 == 0)  // the block kChunk on: the memory stream's requests in flight ahead of the loads
+      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + kChunk * o.bytes + off, 0, 3);
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
+    VI isum[NH][MT];
+    for (int n = 0; n < NH; ++n)
+      for (int i = 0; i < MT; ++i) isum[n][i] = Vec::zero();
+#pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      VI s0[MT][R], s1[MT][R];
-      for (int i = 0; i < MT; ++i)
-        for (int h = 0; h < R; ++h) s0[i][h] = s1[i][h] = Vec::zero();
-      for (int v = 0; v < 8; v += 2) {  // two units of the same sub-blocks per dot2
-        for (int h = 0; h < R; ++h) {
-          const VI wa = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
-          const VI wb = Vec::load(blk + o.qs + (p * 8 + v + 1) * kUnit + h * L * 4);
-          VI loa = Vec::lo4(wa), hia = Vec::hi4(wa), lob = Vec::lo4(wb), hib = Vec::hi4(wb);
-          if (QT == Q5_K) {
-            const VI qa = Vec::load(blk + o.qh + v * kUnit + h * L * 4);
-            const VI qb = Vec::load(blk + o.qh + (v + 1) * kUnit + h * L * 4);
-            loa = Vec::or_(loa, Vec::bits(qa, 2 * p, 1));
-            hia = Vec::or_(hia, Vec::bits(qa, 2 * p + 1, 1));
-            lob = Vec::or_(lob, Vec::bits(qb, 2 * p, 1));
-            hib = Vec::or_(hib, Vec::bits(qb, 2 * p + 1, 1));
+#pragma GCC unroll 2
+      for (int c = 0; c < 8; c += chunk) {
+        VI plo[NH][MT], phi[NH][MT];
+        for (int n = 0; n < NH; ++n)
+          for (int i = 0; i < MT; ++i) plo[n][i] = phi[n][i] = Vec::zero();
+#pragma GCC unroll 8
+        for (int v = c; v < c + chunk; ++v) {
+          VI lo[NH], hi[NH];
+          for (int n = 0; n < NH; ++n) {
+            const VI w = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + (h0 + n) * L * 4);
+            lo[n] = Vec::lo4(w);
+            hi[n] = Vec::hi4(w);
+            if (QT == Q5_K) {
+              const VI qh = Vec::load(blk + o.qh + v * kUnit + (h0 + n) * L * 4);
+              lo[n] = Vec::or_(lo[n], Vec::bits(qh, 2 * p, 1));
+              hi[n] = Vec::or_(hi[n], Vec::bits(qh, 2 * p + 1, 1));
+            }
           }
           for (int i = 0; i < MT; ++i) {
-            const int8_t* x = a.qrow(m0 + i) + b * 256 + p * 64 + 4 * v;
-            s0[i][h] = Vec::dot2(s0[i][h], loa, Vec::bcast4(x), lob, Vec::bcast4(x + 4));
-            s1[i][h] = Vec::dot2(s1[i][h], hia, Vec::bcast4(x + 32), hib, Vec::bcast4(x + 36));
+            const VI xl = Vec::bcast4(xb[i] + p * 64 + 4 * v), xh = Vec::bcast4(xb[i] + p * 64 + 32 + 4 * v);
+            for (int n = 0; n < NH; ++n) {
+              plo[n][i] = Vec::add16(plo[n][i], Vec::pairs(lo[n], xl));
+              phi[n][i] = Vec::add16(phi[n][i], Vec::pairs(hi[n], xh));
+            }
           }
         }
-      }
-      for (int h = 0; h < R; ++h) {
-        const VI sc0 = Vec::u8(blk + o.sc + (2 * p) * kRows + h * L);
-        const VI sc1 = Vec::u8(blk + o.sc + (2 * p + 1) * kRows + h * L);
-        for (int i = 0; i < MT; ++i)
-          isum[i][h] = Vec::add(isum[i][h], Vec::add(Vec::mullo(sc0, s0[i][h]), Vec::mullo(sc1, s1[i][h])));
+        for (int n = 0; n < NH; ++n) {
+          const VI sclo = Vec::scale16u(blk + o.sc + (2 * p) * kRows + (h0 + n) * L);
+          const VI schi = Vec::scale16u(blk + o.sc + (2 * p + 1) * kRows + (h0 + n) * L);
+          for (int i = 0; i < MT; ++i)
+            isum[n][i] = Vec::add(isum[n][i], Vec::add(Vec::madd16(plo[n][i], sclo), Vec::madd16(phi[n][i], schi)));
+        }
       }
     }
-    for (int h = 0; h < R; ++h) {
+    for (int n = 0; n < NH; ++n) {
+      const int h = h0 + n;
+      VI msum[MT];
+      for (int i = 0; i < MT; ++i) msum[i] = Vec::zero();
+      for (int j = 0; j < 8; j += 2) {
+        const VI mn = Vec::pair16u(blk + o.mn + j * kRows + h * L, blk + o.mn + (j + 1) * kRows + h * L);
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* s16 = a.sums(m0 + i) + b * 16 + 2 * j;
+          msum[i] = Vec::add(msum[i], Vec::madd16(mn, xsum_pair(s16[0] + s16[1], s16[2] + s16[3])));
+        }
+      }
       const VF dw = Vec::f16(blk + o.d + h * L * 2), dmin = Vec::f16(blk + o.m + h * L * 2);
       for (int i = 0; i < MT; ++i) {
-        const int32_t* s16 = a.sums(m0 + i) + b * 16;
-        VI msum = Vec::zero();
-        for (int j = 0; j < 8; ++j)
-          msum = Vec::add(msum, Vec::mullo(Vec::u8(blk + o.mn + j * kRows + h * L), Vec::set1(s16[2 * j] + s16[2 * j + 1])));
         const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
-        const VF t = Vec::fsub(Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])),
-                               Vec::fmul(Vec::fmul(dmin, dx), Vec::cvt(msum)));
-        acc[i][h] = Vec::fadd(acc[i][h], t);
+        const VF t = Vec::fsub(Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[n][i])),
+                               Vec::fmul(Vec::fmul(dmin, dx), Vec::cvt(msum[i])));
+        acc[n][i] = Vec::fadd(acc[n][i], t);
       }
     }
   }
@@ -131,77 +169,94 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
 
 // Q6_K: 16 groups of 16 with int8 scales; 4 low bits from ql, 2 high bits from qh (see
 // quant_formats.quant_values), unsigned 0..63 here and the -32 taken out with the sums of x.
-// One pass over a half's units loads each ql and qh unit once for the 4 quants they hold.
-// The 4 quants (t = 0..3, unsigned 0..63) in a ql unit, its partner 8 units on, and a qh unit.
-WSQ_TARGET inline void six_bits(const uint8_t* ql, const uint8_t* qh, VI* q) {
-  const VI la = Vec::load(ql), lb = Vec::load(ql + 8 * kUnit), h = Vec::load(qh);
-  q[0] = Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(h, 4), 0x30));
-  q[1] = Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(h, 2), 0x30));
-  q[2] = Vec::or_(Vec::hi4(la), Vec::and8(h, 0x30));
-  q[3] = Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(h, 2), 0x30));
+// In half hf of a block, unit v of quarter t (t = 0..3: x values hf * 128 + t * 32 + 4 v ..)
+// is the low (t < 2) or high nibbles of ql unit hf * 16 + v (+ 8 for odd t) and bits 2 t, 2 t + 1
+// of qh unit hf * 8 + v; units 0..3 are 16-group hf * 8 + 2 t, units 4..7 the next one.
+WSQ_TARGET inline VI six_bits(const uint8_t* blk, int hf, int t, int v, int h) {
+  constexpr Off o = offsets(Q6_K);
+  const VI l = Vec::load(blk + o.qs + (hf * 16 + v + (t & 1) * 8) * kUnit + h * L * 4);
+  const VI q = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
+  const VI hb = t == 0 ? Vec::shl16(q, 4) : t == 1 ? Vec::shl16(q, 2) : t == 2 ? q : Vec::shr16(q, 2);
+  return Vec::or_(t < 2 ? Vec::lo4(l) : Vec::hi4(l), Vec::and8(hb, 0x30));
 }
 
 template <int MT>
-WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0, int b1, VF* acc) {
   constexpr Off o = offsets(Q6_K);
-  for (int b = 0; b < a.nb; ++b) {
+  for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    VI isum[MT][R];
-    for (int i = 0; i < MT; ++i)
-      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
-    for (int hq = 0; hq < 4; ++hq) {  // quarter: half hf = hq / 2 of the block, 16-groups half = hq % 2
-      const int hf = hq >> 1, half = hq & 1;
-      VI s[MT][R][4];  // [x row][row vector][t]: the 16-groups hf * 8 + t * 2 + half
-      for (int i = 0; i < MT; ++i)
-        for (int h = 0; h < R; ++h)
-          for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::zero();
-      for (int v = half * 4; v < half * 4 + 4; v += 2) {  // units v, v + 1: one dot2 per t
-        for (int h = 0; h < R; ++h) {
-          VI qa[4], qb[4];
-          six_bits(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4, qa);
-          six_bits(blk + o.qs + (hf * 16 + v + 1) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v + 1) * kUnit + h * L * 4,
-                   qb);
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* x = a.qrow(m0 + i) + b * 256 + hf * 128 + 4 * v;
-            for (int t = 0; t < 4; ++t)
-              s[i][h][t] = Vec::dot2(s[i][h][t], qa[t], Vec::bcast4(x + t * 32), qb[t], Vec::bcast4(x + t * 32 + 4));
-          }
-        }
-      }
+    if (h == 0)  // the block kChunk on: the memory stream's requests in flight ahead of the loads
+      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + kChunk * o.bytes + off, 0, 3);
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
+    VI isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = Vec::zero();
+    #pragma GCC unroll 8
+    for (int hf = 0; hf < 2; ++hf) {
+      #pragma GCC unroll 8
       for (int t = 0; t < 4; ++t) {
-        const int jj = hf * 8 + t * 2 + half;
-        for (int h = 0; h < R; ++h) {
-          const VI sc = Vec::s8(blk + o.sc + jj * kRows + h * L);
-          for (int i = 0; i < MT; ++i) {
-            const VI d16 = Vec::sub(s[i][h][t], Vec::set1(32 * a.sums(m0 + i)[b * 16 + jj]));
-            isum[i][h] = Vec::add(isum[i][h], Vec::mullo(sc, d16));
+        #pragma GCC unroll 8
+        for (int half = 0; half < 2; ++half) {
+          const VI sc = Vec::scale16s(blk + o.sc + (hf * 8 + 2 * t + half) * kRows + h * L);
+          #pragma GCC unroll 8
+          for (int v0 = half * 4; v0 < half * 4 + 4; v0 += 2) {  // 2 units per int16 sum: 4 * 63 * 127 < 2**15
+            VI ps[MT];
+            for (int i = 0; i < MT; ++i) ps[i] = Vec::zero();
+            #pragma GCC unroll 8
+            for (int v = v0; v < v0 + 2; ++v) {
+              const VI q = six_bits(blk, hf, t, v, h);
+              for (int i = 0; i < MT; ++i)
+                ps[i] = Vec::add16(ps[i], Vec::pairs(q, Vec::bcast4(xb[i] + hf * 128 + t * 32 + 4 * v)));
+            }
+            for (int i = 0; i < MT; ++i) isum[i] = Vec::add(isum[i], Vec::madd16(ps[i], sc));
           }
         }
       }
     }
-    for (int h = 0; h < R; ++h) {
-      const VF dw = Vec::f16(blk + o.d + h * L * 2);
+    VI off[MT];  // sum over the 16-groups of sc * (x sum): the -32 of every quant, times 32 below
+    for (int i = 0; i < MT; ++i) off[i] = Vec::zero();
+    for (int j = 0; j < 16; j += 2) {
+      const VI sc = Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L);
       for (int i = 0; i < MT; ++i) {
-        const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
-        acc[i][h] = Vec::fadd(acc[i][h], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])));
+        const int32_t* s16 = a.sums(m0 + i) + b * 16 + j;
+        off[i] = Vec::add(off[i], Vec::madd16(sc, xsum_pair(s16[0], s16[1])));
       }
+    }
+    const VF dw = Vec::f16(blk + o.d + h * L * 2);
+    for (int i = 0; i < MT; ++i) {
+      const VI si = Vec::sub(isum[i], Vec::shl32(off[i], 5));
+      const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
+      acc[i] = Vec::fadd(acc[i], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si)));
     }
   }
 }
 
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
-  VF acc[MT][R];
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
-  if (QT == Q4_K || QT == Q5_K)
-    block_k45<MT, QT>(g, a, m0, acc);
-  else if (QT == Q6_K)
-    block_q6k<MT>(g, a, m0, acc);
-  else
+  if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K) {
+    // one vector of rows at a time over a few blocks (they stay in L1 for the next vector)
+    VF acc[R][MT];
+    for (int h = 0; h < R; ++h)
+      for (int i = 0; i < MT; ++i) acc[h][i] = Vec::fzero();
+    for (int b0 = 0; b0 < a.nb; b0 += kChunk) {
+      const int b1 = b0 + kChunk < a.nb ? b0 + kChunk : a.nb;
+      if constexpr (QT == Q6_K) {
+        for (int h = 0; h < R; ++h) block_q6k<MT>(g, a, m0, h, b0, b1, acc[h]);
+      } else {
+        constexpr int NH = MT == 1 ? R : 1;
+        for (int h = 0; h < R; h += NH) block_k45<MT, NH, QT>(g, a, m0, h, b0, b1, acc + h);
+      }
+    }
+    for (int h = 0; h < R; ++h)
+      for (int i = 0; i < MT; ++i) Vec::store(out + i * kRows + h * L, acc[h][i]);
+  } else {
+    VF acc[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
     block32<MT, QT>(g, a, m0, acc);
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
+  }
 }
 
 // x rows in tiles of Vec::tile(QT) (what the registers hold), up to kMaxTile per call.
