@@ -17,8 +17,8 @@ struct Vec {
   using VI = __m256i;
   using VF = __m256;
   static constexpr int L = 8;
-  // x rows per tile (what 16 registers hold)
-  static constexpr int tile(int) { return 4; }
+  // x rows per tile (what 16 registers hold: Q4_K and Q5_K keep two int16 sums and one int32 per row)
+  static constexpr int tile(int qt) { return qt == Q4_K || qt == Q5_K ? 2 : 4; }
   static constexpr bool kQ8Offset = false;  // vpmaddubsw's int16 pairs would saturate at 255 * 127 * 2
   WSQ_TARGET static VI flip(VI w) { return w; }
   WSQ_TARGET static VI load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

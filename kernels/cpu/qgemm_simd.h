@@ -109,39 +109,34 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, int h0, int b0
     VI isum[NH][MT];
     for (int n = 0; n < NH; ++n)
       for (int i = 0; i < MT; ++i) isum[n][i] = Vec::zero();
-#pragma GCC unroll 4
+#pragma GCC unroll 1  // unrolled, GCC loads ahead and spills
     for (int p = 0; p < 4; ++p) {
 #pragma GCC unroll 2
-      for (int c = 0; c < 8; c += chunk) {
-        VI plo[NH][MT], phi[NH][MT];
-        for (int n = 0; n < NH; ++n)
-          for (int i = 0; i < MT; ++i) plo[n][i] = phi[n][i] = Vec::zero();
+      for (int sb = 0; sb < 2; ++sb) {  // sub-block 2 p + sb: the low nibbles, then the high ones
+        const int j = 2 * p + sb;         // (the units load twice from L1; one int16 sum per row)
+#pragma GCC unroll 2
+        for (int c = 0; c < 8; c += chunk) {
+          VI ps[NH][MT];
+          for (int n = 0; n < NH; ++n)
+            for (int i = 0; i < MT; ++i) ps[n][i] = Vec::zero();
 #pragma GCC unroll 8
-        for (int v = c; v < c + chunk; ++v) {
-          VI lo[NH], hi[NH];
-          for (int n = 0; n < NH; ++n) {
-            const VI w = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + (h0 + n) * L * 4);
-            lo[n] = Vec::lo4(w);
-            hi[n] = Vec::hi4(w);
-            if (QT == Q5_K) {
-              const VI qh = Vec::load(blk + o.qh + v * kUnit + (h0 + n) * L * 4);
-              lo[n] = Vec::or_(lo[n], Vec::bits(qh, 2 * p, 1));
-              hi[n] = Vec::or_(hi[n], Vec::bits(qh, 2 * p + 1, 1));
-            }
-          }
-          for (int i = 0; i < MT; ++i) {
-            const VI xl = Vec::bcast4(xb[i] + p * 64 + 4 * v), xh = Vec::bcast4(xb[i] + p * 64 + 32 + 4 * v);
+          for (int v = c; v < c + chunk; ++v) {
+            VI q[NH];
             for (int n = 0; n < NH; ++n) {
-              plo[n][i] = Vec::add16(plo[n][i], Vec::pairs(lo[n], xl));
-              phi[n][i] = Vec::add16(phi[n][i], Vec::pairs(hi[n], xh));
+              const VI w = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + (h0 + n) * L * 4);
+              q[n] = sb == 0 ? Vec::lo4(w) : Vec::hi4(w);
+              if (QT == Q5_K)
+                q[n] = Vec::or_(q[n], Vec::bits(Vec::load(blk + o.qh + v * kUnit + (h0 + n) * L * 4), j, 1));
+            }
+            for (int i = 0; i < MT; ++i) {
+              const VI xv = Vec::bcast4(xb[i] + p * 64 + sb * 32 + 4 * v);
+              for (int n = 0; n < NH; ++n) ps[n][i] = Vec::add16(ps[n][i], Vec::pairs(q[n], xv));
             }
           }
-        }
-        for (int n = 0; n < NH; ++n) {
-          const VI sclo = Vec::scale16u(blk + o.sc + (2 * p) * kRows + (h0 + n) * L);
-          const VI schi = Vec::scale16u(blk + o.sc + (2 * p + 1) * kRows + (h0 + n) * L);
-          for (int i = 0; i < MT; ++i)
-            isum[n][i] = Vec::add(isum[n][i], Vec::add(Vec::madd16(plo[n][i], sclo), Vec::madd16(phi[n][i], schi)));
+          for (int n = 0; n < NH; ++n) {
+            const VI sc = Vec::scale16u(blk + o.sc + j * kRows + (h0 + n) * L);
+            for (int i = 0; i < MT; ++i) isum[n][i] = Vec::add(isum[n][i], Vec::madd16(ps[n][i], sc));
+          }
         }
       }
     }
@@ -191,7 +186,7 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
     for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
     VI isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = Vec::zero();
-    #pragma GCC unroll 8
+    #pragma GCC unroll 1
     for (int hf = 0; hf < 2; ++hf) {
       #pragma GCC unroll 8
       for (int t = 0; t < 4; ++t) {
@@ -243,7 +238,7 @@ WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
       if constexpr (QT == Q6_K) {
         for (int h = 0; h < R; ++h) block_q6k<MT>(g, a, m0, h, b0, b1, acc[h]);
       } else {
-        constexpr int NH = MT == 1 ? R : 1;
+        constexpr int NH = MT <= 2 ? R : 1;
         for (int h = 0; h < R; h += NH) block_k45<MT, NH, QT>(g, a, m0, h, b0, b1, acc + h);
       }
     }
