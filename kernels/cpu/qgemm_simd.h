@@ -76,11 +76,11 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   }
 }
 
-// The K-quants on int16 pair sums, one vector of L rows (`h`) over all the blocks at a time:
-// `pairs` (vpmaddubsw) gives int16 sums of 2 products, a few units' of them add in int16
-// without overflowing, and one `madd16` (vpmaddwd) against the sub-block's scale in both int16
-// halves of every lane gives the int32 sc_j * dot_j at once: no int32 sum per sub-block, no
-// vpmulld, and few enough registers for several rows of x per weight vector. The integers are those of kernels/quant_ref.py (exact, any order), so are the results' bits.
+// The K-quants on int16 pair sums: `pairs` (vpmaddubsw) gives int16 sums of 2 products, a
+// few units' of them add in int16 without overflowing, and one `madd16` (vpmaddwd) against the
+// sub-block's scale in both int16 halves of every lane gives the int32 sc_j * dot_j at once: no
+// int32 sum per sub-block, no vpmulld, and few enough registers for several rows of x per
+// weight vector. The integers are kernels/quant_ref.py's (exact, any order): so are the bits.
 // The min (Q4_K, Q5_K) and -32 (Q6_K) terms are one madd16 per pair of sub-blocks against the
 // x sums (int16: |sum of 32 quants| <= 4064), the pair's two scales side by side in each lane.
 // tile() runs the blocks kChunk at a time, each vector of rows in turn over them (the chunk
@@ -229,7 +229,7 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
   if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K) {
-    // one vector of rows at a time over a few blocks (they stay in L1 for the next vector)
+    // row vectors in turn over kChunk blocks (they stay in L1 for the next vector)
     VF acc[R][MT];
     for (int h = 0; h < R; ++h)
       for (int i = 0; i < MT; ++i) acc[h][i] = Vec::fzero();
