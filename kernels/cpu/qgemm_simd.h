@@ -76,16 +76,15 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   }
 }
 
-// The K-quants on int16 pair sums: `pairs` (vpmaddubsw) gives int16 sums of 2 products, a
-// few units' of them add in int16 without overflowing, and one `madd16` (vpmaddwd) against the
-// sub-block's scale in both int16 halves of every lane gives the int32 sc_j * dot_j at once: no
-// int32 sum per sub-block, no vpmulld, and few enough registers for several rows of x per
-// weight vector. The integers are kernels/quant_ref.py's (exact, any order): so are the bits.
-// The min (Q4_K, Q5_K) and -32 (Q6_K) terms are one madd16 per pair of sub-blocks against the
-// x sums (int16: |sum of 32 quants| <= 4064), the pair's two scales side by side in each lane.
-// tile() runs the blocks kChunk at a time, each vector of rows in turn over them (the chunk
-// stays in L1 for the next), and the first pass prefetches the chunk after: on one core the
-// stream's bandwidth needs requests in flight ahead of the loads (Q6_K: 1.6x with it).
+// Q6_K on int16 pair sums: `pairs` (vpmaddubsw) gives int16 sums of 2 products, two units'
+// of them add in int16 without overflowing, and one `madd16` (vpmaddwd) against the 16-group's
+// scale in both int16 halves of every lane gives the int32 sc_j * dot_j at once: no int32 sum
+// per group, no vpmulld, and few enough registers for 4 rows of x per weight vector. The
+// integers are kernels/quant_ref.py's (exact, any order): so are the bits. The -32 of every
+// quant is one madd16 per pair of groups against the x sums, the pair's two scales side by
+// side in each lane. tile() runs the blocks kChunk at a time, each vector of rows in turn over
+// them (the chunk stays in L1 for the next), and the first pass prefetches the chunk after: on
+// one core the stream's bandwidth needs requests in flight ahead of the loads (1.5x with it).
 constexpr int kChunk = 4;
 
 WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 halves of every lane
@@ -94,69 +93,58 @@ WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 h
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
 // the bytes of qs (low nibbles: the first), Q5_K's fifth bits are bit j of qh for sub-block j.
-// NH vectors of rows h0 .. h0 + NH - 1 together (batch 1: both of AVX2's, sharing x's loads).
-template <int MT, int NH, int QT>
-WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, int h0, int b0, int b1, VF (*acc)[MT]) {
+// Both row vectors per unit and int32 sums per sub-block: the int16 form of Q6_K below measured
+// no faster here cold and 1.2-1.5x slower with the weights in cache (AVX2, batch 1).
+template <int MT, int QT>
+WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
-  // units per int16 sum: 8 * 2 * 15 * 127 (4 bits) and 4 * 2 * 31 * 127 (5 bits) < 2**15
-  constexpr int chunk = QT == Q4_K ? 8 : 4;
-  for (int b = b0; b < b1; ++b) {
+  for (int b = 0; b < a.nb; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    if (h0 == 0)  // the block kChunk on: the memory stream's requests in flight ahead of the loads
-      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + kChunk * o.bytes + off, 0, 3);
-    const int8_t* xb[MT];
-    for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
-    VI isum[NH][MT];
-    for (int n = 0; n < NH; ++n)
-      for (int i = 0; i < MT; ++i) isum[n][i] = Vec::zero();
-#pragma GCC unroll 1  // unrolled, GCC loads ahead and spills
+    VI isum[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
     for (int p = 0; p < 4; ++p) {
-#pragma GCC unroll 2
-      for (int sb = 0; sb < 2; ++sb) {  // sub-block 2 p + sb: the low nibbles, then the high ones
-        const int j = 2 * p + sb;         // (the units load twice from L1; one int16 sum per row)
-#pragma GCC unroll 2
-        for (int c = 0; c < 8; c += chunk) {
-          VI ps[NH][MT];
-          for (int n = 0; n < NH; ++n)
-            for (int i = 0; i < MT; ++i) ps[n][i] = Vec::zero();
-#pragma GCC unroll 8
-          for (int v = c; v < c + chunk; ++v) {
-            VI q[NH];
-            for (int n = 0; n < NH; ++n) {
-              const VI w = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + (h0 + n) * L * 4);
-              q[n] = sb == 0 ? Vec::lo4(w) : Vec::hi4(w);
-              if (QT == Q5_K)
-                q[n] = Vec::or_(q[n], Vec::bits(Vec::load(blk + o.qh + v * kUnit + (h0 + n) * L * 4), j, 1));
-            }
-            for (int i = 0; i < MT; ++i) {
-              const VI xv = Vec::bcast4(xb[i] + p * 64 + sb * 32 + 4 * v);
-              for (int n = 0; n < NH; ++n) ps[n][i] = Vec::add16(ps[n][i], Vec::pairs(q[n], xv));
-            }
+      VI s0[MT][R], s1[MT][R];
+      for (int i = 0; i < MT; ++i)
+        for (int h = 0; h < R; ++h) s0[i][h] = s1[i][h] = Vec::zero();
+      for (int v = 0; v < 8; v += 2) {  // two units of the same sub-blocks per dot2
+        for (int h = 0; h < R; ++h) {
+          const VI wa = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
+          const VI wb = Vec::load(blk + o.qs + (p * 8 + v + 1) * kUnit + h * L * 4);
+          VI loa = Vec::lo4(wa), hia = Vec::hi4(wa), lob = Vec::lo4(wb), hib = Vec::hi4(wb);
+          if (QT == Q5_K) {
+            const VI qa = Vec::load(blk + o.qh + v * kUnit + h * L * 4);
+            const VI qb = Vec::load(blk + o.qh + (v + 1) * kUnit + h * L * 4);
+            loa = Vec::or_(loa, Vec::bits(qa, 2 * p, 1));
+            hia = Vec::or_(hia, Vec::bits(qa, 2 * p + 1, 1));
+            lob = Vec::or_(lob, Vec::bits(qb, 2 * p, 1));
+            hib = Vec::or_(hib, Vec::bits(qb, 2 * p + 1, 1));
           }
-          for (int n = 0; n < NH; ++n) {
-            const VI sc = Vec::scale16u(blk + o.sc + j * kRows + (h0 + n) * L);
-            for (int i = 0; i < MT; ++i) isum[n][i] = Vec::add(isum[n][i], Vec::madd16(ps[n][i], sc));
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* x = a.qrow(m0 + i) + b * 256 + p * 64 + 4 * v;
+            s0[i][h] = Vec::dot2(s0[i][h], loa, Vec::bcast4(x), lob, Vec::bcast4(x + 4));
+            s1[i][h] = Vec::dot2(s1[i][h], hia, Vec::bcast4(x + 32), hib, Vec::bcast4(x + 36));
           }
         }
+      }
+      for (int h = 0; h < R; ++h) {
+        const VI sc0 = Vec::u8(blk + o.sc + (2 * p) * kRows + h * L);
+        const VI sc1 = Vec::u8(blk + o.sc + (2 * p + 1) * kRows + h * L);
+        for (int i = 0; i < MT; ++i)
+          isum[i][h] = Vec::add(isum[i][h], Vec::add(Vec::mullo(sc0, s0[i][h]), Vec::mullo(sc1, s1[i][h])));
       }
     }
-    for (int n = 0; n < NH; ++n) {
-      const int h = h0 + n;
-      VI msum[MT];
-      for (int i = 0; i < MT; ++i) msum[i] = Vec::zero();
-      for (int j = 0; j < 8; j += 2) {
-        const VI mn = Vec::pair16u(blk + o.mn + j * kRows + h * L, blk + o.mn + (j + 1) * kRows + h * L);
-        for (int i = 0; i < MT; ++i) {
-          const int32_t* s16 = a.sums(m0 + i) + b * 16 + 2 * j;
-          msum[i] = Vec::add(msum[i], Vec::madd16(mn, xsum_pair(s16[0] + s16[1], s16[2] + s16[3])));
-        }
-      }
+    for (int h = 0; h < R; ++h) {
       const VF dw = Vec::f16(blk + o.d + h * L * 2), dmin = Vec::f16(blk + o.m + h * L * 2);
       for (int i = 0; i < MT; ++i) {
+        const int32_t* s16 = a.sums(m0 + i) + b * 16;
+        VI msum = Vec::zero();
+        for (int j = 0; j < 8; ++j)
+          msum = Vec::add(msum, Vec::mullo(Vec::u8(blk + o.mn + j * kRows + h * L), Vec::set1(s16[2 * j] + s16[2 * j + 1])));
         const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
-        const VF t = Vec::fsub(Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[n][i])),
-                               Vec::fmul(Vec::fmul(dmin, dx), Vec::cvt(msum[i])));
-        acc[n][i] = Vec::fadd(acc[n][i], t);
+        const VF t = Vec::fsub(Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])),
+                               Vec::fmul(Vec::fmul(dmin, dx), Vec::cvt(msum)));
+        acc[i][h] = Vec::fadd(acc[i][h], t);
       }
     }
   }
@@ -228,19 +216,14 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
 
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
-  if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K) {
+  if constexpr (QT == Q6_K) {
     // row vectors in turn over kChunk blocks (they stay in L1 for the next vector)
     VF acc[R][MT];
     for (int h = 0; h < R; ++h)
       for (int i = 0; i < MT; ++i) acc[h][i] = Vec::fzero();
     for (int b0 = 0; b0 < a.nb; b0 += kChunk) {
       const int b1 = b0 + kChunk < a.nb ? b0 + kChunk : a.nb;
-      if constexpr (QT == Q6_K) {
-        for (int h = 0; h < R; ++h) block_q6k<MT>(g, a, m0, h, b0, b1, acc[h]);
-      } else {
-        constexpr int NH = MT <= 2 ? R : 1;
-        for (int h = 0; h < R; h += NH) block_k45<MT, NH, QT>(g, a, m0, h, b0, b1, acc + h);
-      }
+      for (int h = 0; h < R; ++h) block_q6k<MT>(g, a, m0, h, b0, b1, acc[h]);
     }
     for (int h = 0; h < R; ++h)
       for (int i = 0; i < MT; ++i) Vec::store(out + i * kRows + h * L, acc[h][i]);
@@ -248,7 +231,10 @@ WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
     VF acc[MT][R];
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
-    block32<MT, QT>(g, a, m0, acc);
+    if constexpr (QT == Q4_K || QT == Q5_K)
+      block_k45<MT, QT>(g, a, m0, acc);
+    else
+      block32<MT, QT>(g, a, m0, acc);
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
   }
