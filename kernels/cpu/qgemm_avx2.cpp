@@ -17,8 +17,8 @@ struct Vec {
   using VI = __m256i;
   using VF = __m256;
   static constexpr int L = 8;
-  // x rows per tile: the K-quants keep several sums per row, so fewer rows fit 16 registers
-  static constexpr int tile(int qt) { return qt >= Q4_K ? 2 : 4; }
+  // x rows per tile (what 16 registers hold: Q4_K and Q5_K keep two int16 sums and one int32 per row)
+  static constexpr int tile(int qt) { return qt == Q4_K || qt == Q5_K ? 2 : 4; }
   static constexpr bool kQ8Offset = false;  // vpmaddubsw's int16 pairs would saturate at 255 * 127 * 2
   WSQ_TARGET static VI flip(VI w) { return w; }
   WSQ_TARGET static VI load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -56,6 +56,25 @@ struct Vec {
   WSQ_TARGET static VF f16(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  WSQ_TARGET static VI pairs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
+  WSQ_TARGET static VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
+  WSQ_TARGET static VI madd16(VI a, VI b) { return _mm256_madd_epi16(a, b); }
+  WSQ_TARGET static __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  WSQ_TARGET static VI scale16u(const uint8_t* p) {
+    const __m128i v = bytes8(p);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+  }
+  WSQ_TARGET static VI scale16s(const uint8_t* p) {
+    const __m128i v = bytes8(p);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+  }
+  WSQ_TARGET static VI pair16u(const uint8_t* a, const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes8(a), bytes8(b)));
+  }
+  WSQ_TARGET static VI pair16s(const uint8_t* a, const uint8_t* b) {
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes8(a), bytes8(b)));
+  }
+  WSQ_TARGET static VI shl32(VI v, int n) { return _mm256_slli_epi32(v, n); }
   WSQ_TARGET static VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
   WSQ_TARGET static VI sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
   WSQ_TARGET static VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }

@@ -51,6 +51,29 @@ struct Vec {
   WSQ_TARGET static VF f16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  WSQ_TARGET static VI pairs(VI u, VI s) { return _mm512_maddubs_epi16(u, s); }
+  WSQ_TARGET static VI add16(VI a, VI b) { return _mm512_add_epi16(a, b); }
+  WSQ_TARGET static VI madd16(VI a, VI b) { return _mm512_madd_epi16(a, b); }
+  WSQ_TARGET static __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // 16 byte pairs (a[r], b[r]) side by side: 32 bytes, widened below
+  WSQ_TARGET static __m256i zip(__m128i a, __m128i b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1);
+  }
+  WSQ_TARGET static VI scale16u(const uint8_t* p) {
+    const __m128i v = bytes16(p);
+    return _mm512_cvtepu8_epi16(zip(v, v));
+  }
+  WSQ_TARGET static VI scale16s(const uint8_t* p) {
+    const __m128i v = bytes16(p);
+    return _mm512_cvtepi8_epi16(zip(v, v));
+  }
+  WSQ_TARGET static VI pair16u(const uint8_t* a, const uint8_t* b) {
+    return _mm512_cvtepu8_epi16(zip(bytes16(a), bytes16(b)));
+  }
+  WSQ_TARGET static VI pair16s(const uint8_t* a, const uint8_t* b) {
+    return _mm512_cvtepi8_epi16(zip(bytes16(a), bytes16(b)));
+  }
+  WSQ_TARGET static VI shl32(VI v, int n) { return _mm512_slli_epi32(v, n); }
   WSQ_TARGET static VI add(VI a, VI b) { return _mm512_add_epi32(a, b); }
   WSQ_TARGET static VI sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
   WSQ_TARGET static VI mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }

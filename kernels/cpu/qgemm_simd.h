@@ -10,6 +10,10 @@
 //   lo4, hi4, or_, bits(h, shift, mask) = ((h >> shift) & mask) << 4 per byte,
 //   shl16, shr16 (16-bit lanes, constant counts), and8(v, byte mask)
 //   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
+//   pairs(u, s)    int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1] (vpmaddubsw); add16, madd16
+//                  (int16 pairs times int16 pairs, summed into int32: vpmaddwd)
+//   scale16u/s(p)  L per-row scale bytes (unsigned / signed), each in both int16 halves of its lane
+//   pair16u/s(a, b) two rows of L scale bytes, lane r = (a[r], b[r]) as int16; shl32
 //   add, sub, mullo, set1 on VI; cvt, fmul, fadd, fsub, fset1, fzero, store on VF
 // A unit holds 4 bytes of each of the 16 rows of a group: lane r = row r, and the same 4
 // quants of x in every lane (a broadcast load) make one `vpdpbusd` of 16 rows' partial sums.
@@ -72,8 +76,25 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   }
 }
 
+// Q6_K on int16 pair sums: `pairs` (vpmaddubsw) gives int16 sums of 2 products, two units'
+// of them add in int16 without overflowing, and one `madd16` (vpmaddwd) against the 16-group's
+// scale in both int16 halves of every lane gives the int32 sc_j * dot_j at once: no int32 sum
+// per group, no vpmulld, and few enough registers for 4 rows of x per weight vector. The
+// integers are kernels/quant_ref.py's (exact, any order): so are the bits. The -32 of every
+// quant is one madd16 per pair of groups against the x sums, the pair's two scales side by
+// side in each lane. tile() runs the blocks kChunk at a time, each vector of rows in turn over
+// them (the chunk stays in L1 for the next), and the first pass prefetches the chunk after: on
+// one core the stream's bandwidth needs requests in flight ahead of the loads (1.5x with it).
+constexpr int kChunk = 4;
+
+WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 halves of every lane
+  return Vec::set1(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
+}
+
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
 // the bytes of qs (low nibbles: the first), Q5_K's fifth bits are bit j of qh for sub-block j.
+// Both row vectors per unit and int32 sums per sub-block: the int16 form of Q6_K below measured
+// no faster here cold and 1.2-1.5x slower with the weights in cache (AVX2, batch 1).
 template <int MT, int QT>
 WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
@@ -131,77 +152,92 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
 
 // Q6_K: 16 groups of 16 with int8 scales; 4 low bits from ql, 2 high bits from qh (see
 // quant_formats.quant_values), unsigned 0..63 here and the -32 taken out with the sums of x.
-// One pass over a half's units loads each ql and qh unit once for the 4 quants they hold.
-// The 4 quants (t = 0..3, unsigned 0..63) in a ql unit, its partner 8 units on, and a qh unit.
-WSQ_TARGET inline void six_bits(const uint8_t* ql, const uint8_t* qh, VI* q) {
-  const VI la = Vec::load(ql), lb = Vec::load(ql + 8 * kUnit), h = Vec::load(qh);
-  q[0] = Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(h, 4), 0x30));
-  q[1] = Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(h, 2), 0x30));
-  q[2] = Vec::or_(Vec::hi4(la), Vec::and8(h, 0x30));
-  q[3] = Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(h, 2), 0x30));
+// In half hf of a block, unit v of quarter t (t = 0..3: x values hf * 128 + t * 32 + 4 v ..)
+// is the low (t < 2) or high nibbles of ql unit hf * 16 + v (+ 8 for odd t) and bits 2 t, 2 t + 1
+// of qh unit hf * 8 + v; units 0..3 are 16-group hf * 8 + 2 t, units 4..7 the next one.
+WSQ_TARGET inline VI six_bits(const uint8_t* blk, int hf, int t, int v, int h) {
+  constexpr Off o = offsets(Q6_K);
+  const VI l = Vec::load(blk + o.qs + (hf * 16 + v + (t & 1) * 8) * kUnit + h * L * 4);
+  const VI q = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
+  const VI hb = t == 0 ? Vec::shl16(q, 4) : t == 1 ? Vec::shl16(q, 2) : t == 2 ? q : Vec::shr16(q, 2);
+  return Vec::or_(t < 2 ? Vec::lo4(l) : Vec::hi4(l), Vec::and8(hb, 0x30));
 }
 
 template <int MT>
-WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
+WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0, int b1, VF* acc) {
   constexpr Off o = offsets(Q6_K);
-  for (int b = 0; b < a.nb; ++b) {
+  for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    VI isum[MT][R];
-    for (int i = 0; i < MT; ++i)
-      for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
-    for (int hq = 0; hq < 4; ++hq) {  // quarter: half hf = hq / 2 of the block, 16-groups half = hq % 2
-      const int hf = hq >> 1, half = hq & 1;
-      VI s[MT][R][4];  // [x row][row vector][t]: the 16-groups hf * 8 + t * 2 + half
-      for (int i = 0; i < MT; ++i)
-        for (int h = 0; h < R; ++h)
-          for (int t = 0; t < 4; ++t) s[i][h][t] = Vec::zero();
-      for (int v = half * 4; v < half * 4 + 4; v += 2) {  // units v, v + 1: one dot2 per t
-        for (int h = 0; h < R; ++h) {
-          VI qa[4], qb[4];
-          six_bits(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4, qa);
-          six_bits(blk + o.qs + (hf * 16 + v + 1) * kUnit + h * L * 4, blk + o.qh + (hf * 8 + v + 1) * kUnit + h * L * 4,
-                   qb);
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* x = a.qrow(m0 + i) + b * 256 + hf * 128 + 4 * v;
-            for (int t = 0; t < 4; ++t)
-              s[i][h][t] = Vec::dot2(s[i][h][t], qa[t], Vec::bcast4(x + t * 32), qb[t], Vec::bcast4(x + t * 32 + 4));
-          }
-        }
-      }
+    if (h == 0)  // the block kChunk on: the memory stream's requests in flight ahead of the loads
+      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + kChunk * o.bytes + off, 0, 3);
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
+    VI isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = Vec::zero();
+    #pragma GCC unroll 1
+    for (int hf = 0; hf < 2; ++hf) {
+      #pragma GCC unroll 8
       for (int t = 0; t < 4; ++t) {
-        const int jj = hf * 8 + t * 2 + half;
-        for (int h = 0; h < R; ++h) {
-          const VI sc = Vec::s8(blk + o.sc + jj * kRows + h * L);
-          for (int i = 0; i < MT; ++i) {
-            const VI d16 = Vec::sub(s[i][h][t], Vec::set1(32 * a.sums(m0 + i)[b * 16 + jj]));
-            isum[i][h] = Vec::add(isum[i][h], Vec::mullo(sc, d16));
+        #pragma GCC unroll 8
+        for (int half = 0; half < 2; ++half) {
+          const VI sc = Vec::scale16s(blk + o.sc + (hf * 8 + 2 * t + half) * kRows + h * L);
+          #pragma GCC unroll 8
+          for (int v0 = half * 4; v0 < half * 4 + 4; v0 += 2) {  // 2 units per int16 sum: 4 * 63 * 127 < 2**15
+            VI ps[MT];
+            for (int i = 0; i < MT; ++i) ps[i] = Vec::zero();
+            #pragma GCC unroll 8
+            for (int v = v0; v < v0 + 2; ++v) {
+              const VI q = six_bits(blk, hf, t, v, h);
+              for (int i = 0; i < MT; ++i)
+                ps[i] = Vec::add16(ps[i], Vec::pairs(q, Vec::bcast4(xb[i] + hf * 128 + t * 32 + 4 * v)));
+            }
+            for (int i = 0; i < MT; ++i) isum[i] = Vec::add(isum[i], Vec::madd16(ps[i], sc));
           }
         }
       }
     }
-    for (int h = 0; h < R; ++h) {
-      const VF dw = Vec::f16(blk + o.d + h * L * 2);
+    VI off[MT];  // sum over the 16-groups of sc * (x sum): the -32 of every quant, times 32 below
+    for (int i = 0; i < MT; ++i) off[i] = Vec::zero();
+    for (int j = 0; j < 16; j += 2) {
+      const VI sc = Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L);
       for (int i = 0; i < MT; ++i) {
-        const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
-        acc[i][h] = Vec::fadd(acc[i][h], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(isum[i][h])));
+        const int32_t* s16 = a.sums(m0 + i) + b * 16 + j;
+        off[i] = Vec::add(off[i], Vec::madd16(sc, xsum_pair(s16[0], s16[1])));
       }
+    }
+    const VF dw = Vec::f16(blk + o.d + h * L * 2);
+    for (int i = 0; i < MT; ++i) {
+      const VI si = Vec::sub(isum[i], Vec::shl32(off[i], 5));
+      const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
+      acc[i] = Vec::fadd(acc[i], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si)));
     }
   }
 }
 
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
-  VF acc[MT][R];
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
-  if (QT == Q4_K || QT == Q5_K)
-    block_k45<MT, QT>(g, a, m0, acc);
-  else if (QT == Q6_K)
-    block_q6k<MT>(g, a, m0, acc);
-  else
-    block32<MT, QT>(g, a, m0, acc);
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
+  if constexpr (QT == Q6_K) {
+    // row vectors in turn over kChunk blocks (they stay in L1 for the next vector)
+    VF acc[R][MT];
+    for (int h = 0; h < R; ++h)
+      for (int i = 0; i < MT; ++i) acc[h][i] = Vec::fzero();
+    for (int b0 = 0; b0 < a.nb; b0 += kChunk) {
+      const int b1 = b0 + kChunk < a.nb ? b0 + kChunk : a.nb;
+      for (int h = 0; h < R; ++h) block_q6k<MT>(g, a, m0, h, b0, b1, acc[h]);
+    }
+    for (int h = 0; h < R; ++h)
+      for (int i = 0; i < MT; ++i) Vec::store(out + i * kRows + h * L, acc[h][i]);
+  } else {
+    VF acc[MT][R];
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) acc[i][h] = Vec::fzero();
+    if constexpr (QT == Q4_K || QT == Q5_K)
+      block_k45<MT, QT>(g, a, m0, acc);
+    else
+      block32<MT, QT>(g, a, m0, acc);
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < R; ++h) Vec::store(out + i * kRows + h * L, acc[i][h]);
+  }
 }
 
 // x rows in tiles of Vec::tile(QT) (what the registers hold), up to kMaxTile per call.
