@@ -100,6 +100,14 @@ class EngineConfig:
         },
     )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    gil_switch_ms: float = field(
+        default=0.5,
+        metadata={
+            "help": "how long another Python thread of the engine's process (the gateway's, in wsllm serve) "
+            "may keep the GIL from the step thread, which gives it up at every operator "
+            "(sys.setswitchinterval; Python's default is 5 ms); 0: leave Python's"
+        },
+    )
     fake_step_ms: float | None = field(default=None, metadata={"help": "no model: N ms steps, fixed tokens"})
     pooling: str = field(
         default="auto",
@@ -121,6 +129,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1")
+        if not 0 <= self.gil_switch_ms <= 1000:
+            raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
         for name in ("structured_compile_timeout_s", "fake_step_ms"):

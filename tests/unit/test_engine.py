@@ -231,3 +231,15 @@ def test_a_request_whose_sampling_fails_ends_alone(
         assert outs[rid].outputs[0].token_ids == alone[rid]  # type: ignore[attr-defined]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.block_manager.check_invariants()
+
+
+def test_the_engines_process_hands_the_gil_over_within_its_setting(engine: LLMEngine) -> None:
+    """The step thread gives the GIL up at every operator; Python's 5 ms switch interval
+    let a gateway thread running Python keep it that long each time, stretching a step
+    several times over (docs/benchmarks.md, "Amplification")."""
+    import sys
+
+    assert engine.config.gil_switch_ms > 0
+    assert sys.getswitchinterval() == pytest.approx(engine.config.gil_switch_ms / 1000)
+    with pytest.raises(ValueError, match="gil_switch_ms"):
+        EngineConfig(gil_switch_ms=-1)

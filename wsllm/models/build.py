@@ -13,6 +13,7 @@ with one warning saying why.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +125,15 @@ def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tupl
 
 
 def build_model(config: EngineConfig) -> BuiltModel:
-    """The model `config` names, loaded and ready to run (sets torch's threads and the
-    kernel backend: process-wide, one engine per process)."""
+    """The model `config` names, loaded and ready to run (sets torch's threads, the GIL's
+    switch interval and the kernel backend: process-wide, one engine per process)."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.gil_switch_ms > 0:
+        # The step thread releases the GIL around every operator and waits to get it back
+        # for as long as another thread may hold it: 5 ms by default, at each of hundreds
+        # of operators a step (docs/benchmarks.md, "Amplification")
+        sys.setswitchinterval(config.gil_switch_ms / 1000)
     kernels.use_backend(config.attention_backend)
     device = pick_device(config.device)
     dtype, why = pick_dtype(config.dtype, device, cpu_flags() if device.type == "cpu" else set())
