@@ -176,13 +176,18 @@ def serve(
     from wsllm.engine.worker import EngineWorker
     from wsllm.server.app import create_app, uvicorn_config
 
-    if switch_interval_ms is not None:  # how long a GIL-holding gateway thread keeps a step waiting
-        sys.setswitchinterval(switch_interval_ms / 1000)
     broker = MemoryBroker(max_queue_depth=4096)
     # the engine loads on the thread that runs it, as in `wsllm serve` (EngineWorker.spawn)
     worker = EngineWorker.spawn(
         lambda: LLMEngine.from_config(
-            EngineConfig(model=model, threads=threads, max_num_seqs=64, max_num_batched_tokens=batched_tokens)
+            EngineConfig(
+                model=model,
+                threads=threads,
+                max_num_seqs=64,
+                max_num_batched_tokens=batched_tokens,
+                # how long a GIL-holding gateway thread may keep a step waiting (the engine's setting)
+                **({} if switch_interval_ms is None else {"gil_switch_ms": switch_interval_ms}),
+            )  # fmt: skip
         ),
         broker,
     )
@@ -442,7 +447,7 @@ def main() -> None:
         "--switch-interval-ms",
         type=float,
         default=None,
-        help="the server's sys.setswitchinterval (Python's default: 5 ms), to compare GIL hand-over",
+        help="the engine's gil_switch_ms (default 0.5; Python's own is 5 ms), to compare GIL hand-over",
     )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
