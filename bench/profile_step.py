@@ -124,7 +124,7 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
     prompts = chat_prompts(engine.model_dir, batch)
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 64, ignore_eos=True)
     for i, p in enumerate(prompts):
-        worker.broker._pending[f"r{i}"] = GenerateRequest(f"r{i}", p, params)
+        worker.broker._pending.push(GenerateRequest(f"r{i}", p, params))
     while engine.stats().num_running < batch or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         worker.run_once()
     for _ in range(3):  # warm the decode path
