@@ -101,11 +101,11 @@ class EngineConfig:
     )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     gil_switch_ms: float = field(
-        default=0.5,
+        default=0.0,
         metadata={
             "help": "how long another Python thread of the engine's process (the gateway's, in wsllm serve) "
             "may keep the GIL from the step thread, which gives it up at every operator "
-            "(sys.setswitchinterval; Python's default is 5 ms); 0: leave Python's"
+            "(sys.setswitchinterval, e.g. 0.5; Python's own is 5 ms); 0: leave Python's"
         },
     )
     fake_step_ms: float | None = field(default=None, metadata={"help": "no model: N ms steps, fixed tokens"})

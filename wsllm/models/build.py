@@ -124,16 +124,20 @@ def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tupl
     return model.eval(), formats
 
 
+def apply_gil_switch(config: EngineConfig) -> None:
+    """The process's GIL switch interval, from `config.gil_switch_ms` (0: Python's own).
+    The step thread releases the GIL around every operator and waits to get it back for
+    as long as another thread may hold it (docs/benchmarks.md, "Amplification")."""
+    if config.gil_switch_ms > 0:
+        sys.setswitchinterval(config.gil_switch_ms / 1000)
+
+
 def build_model(config: EngineConfig) -> BuiltModel:
     """The model `config` names, loaded and ready to run (sets torch's threads, the GIL's
     switch interval and the kernel backend: process-wide, one engine per process)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.gil_switch_ms > 0:
-        # The step thread releases the GIL around every operator and waits to get it back
-        # for as long as another thread may hold it: 5 ms by default, at each of hundreds
-        # of operators a step (docs/benchmarks.md, "Amplification")
-        sys.setswitchinterval(config.gil_switch_ms / 1000)
+    apply_gil_switch(config)
     kernels.use_backend(config.attention_backend)
     device = pick_device(config.device)
     dtype, why = pick_dtype(config.dtype, device, cpu_flags() if device.type == "cpu" else set())
