@@ -328,7 +328,10 @@ def test_a_soak_of_2000_short_requests_leaves_redis_as_it_found_it(cluster: Clus
             info["total_commands_processed"],
         )  # fmt: skip
     log.info("soak: %d requests in %.1fs", n_sockets * per_socket, took)
-    assert during["keys"] > before["keys"] + 1000  # the finished requests' streams were there...
+    # the streams of the requests that finished within the retention were there (1,000 when
+    # the soak takes a few seconds; a slow machine's soak outlasts the retention)...
+    recent = min(1000, int(n_sockets * per_socket * 4.0 / took / 2))
+    assert during["keys"] > before["keys"] + recent, (before["keys"], during["keys"], took)
     assert after["keys"] <= before["keys"] + 2, (before["keys"], after["keys"])  # ...and are gone
     assert after["used_memory"] < before["used_memory"] + 512 * 1024
     q = Keys("wsllm").queue(cluster_model(cluster))
