@@ -147,8 +147,9 @@ def build_model(config: EngineConfig) -> BuiltModel:
     t = time.time()
     if mode == "gguf":
         assert gguf is not None
-        model_dir = loader.resolve_model_dir(config.model, weights=False)
-        model, formats = load_gguf_quantized(gguf, model_dir, dtype)
+        with loader.shared_gguf_readers():  # a first start reads the file once, not four times
+            model_dir = loader.resolve_model_dir(config.model, weights=False)
+            model, formats = load_gguf_quantized(gguf, model_dir, dtype)
     else:
         model_dir = loader.resolve_model_dir(config.model)
         model = loader.load_model(model_dir, device, dtype)

@@ -14,6 +14,7 @@ their quantized blocks (wsllm/models/gguf_weights.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -22,6 +23,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +70,55 @@ def convert_gguf(gguf: Path, weights: bool = True) -> Path:
     its weights from the GGUF itself and asks for no `weights`: de-quantizing an
     8B model to fp32 would need 32 GB."""
     out = _gguf_cache_path(gguf)
-    if not (out / "config.json").exists():
-        _write_gguf_config(gguf, out)
-    if weights and not (out / "model.safetensors").exists():
-        _write_gguf_weights(gguf, out)
+    todo = not (out / "config.json").exists() or (weights and not (out / "model.safetensors").exists())
+    with shared_gguf_readers() if todo else contextlib.nullcontext():
+        if not (out / "config.json").exists():
+            _write_gguf_config(gguf, out)
+        if weights and not (out / "model.safetensors").exists():
+            _write_gguf_weights(gguf, out)
     return out
+
+
+_readers_lock = threading.Lock()
+_readers: dict[tuple[str, str], Any] | None = None  # while some `shared_gguf_readers` block runs
+_readers_depth = 0
+
+
+@contextlib.contextmanager
+def shared_gguf_readers() -> Iterator[None]:
+    """transformers opens a new `gguf.GGUFReader` for the tokenizer, the config and the
+    weights, and the quantized path one more for its blocks; each parses every metadata
+    field again: for a 49k-token vocabulary (its tokens and merges, one numpy view per
+    string) 3-13 s a time, most of a first start. Inside this block (re-entrant, any
+    thread) a file's reader is made once and shared: it is read-only. The readers are
+    dropped when the outermost block ends: their parsed fields weigh tens of MB."""
+    global _readers, _readers_depth
+    import gguf as gguf_pkg
+
+    with _readers_lock:
+        if _readers_depth == 0:
+            real = gguf_pkg.GGUFReader
+            made: dict[tuple[str, str], Any] = {}
+
+            def shared(path: Any, mode: str = "r") -> Any:
+                key = (str(Path(path).resolve()), mode)
+                with _readers_lock:
+                    if key not in made:
+                        made[key] = real(path, mode)
+                    return made[key]
+
+            shared.real = real  # type: ignore[attr-defined]
+            gguf_pkg.GGUFReader = shared
+            _readers = made
+        _readers_depth += 1
+    try:
+        yield
+    finally:
+        with _readers_lock:
+            _readers_depth -= 1
+            if _readers_depth == 0:
+                gguf_pkg.GGUFReader = gguf_pkg.GGUFReader.real
+                _readers = None
 
 
 def _write_gguf_config(gguf: Path, out: Path) -> None:
