@@ -13,17 +13,18 @@ from wsllm.kernels import quant_formats
 
 from wsllm.models import gguf_weights
 from wsllm.models.llama import ModelConfig
-from wsllm.models.loader import convert_gguf, read_hf_config
+from wsllm.models.loader import convert_gguf, read_hf_config, shared_gguf_readers
 
 
 def test_a_repack_in_chunks_of_rows_caches_what_one_in_whole_tensors_does(
     tiny_gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
-    monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", 1 << 30)  # every tensor in one piece
-    gguf_weights.repack(tiny_gguf_path, tmp_path / "whole", cfg)
-    monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", quant_formats.ROWS)  # one group of rows at a time
-    gguf_weights.repack(tiny_gguf_path, tmp_path / "chunks", cfg)
+    with shared_gguf_readers():  # the file's metadata parsed once for the three
+        cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
+        monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", 1 << 30)  # every tensor in one piece
+        gguf_weights.repack(tiny_gguf_path, tmp_path / "whole", cfg)
+        monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", quant_formats.ROWS)  # one group of rows at a time
+        gguf_weights.repack(tiny_gguf_path, tmp_path / "chunks", cfg)
     whole, chunks = gguf_weights.load_cache(tmp_path / "whole"), gguf_weights.load_cache(tmp_path / "chunks")
     assert whole is not None and chunks is not None
     assert whole.linears.keys() == chunks.linears.keys() and whole.counts == chunks.counts
