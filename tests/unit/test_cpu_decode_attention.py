@@ -1,7 +1,8 @@
 """The native paged decode attention (kernels/cpu/attention.cpp) against the torch reference,
 on every ISA path this CPU can run: contexts of one token, around a block and long, block
 tables scattered over the cache, grouped query heads, fp32 and bf16, head sizes that fill
-the vectors and one that leaves the AVX-512 path to the AVX2 one."""
+the vectors and one that leaves the AVX-512 path to the AVX2 one; caches in a half type
+under fp32 (or f16 under bf16) queries."""
 
 from __future__ import annotations
 
@@ -52,6 +53,30 @@ def test_decode_attention_equals_the_reference(
     want = paged_decode_attention_ref(*c.decode_args())
     assert got.dtype == dtype
     torch.testing.assert_close(got.view_as(want), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)],
+    ids=["fp32-f16", "fp32-bf16", "bf16-f16"],
+)
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (3, 24)])  # 24: not the AVX-512 vectors
+def test_decode_attention_over_a_half_cache_equals_the_reference(
+    isa: str, dtype: torch.dtype, cache_dtype: torch.dtype, group: int, head_dim: int
+) -> None:
+    """A cache narrower than the queries (--kv-cache-dtype): the kernel widens each K and V
+    value exactly, so it equals the reference over the same rounded values widened first."""
+    bs = 16
+    c = make_paged_case(edge_lens(bs), None, bs, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    kc, vc = c.k_cache.to(cache_dtype), c.v_cache.to(cache_dtype)
+    kc.view(-1)[:3] = torch.tensor([6e-8, -65504.0, 1e-5])  # a subnormal, the largest half, a small normal
+    assert ext is not None
+    got = ext.decode_attention(c.q, kc, vc, c.block_tables, c.seq_lens, c.scale, quant.isa_index())
+    want = paged_decode_attention_ref(
+        c.q.float(), kc.float(), vc.float(), c.block_tables, c.seq_lens, c.scale
+    )
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.view_as(want).float(), want, **tolerance(dtype))
 
 
 def test_the_plan_sends_decode_rows_to_the_native_kernel_with_strided_queries() -> None:
