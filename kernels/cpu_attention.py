@@ -149,6 +149,20 @@ def cpu_attention_block(
     ext = native_cache(qkv, k_cache)
     if ext is not None:  # rotary and the KV store in one native call
         assert plan.cos is not None and plan.sin is not None and plan.slot_mapping is not None
+        if not plan.prefills and plan.decode_tables is not None:  # a pure decode step: one call
+            return ext.rope_store_decode(
+                qkv,
+                plan.cos,
+                plan.sin,
+                k_cache,
+                v_cache,
+                plan.slot_mapping,
+                num_heads,
+                plan.decode_tables,
+                plan.decode_lens,
+                scale,
+                native_isa(),
+            )
         ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
         if not plan.prefills:  # a pure decode step reads K and V from the cache alone
             q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)

@@ -96,9 +96,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                     residual->is_contiguous(),
                 "residual must be contiguous, with x's shape and dtype");
-    h = torch::empty_like(x);
+    h = torch::empty(x.sizes(), x.options());  // x is contiguous: one op, not empty_like's two
   }
-  auto out = torch::empty_like(x);
+  auto out = torch::empty(x.sizes(), x.options());
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   const NormFn vec = isa == kAvx512Vnni ? norm_rows_avx512(bf16) : isa == kAvx2 ? norm_rows_avx2(bf16) : nullptr;
   if (vec != nullptr) {
