@@ -22,7 +22,11 @@ Every SDPA call gets 4-D inputs: torch's fused CPU kernel (flash attention for C
 only takes those; 3-D ones fall back to the unfused math path, 2.5-4x slower at
 prompt sizes (docs/benchmarks.md).
 
-Cache layout as everywhere: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Cache layout as everywhere: `[num_blocks, block_size, num_kv_heads, head_dim]`. The
+cache may hold a narrower type than the activations (a float16 cache under a float32
+model, `--kv-cache-dtype`): K and V are rounded to it as they are stored, the native
+decode kernel widens them as it reads, and the torch paths cast what they gather to
+the activations' dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cpu_ops import native_ext, native_isa, native_rows
+from .cpu_ops import native_cache, native_cache_pair, native_ext, native_isa
 
 
 @dataclass(slots=True)
@@ -67,10 +71,11 @@ def plan_cpu_attention(
     seq_lens: Sequence[int],  # per row: context length after this step
     q_lens: Sequence[int],  # per row: new tokens this step
     block_size: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32,  # the activations' (q's)
     positions: torch.Tensor | None = None,  # [num_tokens] int64, for the rotary tables
     cos_sin_cache: torch.Tensor | None = None,  # [max_pos, head_dim]: cos | sin halves
     slot_mapping: torch.Tensor | None = None,  # [num_tokens] int64, no -1
+    kv_dtype: torch.dtype | None = None,  # the cache's; None: dtype
 ) -> CpuAttentionPlan:
     num_decodes = 0
     while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
@@ -84,7 +89,7 @@ def plan_cpu_attention(
         for t in tables[:num_decodes]:
             row = list(t[:width])
             rows.extend(row + [0] * (width - len(row)))  # padding blocks are masked out
-    if num_decodes and native_decode(dtype):
+    if num_decodes and native_decode(dtype, kv_dtype or dtype):
         dtables = torch.tensor(rows, dtype=torch.int32).view(num_decodes, width)
         dlens = torch.tensor(lens, dtype=torch.int32)
     elif num_decodes:
@@ -114,9 +119,10 @@ def plan_cpu_attention(
     return CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping, dtables, dlens)
 
 
-def native_decode(dtype: torch.dtype) -> bool:
-    """Whether decode rows of this dtype go to the native kernel (built, float32 or bfloat16)."""
-    return dtype in (torch.float32, torch.bfloat16) and native_ext() is not None
+def native_decode(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether decode rows of this dtype over a cache of kv_dtype (None: the same) go to the
+    native kernel: built, float32 or bfloat16 queries, a cache of theirs or a half type."""
+    return native_cache_pair(dtype, kv_dtype or dtype) and native_ext() is not None
 
 
 def rotate(x: torch.Tensor, plan: CpuAttentionPlan) -> None:
@@ -140,9 +146,23 @@ def cpu_attention_block(
     """Rotary on q and k, KV store, attention: one layer's attention on the CPU."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
-    ext = native_rows(qkv, k_cache)
+    ext = native_cache(qkv, k_cache)
     if ext is not None:  # rotary and the KV store in one native call
         assert plan.cos is not None and plan.sin is not None and plan.slot_mapping is not None
+        if not plan.prefills and plan.decode_tables is not None:  # a pure decode step: one call
+            return ext.rope_store_decode(
+                qkv,
+                plan.cos,
+                plan.sin,
+                k_cache,
+                v_cache,
+                plan.slot_mapping,
+                num_heads,
+                plan.decode_tables,
+                plan.decode_lens,
+                scale,
+                native_isa(),
+            )
         ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
         if not plan.prefills:  # a pure decode step reads K and V from the cache alone
             q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
@@ -154,8 +174,8 @@ def cpu_attention_block(
     if ext is None:
         rotate(qk, plan)
         assert plan.slot_mapping is not None
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
     return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
 
 
@@ -178,14 +198,16 @@ def cpu_paged_attention(
         a, b = row.q_start, row.q_end
         qs = q[a:b].transpose(0, 1)[None]  # [1, H, q_len, D]
         if row.blocks is None:  # fresh prompt: its context is exactly its new tokens
-            ks, vs = k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None]
+            # as the cache holds them (a half cache: rounded), so that a later read of these
+            # blocks (a prefix hit, a recompute, decode) sees the same K and V
+            ks = _as(_as(k[a:b], k_cache.dtype), q.dtype).transpose(0, 1)[None]
+            vs = _as(_as(v[a:b], v_cache.dtype), q.dtype).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = row.context
-            ks = (
-                k_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-            )  # [1, Hk, ctx, D]
-            vs = v_cache.index_select(0, row.blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            # [1, Hk, ctx, D] in q's dtype (a half cache is widened: SDPA takes one dtype)
+            ks = _as(k_cache.index_select(0, row.blocks), q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            vs = _as(v_cache.index_select(0, row.blocks), q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=row.bias, scale=scale, enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1)
     return out
@@ -211,8 +233,15 @@ def _decode(
     assert plan.decode_index is not None and plan.decode_bias is not None
     length = plan.width * block_size
     # [n, L, Hk, D] -> [n, Hk, L, D] views; the G query heads of a KV head are its G queries.
-    ks = k_cache.index_select(0, plan.decode_index).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-    vs = v_cache.index_select(0, plan.decode_index).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    ks = _as(k_cache.index_select(0, plan.decode_index), q.dtype)
+    vs = _as(v_cache.index_select(0, plan.decode_index), q.dtype)
+    ks = ks.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    vs = vs.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
     qs = q.reshape(n, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_bias, scale=scale)
     return o.reshape(n, num_heads, head_dim)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: itself when it is already (no copy), else widened (a half cache's blocks)."""
+    return x if x.dtype is dtype else x.to(dtype)

@@ -9,11 +9,12 @@ rounding follows HF's.
 
 With the native build (kernels/native.py) these are one C++ call each
 (kernels/cpu/rowops.cpp): rotary with the KV store (float32 and bfloat16, the
-reference's bits), and for bfloat16 rows, whose references take 5 to 15 ops,
-RMSNorm with its residual add and SiLU-and-mul (the references' rounding to
-bfloat16; the float sums and exp may differ from torch's in the last bit, so
-float32 keeps torch's ops, bit-identical to the references). Those two run in
-AVX-512 or AVX2 vectors (kernels/cpu/rows_simd.h) on the path quant.force_isa pins.
+reference's bits; a float16 cache, or bfloat16 under float32, gets K and V rounded
+to nearest as torch's .to() rounds), RMSNorm with its residual add and SiLU-and-mul
+(float32 and bfloat16, whose references take 3 to 15 ops; the references' rounding,
+but the sum of squares in another order and a vector exp, so the results may differ
+from torch's in the last bits: within row_op_tolerance). Those two run in AVX-512 or
+AVX2 vectors (kernels/cpu/rows_simd.h) on the path quant.force_isa pins.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from .rotary import rotary_embedding_ref
 
 _FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# The caches the native kernels read and write beside float32 / bfloat16 activations
+_NATIVE_CACHES = {
+    torch.float32: (torch.float32, torch.float16, torch.bfloat16),
+    torch.bfloat16: (torch.bfloat16, torch.float16),
+}
 
 
 _modules: list[Any] = []  # [native, quant] once imported (the calls below run 100+ times a step)
@@ -54,18 +60,35 @@ def native_rows(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ig
     return native_ext()
 
 
+def native_cache_pair(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the native KV kernels take activations of dtype over a cache of kv_dtype:
+    the same, or a half type they convert (float16; bfloat16 under float32)."""
+    return kv_dtype in _NATIVE_CACHES.get(dtype, ())
+
+
+def native_cache(x: torch.Tensor, cache: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The native extension when its KV kernels take activations x (rows, as native_rows)
+    and this contiguous cache (native_cache_pair); else None."""
+    if not native_cache_pair(x.dtype, cache.dtype) or not cache.is_contiguous():
+        return None
+    return native_rows(x)
+
+
+def half_cache_native() -> bool:
+    """Whether the native decode kernel reads a float16 cache in vectors on this CPU: built,
+    and the AVX2 path runs here (AVX2, FMA and F16C, whose vcvtph2ps widens the halves)."""
+    ext = native_ext()
+    return ext is not None and bool(ext.cpu_has(_modules[1].ISAS.index("avx2")))
+
+
 def native_isa() -> int:
     """The vector path the native ops take (quant.force_isa pins it for the tests); after native_ext()."""
     return _modules[1].isa_index()
 
 
-def _native_bf16(x: torch.Tensor, other: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
-    return native_rows(x, other) if x.dtype is torch.bfloat16 else None
-
-
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [num_tokens, hidden]
-    ext = _native_bf16(x, weight)
+    ext = native_rows(x, weight)
     if ext is not None:
         return ext.add_rms_norm(x, None, weight, eps, native_isa())[0]
     if x.dtype is not torch.float32 or weight.dtype is not torch.float32:
@@ -78,7 +101,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ext = _native_bf16(x, weight)
+    ext = native_rows(x, weight)
     if ext is not None and residual.dtype is x.dtype and residual.is_contiguous():  # C++ checks the shape
         out, h = ext.add_rms_norm(x, residual, weight, eps, native_isa())
         return out, h
@@ -88,7 +111,7 @@ def add_rms_norm_cpu(
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * d] -> [num_tokens, d]; one split instead of two Python slices
-    ext = _native_bf16(x)
+    ext = native_rows(x)
     if ext is not None:
         return ext.silu_mul(x, native_isa())
     gate, up = x.split(x.shape[-1] // 2, dim=-1)

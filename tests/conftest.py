@@ -265,7 +265,8 @@ def smollm_llm(smollm_dir: Path) -> Any:
     """One SmolLM2 LLM per session (loading is the slow part)."""
     from wsllm import LLM
 
-    return LLM(model=str(smollm_dir), max_num_seqs=32, dtype="float32")  # HF parity is exact in fp32
+    # HF parity is exact in fp32, the KV cache's included (auto would pick float16 here)
+    return LLM(model=str(smollm_dir), max_num_seqs=32, dtype="float32", kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="session")

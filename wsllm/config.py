@@ -44,6 +44,14 @@ class EngineConfig:
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (power of two >= 8)"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "KV cache size on the CPU, in GiB"})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV cache precision: auto (float16 under a float32 model on a CPU with F16C and the native "
+            "kernels: half the memory; else the model's dtype) | float32 | bfloat16 | float16 (other than the "
+            "model's dtype: CPU only)"
+        },
+    )
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "fraction of GPU memory to use"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "override the number of KV blocks"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
@@ -138,6 +146,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
+            )
         if self.cpu_gemm not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_gemm must be auto, onednn or torch, got {self.cpu_gemm!r}")
         if self.quantization not in ("auto", "none", *QUANTIZE_AT_LOAD):

@@ -1,7 +1,9 @@
 // The decode attention of attention.h, written once for both vector ISAs. Included by
 // fvec_avx512.cpp and fvec_avx2.cpp (after <cmath>) inside their own namespace after they define WSQ_TARGET
-// and `struct FV` (L float lanes: load(float*), load(uint16_t*) (bf16 bits), store, set1,
-// zero, add, sub, mul, fmadd(a, b, c) = a * b + c, max, hsum, hmax, exp).
+// and `struct FV` (L float lanes: load(float*), load(uint16_t*) (bf16 bits), load(f16*) (half
+// bits), store, set1, zero, add, sub, mul, fmadd(a, b, c) = a * b + c, max, hsum, hmax, exp).
+// T: q's and out's element type (float or bf16 bits); C: the caches' (float, bf16 or f16 bits:
+// a half cache under a float32 model is widened exactly as it is loaded).
 //
 // Per (sequence, kv head): the scores of its G query heads (up to 4 at a time, sharing each key
 // and value row read) against every context position, read from the cache through the block
@@ -39,15 +41,15 @@ WSQ_TARGET inline void rows_of(const DecodeArgs& a, const int32_t* table, int hk
 
 // Scores of GC query heads (qf: GC rows of D, scaled) against positions [0, len): each key row
 // is loaded and widened once for the GC heads. w: GC rows, ws apart; mx: each head's max.
-template <int GC, class T>
-WSQ_TARGET void scores(const DecodeArgs& a, const T* k, const int64_t* off, int len, const float* qf,
+template <int GC, class C>
+WSQ_TARGET void scores(const DecodeArgs& a, const C* k, const int64_t* off, int len, const float* qf,
                        float* w, int64_t ws, float* mx) {
   const int nv = a.D / FV::L;
   for (int g = 0; g < GC; ++g) mx[g] = -INFINITY;
   for (int p = 0; p < kAhead; ++p) prefetch_row(a, k, off, p, len);
   for (int p = 0; p < len; ++p) {
     prefetch_row(a, k, off, p + kAhead, len);
-    const T* kr = k + off[p];
+    const C* kr = k + off[p];
     typename FV::VF acc[GC];
     for (int g = 0; g < GC; ++g) acc[g] = FV::zero();
     for (int c = 0; c < nv; ++c) {
@@ -64,8 +66,8 @@ WSQ_TARGET void scores(const DecodeArgs& a, const T* k, const int64_t* off, int 
 
 // out (GC heads, D apart) columns [c0, c0 + NC * L) = sum over p of w[p] * value row p, times inv;
 // each value row is loaded once for the GC heads.
-template <int GC, int NC, class T>
-WSQ_TARGET void weighted(const DecodeArgs& a, const T* v, const int64_t* off, int len, const float* w,
+template <int GC, int NC, class C, class T>
+WSQ_TARGET void weighted(const DecodeArgs& a, const C* v, const int64_t* off, int len, const float* w,
                          int64_t ws, const float* inv, int c0, T* out) {
   typename FV::VF acc[GC][NC];
   for (int g = 0; g < GC; ++g)
@@ -73,7 +75,7 @@ WSQ_TARGET void weighted(const DecodeArgs& a, const T* v, const int64_t* off, in
   for (int p = 0; p < kAhead; ++p) prefetch_row(a, v, off, p, len);
   for (int p = 0; p < len; ++p) {
     prefetch_row(a, v, off, p + kAhead, len);
-    const T* vr = v + off[p] + c0;
+    const C* vr = v + off[p] + c0;
     typename FV::VF vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = FV::load(vr + c * FV::L);
     for (int g = 0; g < GC; ++g) {
@@ -86,17 +88,12 @@ WSQ_TARGET void weighted(const DecodeArgs& a, const T* v, const int64_t* off, in
       float tmp[FV::L];
       FV::store(tmp, FV::mul(acc[g][c], FV::set1(inv[g])));
       T* o = out + g * a.D + c0 + c * FV::L;
-      for (int l = 0; l < FV::L; ++l) {
-        if constexpr (sizeof(T) == 2)
-          o[l] = to_bf16(tmp[l]);
-        else
-          o[l] = tmp[l];
-      }
+      for (int l = 0; l < FV::L; ++l) o[l] = narrow<T>(tmp[l]);
     }
 }
 
 // Query heads h0 .. h0 + GC - 1 of sequence s, all on kv head hk.
-template <int GC, class T>
+template <int GC, class T, class C>
 WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off, float* scratch) {
   const T* q = static_cast<const T*>(a.q);
   const int len = a.lens[s], D = a.D, nv = D / FV::L;
@@ -105,7 +102,7 @@ WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off
   float* w = scratch + GC * D;   // GC rows of ws: scores, then unnormalised weights
   for (int g = 0; g < GC; ++g) load_scaled(q + s * a.q_stride + int64_t(h0 + g) * D, a.scale, D, qf + g * D);
   float mx[GC], inv[GC];
-  scores<GC>(a, static_cast<const T*>(a.k), off, len, qf, w, ws, mx);
+  scores<GC>(a, static_cast<const C*>(a.k), off, len, qf, w, ws, mx);
   for (int g = 0; g < GC; ++g) {
     float* wg = w + g * ws;
     const typename FV::VF vmx = FV::set1(mx[g]);
@@ -120,7 +117,7 @@ WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off
     for (; p < len; ++p) sum += (wg[p] = std::exp(wg[p] - mx[g]));
     inv[g] = 1.0f / sum;
   }
-  const T* v = static_cast<const T*>(a.v);
+  const C* v = static_cast<const C*>(a.v);
   T* out = static_cast<T*>(a.out) + s * int64_t(a.H) * D + int64_t(h0) * D;
   constexpr int NC = FV::kValueChunk;  // value vectors per pass: GC * NC accumulators fit the registers
   int c = 0;
@@ -128,7 +125,7 @@ WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off
   for (; c < nv; ++c) weighted<GC, 1>(a, v, off, len, w, ws, inv, c * FV::L, out);
 }
 
-template <class T>
+template <class T, class C>
 WSQ_TARGET void decode_items_t(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch) {
   const int G = a.H / a.Hk;
   int64_t* off = reinterpret_cast<int64_t*>(scratch);  // decode_scratch_floats: 2 floats a position
@@ -140,18 +137,23 @@ WSQ_TARGET void decode_items_t(const DecodeArgs& a, int64_t item0, int64_t item1
     for (int g0 = 0; g0 < G; g0 += 4) {  // up to 4 query heads share each key and value row read
       const int h0 = hk * G + g0;
       switch (G - g0 < 4 ? G - g0 : 4) {
-        case 4: heads<4, T>(a, s, h0, off, rest); break;
-        case 3: heads<3, T>(a, s, h0, off, rest); break;
-        case 2: heads<2, T>(a, s, h0, off, rest); break;
-        default: heads<1, T>(a, s, h0, off, rest);
+        case 4: heads<4, T, C>(a, s, h0, off, rest); break;
+        case 3: heads<3, T, C>(a, s, h0, off, rest); break;
+        case 2: heads<2, T, C>(a, s, h0, off, rest); break;
+        default: heads<1, T, C>(a, s, h0, off, rest);
       }
     }
   }
 }
 
+// The pairs attention.cpp lets through: q float32 over any cache, q bf16 over a bf16 or f16 one.
 WSQ_TARGET void decode_items(const DecodeArgs& a, int64_t item0, int64_t item1, float* scratch) {
-  if (a.bf16)
-    decode_items_t<uint16_t>(a, item0, item1, scratch);
-  else
-    decode_items_t<float>(a, item0, item1, scratch);
+  if (a.q_type == kBF16)
+    return a.kv_type == kF16 ? decode_items_t<uint16_t, f16>(a, item0, item1, scratch)
+                             : decode_items_t<uint16_t, uint16_t>(a, item0, item1, scratch);
+  switch (a.kv_type) {
+    case kBF16: return decode_items_t<float, uint16_t>(a, item0, item1, scratch);
+    case kF16: return decode_items_t<float, f16>(a, item0, item1, scratch);
+    default: return decode_items_t<float, float>(a, item0, item1, scratch);
+  }
 }

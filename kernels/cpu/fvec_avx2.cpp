@@ -5,7 +5,7 @@
 
 #include "fvec.h"
 
-#define WSQ_TARGET __attribute__((target("avx2,fma")))
+#define WSQ_TARGET __attribute__((target("avx2,fma,f16c")))
 
 namespace wsq {
 namespace fvec256 {
@@ -18,6 +18,9 @@ struct FV {
   WSQ_TARGET static VF load(const uint16_t* p) {  // bf16 -> float, exact
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  WSQ_TARGET static VF load(const f16* p) {  // half -> float, exact
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   WSQ_TARGET static void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
   WSQ_TARGET static VF set1(float v) { return _mm256_set1_ps(v); }
@@ -68,7 +71,7 @@ struct FV {
 }  // namespace fvec256
 
 DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
-SiluFn silu_mul_avx2() { return fvec256::silu_rows; }
-NormFn norm_rows_avx2() { return fvec256::norm_rows; }
+SiluFn silu_mul_avx2(bool bf16) { return fvec256::silu_rows(bf16); }
+NormFn norm_rows_avx2(bool bf16) { return fvec256::norm_rows(bf16); }
 
 }  // namespace wsq

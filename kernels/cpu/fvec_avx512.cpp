@@ -5,7 +5,7 @@
 
 #include "fvec.h"
 
-#define WSQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define WSQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 namespace wsq {
 namespace fvec512 {
@@ -18,6 +18,9 @@ struct FV {
   WSQ_TARGET static VF load(const uint16_t* p) {  // bf16 -> float, exact
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  WSQ_TARGET static VF load(const f16* p) {  // half -> float, exact
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   WSQ_TARGET static void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
   WSQ_TARGET static VF set1(float v) { return _mm512_set1_ps(v); }
@@ -64,7 +67,7 @@ struct FV {
 }  // namespace fvec512
 
 DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
-SiluFn silu_mul_avx512() { return fvec512::silu_rows; }
-NormFn norm_rows_avx512() { return fvec512::norm_rows; }
+SiluFn silu_mul_avx512(bool bf16) { return fvec512::silu_rows(bf16); }
+NormFn norm_rows_avx512(bool bf16) { return fvec512::norm_rows(bf16); }
 
 }  // namespace wsq

@@ -15,6 +15,9 @@
 namespace wsq {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                                torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
+torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
+                                torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
 }  // namespace wsq
 
 namespace wsq {
@@ -219,6 +222,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("isa"), nogil());
+  m.def("rope_store_decode", &wsq::rope_store_decode,
+        "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

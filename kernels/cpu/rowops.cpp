@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace wsq {
 namespace {
@@ -53,8 +54,17 @@ void silu_rows(const T* x, T* out, int64_t m0, int64_t m1, int64_t d) {
   }
 }
 
-template <class T>
-void rope_rows(T* qkv, const float* cos, const float* sin, T* kc, T* vc, const int64_t* slots, int64_t t0,
+// n values of src into dst: a copy, or each rounded to the cache's type (nearest even, as torch's .to())
+template <class T, class C>
+void put_row(C* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, C>)
+    std::memcpy(dst, src, sizeof(T) * n);
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = C(float(src[i]));
+}
+
+template <class T, class C>
+void rope_rows(T* qkv, const float* cos, const float* sin, C* kc, C* vc, const int64_t* slots, int64_t t0,
                int64_t t1, int64_t H, int64_t Hk, int64_t D) {
   const int64_t width = (H + 2 * Hk) * D, half = D / 2;
   std::vector<float> tmp(D);
@@ -67,8 +77,8 @@ void rope_rows(T* qkv, const float* cos, const float* sin, T* kc, T* vc, const i
       for (int64_t j = 0; j < D; ++j) tmp[j] = float(x[j]) * c[j] + float(x[j < half ? j + half : j - half]) * s[j];
       for (int64_t j = 0; j < D; ++j) x[j] = T(tmp[j]);
     }
-    std::memcpy(kc + slots[t] * Hk * D, row + H * D, sizeof(T) * Hk * D);
-    std::memcpy(vc + slots[t] * Hk * D, row + (H + Hk) * D, sizeof(T) * Hk * D);
+    put_row(kc + slots[t] * Hk * D, row + H * D, Hk * D);
+    put_row(vc + slots[t] * Hk * D, row + (H + Hk) * D, Hk * D);
   }
 }
 
@@ -86,20 +96,15 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                     residual->is_contiguous(),
                 "residual must be contiguous, with x's shape and dtype");
-    h = torch::empty_like(x);
+    h = torch::empty(x.sizes(), x.options());  // x is contiguous: one op, not empty_like's two
   }
-  auto out = torch::empty_like(x);
-  const NormFn vec = x.scalar_type() != torch::kBFloat16 ? nullptr
-                     : isa == kAvx512Vnni                ? norm_rows_avx512()
-                     : isa == kAvx2                      ? norm_rows_avx2()
-                                                         : nullptr;
+  auto out = torch::empty(x.sizes(), x.options());
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const NormFn vec = isa == kAvx512Vnni ? norm_rows_avx512(bf16) : isa == kAvx2 ? norm_rows_avx2(bf16) : nullptr;
   if (vec != nullptr) {
-    using B = at::BFloat16;
-    const auto* rp = residual.has_value() ? reinterpret_cast<const uint16_t*>(residual->data_ptr<B>()) : nullptr;
+    const void* rp = residual.has_value() ? residual->data_ptr() : nullptr;
     at::parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
-      vec(reinterpret_cast<const uint16_t*>(x.data_ptr<B>()), rp, reinterpret_cast<const uint16_t*>(weight.data_ptr<B>()),
-          reinterpret_cast<uint16_t*>(out.data_ptr<B>()), reinterpret_cast<uint16_t*>(h.data_ptr<B>()), m0, m1, K,
-          float(eps));
+      vec(x.data_ptr(), rp, weight.data_ptr(), out.data_ptr(), h.data_ptr(), m0, m1, K, float(eps));
     });
     return {out, h};
   }
@@ -126,15 +131,11 @@ torch::Tensor silu_mul(torch::Tensor x, int64_t isa) {
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t M = x.size(0), d = x.size(1) / 2;
   auto out = torch::empty({M, d}, x.options());
-  // bf16 on a vector path: the exp in vectors (scalar std::exp was most of a 32-row step's row ops)
-  const SiluFn vec = x.scalar_type() != torch::kBFloat16 ? nullptr
-                     : isa == kAvx512Vnni                ? silu_mul_avx512()
-                     : isa == kAvx2                      ? silu_mul_avx2()
-                                                         : nullptr;
+  // on a vector path the exp runs in vectors (scalar std::exp was most of a 32-row step's row ops)
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const SiluFn vec = isa == kAvx512Vnni ? silu_mul_avx512(bf16) : isa == kAvx2 ? silu_mul_avx2(bf16) : nullptr;
   if (vec != nullptr) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) { vec(xp, op, m0, m1, d); });
+    at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) { vec(x.data_ptr(), out.data_ptr(), m0, m1, d); });
     return out;
   }
   AT_DISPATCH_SWITCH(x.scalar_type(), "silu_mul", AT_DISPATCH_CASE(torch::kFloat32, [&] {
@@ -152,10 +153,12 @@ torch::Tensor silu_mul(torch::Tensor x, int64_t isa) {
 void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                 torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads) {
   check_rows(qkv, "qkv");
+  const auto dt = qkv.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(),
-              "caches must be contiguous [blocks, block_size, Hk, D] of qkv's dtype");
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == ct &&
+                  (ct == dt || ct == torch::kFloat16 || (ct == torch::kBFloat16 && dt == torch::kFloat32)),
+              "caches must be contiguous [blocks, block_size, Hk, D] of qkv's dtype, float16, or bfloat16 "
+              "under float32");
   const int64_t T = qkv.size(0), Hk = k_cache.size(2), D = k_cache.size(3), H = num_heads;
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hk) * D && D % 2 == 0, "qkv must be [T, (H + 2 Hk) D]");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
@@ -165,19 +168,19 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " out of range");
-  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_store", AT_DISPATCH_CASE(torch::kFloat32, [&] {
-                       at::parallel_for(0, T, grain((H + Hk) * D * 4), [&](int64_t t0, int64_t t1) {
-                         rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                             k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sp, t0, t1,
-                                             H, Hk, D);
-                       });
-                     }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-                       at::parallel_for(0, T, grain((H + Hk) * D * 4), [&](int64_t t0, int64_t t1) {
-                         rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                             k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sp, t0, t1,
-                                             H, Hk, D);
-                       });
-                     }));
+  auto run = [&](auto qkv_type, auto cache_type) {
+    using Q = decltype(qkv_type);
+    using C = decltype(cache_type);
+    at::parallel_for(0, T, grain((H + Hk) * D * 4), [&](int64_t t0, int64_t t1) {
+      rope_rows<Q, C>(qkv.data_ptr<Q>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<C>(),
+                      v_cache.data_ptr<C>(), sp, t0, t1, H, Hk, D);
+    });
+  };
+  using B = at::BFloat16;
+  if (dt == torch::kFloat32)
+    ct == torch::kFloat32 ? run(float(), float()) : ct == torch::kFloat16 ? run(float(), at::Half()) : run(float(), B());
+  else
+    ct == torch::kFloat16 ? run(B(), at::Half()) : run(B(), B());
 }
 
 }  // namespace wsq

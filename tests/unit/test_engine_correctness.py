@@ -53,7 +53,7 @@ def test_tiny_random_models_match_hf(fixture: str, request: pytest.FixtureReques
 
     path: Path = request.getfixturevalue(fixture)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(model=str(path), kv_cache_gb=0.05, dtype="float32")
+    llm = LLM(model=str(path), kv_cache_gb=0.05, dtype="float32", kv_cache_dtype="float32")
     # Long enough to cross the llama3 scaling's original context (256) in positions.
     lengths = [3, 17, 40, 300]
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,7 @@
 """The CPU fast paths (kernels/cpu_ops.py, kernels/cpu_attention.py) against the
-references they replace on CPU tensors. The row ops must be bit-identical in fp32 (the
-engine's greedy parity with HF rests on it); attention may differ by summation order."""
+references they replace on CPU tensors. The fp32 row ops run natively when the C++ build
+is there (a vector exp, another order of the sum of squares): within row_op_tolerance of
+the references, the residual sum exact; attention may differ by summation order."""
 
 from __future__ import annotations
 
@@ -10,20 +11,29 @@ from wsllm.kernels import activation, cpu_ops, norms, rotary
 from wsllm.kernels.cpu_attention import cpu_paged_attention, plan_cpu_attention
 from wsllm.kernels.kv_store import store_kv_ref
 from wsllm.kernels.paged_attention import paged_prefill_attention_ref
-from wsllm.kernels.testing import PREFILL_SCENARIOS, make_paged_case, prefill_batch, tolerance
+from wsllm.kernels.testing import (
+    PREFILL_SCENARIOS,
+    make_paged_case,
+    prefill_batch,
+    row_op_tolerance,
+    tolerance,
+)
 
 
-def test_row_ops_are_bit_identical_to_the_references_in_fp32() -> None:
+def test_row_ops_equal_the_references_in_fp32() -> None:
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g)
+    x[0] *= 1e-3  # a row whose mean square is near eps: a wrong eps or mean shows there
+    x[1] *= 300.0
     w = torch.randn(96, generator=g)
-    assert torch.equal(cpu_ops.rms_norm_cpu(x, w, 1e-5), norms.rms_norm_ref(x, w, 1e-5))
-    for a, b in zip(
-        cpu_ops.add_rms_norm_cpu(x, r, w, 1e-6), norms.add_rms_norm_ref(x, r, w, 1e-6), strict=True
-    ):
-        assert torch.equal(a, b)
-    gate_up = torch.randn(7, 2 * 96, generator=g)
-    assert torch.equal(cpu_ops.silu_and_mul_cpu(gate_up), activation.silu_and_mul_ref(gate_up))
+    tol = row_op_tolerance(torch.float32)
+    torch.testing.assert_close(cpu_ops.rms_norm_cpu(x, w, 1e-5), norms.rms_norm_ref(x, w, 1e-5), **tol)
+    out, h = cpu_ops.add_rms_norm_cpu(x, 1e-3 * r, w, 1e-6)
+    want, want_h = norms.add_rms_norm_ref(x, 1e-3 * r, w, 1e-6)
+    assert torch.equal(h, want_h), "x + residual is exact"
+    torch.testing.assert_close(out, want, **tol)
+    gate_up = 4 * torch.randn(7, 2 * 96, generator=g)
+    torch.testing.assert_close(cpu_ops.silu_and_mul_cpu(gate_up), activation.silu_and_mul_ref(gate_up), **tol)
 
 
 @pytest.mark.parametrize("layout", ["fused qkv", "separate"])

@@ -32,7 +32,9 @@ def prompts_of(lengths: list[int], seed: int = 3) -> list[list[int]]:
 
 
 def make_engine(path: Path, **kw: Any) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(path), **({"dtype": "float32"} | kw)))
+    # HF's fp32 log-softmax within 1e-4: the cache in fp32 too (auto may pick float16)
+    cfg = {"dtype": "float32", "kv_cache_dtype": "float32"} | kw
+    return LLMEngine.from_config(EngineConfig(model=str(path), **cfg))
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:

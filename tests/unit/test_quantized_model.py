@@ -86,6 +86,12 @@ def test_greedy_equals_the_torch_reference_of_the_same_arithmetic(
     smollm_quant: LLMEngine, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # A first run fills the prefix cache, so that both compared runs hit it alike: a prompt
+    # computed whole and one computed from cached blocks sum attention in another order, and
+    # the int8 rounding of every activation downstream turns that last-bit difference into
+    # 0.07-0.16 nats on a first token here (fp32, before and after the float16 cache), enough
+    # to flip a near-tie.
+    run(smollm_quant, chat_ids, greedy)
     native = run(smollm_quant, chat_ids, greedy)
     monkeypatch.setattr(quant, "qlinear", quant.qlinear_reference)
     assert run(smollm_quant, chat_ids, greedy) == native

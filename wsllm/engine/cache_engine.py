@@ -9,9 +9,33 @@ import logging
 import torch
 
 from wsllm.config import EngineConfig
+from wsllm.kernels import cpu_ops
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(asked: str, model_dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """The KV cache's dtype for `--kv-cache-dtype` and why. `auto`: float16 under a float32
+    model on a CPU whose native decode kernel reads it in vectors (F16C): half the memory,
+    as llama.cpp keeps it; else the model's dtype. On CUDA the cache takes the model's dtype
+    (the Triton kernels read one dtype)."""
+    if asked == "auto":
+        if device.type == "cpu" and model_dtype is torch.float32 and cpu_ops.half_cache_native():
+            return torch.float16, "auto: half a float32 cache's memory, widened by the native kernels"
+        return model_dtype, "auto: the model's dtype"
+    if asked not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {asked!r}")
+    dtype = KV_CACHE_DTYPES[asked]
+    if device.type != "cpu" and dtype is not model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {asked} differs from the model's dtype {str(model_dtype).removeprefix('torch.')}, "
+            f"which only the CPU kernels support; use auto on {device.type}"
+        )
+    return dtype, "asked for"
 
 
 def bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -72,7 +96,12 @@ class CacheEngine:
             else []
         )
         log.info(
-            "KV cache: %d blocks of %d tokens (%d CPU swap blocks)", num_blocks, block_size, num_cpu_blocks
+            "KV cache: %d blocks of %d tokens, %s, %.0f MiB (%d CPU swap blocks)",
+            num_blocks,
+            block_size,
+            str(dtype).removeprefix("torch."),
+            bytes_per_block(c, block_size, dtype) * num_blocks / 2**20,
+            num_cpu_blocks,
         )
 
     def apply(

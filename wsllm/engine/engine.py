@@ -18,7 +18,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.cache_engine import CacheEngine, num_kv_blocks
+from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
 from wsllm.engine.model_runner import ModelRunner, Pooled, PromptLogprobs
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from wsllm.engine.request import Request
@@ -61,7 +61,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
+        dtype, why = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, device)
+        log.info("KV cache dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         bs = config.block_size
         num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)

@@ -66,7 +66,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.dtype = kv_caches[0][0].dtype
+        self.dtype = next(model.parameters()).dtype  # the activations'
+        self.kv_dtype = kv_caches[0][0].dtype  # may be narrower (kv_cache_dtype)
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
@@ -115,7 +116,15 @@ class ModelRunner:
         plan = None
         if dev.type == "cpu" and kernels.backend() == "auto":
             plan = kernels.plan_cpu_attention(
-                tables, seq_lens, q_lens, bs, self.dtype, pos_t, self.model.cos_sin_cache, slot_t
+                tables,
+                seq_lens,
+                q_lens,
+                bs,
+                self.dtype,
+                pos_t,
+                self.model.cos_sin_cache,
+                slot_t,
+                self.kv_dtype,
             )
         meta = AttentionMetadata(
             slot_mapping=slot_t,
