@@ -22,10 +22,11 @@ from wsllm.broker.prefix_routing import summary_key
 from wsllm.broker.redis import RedisBroker
 from wsllm.broker.redis_conn import cluster_settings
 from wsllm.broker.redis_keys import Keys
-from wsllm.broker.redis_queue import waiting_key
+from wsllm.broker.redis_queue import counters_key, waiting_key
 from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
+from wsllm.wire import encode
 
 LEASE = RedisConfig(lease_s=0.6, engine_heartbeat_s=0.1, stream_retention_s=5.0, max_deliveries=2)
 
@@ -340,10 +341,9 @@ def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -
     r = engine._sync
     q = engine.keys.queue("m")
     asyncio.run(gw.submit(req("named", max_tokens=4)))  # a gateway waits for this one
-    w = waiting_key(q, 0, "")  # where it waits until an engine takes it
-    entry_id = r.xrange(w)[0][0]
-    good = orjson.loads(r.xrange(w)[0][1][b"r"])
-    r.xdel(w, entry_id)
+    assert r.zpopmin(waiting_key(q))  # out of the waiting set, as if taken
+    r.delete(counters_key(q))  # it was the only waiting request
+    good = orjson.loads(encode(req("named", max_tokens=4)))
     bad = orjson.loads(orjson.dumps(good))
     bad["item"]["params"]["top_k"] = 2**64 - 1
     r.xadd(q, {"r": orjson.dumps(bad)})  # names its request: its client is told
@@ -417,8 +417,8 @@ def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their
     k = Keys("wsllm")
     q = k.queue("m")  # routing's keys (redis_queue, prefix_routing) are suffixes of it
     model = [q, k.out("m", "r1"), k.results("m", "gw"), k.attached("m", "r1"), k.wake("m", "gw"),
-             k.dead("m"), k.tokenizer("m"), waiting_key(q, 3, "acme"), summary_key(q, "e1"),
-             k.aborts("m"), *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
+             k.dead("m"), k.tokenizer("m"), waiting_key(q), waiting_key(q, "e1"), summary_key(q, "e1"),
+             k.aborts("m"), *(q + s for s in (":ze", ":n", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
     slots = {key_slot(key.encode()) for key in model}
     assert len(slots) == 1
     assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1
