@@ -40,7 +40,7 @@ from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_ENGINES_CACHE_S = 0.25
+_ENGINES_CACHE_S = 1.0  # the registry is read at most this often (new engines of this process at once)
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
 

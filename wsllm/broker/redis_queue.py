@@ -27,10 +27,12 @@ its Redis Cluster hash slot):
                             delivered), rt (routed), s (submit order), and per tenant
                             t:{tenant}, per level l:{prio} and its clock c:{prio}, per
                             (level, tenant) k:{prio}:{tenant} and its last virtual time
-                            v:{prio}:{tenant}, per engine e:{engine}; gone once nothing
+                            v:{prio}:{tenant}, per engine e:{engine}, and w (a wake-up
+                            was sent and no take has run since); gone once nothing
                             waits
     {queue}:nt              one-entry stream that wakes engines on a submit (idle ones
-                            block on it; busy ones read it with the abort stream)
+                            block on it; busy ones read it with the abort stream); a
+                            submit writes it only when no wake-up is pending (`w`)
     {queue}:seen            hash: per engine, its last take, its usual interval between
                             takes and whether its last take filled its room
     {queue}:tk              hash: request id -> its entry in the request stream, from the
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 #: entries of a busy peer's routed set an engine looks through for ones it may steal
 SCAN = 16
 #: a take is due at least this often while an engine has room, wake-up or not
-_TAKE_EVERY_S = 2.0
+_TAKE_EVERY_S = 5.0
 
 # Helpers of every queue script. `forget` updates the counters for members that left
 # the waiting sets (taken, aborted, expired); each is {priority, tenant, engine, tag}
@@ -112,8 +114,9 @@ local function forget(q, gone, known)
     redis.call('DEL', cnt, q .. ':ze')
     return
   end
+  del[#del + 1] = 'w'  -- engines took (or the queue changed) since the last wake-up
   if #set > 0 then redis.call('HSET', cnt, unpack(set)) end
-  if #del > 0 then redis.call('HDEL', cnt, unpack(del)) end
+  redis.call('HDEL', cnt, unpack(del))
   if #idle > 0 then redis.call('SREM', q .. ':ze', unpack(idle)) end
 end
 """
@@ -135,10 +138,10 @@ local cnt = q .. ':n'
 local prio, tenant, eng = tonumber(ARGV[8]), ARGV[9], ARGV[10]
 local pt = prio .. ':' .. tenant
 local got = redis.call('HMGET', cnt, 'n', 'h', 't:' .. tenant, 'k:' .. pt, 'v:' .. pt, 'c:' .. prio,
-  'l:' .. prio, 's', 'rt', 'e:' .. eng)
+  'l:' .. prio, 's', 'rt', 'e:' .. eng, 'w')
 local v = {}
-for i = 1, 10 do v[i] = tonumber(got[i]) or 0 end
-local n, h, mine, k, last, clock, l, s, rt, e = unpack(v)
+for i = 1, 11 do v[i] = tonumber(got[i]) or 0 end
+local n, h, mine, k, last, clock, l, s, rt, e, woken = unpack(v)
 if n + h >= tonumber(ARGV[1]) then return {0, n + h, 'depth'} end
 if mine >= tonumber(ARGV[2]) then return {0, mine, 'tenant'} end
 local tag = clock
@@ -157,8 +160,11 @@ if eng ~= '' then
   upd[#upd + 1] = 'rt'; upd[#upd + 1] = rt + 1; upd[#upd + 1] = 'e:' .. eng; upd[#upd + 1] = e + 1
   if e == 0 then redis.call('SADD', q .. ':ze', eng) end
 end
+if woken == 0 then  -- no wake-up since the last take: send one (every take clears `w`)
+  upd[#upd + 1] = 'w'; upd[#upd + 1] = 1
+  redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
+end
 redis.call('HSET', cnt, unpack(upd))
-redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
 return {1, set, hdr}
 """
 )
@@ -175,8 +181,11 @@ return {1, set, hdr}
 # Every call is a command counted against each generated token: the engine calls it
 # only when a take may find something (see Taker), and the script asks Redis's clock
 # only when there is a peer's request to judge.
-# KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, interval (ms),
-#                     '1': read the request stream even if nothing moved
+# A take also clears the counters' `w` (a wake-up was sent and no engine has taken
+# since): a submit sends a wake-up only when none is pending.
+# KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, interval (ms;
+#                     '': unchanged since the engine last said), '1': read the request
+#                     stream even if nothing moved, what the last take said of `full`
 #   -> {ms until routed requests of a peer may be stealable (-1: none), XREADGROUP reply}
 TAKE = (
     _LIB
@@ -184,7 +193,7 @@ TAKE = (
 local q, n, me = KEYS[1], tonumber(ARGV[3]), ARGV[4]
 local steal, scan = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cnt, seen = q .. ':n', q .. ':seen'
-local c = redis.call('HMGET', cnt, 'n', 'rt', 'h', 'e:' .. me)
+local c = redis.call('HMGET', cnt, 'n', 'rt', 'h', 'e:' .. me, 'w')
 local waiting, routed, handed, mine = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]) or 0,
   tonumber(c[4]) or 0
 local want = n - handed
@@ -233,8 +242,14 @@ if waiting > 0 and want > 0 then
   forget(q, gone, {waiting, routed, handed})
   taken = #gone
 end
-if redis.call('HSET', seen, me .. ':p', ARGV[7], me .. ':f', taken + handed >= n and '1' or '0') > 0 then
-  redis.call('PEXPIRE', seen, 3600000)  -- new fields: a new engine, or a new hash
+if taken == 0 and c[5] then redis.call('HDEL', cnt, 'w') end  -- this take saw the wake-up
+local full = taken + handed >= n and '1' or '0'
+if ARGV[7] ~= '' or full ~= ARGV[9] then  -- what peers know of this engine changed
+  local f = {me .. ':f', full}
+  if ARGV[7] ~= '' then f[3] = me .. ':p'; f[4] = ARGV[7] end
+  if redis.call('HSET', seen, unpack(f)) > 0 then
+    redis.call('PEXPIRE', seen, 3600000)  -- new fields: a new engine, or a new hash
+  end
 end
 local got = false
 if taken > 0 or handed > 0 or ARGV[8] == '1' then
@@ -432,6 +447,7 @@ class Taker:
         self._more = True  # the last take filled its count: more may wait
         self._tick = 0.0  # the engine's last iteration (monotonic) and its usual interval (ms)
         self._period = 0.0
+        self._told: tuple[int, float] = (-1, 0.0)  # the interval peers know of, and since when
         self.takes = 0
 
     def tick(self) -> None:
@@ -474,11 +490,19 @@ class Taker:
                 self.cursor = resp[0][1][-1][0].decode()
 
     def _once(self, count: int) -> list[Any]:
-        cursor, periodic = self.cursor, time.monotonic() >= self._due
-        args = [self.group, self.consumer, count, self.consumer, self.steal_ms, SCAN]
-        retry, resp = self._take(
-            keys=[self.queue], args=[*args, round(self._period), "1" if periodic else ""]
-        )
+        now = time.monotonic()
+        cursor, periodic = self.cursor, now >= self._due
+        # Peers need this engine's interval when it moved by a quarter, or a while since.
+        period = round(self._period)
+        told, told_at = self._told
+        tell = abs(period - told) > max(told / 4, 5) or now - told_at >= _TAKE_EVERY_S
+        if tell:
+            self._told = (period, now)
+        args = [self.group, self.consumer, count, self.consumer, self.steal_ms, SCAN, period if tell else ""]
+        # Read the request stream even if nothing moves now after a take that filled its
+        # count (what it moved may wait there still), and now and then.
+        args += ["1" if periodic or self._more else "", "1" if self._more else "0"]
+        retry, resp = self._take(keys=[self.queue], args=args)
         self.takes += 1
         self._cursor_at_take = cursor
         # A script's reply is raw: each entry's fields come as a flat list.
