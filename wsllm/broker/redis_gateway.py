@@ -118,7 +118,7 @@ class GatewaySide:
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(model, rid)]
-        if not target and self.router is not None:
+        if not target and self.router is not None and self._routable(model):
             try:
                 target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
             except UNAVAILABLE as e:
@@ -382,6 +382,15 @@ class GatewaySide:
             infos.append(info)
         self._engines = (time.monotonic(), infos)
         return infos
+
+    def _routable(self, model: str) -> bool:
+        """Whether routing `model`'s request can choose: false only while this gateway's
+        copy of the registry is fresh and holds fewer than two engines of it (a routing
+        read per submit would then be a command per request for nothing)."""
+        at, cached = self._engines
+        if time.monotonic() - at >= _ENGINES_CACHE_S:
+            return True
+        return sum(1 for e in cached if (e.model or self.model) == model) >= 2
 
     def invalidate_engines(self) -> None:
         self._engines = (0.0, [])
