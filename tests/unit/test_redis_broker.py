@@ -481,6 +481,36 @@ def test_a_step_of_many_requests_costs_a_few_commands(brokers, any_redis: Any) -
     assert text_of(asyncio.run(read(gw2, "s3"))) == [5, 6, 7, 8, 9]  # nothing in its history yet
 
 
+def test_submit_and_take_cost_a_few_commands_whatever_the_queue_holds(brokers, any_redis: Any) -> None:
+    """A submit reads and writes the queue's counters instead of counting its entries,
+    so it costs the same with 40 requests of 20 tenants waiting as with none; one take
+    pops a whole batch (a few commands, and one XADD per request into the request
+    stream)."""
+    gw, engine = brokers(), brokers("engine-a")
+    r = any_redis.client()
+    pull_for(engine, 0.05)  # started: its group and cursors exist
+
+    def calls() -> int:
+        own = ("cmdstat_info", "cmdstat_command", "cmdstat_hello", "cmdstat_cluster")
+        return sum(n for k, n in command_stats(r).items() if not k.startswith(own))
+
+    def submit_cost(rid: str, tenant: str) -> int:
+        before = calls()
+        asyncio.run(gw.submit(replace(req(rid), tenant=tenant)))
+        return calls() - before
+
+    first = submit_cost("first", "t0")
+    for i in range(40):
+        asyncio.run(gw.submit(replace(req(f"w{i}"), tenant=f"t{i % 20}")))
+    late = submit_cost("late", "t7")
+    assert first <= 8 and late <= first, (first, late)  # the routing read, the script and its 6
+    before = calls()
+    got = engine.pull(42, timeout=1.0)
+    took = calls() - before
+    assert len(got) == 42 and took <= 42 + 16, took
+    assert [g.request_id for g in got][:3] == ["first", "w1", "w2"]  # one turn per tenant
+
+
 def test_concurrent_callers_share_one_registry_read(brokers, any_redis: Any) -> None:
     """Requests admitted while the registry read is in flight wait for it instead of
     each starting one (a slow Redis would get more reads the slower it answers)."""

@@ -4,10 +4,14 @@ Every key starts with the deployment's prefix (`wsllm` by default) and carries a
 Redis Cluster hash tag (`{...}`), so that a cluster keeps together what one command
 or script touches:
 
-    {p}:{model}:q           request stream; consumer group `engines`, one consumer per engine
-    {p}:{model}:q:...       the waiting streams per (priority, tenant), their round robin,
-                            the engines' wake-up and the prefix summaries (`redis_queue.py`,
-                            `prefix_routing.py`): suffixes of the request stream's key
+    {p}:{model}:q           request stream of taken requests (and hand-backs); consumer
+                            group `engines`, one consumer per engine
+    {p}:{model}:q:...       the waiting requests (one sorted set shared by the engines and
+                            one per engine that requests are routed to, ordered by each
+                            member's header: priority, tenant virtual time, submit order),
+                            the queue's counters, the engines' wake-up and the prefix
+                            summaries (`redis_queue.py`, `prefix_routing.py`): suffixes of
+                            the request stream's key
     {p}:{model}:o:{rid}     history stream of one request: a `meta` entry (the gateway's context,
                             the request entry's id, its gateway's results stream), then its
                             events, copied there every `history_flush_s` and when it ends
@@ -28,10 +32,10 @@ or script touches:
                             their lease's expiry, refreshed while they run
     {p}:resp:{id}           a stored Responses answer (hash: tenant, record), with its TTL
 
-Slots. A model's keys share the slot of `{model}`: the submit script, the gateway's
-blocking XREAD over its requests' result streams and its wake-up stream, the
-queue-deadline sweep and the engines' reads all stay inside it, so models spread over
-the shards of a cluster. The abort stream is the model's too (every engine reads it
+Slots. A model's keys share the slot of `{model}`: the submit, take, abort and sweep
+scripts, the gateway's blocking XREAD over its requests' result streams and its
+wake-up stream and the engines' reads all stay inside it, so models spread over the
+shards of a cluster. The abort stream is the model's too (every engine reads it
 each loop: a deployment-wide one made one shard hot, docs/scaling.md), so the abort
 script ends the request and tells its engines in one step. The engine registry shares
 the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}` (every
