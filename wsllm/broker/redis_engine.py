@@ -114,8 +114,8 @@ class EngineSide(Registry):
         if max_n <= 0 and not self._started:
             return []
         try:
-            if self._started:
-                self._poll()
+            if self._started and not (max_n > 0 and timeout > 0):
+                self._poll()  # an idle engine reads both while it waits (_read_new)
             if max_n <= 0:
                 return []
             out = self._start(max_n) if not self._started else []
@@ -198,7 +198,7 @@ class EngineSide(Registry):
         deadline = time.monotonic() + timeout
         while True:
             entries = self.taker.take(
-                count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S
+                count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S, self._poll
             )
             self._maybe_waiting = self.taker.more
             got = self._admit([(i.decode(), f) for i, f in entries])
@@ -285,16 +285,19 @@ class EngineSide(Registry):
         out, self._local_aborts = self._local_aborts, []
         return list(dict.fromkeys(out))
 
-    def _poll(self) -> None:
-        """One XREAD of the abort stream and the queue's wake-up stream: the aborts for
-        `aborts()`, the wake-up for the taker (a take runs only when it may find
-        something)."""
+    def _poll(self, block_ms: int | None = None) -> None:
+        """One XREAD of the abort stream and the queue's wake-up stream (waiting up to
+        `block_ms` for either): the aborts for `aborts()`, the wake-up for the taker (a
+        take runs only when it may find something)."""
         try:
             resp = self.r.xread(
                 {self._aborts_key: self._aborts_cursor or "0-0", self.taker.wake: self.taker.cursor or "0-0"},
                 count=10000,
+                block=block_ms,
             )
         except UNAVAILABLE:
+            if block_ms is not None:  # the wait of a pull: it reports the outage and backs off
+                raise
             return
         aborts = []
         for key, entries in resp or []:

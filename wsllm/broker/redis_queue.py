@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -470,9 +471,18 @@ class Taker:
     def due(self) -> bool:
         return self._more or self.cursor != self._cursor_at_take or time.monotonic() >= self._due
 
-    def take(self, count: int, timeout: float, closed: threading.Event, slice_s: float) -> list[Any]:
+    def take(
+        self,
+        count: int,
+        timeout: float,
+        closed: threading.Event,
+        slice_s: float,
+        wait: Callable[[int], None] | None = None,
+    ) -> list[Any]:
         """Raw XREADGROUP entries: [(entry id, fields), ...]. Waits on the wake-up
-        stream in slices of `slice_s` (so that `closed` is seen)."""
+        stream in slices of `slice_s` (so that `closed` is seen); `wait(ms)`, when
+        given, is the blocking read instead (the engine's: it reads the abort stream too,
+        and hands the wake-up to `woken`)."""
         deadline = time.monotonic() + timeout
         if self.cursor is None:
             last = self.r.xrevrange(self.wake, count=1)
@@ -485,6 +495,9 @@ class Taker:
             if entries or left <= 0.001 or closed.is_set():
                 return entries
             block = min(left, slice_s, max(self._due - time.monotonic(), 0.001))
+            if wait is not None:
+                wait(max(int(block * 1000), 1))
+                continue
             resp = self.r.xread({self.wake: self.cursor}, count=1, block=max(int(block * 1000), 1))
             if resp:
                 self.cursor = resp[0][1][-1][0].decode()
