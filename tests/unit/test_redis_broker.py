@@ -22,10 +22,11 @@ from wsllm.broker.prefix_routing import summary_key
 from wsllm.broker.redis import RedisBroker
 from wsllm.broker.redis_conn import cluster_settings
 from wsllm.broker.redis_keys import Keys
-from wsllm.broker.redis_queue import waiting_key
+from wsllm.broker.redis_queue import counters_key, waiting_key
 from wsllm.broker.replay import History, Replay
 from wsllm.config import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
+from wsllm.wire import encode
 
 LEASE = RedisConfig(lease_s=0.6, engine_heartbeat_s=0.1, stream_retention_s=5.0, max_deliveries=2)
 
@@ -340,10 +341,9 @@ def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -
     r = engine._sync
     q = engine.keys.queue("m")
     asyncio.run(gw.submit(req("named", max_tokens=4)))  # a gateway waits for this one
-    w = waiting_key(q, 0, "")  # where it waits until an engine takes it
-    entry_id = r.xrange(w)[0][0]
-    good = orjson.loads(r.xrange(w)[0][1][b"r"])
-    r.xdel(w, entry_id)
+    assert r.zpopmin(waiting_key(q))  # out of the waiting set, as if taken
+    r.delete(counters_key(q))  # it was the only waiting request
+    good = orjson.loads(encode(req("named", max_tokens=4)))
     bad = orjson.loads(orjson.dumps(good))
     bad["item"]["params"]["top_k"] = 2**64 - 1
     r.xadd(q, {"r": orjson.dumps(bad)})  # names its request: its client is told
@@ -417,8 +417,8 @@ def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their
     k = Keys("wsllm")
     q = k.queue("m")  # routing's keys (redis_queue, prefix_routing) are suffixes of it
     model = [q, k.out("m", "r1"), k.results("m", "gw"), k.attached("m", "r1"), k.wake("m", "gw"),
-             k.dead("m"), k.tokenizer("m"), waiting_key(q, 3, "acme"), summary_key(q, "e1"),
-             k.aborts("m"), *(q + s for s in (":lv", ":rr:3", ":clk", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
+             k.dead("m"), k.tokenizer("m"), waiting_key(q), waiting_key(q, "e1"), summary_key(q, "e1"),
+             k.aborts("m"), *(q + s for s in (":ze", ":n", ":nt", ":seen", ":tk", ":pfxv"))]  # fmt: skip
     slots = {key_slot(key.encode()) for key in model}
     assert len(slots) == 1
     assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1
@@ -465,20 +465,48 @@ def test_a_step_of_many_requests_costs_a_few_commands(brokers, any_redis: Any) -
         getkeys = sum(n for k, n in stats.items() if k.startswith("cmdstat_command|getkeys"))
         return sum(n for k, n in stats.items() if not k.startswith(own)), getkeys
 
-    engine.publish(
-        [tokens_event(f"s{i}", 0, [5]) for i in range(16)]
-    )  # the first publish reads the aborts too
+    engine.publish([tokens_event(f"s{i}", 0, [5]) for i in range(16)])  # the results stream's TTL
     before, getkeys = calls()
     for seq in (1, 2, 3):
         engine.publish([tokens_event(f"s{i}", seq, [5 + seq]) for i in range(16)])
     after, getkeys_after = calls()
-    assert after - before <= 3 * 2 + 1  # per step: the results XADD and the aborts read
+    assert after - before <= 3 + 1  # per step: the results XADD (the aborts are read by the pull)
     assert getkeys_after == getkeys
     engine.publish([tokens_event(f"s{i}", 4, [9], "length") for i in range(16)])
     gw2 = brokers()
     assert asyncio.run(gw2.lookup("s3")) is not None
     asyncio.run(gw2.follow("s3"))
     assert text_of(asyncio.run(read(gw2, "s3"))) == [5, 6, 7, 8, 9]  # nothing in its history yet
+
+
+def test_submit_and_take_cost_a_few_commands_whatever_the_queue_holds(brokers, any_redis: Any) -> None:
+    """A submit reads and writes the queue's counters instead of counting its entries,
+    so it costs the same with 40 requests of 20 tenants waiting as with none; one take
+    pops a whole batch (a few commands, and one XADD per request into the request
+    stream)."""
+    gw, engine = brokers(), brokers("engine-a")
+    r = any_redis.client()
+    pull_for(engine, 0.05)  # started: its group and cursors exist
+
+    def calls() -> int:
+        own = ("cmdstat_info", "cmdstat_command", "cmdstat_hello", "cmdstat_cluster")
+        return sum(n for k, n in command_stats(r).items() if not k.startswith(own))
+
+    def submit_cost(rid: str, tenant: str) -> int:
+        before = calls()
+        asyncio.run(gw.submit(replace(req(rid), tenant=tenant)))
+        return calls() - before
+
+    first = submit_cost("first", "t0")
+    for i in range(40):
+        asyncio.run(gw.submit(replace(req(f"w{i}"), tenant=f"t{i % 20}")))
+    late = submit_cost("late", "t7")
+    assert first <= 8 and late <= first, (first, late)  # the routing read, the script and its 6
+    before = calls()
+    got = engine.pull(42, timeout=1.0)
+    took = calls() - before
+    assert len(got) == 42 and took <= 42 + 16, took
+    assert [g.request_id for g in got][:3] == ["first", "w1", "w2"]  # one turn per tenant
 
 
 def test_concurrent_callers_share_one_registry_read(brokers, any_redis: Any) -> None:

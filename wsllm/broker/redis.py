@@ -64,6 +64,8 @@ class RedisBroker(Broker):
         self.gateway = GatewaySide(url, self.keys, self.cfg, model, max_queue_depth, max_queue_share)
         self.engine = EngineSide(self._sync, self.keys, self.cfg, model, consumer)
         self._versions_ttl_at = 0.0  # when the prefix versions hash needs its TTL again
+        self._prefix_sent: tuple[int, int, float] = (0, 0, 0.0)  # (block size, keys hash, when)
+        self._registered: set[str] = set()  # engine ids whose heartbeat this broker sent
 
     @property
     def consumer(self) -> str:
@@ -135,21 +137,27 @@ class RedisBroker(Broker):
 
     def heartbeat(self, info: EngineInfo) -> None:
         self.engine.heartbeat(info)
-        self.gateway.invalidate_engines()
+        if info.engine_id not in self._registered:  # a new engine: this process's gateway sees it now
+            self._registered.add(info.engine_id)
+            self.gateway.invalidate_engines()
 
     def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:
         """Which prefix blocks this engine caches, for prefix-aware routing (the worker
         calls it when the broker has it)."""
         if self.cfg.routing == "prefix" and not self.engine.closed.is_set():
             ttl_ms = int(self.cfg.engine_ttl_s * 1000)
+            now = time.monotonic()
+            sent = (block_size, hash(tuple(keys)), now)
+            if sent[:2] == self._prefix_sent[:2] and now - self._prefix_sent[2] < self.cfg.engine_ttl_s / 4:
+                return  # the same summary, and its TTL is far off: nothing to tell
             try:
-                now = time.monotonic()
                 refresh = now >= self._versions_ttl_at
-                if refresh:
-                    self._versions_ttl_at = now + self.cfg.engine_ttl_s / 4
                 prefix_routing.publish(
                     self._sync, self.engine.queue, self.consumer, block_size, keys, ttl_ms, refresh
                 )
+                self._prefix_sent = sent
+                if refresh:
+                    self._versions_ttl_at = now + self.cfg.engine_ttl_s / 4
             except UNAVAILABLE as e:
                 log.debug("redis unavailable for the prefix summary (%s)", e)
 
@@ -159,6 +167,7 @@ class RedisBroker(Broker):
         self.engine.publish_tokenizer(files)
 
     def deregister(self, engine_id: str) -> None:
+        self._registered.discard(engine_id)
         self.engine.deregister(engine_id)
         self.gateway.invalidate_engines()
 

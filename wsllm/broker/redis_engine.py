@@ -8,6 +8,9 @@ worker loop (no asyncio).
   this side applies). Every entry is decoded strictly (`wire.decode_request`); one
   that is not a valid request goes to the dead-letter stream with the reason, and so
   does a malformed entry of the abort stream.
+- Each iteration's `pull` reads the model's abort stream and the queue's wake-up
+  stream in one `XREAD` (for `aborts()`, and so that a take runs only when it may find
+  something: `redis_queue.Taker`).
 - `publish` sends one engine step in one pipelined round trip: one `XADD` per gateway
   (its results stream: that step's events of all its requests), a copy of a request's
   events to its own history stream every `history_flush_s` and when it ends, plus
@@ -32,7 +35,7 @@ import redis.exceptions
 
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
-from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key
+from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key, wake_key
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery, results_of
 from wsllm.broker.redis_registry import Registry
 from wsllm.broker.replay import Plan, Replay
@@ -84,7 +87,7 @@ class EngineSide(Registry):
         self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
         self._next_reclaim = 0.0
         self._next_refresh = 0.0
-        self._aborts_fresh = False  # publish read the abort stream since the last aborts()
+        self._aborts_fresh = False  # pull read the abort stream since the last aborts()
         self._down = False  # Redis was unreachable at the last try
         self._refresh = r.register_script(REFRESH)
         self._expire = r.register_script(EXPIRE)
@@ -107,9 +110,14 @@ class EngineSide(Registry):
         if self.closed.is_set():
             return []
         self._expire_waiting(max_n)  # also when this engine is full: that is when requests wait
-        if max_n <= 0:
+        self.taker.tick()
+        if max_n <= 0 and not self._started:
             return []
         try:
+            if self._started and not (max_n > 0 and timeout > 0):
+                self._poll()  # an idle engine reads both while it waits (_read_new)
+            if max_n <= 0:
+                return []
             out = self._start(max_n) if not self._started else []
             if len(out) < max_n and time.monotonic() >= self._next_reclaim:
                 self._next_reclaim = time.monotonic() + min(self.cfg.lease_s / 4, 2.0)
@@ -146,7 +154,6 @@ class EngineSide(Registry):
         self._next_expiry = now + _EXPIRY_S
         retention_ms = int(self.cfg.stream_retention_s * 1000)
         args: list[str | int | bytes] = [
-            GROUP,
             _EXPIRY_SCAN,
             repr(time.time()),
             self.keys.out(self.model, ""),
@@ -163,8 +170,12 @@ class EngineSide(Registry):
 
     def _start(self, max_n: int) -> list[GenerateRequest]:
         self._ensure_group()
-        last = self.r.xrevrange(self._aborts_key, count=1)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xrevrange(self._aborts_key, count=1)
+        pipe.xrevrange(wake_key(self.queue), count=1)
+        last, wake = pipe.execute()
         self._aborts_cursor = last[0][0].decode() if last else "0-0"
+        self.taker.woken(wake[0][0].decode() if wake else "0-0")
         # Our own pending entries first: a restart under the same consumer name.
         # More than it has room for stay pending; they are reclaimed after the lease.
         resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: "0"}, count=max_n)
@@ -187,9 +198,9 @@ class EngineSide(Registry):
         deadline = time.monotonic() + timeout
         while True:
             entries = self.taker.take(
-                count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S
+                count, max(0.0, deadline - time.monotonic()), self.closed, _BLOCK_SLICE_S, self._poll
             )
-            self._maybe_waiting = len(entries) >= count
+            self._maybe_waiting = self.taker.more
             got = self._admit([(i.decode(), f) for i, f in entries])
             if got or time.monotonic() >= deadline or self.closed.is_set():
                 return got
@@ -266,7 +277,7 @@ class EngineSide(Registry):
     def aborts(self) -> list[str]:
         """Aborts of requests this engine holds. Read after `pull` in the worker's
         iteration, so an abort that raced a pull still lands."""
-        if self._aborts_fresh:  # read by the step's publish, just before this call
+        if self._aborts_fresh:  # read by this iteration's pull, just before this call
             self._aborts_fresh = False
         elif self._started and not self.closed.is_set():
             with contextlib.suppress(*UNAVAILABLE):
@@ -274,8 +285,32 @@ class EngineSide(Registry):
         out, self._local_aborts = self._local_aborts, []
         return list(dict.fromkeys(out))
 
+    def _poll(self, block_ms: int | None = None) -> None:
+        """One XREAD of the abort stream and the queue's wake-up stream (waiting up to
+        `block_ms` for either): the aborts for `aborts()`, the wake-up for the taker (a
+        take runs only when it may find something)."""
+        try:
+            resp = self.r.xread(
+                {self._aborts_key: self._aborts_cursor or "0-0", self.taker.wake: self.taker.cursor or "0-0"},
+                count=10000,
+                block=block_ms,
+            )
+        except UNAVAILABLE:
+            if block_ms is not None:  # the wait of a pull: it reports the outage and backs off
+                raise
+            return
+        aborts = []
+        for key, entries in resp or []:
+            if (key.decode() if isinstance(key, bytes) else key) == self.taker.wake:
+                if entries:
+                    self.taker.woken(entries[-1][0].decode())
+            else:
+                aborts.append((key, entries))
+        self._take_aborts(aborts)
+        self._aborts_fresh = True
+
     def _take_aborts(self, resp: Any) -> None:
-        if not resp:
+        if not resp or not resp[0][1]:
             return
         entries = resp[0][1]
         self._aborts_cursor = entries[-1][0].decode()
@@ -335,8 +370,6 @@ class EngineSide(Registry):
         history: list[tuple[str, bytes]],
         ended: list[tuple[str, str]],
     ) -> None:
-        read_aborts = self._started
-        aborts_from = self._aborts_cursor or "0-0"
         tail_s = self.cfg.results_tail_s
         min_id = f"{max(0, int((time.time() - tail_s) * 1000))}-0"
         now = time.monotonic()
@@ -351,8 +384,6 @@ class EngineSide(Registry):
             for key in expire:  # the stream of a gateway gone for good goes away
                 pipe.pexpire(key, self.cfg.results_ttl_ms)
             self._add_acks(pipe, ended)
-            if read_aborts:  # the next aborts() call needs no round trip of its own
-                pipe.xread({self._aborts_key: aborts_from}, count=10000)
 
         # One pipeline, no MULTI: each gateway's read wakes once anyway (one entry per step).
         results = self._execute(build)
@@ -362,9 +393,6 @@ class EngineSide(Registry):
             self._results_ttl[key] = now
         if len(self._results_ttl) > 4 * max(1, len(live)) + 64:  # forget streams not written lately
             self._results_ttl = {k: t for k, t in self._results_ttl.items() if now - t < tail_s}
-        if read_aborts and not isinstance(results[-1], Exception):
-            self._take_aborts(results[-1])
-            self._aborts_fresh = True
         for (rid, _), res in zip(history, results, strict=False):
             if res is None:  # its history stream is gone (expired, or Redis lost it): stop it
                 self._drop(rid)

@@ -32,7 +32,7 @@ from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.prefix_routing import PrefixRouter
 from wsllm.broker.redis_conn import async_client
 from wsllm.broker.redis_follow import Follow, Read
-from wsllm.broker.redis_keys import ABORT, ENGINES, GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import ENGINES, UNAVAILABLE, Keys
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
@@ -40,8 +40,7 @@ from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_ENGINES_CACHE_S = 0.25
-_POSITION_SCAN = 10000
+_ENGINES_CACHE_S = 1.0  # the registry is read at most this often (new engines of this process at once)
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
 
@@ -72,7 +71,7 @@ class GatewaySide:
         self._out: asyncio.Queue[list[Read]] | None = None  # the readers' batches
         self._readers: dict[str, tuple[ModelReader, asyncio.Task[None]]] = {}
         self._follows: dict[str, Follow] = {}
-        # request id -> (its waiting stream, its entry id there), until its first event
+        # request id -> (its waiting set, its header there), until its first event
         self._queued: dict[str, tuple[str, str]] = {}
         self._positions: dict[str, int] = {}
         self._positions_at = 0.0
@@ -119,7 +118,7 @@ class GatewaySide:
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(model, rid)]
-        if not target and self.router is not None:
+        if not target and self.router is not None and self._routable(model):
             try:
                 target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
             except UNAVAILABLE as e:
@@ -134,7 +133,7 @@ class GatewaySide:
         ttl_ms = int(self.cfg.request_ttl_s * 1000)
         try:
             args = redis_queue.submit_args(
-                GROUP, self.max_queue_depth, self.tenant_cap, encode(request), meta, ttl_ms, rid,
+                self.max_queue_depth, self.tenant_cap, encode(request), meta, ttl_ms, rid,
                 request.queue_deadline, request.priority, request.tenant, target, results,
             )  # fmt: skip
             ok, value, where = await self._call(redis_queue.SUBMIT, keys, args)
@@ -167,7 +166,7 @@ class GatewaySide:
         retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
         attached = "" if attach is None else str(attach)
         args = [request_id, retention, marker, attached, self._results_ttl_ms, self.cfg.aborts_maxlen]
-        return bool(await self._call(ABORT, keys, args) == 1)
+        return bool(await self._call(redis_queue.ABORT, keys, args) == 1)
 
     async def model_of(self, request_id: str) -> str | None:
         """The model whose slot holds the request's result stream: known for a request
@@ -242,8 +241,8 @@ class GatewaySide:
         meta = first[0][1] if first else {}
         results = meta.get(b"s", b"").decode(errors="replace")
         if results.startswith(self.keys.model_tag(model) + ":"):  # else only its history stream
-            queued = meta.get(b"qe", b"0-0").decode(errors="replace")
-            f.results, f.tail_id = results, f"{max(0, sid(queued)[0] - 1)}-0"  # events after its entry
+            submitted = first[0][0].decode(errors="replace")  # the meta entry's id: its submit time
+            f.results, f.tail_id = results, f"{max(0, sid(submitted)[0] - 1)}-0"  # events after it
         pipe = self.client().pipeline(transaction=False)
         pipe.incr(self.keys.attached(model, request_id))
         pipe.pexpire(self.keys.attached(model, request_id), int(self.cfg.request_ttl_s * 1000))
@@ -384,16 +383,25 @@ class GatewaySide:
         self._engines = (time.monotonic(), infos)
         return infos
 
+    def _routable(self, model: str) -> bool:
+        """Whether routing `model`'s request can choose: false only while this gateway's
+        copy of the registry is fresh and holds fewer than two engines of it (a routing
+        read per submit would then be a command per request for nothing)."""
+        at, cached = self._engines
+        if time.monotonic() - at >= _ENGINES_CACHE_S:
+            return True
+        return sum(1 for e in cached if (e.model or self.model) == model) >= 2
+
     def invalidate_engines(self) -> None:
         self._engines = (0.0, [])
 
     async def pending(self) -> int:
+        """Waiting requests of the model: its queue's counters (hand-backs included)."""
         try:
-            return max(
-                0, int(await self.client().eval(redis_queue.COUNT, 1, self.keys.queue(self.model), GROUP))
-            )
+            n, h = await self.client().hmget(redis_queue.counters_key(self.keys.queue(self.model)), "n", "h")
         except (*UNAVAILABLE, redis.exceptions.ResponseError):
             return 0
+        return max(0, int(n or 0) + int(h or 0))
 
     async def position(self, request_id: str) -> int | None:
         if request_id not in self._queued:
@@ -408,9 +416,7 @@ class GatewaySide:
             for model, queued in by_model.items():  # one script per model: each queue is in its own slot
                 flat = [part for _, where in queued for part in where]
                 try:
-                    places = await self.client().eval(
-                        redis_queue.POSITIONS, 1, self.keys.queue(model), _POSITION_SCAN, *flat
-                    )
+                    places = await self.client().eval(redis_queue.POSITIONS, 1, self.keys.queue(model), *flat)
                 except UNAVAILABLE:
                     return None
                 positions |= {rid: int(p) for (rid, _), p in zip(queued, places, strict=True)}

@@ -4,10 +4,14 @@ Every key starts with the deployment's prefix (`wsllm` by default) and carries a
 Redis Cluster hash tag (`{...}`), so that a cluster keeps together what one command
 or script touches:
 
-    {p}:{model}:q           request stream; consumer group `engines`, one consumer per engine
-    {p}:{model}:q:...       the waiting streams per (priority, tenant), their round robin,
-                            the engines' wake-up and the prefix summaries (`redis_queue.py`,
-                            `prefix_routing.py`): suffixes of the request stream's key
+    {p}:{model}:q           request stream of taken requests (and hand-backs); consumer
+                            group `engines`, one consumer per engine
+    {p}:{model}:q:...       the waiting requests (one sorted set shared by the engines and
+                            one per engine that requests are routed to, ordered by each
+                            member's header: priority, tenant virtual time, submit order),
+                            the queue's counters, the engines' wake-up and the prefix
+                            summaries (`redis_queue.py`, `prefix_routing.py`): suffixes of
+                            the request stream's key
     {p}:{model}:o:{rid}     history stream of one request: a `meta` entry (the gateway's context,
                             the request entry's id, its gateway's results stream), then its
                             events, copied there every `history_flush_s` and when it ends
@@ -28,10 +32,10 @@ or script touches:
                             their lease's expiry, refreshed while they run
     {p}:resp:{id}           a stored Responses answer (hash: tenant, record), with its TTL
 
-Slots. A model's keys share the slot of `{model}`: the submit script, the gateway's
-blocking XREAD over its requests' result streams and its wake-up stream, the
-queue-deadline sweep and the engines' reads all stay inside it, so models spread over
-the shards of a cluster. The abort stream is the model's too (every engine reads it
+Slots. A model's keys share the slot of `{model}`: the submit, take, abort and sweep
+scripts, the gateway's blocking XREAD over its requests' result streams and its
+wake-up stream and the engines' reads all stay inside it, so models spread over the
+shards of a cluster. The abort stream is the model's too (every engine reads it
 each loop: a deployment-wide one made one shard hot, docs/scaling.md), so the abort
 script ends the request and tells its engines in one step. The engine registry shares
 the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}` (every
@@ -139,46 +143,9 @@ class Keys:
         return f"{self.prefix}:resp:{response_id}"
 
 
-# Submit, the engines' take, the queue-deadline sweep and queue positions are in
-# `redis_queue.py` (priority levels, tenants in turn, routed entries), all in the
-# model's slot: their keys are suffixes of `Keys.queue(model)`.
-
-# Abort from any gateway, the request's part (its model's slot): drop the entry (in its
-# waiting stream, or in the request stream once taken, so that a request whose engine is
-# gone leaves nothing behind) and end the history stream and its gateway's results stream with a
-# whole-request abort marker (a resumed
-# client sees the end). A grace abort passes ARGV[4], the attach count its client had:
-# it does nothing when a client resumed the request since (the count moved on). Then it
-# tells the model's engines (its abort stream).
-# KEYS: out, attached, aborts   ARGV: rid, retention_ms, marker, attach ('' = always),
-#                               results ttl_ms, aborts maxlen
-ABORT = """
-if ARGV[4] ~= '' and (redis.call('GET', KEYS[2]) or '0') ~= ARGV[4] then return 0 end
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if #first == 0 then return -1 end
-local f = first[1][2]
-local q, e, s, rq
-for i = 1, #f, 2 do
-  if f[i] == 'q' then q = f[i + 1] elseif f[i] == 'qe' then e = f[i + 1] elseif f[i] == 's' then s = f[i + 1]
-  elseif f[i] == 'rq' then rq = f[i + 1] end
-end
-if q and e and redis.call('XDEL', q, e) == 0 and rq then
-  -- taken: the take moved it into the request stream `rq` under a new id (redis_queue.TAKE)
-  local te = redis.call('HGET', rq .. ':tk', ARGV[1])
-  if te then
-    redis.call('XDEL', rq, te)
-    redis.call('HDEL', rq .. ':tk', ARGV[1])
-  end
-end
-redis.call('XADD', KEYS[1], '*', 'e', ARGV[3])
-if s then
-  redis.call('XADD', s, '*', 'e', ARGV[3])
-  if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'r', ARGV[1])
-return 1
-"""
+# Submit, the engines' take, the queue-deadline sweep, queue positions and the abort
+# of a request are in `redis_queue.py` (priority levels, tenants in turn, routed
+# requests), all in the model's slot: their keys are suffixes of `Keys.queue(model)`.
 
 # Live engines: the ids whose heartbeat key still exists, with its payload and the
 # milliseconds it has left; ids whose key expired leave the set.

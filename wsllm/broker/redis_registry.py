@@ -14,6 +14,7 @@ import orjson
 import redis.exceptions
 
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_queue import counters_key, wake_key
 from wsllm.config import RedisConfig
 from wsllm.types import EngineInfo
 from wsllm.wire import encode
@@ -102,7 +103,8 @@ class Registry:
 
     def release(self, request_ids: list[str]) -> list[str]:
         """Re-queue held requests (marked `h`: their result streams are checked when
-        they are pulled again) and ack the old entries, atomically per request."""
+        they are pulled again; counted as waiting until a take delivers them) and ack
+        the old entries, atomically per request; then wake the model's engines."""
         left = []
         for rid in request_ids:
             with self._lock:
@@ -115,6 +117,8 @@ class Registry:
             pipe.xadd(self.queue, fields)
             pipe.xack(self.queue, GROUP, held.entry_id)
             pipe.xdel(self.queue, held.entry_id)
+            pipe.hincrby(counters_key(self.queue), "h", 1)
+            pipe.xadd(wake_key(self.queue), {"x": "1"}, maxlen=1, approximate=False)
             try:
                 pipe.execute()
             except UNAVAILABLE:
