@@ -249,7 +249,10 @@ def test_kill_9_of_an_engine_mid_stream(cluster: Cluster, model: str) -> None:
     latest = max(r.ended_at for r in results)
     log.info("kill -9: %d of %d ended with worker_lost; the last ended %.1fs after the kill", lost, len(bodies),
              latest - killed_at)  # fmt: skip
-    assert latest - killed_at < LEASE_S + 6, "a request took too long to end after the crash"
+    # The lease (2 s) lets the survivor reclaim, then it reruns up to 120 tokens of 12 streams:
+    # 2-4 s on a quiet machine, 8-10 s on a loaded one; a request left behind would wait for
+    # the resume grace (20 s).
+    assert latest - killed_at < LEASE_S + 10, "a request took too long to end after the crash"
     assert lost < len(bodies) // 2, "greedy and seeded requests should mostly resume"
     # A replacement, for the tests that follow.
     cluster.engines.pop(victim)
