@@ -33,7 +33,9 @@ def prompts_of(lengths: list[int], seed: int = 5) -> list[list[int]]:
 
 
 def make_engine(path: Path, **kw: Any) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(path), **({"dtype": "float32"} | kw)))
+    # float32 KV: HF's states attend to unrounded keys and values (auto picks float16 on F16C)
+    cfg = {"dtype": "float32", "kv_cache_dtype": "float32"} | kw
+    return LLMEngine.from_config(EngineConfig(model=str(path), **cfg))
 
 
 def embed_all(engine: LLMEngine, prompts: list[list[int]], pooling: str = "auto") -> dict[str, RequestOutput]:
@@ -186,7 +188,7 @@ def test_preempted_embeddings_still_equal_hf(tiny_model_dir: Path, hf: Any, mode
 def test_offline_llm_returns_embeddings(tiny_model_dir: Path, hf: Any) -> None:
     from wsllm.llm import LLM
 
-    llm = LLM(str(tiny_model_dir), dtype="float32")
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="float32")
     (r,) = llm.generate("The cat sat on the mat.", SamplingParams(pooling="mean"))
     assert r.token_ids == [] and r.finish_reason == FINISH_STOP
     assert_close(r.embedding, hf_states(hf, r.prompt_token_ids).mean(dim=0))
