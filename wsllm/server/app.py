@@ -79,9 +79,13 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     gw = _gateway(request)
     running = _reader_running(request)
-    engines = await gw.models.engines()
+    # the registry is cached for a second: a Redis that stopped meanwhile must not read as ready
+    reachable = running and await gw.broker.reachable(_HEALTH_PING_S)
+    engines = await gw.models.engines() if reachable else []
     if not running or not engines:
         why = "the event reader is not running" if not running else "no engine is serving yet"
+        if running and not reachable:
+            why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
         return JSONResponse({"status": "not_ready", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ready", "model": gw.model_name, "engines": len(engines)})
 
