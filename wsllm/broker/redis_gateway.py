@@ -76,7 +76,6 @@ class GatewaySide:
         self._positions: dict[str, int] = {}
         self._positions_at = 0.0
         self._engines: tuple[float, list[EngineInfo]] = (0.0, [])
-        self._engines_epoch = 0  # bumped by invalidate_engines: a read begun before it is not kept
         # The registry read in flight, per event loop: callers share it (one read at a time).
         self._engines_reads: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, asyncio.Task[list[EngineInfo]]
@@ -366,7 +365,6 @@ class GatewaySide:
             task.exception()  # retrieved: its waiters may all have been cancelled
 
     async def _read_engines(self) -> list[EngineInfo]:
-        epoch = self._engines_epoch
         try:
             flat = await self.client().eval(ENGINES, 1, self.keys.engines, self.keys.engine(""))
         except UNAVAILABLE as e:
@@ -382,8 +380,7 @@ class GatewaySide:
                 continue
             info.last_seen = now - max(0.0, ttl_ms - int(pttl)) / 1000  # Redis's clock, not the engine's
             infos.append(info)
-        if epoch == self._engines_epoch:  # else Redis failed (or an engine came) meanwhile
-            self._engines = (time.monotonic(), infos)
+        self._engines = (time.monotonic(), infos)
         return infos
 
     def _routable(self, model: str) -> bool:
@@ -397,7 +394,6 @@ class GatewaySide:
 
     def invalidate_engines(self) -> None:
         self._engines = (0.0, [])
-        self._engines_epoch += 1
 
     async def pending(self) -> int:
         """Waiting requests of the model: its queue's counters (hand-backs included)."""

@@ -10,12 +10,10 @@ import torch
 
 from wsllm.config import EngineConfig
 from wsllm.kernels import cpu_ops
+from wsllm.models.build import DTYPES
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def kv_cache_dtype(asked: str, model_dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
@@ -27,9 +25,7 @@ def kv_cache_dtype(asked: str, model_dtype: torch.dtype, device: torch.device) -
         if device.type == "cpu" and model_dtype is torch.float32 and cpu_ops.half_cache_native():
             return torch.float16, "auto: half a float32 cache's memory, widened by the native kernels"
         return model_dtype, "auto: the model's dtype"
-    if asked not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {asked!r}")
-    dtype = KV_CACHE_DTYPES[asked]
+    dtype = DTYPES[asked]  # EngineConfig checked the name
     if device.type != "cpu" and dtype is not model_dtype:
         raise ValueError(
             f"kv_cache_dtype {asked} differs from the model's dtype {str(model_dtype).removeprefix('torch.')}, "

@@ -30,7 +30,7 @@ from wsllm.models.quant_linear import install, quantize_model
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # where a CPU computes bf16 matmuls natively
 
 
@@ -69,7 +69,7 @@ def pick_dtype(name: str, device: torch.device, flags: set[str]) -> tuple[torch.
     CPU, bf16 only where it has AVX512_BF16 or AMX (elsewhere bf16 matmuls are
     emulated and slower than fp32)."""
     if name != "auto":
-        return _DTYPES[name], "asked for"
+        return DTYPES[name], "asked for"
     if device.type == "cuda":
         return torch.bfloat16, "auto on CUDA"
     native = sorted(set(BF16_CPU_FLAGS) & flags)

@@ -70,8 +70,7 @@ def convert_gguf(gguf: Path, weights: bool = True) -> Path:
     its weights from the GGUF itself and asks for no `weights`: de-quantizing an
     8B model to fp32 would need 32 GB."""
     out = _gguf_cache_path(gguf)
-    todo = not (out / "config.json").exists() or (weights and not (out / "model.safetensors").exists())
-    with shared_gguf_readers() if todo else contextlib.nullcontext():
+    with shared_gguf_readers():
         if not (out / "config.json").exists():
             _write_gguf_config(gguf, out)
         if weights and not (out / "model.safetensors").exists():
@@ -80,8 +79,7 @@ def convert_gguf(gguf: Path, weights: bool = True) -> Path:
 
 
 _readers_lock = threading.Lock()
-_readers: dict[tuple[str, str], Any] | None = None  # while some `shared_gguf_readers` block runs
-_readers_depth = 0
+_real_reader: Any = None  # gguf.GGUFReader itself while a `shared_gguf_readers` block runs
 
 
 @contextlib.contextmanager
@@ -92,12 +90,13 @@ def shared_gguf_readers() -> Iterator[None]:
     string) 3-13 s a time, most of a first start. Inside this block (re-entrant, any
     thread) a file's reader is made once and shared: it is read-only. The readers are
     dropped when the outermost block ends: their parsed fields weigh tens of MB."""
-    global _readers, _readers_depth
+    global _real_reader
     import gguf as gguf_pkg
 
     with _readers_lock:
-        if _readers_depth == 0:
-            real = gguf_pkg.GGUFReader
+        outermost = _real_reader is None
+        if outermost:
+            real = _real_reader = gguf_pkg.GGUFReader
             made: dict[tuple[str, str], Any] = {}
 
             def shared(path: Any, mode: str = "r") -> Any:
@@ -107,18 +106,13 @@ def shared_gguf_readers() -> Iterator[None]:
                         made[key] = real(path, mode)
                     return made[key]
 
-            shared.real = real  # type: ignore[attr-defined]
             gguf_pkg.GGUFReader = shared
-            _readers = made
-        _readers_depth += 1
     try:
         yield
     finally:
-        with _readers_lock:
-            _readers_depth -= 1
-            if _readers_depth == 0:
-                gguf_pkg.GGUFReader = gguf_pkg.GGUFReader.real
-                _readers = None
+        if outermost:
+            with _readers_lock:
+                gguf_pkg.GGUFReader, _real_reader = _real_reader, None
 
 
 def _write_gguf_config(gguf: Path, out: Path) -> None:
