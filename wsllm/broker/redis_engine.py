@@ -36,7 +36,7 @@ import redis.exceptions
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key, wake_key
-from wsllm.broker.redis_recovery import Decision, Entry, Recovery, results_of
+from wsllm.broker.redis_recovery import Decision, Entry, Recovery, reclaim_interval_s, results_of
 from wsllm.broker.redis_registry import Registry
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config import RedisConfig
@@ -120,7 +120,7 @@ class EngineSide(Registry):
                 return []
             out = self._start(max_n) if not self._started else []
             if len(out) < max_n and time.monotonic() >= self._next_reclaim:
-                self._next_reclaim = time.monotonic() + min(self.cfg.lease_s / 4, 2.0)
+                self._next_reclaim = time.monotonic() + reclaim_interval_s(self.cfg.lease_s)
                 out += self._apply(self.recovery.reclaim(max_n - len(out), self.held_entry_ids()))
             if len(out) < max_n:
                 out += self._read_new(max_n - len(out), 0.0 if out else timeout)

@@ -5,6 +5,12 @@ result stream, and decides by `replay.plan`: run it again, replay it past what t
 client has, end it with `worker_lost`, or dead-letter it after too many deliveries.
 It also removes the consumers of engines that are gone and hold nothing.
 
+One engine of a model scans at a time: a reclaim first takes the model's turn (`SET NX
+PX` of `{queue}:rc` for the interval), so a model's pending list is scanned once per
+interval, not once per engine (64 engines scanning a few hundred pending entries every
+2 s took a third of a Redis core's budget in `bench/broker_scale.py`), and a scan visits
+at most `RECLAIM_PAGE` x 10 entries (XAUTOCLAIM's own bound), going round by its cursor.
+
 `Recovery` only reads Redis and decides; the engine side (`redis_engine.EngineSide`)
 applies each `Decision` (hold the request, ack it, send its last event, dead-letter
 it), so the two never reach into each other.
@@ -26,6 +32,14 @@ from wsllm.wire import decode_events, decode_request
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, dict[bytes, bytes]]  # (entry id, its fields)
+
+#: entries one XAUTOCLAIM may claim (it visits at most ten times as many)
+RECLAIM_PAGE = 32
+
+
+def reclaim_interval_s(lease_s: float) -> float:
+    """How often a model's pending list is scanned for entries past their lease."""
+    return min(lease_s / 4, 2.0)
 
 
 @dataclass(slots=True)
@@ -56,7 +70,12 @@ class Recovery:
         """Take up to `count` entries idle longer than the lease (their engine
         stopped refreshing it), leaving out those this engine holds (`held`)."""
         lease_ms = int(self.cfg.lease_s * 1000)
-        resp = self.r.xautoclaim(self.queue, GROUP, self.consumer, lease_ms, self._cursor, count=count)
+        turn_ms = max(1, int(reclaim_interval_s(self.cfg.lease_s) * 1000))
+        if not self.r.set(f"{self.queue}:rc", self.consumer, nx=True, px=turn_ms):
+            return []  # another engine of the model scans in this interval
+        resp = self.r.xautoclaim(
+            self.queue, GROUP, self.consumer, lease_ms, self._cursor, count=min(count, RECLAIM_PAGE)
+        )
         cursor, claimed = resp[0], resp[1]
         self._cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
         entries = [(i.decode(), f) for i, f in claimed if f and i.decode() not in held]
