@@ -13,10 +13,13 @@ cluster has no databases: a `/db` in the URL is refused rather than ignored.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from typing import Any
 from urllib.parse import unquote
+
+import redis
 
 from wsllm.broker.redis_keys import client_options
 from wsllm.config import RedisConfig
@@ -24,6 +27,20 @@ from wsllm.config import RedisConfig
 log = logging.getLogger(__name__)
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+_SHAS: dict[str, str] = {}  # script text -> its SHA1, as Redis names it
+
+
+async def eval_script(client: Any, script: str, keys: list[Any], args: list[Any]) -> Any:
+    """Run `script` by its SHA1 (EVALSHA), and by its text only when the node does not
+    know it yet (NOSCRIPT; EVAL caches it there): the gateway's scripts are a few KB, and
+    their text in every submit was Redis's largest cost per call after the take."""
+    sha = _SHAS.get(script)
+    if sha is None:
+        sha = _SHAS[script] = hashlib.sha1(script.encode()).hexdigest()
+    try:
+        return await client.evalsha(sha, len(keys), *keys, *args)
+    except redis.exceptions.NoScriptError:
+        return await client.eval(script, len(keys), *keys, *args)
 
 
 def is_cluster(url: str) -> bool:

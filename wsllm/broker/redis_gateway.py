@@ -30,7 +30,7 @@ from wsllm.broker import redis_queue
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.prefix_routing import PrefixRouter
-from wsllm.broker.redis_conn import async_client
+from wsllm.broker.redis_conn import async_client, eval_script
 from wsllm.broker.redis_follow import Follow, Read
 from wsllm.broker.redis_keys import ENGINES, UNAVAILABLE, Keys
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 _ENGINES_CACHE_S = 1.0  # the registry is read at most this often (new engines of this process at once)
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
+
+
+#: waiting requests whose positions a gateway reads every `queue_poll_s / 2`; more stretch the interval
+POSITIONS_PER_POLL = 256
 
 
 class GatewaySide:
@@ -99,7 +103,7 @@ class GatewaySide:
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
-            return await self.client().eval(script, len(keys), *keys, *args)
+            return await eval_script(self.client(), script, keys, args)
         except UNAVAILABLE as e:
             raise self._unavailable(e) from None
 
@@ -366,7 +370,7 @@ class GatewaySide:
 
     async def _read_engines(self) -> list[EngineInfo]:
         try:
-            flat = await self.client().eval(ENGINES, 1, self.keys.engines, self.keys.engine(""))
+            flat = await eval_script(self.client(), ENGINES, [self.keys.engines], [self.keys.engine("")])
         except UNAVAILABLE as e:
             raise self._unavailable(e) from None
         now = time.time()
@@ -406,7 +410,10 @@ class GatewaySide:
     async def position(self, request_id: str) -> int | None:
         if request_id not in self._queued:
             return 0 if request_id in self._follows else None
-        if time.monotonic() - self._positions_at >= self.cfg.queue_poll_s / 2:
+        # The script's cost grows with the waiting requests: past POSITIONS_PER_POLL of them
+        # it runs less often, so that a long queue does not make Redis slower to drain it.
+        every = self.cfg.queue_poll_s / 2 * max(1.0, len(self._queued) / POSITIONS_PER_POLL)
+        if time.monotonic() - self._positions_at >= every:
             self._positions_at = time.monotonic()
             by_model: dict[str, list[tuple[str, tuple[str, str]]]] = {}
             for rid, where in self._queued.items():
@@ -416,7 +423,9 @@ class GatewaySide:
             for model, queued in by_model.items():  # one script per model: each queue is in its own slot
                 flat = [part for _, where in queued for part in where]
                 try:
-                    places = await self.client().eval(redis_queue.POSITIONS, 1, self.keys.queue(model), *flat)
+                    places = await eval_script(
+                        self.client(), redis_queue.POSITIONS, [self.keys.queue(model)], flat
+                    )
                 except UNAVAILABLE:
                     return None
                 positions |= {rid: int(p) for (rid, _), p in zip(queued, places, strict=True)}

@@ -19,6 +19,7 @@ from typing import Any
 
 from wsllm.broker.base import BrokerUnavailable
 from wsllm.broker.limits import WINDOW_S, Decision, Limiter, Limits, refill_time_s
+from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_keys import (
     LIMIT_ACQUIRE,
     LIMIT_ADJUST,
@@ -46,7 +47,7 @@ class RedisLimiter(Limiter):
 
     async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
-            return await self._client().eval(script, len(keys), *keys, *args)
+            return await eval_script(self._client(), script, keys, args)
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
 

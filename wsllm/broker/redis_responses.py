@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wsllm.broker.base import BrokerUnavailable
+from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys
 from wsllm.broker.response_store import ResponseStore
 
@@ -47,7 +48,7 @@ class RedisResponseStore(ResponseStore):
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         try:
-            n = await self._client().eval(_DELETE_OWNED, 1, self.keys.response(response_id), tenant)
+            n = await eval_script(self._client(), _DELETE_OWNED, [self.keys.response(response_id)], [tenant])
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         return bool(n)
