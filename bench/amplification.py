@@ -69,6 +69,7 @@ prompt-logprob rows, and every event-loop stall over 20 ms):
 
     python bench/amplification.py                    # SmolLM2, print the table
     python bench/amplification.py --smoke            # a few requests, to check it runs
+    python bench/amplification.py --redis            # gateway and engine in two processes, over Redis
     python bench/amplification.py --write-docs       # and put the table in docs/benchmarks.md
 """
 
@@ -211,14 +212,25 @@ def serve(
 
 def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", "--port", str(port)] + (
-        ["--model", args.model] if args.model else []
-    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.redis:  # `wsllm serve --broker redis://`: the gateway here, the engine in a child process
+        redis_port = free_port()
+        args.redis_proc = subprocess.Popen(
+            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        env["WSLLM_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+        cmd = [sys.executable, "-m", "wsllm", "serve", "--log-level", "warning", "--port", str(port),
+               "--no-frontend", "--max-num-seqs", "64", "--max-num-batched-tokens", str(args.batched_tokens),
+               "--max-queue-depth", "4096", "--api-keys-file", keys_file()]  # fmt: skip
+    else:
+        cmd = [sys.executable, __file__, "--serve", "--port", str(port)]
+        cmd += ["--batched-tokens", str(args.batched_tokens)]
+        cmd += ["--trace", args.trace] if args.trace else []
+        cmd += ["--switch-interval-ms", str(args.switch_interval_ms)] if args.switch_interval_ms else []
+    cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
-    cmd += ["--batched-tokens", str(args.batched_tokens)]
-    cmd += ["--trace", args.trace] if args.trace else []
-    cmd += ["--switch-interval-ms", str(args.switch_interval_ms)] if args.switch_interval_ms else []
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
@@ -382,6 +394,9 @@ def measure(args: argparse.Namespace) -> tuple[Phase, Phase]:
     finally:
         proc.terminate()
         proc.wait(30)
+        if getattr(args, "redis_proc", None) is not None:
+            args.redis_proc.terminate()
+            args.redis_proc.wait(30)
     return best[False], best[True]
 
 
@@ -402,7 +417,12 @@ def table(quiet: Phase, attacked: Phase, args: argparse.Namespace) -> str:
         f"and their p99 {attacked.p99_ms / quiet.p99_ms:.2f}x. {args.streams} bystander streams of {args.tokens} "
         f"tokens; {args.attacks} attempts, {args.concurrency} at a time ({answers}; "
         f"{attacked.attack_bytes / 1e6:.1f} MB sent back to the attacker). Best of {args.repeat} runs of each phase, "
-        "alternating."
+        "alternating. "
+        + (
+            "Served as `wsllm serve --broker redis://`: the gateway in one process, the engine in a child."
+            if args.redis
+            else "Served as `wsllm serve`: the gateway and the engine's thread in one process."
+        )
     )
 
 
@@ -448,6 +468,11 @@ def main() -> None:
         type=float,
         default=None,
         help="the engine's gil_switch_ms (default 0.5; Python's own is 5 ms), to compare GIL hand-over",
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="serve as `wsllm serve --broker redis://` does (a redis-server, the engine in a child process)",
     )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
