@@ -8,6 +8,7 @@ the same run times a loop of plain `F.linear` calls over the model's weight shap
 batch B: the "matmul limit" the step is compared with.
 
     .venv/bin/python bench/profile_step.py --batch-sizes 1,32 [--steps 20] [--dtype float32]
+    .venv/bin/python bench/profile_step.py --dtype auto --batch-sizes 1 --fused both   # A/B, same run
 
 On a shared machine wall time mostly measures the neighbours: `--clock cpu --engine-arg
 threads=1` times by this thread's CPU time instead (the step runs on this thread alone).
@@ -116,11 +117,12 @@ def linear_limit(model: Any, batch: int, steps: int) -> float:
     return (CLOCK() - t) / steps
 
 
-def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -> dict[str, Any]:
+def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any], fused: bool) -> dict[str, Any]:
     from wsllm.types import GenerateRequest, SamplingParams
 
     worker = build_worker(args.model, args.dtype, batch, extra)
     engine = worker.engine
+    engine.runner.model.fused_decode = fused  # the native decode stack (quantized weights)
     prompts = chat_prompts(engine.model_dir, batch)
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 64, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -165,9 +167,10 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any]) -
             calls += ev.count
     limit = linear_limit(engine.runner.model, batch, args.steps)
     layers = engine.runner.model.config.num_layers
+    qbytes = sum(m.qweight.nbytes() for m in engine.runner.model.modules() if hasattr(m, "forward_float"))
     return {
         "batch": batch, "wall": wall, "phases": phases, "kinds": dict(kinds), "limit": limit,
-        "aten_calls": calls / args.profile_steps, "layers": layers,
+        "aten_calls": calls / args.profile_steps, "layers": layers, "fused": fused, "qbytes": qbytes,
     }  # fmt: skip
 
 
@@ -177,7 +180,8 @@ def report(r: dict[str, Any]) -> str:
     step = p.get("engine.step", 0.0)
     fwd = p.get("model forward", 0.0) + p.get("logits (lm_head)", 0.0)
     lines = [
-        f"### batch {b}: {wall * 1e3:.1f} ms per worker iteration = {b / wall:.1f} tokens/s "
+        f"### batch {b}{'' if r['fused'] else ' (--fused off)'}: {wall * 1e3:.1f} ms per worker iteration "
+        f"= {b / wall:.1f} tokens/s "
         f"(F.linear over the weights: {r['limit'] * 1e3:.1f} ms = {b / r['limit']:.1f} tokens/s)",
         "",
         "| phase | ms per step | share |",
@@ -199,6 +203,12 @@ def report(r: dict[str, Any]) -> str:
     qmm = p.get("quantized matmuls", 0.0)
     if qmm:
         lines.append(f"| quantized matmuls (ours, not seen by the profiler) | {qmm * 1e3:.2f} |")
+    if r["qbytes"]:
+        lines.append(
+            f"\nQuantized weights read per step: {r['qbytes'] / 1e6:.1f} MB, {r['qbytes'] / wall / 1e9:.2f} GB/s "
+            "at this step time (a decode step over the native stack runs its layers' matmuls inside "
+            "'model forward', not 'quantized matmuls')."
+        )
     lines.append(f"\nModel forward + logits: {fwd * 1e3:.1f} ms of {wall * 1e3:.1f} ms ({fwd / wall:.0%}).")
     lines.append(
         f"aten ops dispatched per step: {r['aten_calls']:.0f} ({r['aten_calls'] / r['layers']:.1f} per layer, nested included)"
@@ -215,6 +225,12 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--engine-arg", action="append", default=[], help="key=value for EngineConfig")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this thread's CPU time")
+    ap.add_argument(
+        "--fused",
+        choices=["on", "off", "both"],
+        default="on",
+        help="decode layers over quantized weights in one native call (on), layer by layer (off), or both in turn",
+    )
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -223,8 +239,10 @@ def main() -> None:
         k, v = kv.split("=", 1)
         extra[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.fused]
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        print(report(profile_batch(args, b, extra)), flush=True)
+        for fused in modes:
+            print(report(profile_batch(args, b, extra, fused)), flush=True)
 
 
 if __name__ == "__main__":

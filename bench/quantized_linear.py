@@ -32,6 +32,7 @@ layer's output against fp32 (relative to the output's scale).
     .venv/bin/python bench/quantized_linear.py --batch-sizes 128,512 --steps 2   # prefill
     .venv/bin/python bench/quantized_linear.py --layers [--threads 2]              # one layer, M 1..2048
     .venv/bin/python bench/quantized_linear.py --formats [--threads 2]             # per format, 8B shapes
+    .venv/bin/python bench/quantized_linear.py --batch-sizes 1 --prefetch-ahead 0  # the prefetch off (A/B)
 """
 
 from __future__ import annotations
@@ -166,11 +167,21 @@ def main() -> None:
     ap.add_argument("--layers", action="store_true", help="one layer per shape at M in 1..2048 (prefill)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--formats", action="store_true", help="our kernels per GGUF format, Llama-3-8B shapes")
+    ap.add_argument(
+        "--prefetch-ahead",
+        type=int,
+        default=None,
+        help="bytes the Q4_0/Q4_1/Q8_0 kernels prefetch ahead at batch 1 (0: off; default: the build's 2048)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     ok, why = quant.native_status()
     print(why)
+    if ok and args.prefetch_ahead is not None:
+        from wsllm.kernels import native
+
+        native.extension().set_prefetch_ahead(args.prefetch_ahead)
     if args.formats:
         with torch.inference_mode():
             format_sweep([int(b) for b in args.batch_sizes.split(",")][:2], max(3, args.steps))

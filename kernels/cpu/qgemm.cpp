@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "qgemm.h"
 #include "rowops.h"
@@ -21,6 +22,9 @@ torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 }  // namespace wsq
 
 namespace wsq {
+
+int prefetch_ahead = kPrefetchAhead;
+
 namespace {
 
 bool cpu_has(int isa) {
@@ -205,6 +209,96 @@ int64_t parallel_threads() {
 }
 
 }  // namespace
+
+// The decode layers of a model over quantized weights in one call (kernels/quant.py: DecodeStack):
+// per layer the calls wsllm/models/llama.py's DecoderLayer makes one by one (add_rms_norm, the
+// qkv matmul, rope_store_decode, o, add_rms_norm, gate/up, silu_mul, down), in the same order on
+// the same kernels, so the same bits; what goes is the Python and pybind between them (~8 calls
+// a layer, a few microseconds each: a tenth of a batch-1 step of a small model).
+class DecodeStack {
+ public:
+  // per layer: norms (input, post-attention); the projections qkv, o, gate_up, down, each in
+  // `parts` pieces (1, or a split projection's formats: SplitLinear), whose packed weights,
+  // qtypes and output widths ns follow in order; qkv_bias (an empty tensor: none); caches (k, v).
+  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<int64_t> qtypes,
+              std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> qkv_bias,
+              std::vector<torch::Tensor> caches, int64_t num_heads, double eps, double scale)
+      : norms_(std::move(norms)),
+        packed_(std::move(packed)),
+        qtypes_(std::move(qtypes)),
+        ns_(std::move(ns)),
+        parts_(std::move(parts)),
+        caches_(std::move(caches)),
+        num_heads_(num_heads),
+        eps_(eps),
+        scale_(scale) {
+    layers_ = int64_t(norms_.size()) / 2;
+    TORCH_CHECK(int64_t(norms_.size()) == 2 * layers_ && int64_t(parts_.size()) == 4 * layers_ &&
+                    int64_t(qkv_bias.size()) == layers_ && int64_t(caches_.size()) == 2 * layers_,
+                "DecodeStack: 2 norms, 4 projections, 1 qkv bias and 2 caches per layer");
+    int64_t at = 0;
+    for (int64_t k : parts_) {
+      TORCH_CHECK(k >= 1, "DecodeStack: a projection has at least one part");
+      first_.push_back(at);
+      at += k;
+    }
+    TORCH_CHECK(int64_t(packed_.size()) == at && int64_t(qtypes_.size()) == at && int64_t(ns_.size()) == at,
+                "DecodeStack: one packed weight, qtype and width per part");
+    for (auto& b : qkv_bias) {
+      if (b.numel())
+        bias_.emplace_back(b);
+      else
+        bias_.emplace_back(c10::nullopt);
+    }
+  }
+
+  int64_t num_layers() const { return layers_; }
+
+  // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
+  // loop in LlamaForCausalLM.forward leaves them for the final norm.
+  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                                     torch::Tensor tables, torch::Tensor lens, int64_t isa) {
+    torch::Tensor residual;
+    for (int64_t l = 0; l < layers_; ++l) {
+      torch::Tensor h;
+      if (l == 0) {
+        residual = x;
+        h = add_rms_norm(x, c10::nullopt, norms_[2 * l], eps_, isa)[0];
+      } else {
+        auto r = add_rms_norm(x, residual, norms_[2 * l], eps_, isa);
+        h = r[0];
+        residual = r[1];
+      }
+      const int64_t p = 4 * l;
+      auto qkv = project(h, p, bias_[l], isa);
+      auto o = rope_store_decode(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
+                                 scale_, isa);
+      auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa), residual, norms_[2 * l + 1], eps_, isa);
+      residual = r[1];
+      x = project(silu_mul(project(r[0], p + 2, c10::nullopt, isa), isa), p + 3, c10::nullopt, isa);
+    }
+    return {x, residual};
+  }
+
+ private:
+  // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias)
+  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+    const int64_t i = first_[p];
+    if (parts_[p] == 1) return qlinear(x, packed_[i], qtypes_[i], ns_[i], bias, isa, false);
+    std::vector<torch::Tensor> ys;
+    for (int64_t k = i; k < i + parts_[p]; ++k) ys.push_back(qlinear(x, packed_[k], qtypes_[k], ns_[k], c10::nullopt, isa, false));
+    auto y = torch::cat(ys, -1);
+    return bias.has_value() ? y + *bias : y;
+  }
+
+  std::vector<torch::Tensor> norms_, packed_;
+  std::vector<int64_t> qtypes_, ns_, parts_, first_;
+  std::vector<c10::optional<torch::Tensor>> bias_;
+  std::vector<torch::Tensor> caches_;
+  int64_t num_heads_, layers_ = 0;
+  double eps_, scale_;
+};
+
 }  // namespace wsq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -226,6 +320,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
+  py::class_<wsq::DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
+                    double>(),
+           py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
+           py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
+      .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
+      .def("forward", &wsq::DecodeStack::forward,
+           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
+           py::arg("isa"), nogil());
+  m.def(
+      "set_prefetch_ahead", [](int64_t bytes) { wsq::prefetch_ahead = int(bytes); },
+      "bench/quantized_linear.py: how far ahead of its loads the 32-value formats' batch-1 stream prefetches (0: off)");
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

@@ -52,6 +52,13 @@ struct Act {
 // One group of kRows output rows for x rows m0 .. m0 + mt - 1 (mt <= kMaxTile):
 // out[i * kRows + r] = x row m0 + i times the group's row r, summed over the blocks.
 constexpr int kMaxTile = 4;
+
+// Bytes ahead of its loads that the first x tile of a 32-value format (Q4_0, Q4_1, Q8_0)
+// prefetches the weights: one core's stream needs requests in flight beyond what the hardware
+// prefetcher issues (Q6_K measured 1.5x with it). A variable so bench/quantized_linear.py can
+// sweep it (set_prefetch_ahead); 0 turns it off.
+constexpr int kPrefetchAhead = 2048;
+extern int prefetch_ahead;
 using GroupFn = void (*)(const uint8_t* group, const Act& a, int m0, int mt, float* out);
 
 // Tables indexed by QType.

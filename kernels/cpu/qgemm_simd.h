@@ -34,8 +34,11 @@ template <int MT, int QT>
 WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
   constexpr int units = QT == Q8_0 ? 8 : 4;
+  const int ahead = m0 == 0 ? prefetch_ahead : 0;  // the later tiles find the group in cache
   for (int b = 0; b < a.nb; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
+    if (ahead > 0)
+      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + ahead + off, 0, 3);
     VI s[MT][R];
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < R; ++h) s[i][h] = Vec::zero();

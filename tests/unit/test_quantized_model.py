@@ -92,9 +92,54 @@ def test_greedy_equals_the_torch_reference_of_the_same_arithmetic(
     # 0.07-0.16 nats on a first token here (fp32, before and after the float16 cache), enough
     # to flip a near-tie.
     run(smollm_quant, chat_ids, greedy)
-    native = run(smollm_quant, chat_ids, greedy)
+    native = run(smollm_quant, chat_ids, greedy)  # decode steps: the native decode stack
     monkeypatch.setattr(quant, "qlinear", quant.qlinear_reference)
+    monkeypatch.setattr(smollm_quant.runner.model, "fused_decode", False)  # every matmul the reference's
     assert run(smollm_quant, chat_ids, greedy) == native
+
+
+def run_recording_logits(engine: LLMEngine) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
+    """3 sequences of different lengths decoding together, greedy: their tokens, and every
+    step's logits as the model computed them."""
+    model = engine.runner.model
+    seen: list[torch.Tensor] = []
+    compute = model.compute_logits
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(compute(hidden))
+        return seen[-1]
+
+    model.compute_logits = record  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return run(engine, [[1, 504, 3456], [5, 600, 7000, 42, 9, 17, 300], [11, 12]], params), seen
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx2", "scalar"])
+def test_the_fused_decode_stack_gives_the_layer_by_layer_logits(tiny_gguf_path: Path, isa: str) -> None:
+    """A decode-only step over quantized weights runs its layers in one native call
+    (kernels.decode_stack); its logits are those of the layer-by-layer step, bit for bit,
+    on each kernel path, for 3 sequences of different lengths decoding together."""
+    ok, why = quant.native_status()
+    if not ok:
+        pytest.skip(why)
+    try:
+        quant.force_isa(isa)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        got = {}
+        for fused in (True, False):
+            engine = make_engine(tiny_gguf_path, enable_prefix_caching=False)
+            model = engine.runner.model
+            model.fused_decode = fused
+            got[fused] = run_recording_logits(engine)
+            assert (model._stack is not None and model._stack[2] is not None) == fused
+        assert got[True][0] == got[False][0]
+        assert len(got[True][1]) == len(got[False][1]) > 3
+        for a, b in zip(got[True][1], got[False][1], strict=True):
+            assert torch.equal(a, b)
+    finally:
+        quant.force_isa(None)
 
 
 def test_quantized_logits_are_close_to_the_dequantized_model(

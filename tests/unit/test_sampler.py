@@ -29,6 +29,22 @@ def test_greedy_top_k_top_p_min_p_restrict_the_choice() -> None:
     assert picks == {1, 2}
 
 
+def test_greedy_picks_what_torch_argmax_picks_ties_and_nan_included() -> None:
+    s = Sampler(vocab_size=6, eos_token_ids=[0])
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [0.0, 3.0, 1.0, 3.0, -1.0, 0.0, 9.0],  # a tie (the first wins); the padded column is cut
+            [-inf, -inf, -inf, -inf, -inf, -inf, 0.0],
+            [1.0, nan, 5.0, nan, 2.0, 0.0, 0.0],
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0],
+        ]
+    )
+    rows = [seq(temperature=0.0) for _ in range(4)]
+    got = s(logits, rows).token_ids
+    assert got == logits[:, :6].argmax(dim=-1).tolist() == [1, 0, 1, 5]
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     s = Sampler(vocab_size=4, eos_token_ids=[0])
     logits = torch.tensor([[9.0, 1.0, 8.0, 0.0]])

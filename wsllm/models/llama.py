@@ -94,6 +94,21 @@ class AttentionMetadata:
     cpu_plan: kernels.CpuAttentionPlan | None = None
 
 
+def _quant_parts(m: nn.Module) -> list[Any] | None:
+    """The quantized weights a projection runs: a QuantLinear's one, a SplitLinear's parts
+    when each is a QuantLinear without a bias; None for anything else (a float layer)."""
+    w = getattr(m, "qweight", None)
+    if w is not None:
+        return [w]
+    parts = getattr(m, "parts", None)
+    if parts is None:
+        return None
+    ws = [getattr(p, "qweight", None) for p in parts]
+    if any(w is None for w in ws) or any(getattr(p, "qbias", None) is not None for p in parts):
+        return None
+    return ws
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -219,6 +234,11 @@ class LlamaForCausalLM(nn.Module):
                 c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
             )
         self.register_buffer("cos_sin_cache", cs, persistent=False)
+        # A decode-only step over quantized weights runs its layers in one native call
+        # (kernels.decode_stack: the same ops, the same bits). False: layer by layer in Python
+        # (tests compare the two; bench/profile_step.py --no-fused-decode).
+        self.fused_decode = True
+        self._stack: tuple[Any, ...] | None = None  # (kv_caches, their first tensor, stack or None)
 
     def forward(
         self,
@@ -228,12 +248,59 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        plan = meta.cpu_plan
+        if self.fused_decode and plan is not None and not plan.prefills and plan.decode_tables is not None:
+            stack = self._decode_stack(kv_caches, x.dtype)
+            if stack is not None:
+                x, residual = stack.forward(
+                    x, plan.cos, plan.sin, plan.slot_mapping, plan.decode_tables, plan.decode_lens,
+                    kernels.cpu_ops.native_isa(),
+                )  # fmt: skip
+                x, _ = self.norm.forward(x, residual)
+                return x
         residual = None
         cos_sin = self.cos_sin_cache
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, positions, cos_sin, kv, meta)
         x, _ = self.norm.forward(x, residual)
         return x
+
+    def _decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> Any:
+        """The native decode stack over these caches, built on first use; None where a layer
+        is not all quantized matmuls (a float or split projection, QK-norm) or the activations
+        are not float32/bfloat16: those steps run layer by layer."""
+        cached = self._stack
+        if cached is not None and cached[0] is kv_caches and cached[1] is kv_caches[0][0]:
+            return cached[2]
+        stack = self._build_decode_stack(kv_caches, dtype)
+        self._stack = (kv_caches, kv_caches[0][0], stack)
+        return stack
+
+    def _build_decode_stack(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> Any:
+        c = self.config
+        if c.qk_norm or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        norms, projections, biases, caches = [], [], [], []
+        for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(getattr(m, "qbias", None) is not None for m in mods[1:]):
+                return None
+            for m in mods:
+                parts = _quant_parts(m)
+                if parts is None:
+                    return None
+                projections.append(parts)
+            for n in (layer.input_layernorm, layer.post_attention_layernorm):
+                if n.weight.dtype is not dtype or not n.weight.is_contiguous() or n.eps != c.rms_norm_eps:
+                    return None
+                norms.append(n.weight)
+            biases.append(getattr(attn.qkv_proj, "qbias", None))
+            caches.extend((k, v))
+        scale = self.layers[0].self_attn.scale
+        return kernels.decode_stack(norms, projections, biases, caches, c.num_heads, c.rms_norm_eps, scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [rows, vocab] float32
         as_float = getattr(self.lm_head, "forward_float", None)  # a quantized head sums in fp32
