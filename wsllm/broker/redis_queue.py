@@ -35,6 +35,9 @@ its Redis Cluster hash slot):
                             submit writes it only when no wake-up is pending (`w`)
     {queue}:seen            hash: per engine, its last take, its usual interval between
                             takes and whether its last take filled its room
+    {queue}:rc              recovery's turn: the engine that scans the request stream's
+                            pending list in this interval (`redis_recovery.py`); expires
+                            by itself
     {queue}:tk              hash: request id -> its entry in the request stream, from the
                             take until the engine acks it (an abort deletes the entry
                             there once it left the waiting set: `ABORT`)
