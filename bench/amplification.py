@@ -210,14 +210,18 @@ def serve(
     asyncio.run(traced())
 
 
-def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
+def start(args: argparse.Namespace) -> tuple[int, list[subprocess.Popen[bytes]]]:
+    """The server's port and its processes (with --redis, the redis-server last)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs: list[subprocess.Popen[bytes]] = []
     if args.redis:  # `wsllm serve --broker redis://`: the gateway here, the engine in a child process
         redis_port = free_port()
-        args.redis_proc = subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
+        procs.append(
+            subprocess.Popen(
+                ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+                stdout=subprocess.DEVNULL,
+            )
         )
         env["WSLLM_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
         cmd = [sys.executable, "-m", "wsllm", "serve", "--log-level", "warning", "--port", str(port),
@@ -231,18 +235,20 @@ def start(args: argparse.Namespace) -> tuple[int, subprocess.Popen[bytes]]:
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    procs.insert(0, proc)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
             auth = {"authorization": f"Bearer {KEYS['bystander']}"}
             if httpx.get(f"http://127.0.0.1:{port}/ready", headers=auth, timeout=1).status_code == 200:
-                return port, proc
+                return port, procs
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
             break
         time.sleep(0.3)
-    proc.kill()
+    for p in procs:
+        p.kill()
     raise RuntimeError("the server did not start")
 
 
@@ -379,7 +385,7 @@ def eos_id(model: str | None) -> int:
 
 def measure(args: argparse.Namespace) -> tuple[Phase, Phase]:
     eos = eos_id(args.model)
-    port, proc = start(args)
+    port, procs = start(args)
     best: dict[bool, Phase] = {}
     try:
         asyncio.run(
@@ -392,11 +398,9 @@ def measure(args: argparse.Namespace) -> tuple[Phase, Phase]:
             if attacked not in best or got.worst_ms < best[attacked].worst_ms:
                 best[attacked] = got
     finally:
-        proc.terminate()
-        proc.wait(30)
-        if getattr(args, "redis_proc", None) is not None:
-            args.redis_proc.terminate()
-            args.redis_proc.wait(30)
+        for proc in procs:  # the server, then its redis-server
+            proc.terminate()
+            proc.wait(30)
     return best[False], best[True]
 
 

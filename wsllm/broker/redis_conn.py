@@ -127,8 +127,6 @@ def sync_client(url: str, cfg: RedisConfig, wait_s: float = 0.0) -> Any:
     """A blocking client (the engine side, tools)."""
     opts = client_options(cfg, wait_s=wait_s)
     if not is_cluster(url):
-        import redis
-
         return redis.Redis.from_url(url, **opts)
     from redis.cluster import ClusterNode, RedisCluster
 

@@ -236,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cs, persistent=False)
         # A decode-only step over quantized weights runs its layers in one native call
         # (kernels.decode_stack: the same ops, the same bits). False: layer by layer in Python
-        # (tests compare the two; bench/profile_step.py --no-fused-decode).
+        # (tests compare the two; bench/profile_step.py --fused off).
         self.fused_decode = True
         self._stack: tuple[Any, ...] | None = None  # (kv_caches, their first tensor, stack or None)
 
@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> Any:
         """The native decode stack over these caches, built on first use; None where a layer
-        is not all quantized matmuls (a float or split projection, QK-norm) or the activations
+        is not all quantized matmuls (a float projection, a bias past qkv, QK-norm) or the activations
         are not float32/bfloat16: those steps run layer by layer."""
         cached = self._stack
         if cached is not None and cached[0] is kv_caches and cached[1] is kv_caches[0][0]:
