@@ -97,14 +97,19 @@ def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
     return out
 
 
-def linear_limit(model: Any, batch: int, steps: int) -> float:
-    """Seconds per step of plain F.linear over the model's weight shapes at `batch` rows."""
+def linear_limit(model: Any, batch: int, steps: int) -> float | None:
+    """Seconds per step of plain F.linear over the model's weight shapes at `batch` rows; None
+    where those weights in the model's float dtype would take more than a quarter of the
+    machine's memory (an 8B model's fp32 copy is 32 GB)."""
     shapes = [
         (m.out_features, m.in_features)
         for m in model.modules()
         if hasattr(m, "in_features") and hasattr(m, "out_features")
     ]
     dtype = model.norm.weight.dtype  # the embedding may be quantized (no .weight)
+    need = sum(o * i for o, i in shapes) * torch.tensor([], dtype=dtype).element_size()
+    if need > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4:
+        return None
     ws = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]
     x = {i: torch.randn(batch, i, dtype=dtype) for _, i in shapes}
     with torch.inference_mode():
@@ -182,7 +187,11 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"### batch {b}{'' if r['fused'] else ' (--fused off)'}: {wall * 1e3:.1f} ms per worker iteration "
         f"= {b / wall:.1f} tokens/s "
-        f"(F.linear over the weights: {r['limit'] * 1e3:.1f} ms = {b / r['limit']:.1f} tokens/s)",
+        + (
+            f"(F.linear over the weights: {r['limit'] * 1e3:.1f} ms = {b / r['limit']:.1f} tokens/s)"
+            if r["limit"]
+            else "(F.linear over the weights: not run, too large for this machine's memory)"
+        ),
         "",
         "| phase | ms per step | share |",
         "| --- | ---: | ---: |",
