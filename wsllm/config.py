@@ -70,6 +70,14 @@ class EngineConfig:
             "is prefilled in chunks this small while others stream, so their next token waits less"
         },
     )
+    prefill_ms_while_decoding: float = field(
+        default=50.0,
+        metadata={
+            "help": "about how long the prompt work of a step that also decodes running streams may take, "
+            "in ms, as estimated from the steps before (a prompt token costs more at a long context and on a "
+            "busy machine); at least 16 tokens a step; 0: only --prefill-tokens-while-decoding bounds it"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap; default: the model's"}
     )
@@ -137,6 +145,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1")
+        if not self.prefill_ms_while_decoding >= 0:
+            raise ValueError(f"prefill_ms_while_decoding must be >= 0, got {self.prefill_ms_while_decoding}")
         if not 0 <= self.gil_switch_ms <= 1000:
             raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:

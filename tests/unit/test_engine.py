@@ -251,3 +251,38 @@ def test_the_engines_process_hands_the_gil_over_within_its_setting() -> None:
         sys.setswitchinterval(before)
     with pytest.raises(ValueError, match="gil_switch_ms"):
         EngineConfig(gil_switch_ms=-1)
+
+
+def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[int]]:
+    """A stream decodes, then a 200-token prompt arrives: (the prompt's chunk each step it
+    ran, the stream's new tokens in those steps)."""
+    engine = make_engine(path, kv_cache_gb=0.05, max_num_batched_tokens=512, **kw)
+    scheduled: list[dict[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def watched() -> object:
+        out = schedule()
+        scheduled.append({s.request_id: n for s, n in out.scheduled})
+        return out
+
+    engine.scheduler.schedule = watched  # type: ignore[method-assign]
+    p = SamplingParams(max_tokens=80, ignore_eos=True)
+    engine.add_request("stream", prompts_of([32])[0], p)
+    for _ in range(3):  # its prompt (the pacer's first estimate of a prompt token), two decodes
+        engine.step()
+    engine.add_request("long", prompts_of([200], seed=3)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    scheduled.clear()
+    while any(o.request_id != "long" or not o.finished for o in engine.step()):
+        pass
+    steps = [s for s in scheduled if "long" in s]
+    return [s["long"] for s in steps], [s.get("stream", 0) for s in steps]
+
+
+def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_model_dir: Path) -> None:
+    # a target no prompt token meets: the floor of 16 tokens a step, the stream decoding in each
+    chunks, stream = _chunks_beside_a_stream(tiny_model_dir, prefill_ms_while_decoding=1e-6)
+    assert chunks == [16] * 12 + [8]
+    assert stream == [1] * len(chunks)
+    # the time bound off: the token cap (256) alone, the prompt computed in one step
+    chunks, stream = _chunks_beside_a_stream(tiny_model_dir, prefill_ms_while_decoding=0)
+    assert chunks == [200] and stream == [1]

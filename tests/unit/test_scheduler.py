@@ -1,6 +1,7 @@
 """Scheduler properties over random workloads, without a model: the step budget
 holds (prompt-logprob rows counted at their cost), every request finishes, no block leaks, preemption sends the newest of the
-lowest priority back; priority and tenant fairness decide who is admitted."""
+lowest priority back; priority and tenant fairness decide who is admitted; a step that decodes keeps its prompt
+work to the time the pacer allows."""
 
 from __future__ import annotations
 
@@ -37,13 +38,19 @@ workload = st.lists(
     caching=st.booleans(),
     plp_cost=st.sampled_from([0.0, 1.0, 2.5]),
     while_decoding=st.sampled_from([None, 3, 16]),
+    paced=st.sampled_from([(0.0, 0.0), (5.0, 1e-4), (5.0, 1e-2)]),  # (target ms, seconds a budget unit takes)
 )
 def test_budget_progress_and_no_leak(
-    reqs, max_seqs, budget, blocks, caching, plp_cost, while_decoding
+    reqs, max_seqs, budget, blocks, caching, plp_cost, while_decoding, paced
 ) -> None:  # type: ignore[no-untyped-def]
     bm = BlockManager(blocks, 8, watermark=0.0, enable_prefix_caching=caching)
     sched = Scheduler(
-        bm, max_seqs, budget, prompt_logprob_cost=plp_cost, prefill_tokens_while_decoding=while_decoding
+        bm,
+        max_seqs,
+        budget,
+        prompt_logprob_cost=plp_cost,
+        prefill_tokens_while_decoding=while_decoding,
+        prefill_ms_while_decoding=paced[0],
     )
     pending = [
         (
@@ -66,11 +73,16 @@ def test_budget_progress_and_no_leak(
             if arrive == step:
                 sched.add(s)
         streaming = {id(s) for s in sched.running if s.num_uncomputed <= 1}
+        paced_units = sched.pacer.units()
         out = sched.schedule()
-        assert sum(step_cost(s, n, plp_cost) for s, n in out.scheduled) <= budget
-        if while_decoding and any(id(s) in streaming for s, _ in out.scheduled):
+        cost = sum(step_cost(s, n, plp_cost) for s, n in out.scheduled)
+        assert cost <= budget
+        if any(id(s) in streaming for s, _ in out.scheduled):
             prompts = sum(step_cost(s, n, plp_cost) for s, n in out.scheduled if id(s) not in streaming)
-            assert prompts <= while_decoding, "a step that decodes took more prompt work than allowed"
+            if while_decoding:
+                assert prompts <= while_decoding, "a step that decodes took more prompt work than allowed"
+            assert prompts <= paced_units, "a step that decodes took more prompt work than fits its time"
+        sched.observe_step(out, 0.001 * len(out.scheduled) + paced[1] * cost)
         assert len(out.scheduled) <= max_seqs
         assert len({id(s) for s, _ in out.scheduled}) == len(out.scheduled)
         for s, n in out.scheduled:
@@ -146,6 +158,50 @@ def test_a_long_prompt_arrives_in_small_chunks_while_streams_decode_and_whole_wh
                 s.output_token_ids.append(5)
         sched.finish_step(out.scheduled)
     assert max(chunks) == 128 and sum(chunks) == 1500
+
+
+def _paced_chunks(unit_s: float, target_ms: float = 50.0) -> list[int]:
+    """The chunks of a 1,500-token prompt arriving while 16 streams decode, with a stand-in
+    model whose step takes 30 ms when it decodes plus `unit_s` per prompt token."""
+    sched = Scheduler(
+        BlockManager(400, 16, watermark=0.0),
+        64,
+        512,
+        prefill_tokens_while_decoding=256,
+        prefill_ms_while_decoding=target_ms,
+    )
+    streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
+    long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
+    for s in streams:
+        sched.add(s)
+    chunks, added = [], False
+    while long.num_computed_tokens < 1500:
+        if not added and sched.pacer.decode_ms is not None:
+            sched.add(long)  # once the streams decode and a decode step was timed
+            added = True
+        out = sched.schedule()
+        got = {s.request_id: n for s, n in out.scheduled}
+        if "long" in got:
+            assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
+            chunks.append(got["long"])
+        for s, n in out.scheduled:
+            if s.num_computed_tokens + n == s.num_tokens:
+                s.output_token_ids.append(5)
+        sched.finish_step(out.scheduled)
+        sched.observe_step(out, (0.030 if out.num_decodes else 0.0) + unit_s * out.prefill_cost)
+    assert sum(chunks) == 1500
+    return chunks
+
+
+def test_a_step_that_decodes_keeps_its_prompt_work_to_the_time_allowed() -> None:
+    # 2 ms a prompt token (the streams' own prompts taught the pacer): 50 ms is 25 tokens a step
+    assert set(_paced_chunks(0.002)[:-1]) == {25}
+    # a token far dearer than the target (a huge context, a loaded machine): still 16 a step
+    assert set(_paced_chunks(1.0)[:-1]) == {16}
+    # cheap tokens (a GPU): the token cap (256) bounds the chunk, not the time
+    assert max(_paced_chunks(1e-5)) == 256
+    # the time bound off: the token cap alone
+    assert max(_paced_chunks(0.002, target_ms=0.0)) == 256
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:

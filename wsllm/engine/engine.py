@@ -80,6 +80,7 @@ class LLMEngine:
             swapper,
             config.prompt_logprob_cost,
             config.prefill_tokens_while_decoding,
+            config.prefill_ms_while_decoding,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
@@ -196,6 +197,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted() + self._admit_compiled()
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
@@ -204,6 +206,7 @@ class LLMEngine:
             tables = self.block_manager.block_tables
             seqs, logits, prompt, pooled = self.runner.run(sched.scheduled, tables, want, pool or None)
             outputs += self._postprocess(sched.scheduled, seqs, logits, prompt, pooled)
+            self.scheduler.observe_step(sched, time.perf_counter() - started)
         self.num_steps += 1
         return outputs
 

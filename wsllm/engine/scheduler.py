@@ -23,6 +23,9 @@ charged the same cost. A step that decodes running streams gives prompts at most
 chunks, so the streams' next token waits for a short step (Sarathi-Serve's stall-free
 batching; llama.cpp mixes prompts in its 512-token micro-batches), and a prompt that
 arrives while nothing decodes still takes the whole budget, for its first token's sake.
+A token's cost grows with its context and the machine's load, so such a step's prompt
+work is also kept to about `prefill_ms_while_decoding` of time, as estimated from the
+steps before (`pacing.StepPacer`; the engine reports each step's time to `observe_step`).
 
 What a prompt-logprob row costs, beside its token (`prompt_logprob_cost`): one LM-head row
 (vocab x hidden multiply-adds) and a few passes over its logits (gather, top-k, logsumexp;
@@ -47,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wsllm.engine.block_manager import BlockManager
+from wsllm.engine.pacing import StepPacer
 from wsllm.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,10 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Sequences preempted in this step (already moved back to waiting / swapped).
     preempted: list[Sequence] = field(default_factory=list)
+    # Budget units of prompt work (prompt-logprob rows at their cost) and decodes scheduled:
+    # what the step pacer reads the step's time against.
+    prefill_cost: float = 0.0
+    num_decodes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +90,7 @@ class Scheduler:
         swapper: object | None = None,
         prompt_logprob_cost: float = 0.0,
         prefill_tokens_while_decoding: int | None = None,
+        prefill_ms_while_decoding: float = 0.0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -91,6 +100,7 @@ class Scheduler:
         self.prompt_logprob_cost = prompt_logprob_cost  # budget tokens per prompt-logprob row, extra
         # the budget left to prompts in a step that also decodes (None: the whole budget)
         self.prefill_while_decoding = prefill_tokens_while_decoding or max_num_batched_tokens
+        self.pacer = StepPacer(prefill_ms_while_decoding)  # the same, in time
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -133,6 +143,26 @@ class Scheduler:
 
     def _charge(self, seq: Sequence, n: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n
+
+    def _take(self, out: SchedulerOutput, seq: Sequence, n: int, cost: int) -> None:
+        """Schedule n tokens of `seq` at `cost` of the budget: charged to its tenant and
+        counted as prompt work or a decode for the pacer."""
+        out.scheduled.append((seq, n))
+        self._charge(seq, cost)
+        if seq.num_uncomputed > 1:
+            out.prefill_cost += cost
+        else:
+            out.num_decodes += 1
+
+    def _while_decoding(self, budget: int) -> int:
+        """What is left of `budget` for prompts in a step that decodes: the token cap
+        and the pacer's estimate of what fits in `prefill_ms_while_decoding`."""
+        units = self.pacer.units()
+        return min(budget, self.prefill_while_decoding, budget if math.isinf(units) else int(units))
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's report of how long the step of `out` took, end to end."""
+        self.pacer.observe(out.prefill_cost, out.num_decodes, seconds)
 
     def _fit(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """(tokens, cost): how many of `seq`'s uncomputed tokens fit in `budget`, and
@@ -208,7 +238,7 @@ class Scheduler:
         for seq in queue:
             if not capped and decodes and seq.num_uncomputed > 1:
                 capped = True  # streams decode in this step: what follows is prompt work
-                budget = min(budget, self.prefill_while_decoding)
+                budget = self._while_decoding(budget)
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
@@ -223,13 +253,12 @@ class Scheduler:
                     break
             else:
                 out.copies.extend(self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens))
-                out.scheduled.append((seq, n))
-                self._charge(seq, cost)
+                self._take(out, seq, n, cost)
                 taken.add(seq.seq_id)
                 decodes += seq.num_uncomputed <= 1
                 budget -= cost
         if decodes and not capped:
-            budget = min(budget, self.prefill_while_decoding)
+            budget = self._while_decoding(budget)
         return budget
 
     def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
@@ -260,8 +289,7 @@ class Scheduler:
             n, cost = self._fit(seq, budget)
             if n == 0 or not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
                 break  # keep it running; it gets its token next step
-            out.scheduled.append((seq, n))
-            self._charge(seq, cost)
+            self._take(out, seq, n, cost)
             budget -= cost
         return budget
 
@@ -299,8 +327,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, n))
-            self._charge(seq, cost)
+            self._take(out, seq, n, cost)
             budget -= cost
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

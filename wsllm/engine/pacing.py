@@ -1,0 +1,69 @@
+"""How much prompt work a step that also decodes running streams may take, in time.
+
+`prefill_tokens_while_decoding` caps the prompt tokens of such a step, but a token's
+cost is not fixed: on a CPU a prompt token at a context of 1,500 costs ~2.6x one at 0
+(the attention), a prompt-logprobs row costs more again, and on a shared machine every
+step stretches. The streams wait for the whole step, so their inter-token gap is the
+decode plus whatever prompt work rode along (issue 23: a tenant's long prompts should
+stretch its own time-to-first-token, not everyone's gaps).
+
+So the engine also keeps a step's prompt work to about `prefill_ms_while_decoding`:
+from the steps it has run it keeps two moving averages, a decode-only step's wall time
+and the milliseconds one unit of prompt budget takes (a prompt token; a prompt-logprob
+row `1 + prompt_logprob_cost`, as the scheduler counts them), the second measured as a
+step's time beyond its decodes over its prompt units. A long prompt's chunks follow one
+another, so the average follows the context as it grows, and the machine's load as it
+changes. A step that decodes gives prompts `prefill_ms_while_decoding / ms_per_unit`
+units, never fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs)
+and never more than the token cap. A step with nothing to decode still gives a prompt
+the whole budget, for its first token's sake; on a GPU, where a prompt token costs
+microseconds, the token cap is the bound. The first estimate comes from the first step
+with prompt work; until then only the token cap applies. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Prompt budget units a step that decodes always allows (a prompt always progresses).
+MIN_UNITS = 16
+# Weight of the newest step in each moving average: a long prompt's next chunk costs
+# about what its last one did, so the newest counts for half.
+ALPHA = 0.5
+
+
+class StepPacer:
+    """Estimates from the steps run; answers how many prompt units fit beside decodes."""
+
+    def __init__(self, target_ms: float) -> None:
+        self.target_ms = target_ms  # 0: no time bound
+        self.decode_ms: float | None = None  # a decode-only step's wall time
+        self.ms_per_unit: float | None = None  # one unit of prompt budget's share of a step
+
+    def observe(self, prefill_units: float, num_decodes: int, seconds: float) -> None:
+        """One step that ran `prefill_units` of prompt work beside `num_decodes` decodes."""
+        ms = seconds * 1000.0
+        if prefill_units <= 0:
+            if num_decodes:
+                self.decode_ms = _average(self.decode_ms, ms)
+            return
+        if prefill_units < MIN_UNITS:  # a few tokens: the step's noise, not their cost
+            return
+        base = 0.0
+        if num_decodes:
+            if self.decode_ms is None:
+                return  # nothing to take the decodes' share out with yet
+            base = self.decode_ms
+        # at least a tenth of the step is the prompts' (a decode estimate above this
+        # step's whole time is noise; a zero cost would lift every bound)
+        self.ms_per_unit = _average(self.ms_per_unit, max(ms - base, 0.1 * ms) / prefill_units)
+
+    def units(self) -> float:
+        """Prompt budget units for a step that also decodes (inf: no time bound yet)."""
+        if self.target_ms <= 0 or not self.ms_per_unit:
+            return math.inf
+        return max(float(MIN_UNITS), self.target_ms / self.ms_per_unit)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - ALPHA) * old + ALPHA * new
