@@ -18,6 +18,9 @@ each trying one amplification:
 - `refused`: a long prompt with a unique schema from the rate-limited tenant (work done
   before the 429 is work no limit covers).
 
+Before the phases the server gets two short streams and one structured request: a server's
+first structured request builds llguidance's index of the tokenizer (once in its life, 1-3 s
+holding the GIL: docs/protocol.md), a start-up cost no tenant can repeat, so not measured here.
 For each phase it reports the bystanders' worst and p99 gap between two chunks (after
 their first token) and their tokens/s, and the ratio of the attacked phase to the quiet
 one; the issue's bar is a worst gap less than 2x. Phases alternate over `--repeat` runs
@@ -374,6 +377,17 @@ async def run_phase(port: int, args: argparse.Namespace, eos: int, attacked: boo
     return out
 
 
+def warm_structured(port: int, eos: int, args: argparse.Namespace) -> None:
+    """One structured request before the phases: a server's first one builds the tokenizer's
+    index for llguidance (once in the server's life, unless `--structured-index-at-start`:
+    1-3 s on 2 cores, holding the GIL, so every stream of the engine pauses that long). That
+    is a one-time start-up cost, not an amplification a tenant can repeat; docs/protocol.md
+    says what a user sees."""
+    path, body, tenant = attack("schema", eos, args.tokenize_chars)
+    r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, headers=auth(tenant), timeout=600)
+    r.raise_for_status()
+
+
 def eos_id(model: str | None) -> int:
     from transformers import PreTrainedTokenizerFast
 
@@ -391,6 +405,7 @@ def measure(args: argparse.Namespace) -> tuple[Phase, Phase]:
         asyncio.run(
             run_phase(port, argparse.Namespace(**vars(args) | {"streams": 2, "tokens": 4}), eos, False)
         )
+        warm_structured(port, eos, args)
         for _, attacked in tqdm(
             [(r, a) for r in range(args.repeat) for a in (False, True)], desc="amplification"
         ):

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsllm.engine.block_manager import BlockManager
+from wsllm.engine.pacing import StepPacer
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.types import SamplingParams
@@ -202,6 +203,20 @@ def test_a_step_that_decodes_keeps_its_prompt_work_to_the_time_allowed() -> None
     assert max(_paced_chunks(1e-5)) == 256
     # the time bound off: the token cap alone
     assert max(_paced_chunks(0.002, target_ms=0.0)) == 256
+
+
+def test_one_stalled_decode_step_does_not_make_prompt_work_look_free() -> None:
+    """The amplification trace of 2026-11-28: a decode-only step held 1.2 s by a GIL
+    (the first structured request's tokenizer index) became the decodes' cost in a moving
+    average, every later step's prompt work looked free, and 128-row prompt-logprob chunks
+    (450 ms) rode beside the streams again. The decodes' share is a median."""
+    pacer = StepPacer(50.0)
+    for ms in [30, 29, 31, 30, 1261, 30]:
+        pacer.observe(0, 16, ms / 1000)
+    assert pacer.decode_ms == 30
+    for _ in range(3):  # 20 units beside the decodes, 2 ms each
+        pacer.observe(20, 16, (30 + 20 * 2) / 1000)
+    assert pacer.units() == 25
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:

@@ -8,12 +8,15 @@ decode plus whatever prompt work rode along (issue 23: a tenant's long prompts s
 stretch its own time-to-first-token, not everyone's gaps).
 
 So the engine also keeps a step's prompt work to about `prefill_ms_while_decoding`:
-from the steps it has run it keeps two moving averages, a decode-only step's wall time
-and the milliseconds one unit of prompt budget takes (a prompt token; a prompt-logprob
-row `1 + prompt_logprob_cost`, as the scheduler counts them), the second measured as a
-step's time beyond its decodes over its prompt units. A long prompt's chunks follow one
-another, so the average follows the context as it grows, and the machine's load as it
-changes. A step that decodes gives prompts `prefill_ms_while_decoding / ms_per_unit`
+from the steps it has run it keeps a decode-only step's wall time (the median of the
+last `DECODE_SAMPLES`: one step stalled by something else, a GIL held for a second,
+must not pass for the decodes' cost, or every later step's prompt work would look
+free) and a moving average of the milliseconds one unit of prompt budget takes (a
+prompt token; a prompt-logprob row `1 + prompt_logprob_cost`, as the scheduler counts
+them), measured as a step's time beyond its decodes over its prompt units. A long
+prompt's chunks follow one another, so the average follows the context as it grows,
+and the machine's load as it changes (a stalled step makes the next chunks smaller,
+which is the safe side). A step that decodes gives prompts `prefill_ms_while_decoding / ms_per_unit`
 units, never fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs)
 and never more than the token cap. A step with nothing to decode still gives a prompt
 the whole budget, for its first token's sake; on a GPU, where a prompt token costs
@@ -24,12 +27,16 @@ with prompt work; until then only the token cap applies. Torch-free.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 # Prompt budget units a step that decodes always allows (a prompt always progresses).
 MIN_UNITS = 16
 # Weight of the newest step in each moving average: a long prompt's next chunk costs
 # about what its last one did, so the newest counts for half.
 ALPHA = 0.5
+# Decode-only steps whose median is the decodes' share of a step.
+DECODE_SAMPLES = 15
 
 
 class StepPacer:
@@ -37,23 +44,28 @@ class StepPacer:
 
     def __init__(self, target_ms: float) -> None:
         self.target_ms = target_ms  # 0: no time bound
-        self.decode_ms: float | None = None  # a decode-only step's wall time
+        self._decodes: deque[float] = deque(maxlen=DECODE_SAMPLES)  # decode-only steps' ms
         self.ms_per_unit: float | None = None  # one unit of prompt budget's share of a step
+
+    @property
+    def decode_ms(self) -> float | None:
+        """A decode-only step's wall time: the median of the last ones (None: none yet)."""
+        return statistics.median(self._decodes) if self._decodes else None
 
     def observe(self, prefill_units: float, num_decodes: int, seconds: float) -> None:
         """One step that ran `prefill_units` of prompt work beside `num_decodes` decodes."""
         ms = seconds * 1000.0
         if prefill_units <= 0:
             if num_decodes:
-                self.decode_ms = _average(self.decode_ms, ms)
+                self._decodes.append(ms)
             return
         if prefill_units < MIN_UNITS:  # a few tokens: the step's noise, not their cost
             return
         base = 0.0
         if num_decodes:
-            if self.decode_ms is None:
+            if (decode_ms := self.decode_ms) is None:
                 return  # nothing to take the decodes' share out with yet
-            base = self.decode_ms
+            base = decode_ms
         # at least a tenth of the step is the prompts' (a decode estimate above this
         # step's whole time is noise; a zero cost would lift every bound)
         self.ms_per_unit = _average(self.ms_per_unit, max(ms - base, 0.1 * ms) / prefill_units)
