@@ -278,11 +278,12 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
     return [s["long"] for s in steps], [s.get("stream", 0) for s in steps]
 
 
-def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_model_dir: Path) -> None:
+def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_gguf_path: Path) -> None:
+    # (the quantized tiny model only: the pacing is the scheduler's, whatever the weights)
     # a target no prompt token meets: the floor of 16 tokens a step, the stream decoding in each
-    chunks, stream = _chunks_beside_a_stream(tiny_model_dir, prefill_ms_while_decoding=1e-6)
+    chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=1e-6)
     assert chunks == [16] * 12 + [8]
     assert stream == [1] * len(chunks)
     # the time bound off: the token cap (256) alone, the prompt computed in one step
-    chunks, stream = _chunks_beside_a_stream(tiny_model_dir, prefill_ms_while_decoding=0)
+    chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=0)
     assert chunks == [200] and stream == [1]
