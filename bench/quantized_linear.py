@@ -33,6 +33,7 @@ layer's output against fp32 (relative to the output's scale).
     .venv/bin/python bench/quantized_linear.py --layers [--threads 2]              # one layer, M 1..2048
     .venv/bin/python bench/quantized_linear.py --formats [--threads 2]             # per format, 8B shapes
     .venv/bin/python bench/quantized_linear.py --batch-sizes 1 --prefetch-ahead 0  # the prefetch off (A/B)
+    .venv/bin/python bench/quantized_linear.py --formats --prefetch-k 0,0          # the K-quants' off (A/B)
 """
 
 from __future__ import annotations
@@ -173,6 +174,11 @@ def main() -> None:
         default=None,
         help="bytes the Q4_0/Q4_1/Q8_0 kernels prefetch ahead at batch 1 (0: off; default: the build's 2048)",
     )
+    ap.add_argument(
+        "--prefetch-k",
+        default=None,
+        help="K45,Q6K: bytes Q4_K/Q5_K (batch 1) and Q6_K prefetch ahead (0: off; default: the build's 2048,13440)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,6 +188,11 @@ def main() -> None:
         from wsllm.kernels import native
 
         native.extension().set_prefetch_ahead(args.prefetch_ahead)
+    if ok and args.prefetch_k is not None:
+        from wsllm.kernels import native
+
+        k45, q6k = (int(v) for v in args.prefetch_k.split(","))
+        native.extension().set_prefetch_k(k45, q6k)
     if args.formats:
         with torch.inference_mode():
             format_sweep([int(b) for b in args.batch_sizes.split(",")][:2], max(3, args.steps))

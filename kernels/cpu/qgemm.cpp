@@ -24,6 +24,7 @@ torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 namespace wsq {
 
 int prefetch_ahead = kPrefetchAhead;
+int prefetch_k45 = kPrefetchK45, prefetch_q6k = kPrefetchQ6K;
 
 namespace {
 
@@ -59,6 +60,7 @@ struct ActBuffers {
   Buffer<float> d;
   Buffer<int32_t> s16;
   Buffer<int8_t> q;
+  Buffer<int32_t> s16p;
 };
 
 // x rows m0 .. m1 - 1 (float32 or bfloat16, made float32 exactly) -> int8 blocks.
@@ -162,6 +164,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   a.d = buf.d.data();
   a.s16 = buf.s16.data();
   a.q = buf.q.data();
+  if (qtype == Q6_K) {  // the -32 offsets' x sums, two per broadcast (qgemm_simd.h: block_q6k)
+    buf.s16p.resize(M * (K / 32));
+    for (int64_t i = 0; i < M * (K / 32); ++i)
+      buf.s16p[i] = int32_t(uint32_t(uint16_t(buf.s16[2 * i])) | (uint32_t(uint16_t(buf.s16[2 * i + 1])) << 16));
+    a.s16p = buf.s16p.data();
+  }
 
   auto out = torch::empty({M, n}, out_float ? x.options().dtype(torch::kFloat32) : x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -334,6 +342,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_prefetch_ahead", [](int64_t bytes) { wsq::prefetch_ahead = int(bytes); },
       "bench/quantized_linear.py: how far ahead of its loads the 32-value formats' batch-1 stream prefetches (0: off)");
+  m.def(
+      "set_prefetch_k",
+      [](int64_t k45, int64_t q6k) {
+        wsq::prefetch_k45 = int(k45);
+        wsq::prefetch_q6k = int(q6k);
+      },
+      "bench/quantized_linear.py: bytes ahead that Q4_K/Q5_K (batch 1) and Q6_K prefetch (0: off)", py::arg("k45"),
+      py::arg("q6k"));
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

@@ -44,9 +44,11 @@ struct Act {
   const float* d;      // [M][nb] block scales
   const int32_t* s16;  // [M][K / 16] sums of every 16 quants
   const int8_t* q;     // [M][K] quants
+  const int32_t* s16p = nullptr;  // Q6_K: [M][K / 32] s16's pairs as the int16 halves (|sum| <= 16 * 127)
   const float* dx(int m) const { return d + (size_t)m * nb; }
   const int32_t* sums(int m) const { return s16 + (size_t)m * (K / 16); }
   const int8_t* qrow(int m) const { return q + (size_t)m * K; }
+  const int32_t* pairs(int m) const { return s16p + (size_t)m * (K / 32); }
 };
 
 // One group of kRows output rows for x rows m0 .. m0 + mt - 1 (mt <= kMaxTile):
@@ -59,6 +61,13 @@ constexpr int kMaxTile = 4;
 // sweep it (set_prefetch_ahead); 0 turns it off.
 constexpr int kPrefetchAhead = 2048;
 extern int prefetch_ahead;
+// The same for the K-quants (set_prefetch_k), each unit's line prefetched beside its load (a
+// block's 37-53 lines in one burst at its start measured no faster than none): Q4_K and Q5_K
+// at m0 == 0, 2 KB ahead; Q6_K 4 blocks ahead (kChunk), at batch 1 each pass of row vectors
+// prefetching its half of the block's lines, so the stream has requests in flight in both.
+// One thread, cold weights, AVX2: Q4_K 1.2-1.3x, Q5_K ~1.5x, Q6_K ~1.15x (docs/benchmarks.md).
+constexpr int kPrefetchK45 = 2048, kPrefetchQ6K = 4 * (18 + 48 * 4) * 16;
+extern int prefetch_k45, prefetch_q6k;
 using GroupFn = void (*)(const uint8_t* group, const Act& a, int m0, int mt, float* out);
 
 // Tables indexed by QType.

@@ -86,13 +86,11 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
 // integers are kernels/quant_ref.py's (exact, any order): so are the bits. The -32 of every
 // quant is one madd16 per pair of groups against the x sums, the pair's two scales side by
 // side in each lane. tile() runs the blocks kChunk at a time, each vector of rows in turn over
-// them (the chunk stays in L1 for the next), and the first pass prefetches the chunk after: on
-// one core the stream's bandwidth needs requests in flight ahead of the loads (1.5x with it).
+// them (the chunk stays in L1 for the next), prefetching prefetch_q6k bytes (the chunk after)
+// ahead: on one core the stream's bandwidth needs requests in flight ahead of the loads. At
+// batch 1 the 4 quarters of a unit are made together from one load of their ql and qh bytes
+// (fewer instructions than six_bits per quarter: 1.1-1.3x with the weights in cache).
 constexpr int kChunk = 4;
-
-WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 halves of every lane
-  return Vec::set1(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
-}
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
 // the bytes of qs (low nibbles: the first), Q5_K's fifth bits are bit j of qh for sub-block j.
@@ -101,8 +99,11 @@ WSQ_TARGET inline VI xsum_pair(int32_t a, int32_t b) {  // (a, b) as the int16 h
 template <int MT, int QT>
 WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
+  const int ahead = m0 == 0 ? prefetch_k45 : 0;  // as block32's
   for (int b = 0; b < a.nb; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
+    if (ahead > 0)  // the scales' lines here, each unit's line beside its load below (a burst of a
+      for (int off = 0; off < o.qs; off += 64) __builtin_prefetch(blk + ahead + off, 0, 3);  // block stalls)
     VI isum[MT][R];
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < R; ++h) isum[i][h] = Vec::zero();
@@ -111,6 +112,14 @@ WSQ_TARGET void block_k45(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) 
       for (int i = 0; i < MT; ++i)
         for (int h = 0; h < R; ++h) s0[i][h] = s1[i][h] = Vec::zero();
       for (int v = 0; v < 8; v += 2) {  // two units of the same sub-blocks per dot2
+        if (ahead > 0) {
+          __builtin_prefetch(blk + ahead + o.qs + (p * 8 + v) * kUnit, 0, 3);
+          __builtin_prefetch(blk + ahead + o.qs + (p * 8 + v + 1) * kUnit, 0, 3);
+          if (QT == Q5_K && p == 0) {
+            __builtin_prefetch(blk + ahead + o.qh + v * kUnit, 0, 3);
+            __builtin_prefetch(blk + ahead + o.qh + (v + 1) * kUnit, 0, 3);
+          }
+        }
         for (int h = 0; h < R; ++h) {
           const VI wa = Vec::load(blk + o.qs + (p * 8 + v) * kUnit + h * L * 4);
           const VI wb = Vec::load(blk + o.qs + (p * 8 + v + 1) * kUnit + h * L * 4);
@@ -169,14 +178,55 @@ WSQ_TARGET inline VI six_bits(const uint8_t* blk, int hf, int t, int v, int h) {
 template <int MT>
 WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0, int b1, VF* acc) {
   constexpr Off o = offsets(Q6_K);
+  constexpr int lines = (o.bytes + 63) / 64, share = (lines + R - 1) / R;
+  const int ahead = prefetch_q6k;
   for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    if (h == 0)  // the block kChunk on: the memory stream's requests in flight ahead of the loads
-      for (int off = 0; off < o.bytes; off += 64) __builtin_prefetch(blk + kChunk * o.bytes + off, 0, 3);
+    if (ahead > 0 && MT > 1)  // this pass's share of the lines `ahead` on: requests in flight in every pass
+      for (int l = h * share; l < (h + 1) * share && l < lines; ++l) __builtin_prefetch(blk + ahead + 64 * l, 0, 3);
+    if (ahead > 0 && MT == 1 && h == 0)  // the scales; the units' lines beside their loads below
+      for (int off = 0; off < o.qs; off += 64) __builtin_prefetch(blk + ahead + off, 0, 3);
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
     VI isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = Vec::zero();
+    if constexpr (MT == 1) {
+      // one x row: the units of the 4 quarters that share ql and qh bytes together, each byte
+      // loaded once (six_bits loads ql twice and qh 4 times); the same int16 pair sums
+      #pragma GCC unroll 1
+      for (int hf = 0; hf < 2; ++hf) {
+        #pragma GCC unroll 1
+        for (int half = 0; half < 2; ++half) {
+          VI sc[4];
+          for (int t = 0; t < 4; ++t) sc[t] = Vec::scale16s(blk + o.sc + (hf * 8 + 2 * t + half) * kRows + h * L);
+          #pragma GCC unroll 2
+          for (int v0 = half * 4; v0 < half * 4 + 4; v0 += 2) {
+            VI ps[4];
+            #pragma GCC unroll 2
+            for (int v = v0; v < v0 + 2; ++v) {
+              if (ahead > 0 && hf % R == h) {  // pass h prefetches half h's lines (AVX-512: one pass)
+                __builtin_prefetch(blk + ahead + o.qs + (hf * 16 + v) * kUnit, 0, 3);
+                __builtin_prefetch(blk + ahead + o.qs + (hf * 16 + v + 8) * kUnit, 0, 3);
+                __builtin_prefetch(blk + ahead + o.qh + (hf * 8 + v) * kUnit, 0, 3);
+              }
+              const VI la = Vec::load(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4);
+              const VI lb = Vec::load(blk + o.qs + (hf * 16 + v + 8) * kUnit + h * L * 4);
+              const VI q = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
+              const VI w[4] = {Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(q, 4), 0x30)),
+                               Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(q, 2), 0x30)),
+                               Vec::or_(Vec::hi4(la), Vec::and8(q, 0x30)),
+                               Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(q, 2), 0x30))};
+              const int8_t* x = xb[0] + hf * 128 + 4 * v;
+              for (int t = 0; t < 4; ++t) {
+                const VI p = Vec::pairs(w[t], Vec::bcast4(x + t * 32));
+                ps[t] = v == v0 ? p : Vec::add16(ps[t], p);
+              }
+            }
+            for (int t = 0; t < 4; ++t) isum[0] = Vec::add(isum[0], Vec::madd16(ps[t], sc[t]));
+          }
+        }
+      }
+    } else {
     #pragma GCC unroll 1
     for (int hf = 0; hf < 2; ++hf) {
       #pragma GCC unroll 8
@@ -199,14 +249,12 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
         }
       }
     }
+    }
     VI off[MT];  // sum over the 16-groups of sc * (x sum): the -32 of every quant, times 32 below
     for (int i = 0; i < MT; ++i) off[i] = Vec::zero();
     for (int j = 0; j < 16; j += 2) {
       const VI sc = Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L);
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* s16 = a.sums(m0 + i) + b * 16 + j;
-        off[i] = Vec::add(off[i], Vec::madd16(sc, xsum_pair(s16[0], s16[1])));
-      }
+      for (int i = 0; i < MT; ++i) off[i] = Vec::add(off[i], Vec::madd16(sc, Vec::set1(a.pairs(m0 + i)[b * 8 + j / 2])));
     }
     const VF dw = Vec::f16(blk + o.d + h * L * 2);
     for (int i = 0; i < MT; ++i) {
