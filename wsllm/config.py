@@ -71,7 +71,7 @@ class EngineConfig:
         },
     )
     prefill_ms_while_decoding: float = field(
-        default=50.0,
+        default=100.0,
         metadata={
             "help": "about how long the prompt work of a step that also decodes running streams may take, "
             "in ms, as estimated from the steps before (a prompt token costs more at a long context and on a "
