@@ -362,7 +362,10 @@ def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -
 
 
 def test_malformed_abort_entries_are_dead_lettered_once_and_aborts_go_on(brokers) -> None:
-    gw, a, b = brokers(), brokers("engine-a"), brokers("engine-b")
+    # a lease no loaded machine outlasts here: with the 0.6 s one, a CI run once let engine b
+    # reclaim r10 (idle past its lease) during this test, and b then held an abort of its own
+    held = replace(LEASE, lease_s=30.0)
+    gw, a, b = brokers(), brokers("engine-a", held), brokers("engine-b", held)
     r = a._sync
     asyncio.run(gw.submit(req("r10")))
     pull_until(a)
