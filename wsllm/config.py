@@ -75,7 +75,8 @@ class EngineConfig:
         metadata={
             "help": "about how long the prompt work of a step that also decodes running streams may take, "
             "in ms, as estimated from the steps before (a prompt token costs more at a long context and on a "
-            "busy machine); at least 16 tokens a step; 0: only --prefill-tokens-while-decoding bounds it"
+            "busy machine); at least 16 budget tokens a step (a prompt-logprobs row counts more); 0: only "
+            "--prefill-tokens-while-decoding bounds it"
         },
     )
     max_model_len: int | None = field(

@@ -6,13 +6,14 @@ work to the time the pacer allows."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.pacing import StepPacer
-from wsllm.engine.scheduler import Scheduler
+from wsllm.engine.scheduler import Scheduler, SchedulerOutput
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.types import SamplingParams
 
@@ -112,53 +113,41 @@ def step_cost(seq: Sequence, n: int, plp_cost: float) -> int:
 
 
 def test_a_prompt_logprobs_prompt_is_prefilled_in_chunks_that_leave_room_for_decodes() -> None:
-    bm = BlockManager(400, 16, watermark=0.0)
-    sched = Scheduler(bm, 64, 512, prompt_logprob_cost=1.0)
-    streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
-    for s in streams:
-        sched.add(s)
-    _step(sched)  # the streams' prompts
+    sched = Scheduler(BlockManager(400, 16, watermark=0.0), 64, 512, prompt_logprob_cost=1.0)
     long = Sequence("plp", 0, [2] * 1500, SamplingParams(max_tokens=4, prompt_logprobs=20), 0.0)
-    sched.add(long)
-    chunks = []
-    while long.num_computed_tokens < 1500:
-        out = sched.schedule()
-        got = {s.request_id: n for s, n in out.scheduled}
-        assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
-        chunks.append(got["plp"])
-        for s, n in out.scheduled:  # the "model": sample when caught up
-            if s.num_computed_tokens + n == s.num_tokens:
-                s.output_token_ids.append(5)
-        sched.finish_step(out.scheduled)
+    chunks = _chunks_beside_streams(sched, long)
     # 16 decode tokens, then each prompt token and its logprob row count twice in 512
     assert max(chunks) == (512 - 16) // 2
-    assert sum(chunks) == 1500
 
 
 def test_a_long_prompt_arrives_in_small_chunks_while_streams_decode_and_whole_when_none_do() -> None:
-    bm = BlockManager(400, 16, watermark=0.0)
-    sched = Scheduler(bm, 64, 512, prefill_tokens_while_decoding=128)
+    sched = Scheduler(BlockManager(400, 16, watermark=0.0), 64, 512, prefill_tokens_while_decoding=128)
     alone = Sequence("alone", 0, [3] * 1500, SamplingParams(max_tokens=1), 0.0)
     sched.add(alone)
     assert [n for _, n in sched.schedule().scheduled] == [512], "nothing decodes: the whole budget"
     sched.remove(alone)
+    long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
+    assert max(_chunks_beside_streams(sched, long)) == 128
+
+
+def _chunks_beside_streams(
+    sched: Scheduler, long: Sequence, step_s: Callable[[SchedulerOutput], float] | None = None
+) -> list[int]:
+    """The chunks `long` is prefilled in when it arrives while 16 streams decode (after their
+    prompts and one decode-only step), every stream decoding in every step; `step_s` as `_run`."""
     streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
     for s in streams:
         sched.add(s)
-    _step(sched)  # the streams' prompts
-    long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
+    _run(sched, step_s)  # the streams' prompts
+    _run(sched, step_s)  # a decode-only step (what the pacer takes the decodes' share from)
     sched.add(long)
     chunks = []
-    while long.num_computed_tokens < 1500:
-        out = sched.schedule()
-        got = {s.request_id: n for s, n in out.scheduled}
+    while long.num_computed_tokens < len(long.prompt_token_ids):
+        got = {s.request_id: n for s, n in _run(sched, step_s)}
         assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
-        chunks.append(got["long"])
-        for s, n in out.scheduled:
-            if s.num_computed_tokens + n == s.num_tokens:
-                s.output_token_ids.append(5)
-        sched.finish_step(out.scheduled)
-    assert max(chunks) == 128 and sum(chunks) == 1500
+        chunks.append(got[long.request_id])
+    assert sum(chunks) == len(long.prompt_token_ids)
+    return chunks
 
 
 def _paced_chunks(unit_s: float, target_ms: float = 50.0) -> list[int]:
@@ -171,27 +160,10 @@ def _paced_chunks(unit_s: float, target_ms: float = 50.0) -> list[int]:
         prefill_tokens_while_decoding=256,
         prefill_ms_while_decoding=target_ms,
     )
-    streams = [Sequence(f"d{i}", 0, [1] * 20, SamplingParams(max_tokens=500), 0.0) for i in range(16)]
     long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
-    for s in streams:
-        sched.add(s)
-    chunks, added = [], False
-    while long.num_computed_tokens < 1500:
-        if not added and sched.pacer.decode_ms is not None:
-            sched.add(long)  # once the streams decode and a decode step was timed
-            added = True
-        out = sched.schedule()
-        got = {s.request_id: n for s, n in out.scheduled}
-        if "long" in got:
-            assert all(got[s.request_id] == 1 for s in streams), "every stream decodes in every step"
-            chunks.append(got["long"])
-        for s, n in out.scheduled:
-            if s.num_computed_tokens + n == s.num_tokens:
-                s.output_token_ids.append(5)
-        sched.finish_step(out.scheduled)
-        sched.observe_step(out, (0.030 if out.num_decodes else 0.0) + unit_s * out.prefill_cost)
-    assert sum(chunks) == 1500
-    return chunks
+    return _chunks_beside_streams(
+        sched, long, lambda out: (0.030 if out.num_decodes else 0.0) + unit_s * out.prefill_cost
+    )
 
 
 def test_a_step_that_decodes_keeps_its_prompt_work_to_the_time_allowed() -> None:
@@ -241,14 +213,24 @@ def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
     assert [s.request_id for s, _ in out.scheduled] == ["a"]
 
 
-def _step(sched: Scheduler) -> list[str]:
-    """One step with a stand-in model (a token for every sequence that caught up)."""
+def _run(
+    sched: Scheduler, step_s: Callable[[SchedulerOutput], float] | None = None
+) -> list[tuple[Sequence, int]]:
+    """One step with a stand-in model (a token for every sequence that caught up): what it
+    scheduled. `step_s`, when given, is the step's time, reported to the pacer."""
     out = sched.schedule()
     for s, n in out.scheduled:
         if s.num_computed_tokens + n == s.num_tokens:
             s.output_token_ids.append(5)
     sched.finish_step(out.scheduled)
-    return [s.request_id for s, _ in out.scheduled]
+    if step_s is not None:
+        sched.observe_step(out, step_s(out))
+    return out.scheduled
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step with a stand-in model: the request ids it scheduled."""
+    return [s.request_id for s, _ in _run(sched)]
 
 
 def test_a_higher_priority_request_goes_before_lower_ones_that_waited_longer() -> None:

@@ -32,8 +32,8 @@ from collections import deque
 
 # Prompt budget units a step that decodes always allows (a prompt always progresses).
 MIN_UNITS = 16
-# Weight of the newest step in each moving average: a long prompt's next chunk costs
-# about what its last one did, so the newest counts for half.
+# Weight of the newest step in the moving average of a unit's cost: a long prompt's next
+# chunk costs about what its last one did, so the newest counts for half.
 ALPHA = 0.5
 # Decode-only steps whose median is the decodes' share of a step.
 DECODE_SAMPLES = 15

@@ -157,8 +157,7 @@ class Scheduler:
     def _while_decoding(self, budget: int) -> int:
         """What is left of `budget` for prompts in a step that decodes: the token cap
         and the pacer's estimate of what fits in `prefill_ms_while_decoding`."""
-        units = self.pacer.units()
-        return min(budget, self.prefill_while_decoding, budget if math.isinf(units) else int(units))
+        return int(min(budget, self.prefill_while_decoding, self.pacer.units()))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's report of how long the step of `out` took, end to end."""
