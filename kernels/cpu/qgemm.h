@@ -63,8 +63,8 @@ constexpr int kPrefetchAhead = 2048;
 extern int prefetch_ahead;
 // The same for the K-quants (set_prefetch_k), each unit's line prefetched beside its load (a
 // block's 37-53 lines in one burst at its start measured no faster than none): Q4_K and Q5_K
-// at m0 == 0, 2 KB ahead; Q6_K 4 blocks ahead (kChunk), at batch 1 each pass of row vectors
-// prefetching its half of the block's lines, so the stream has requests in flight in both.
+// at m0 == 0, 2 KB ahead; Q6_K 4 blocks ahead (kChunk), at M > 1 each pass of row vectors
+// prefetching its share of the block's lines, at batch 1 the block's lines in address order.
 // One thread, cold weights, AVX2: Q4_K 1.2-1.3x, Q5_K ~1.5x, Q6_K ~1.15x (docs/benchmarks.md).
 constexpr int kPrefetchK45 = 2048, kPrefetchQ6K = 4 * (18 + 48 * 4) * 16;
 extern int prefetch_k45, prefetch_q6k;

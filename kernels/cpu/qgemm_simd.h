@@ -87,9 +87,8 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
 // quant is one madd16 per pair of groups against the x sums, the pair's two scales side by
 // side in each lane. tile() runs the blocks kChunk at a time, each vector of rows in turn over
 // them (the chunk stays in L1 for the next), prefetching prefetch_q6k bytes (the chunk after)
-// ahead: on one core the stream's bandwidth needs requests in flight ahead of the loads. At
-// batch 1 the 4 quarters of a unit are made together from one load of their ql and qh bytes
-// (fewer instructions than six_bits per quarter: 1.1-1.3x with the weights in cache).
+// ahead: on one core the stream's bandwidth needs requests in flight ahead of the loads. Batch 1
+// has its own loop (block_q6k_1, below).
 constexpr int kChunk = 4;
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; pairs of sub-blocks share
@@ -182,51 +181,12 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
   const int ahead = prefetch_q6k;
   for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = g + (size_t)b * o.bytes;
-    if (ahead > 0 && MT > 1)  // this pass's share of the lines `ahead` on: requests in flight in every pass
+    if (ahead > 0)  // this pass's share of the lines `ahead` on: requests in flight in every pass
       for (int l = h * share; l < (h + 1) * share && l < lines; ++l) __builtin_prefetch(blk + ahead + 64 * l, 0, 3);
-    if (ahead > 0 && MT == 1 && h == 0)  // the scales; the units' lines beside their loads below
-      for (int off = 0; off < o.qs; off += 64) __builtin_prefetch(blk + ahead + off, 0, 3);
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = a.qrow(m0 + i) + b * 256;
     VI isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = Vec::zero();
-    if constexpr (MT == 1) {
-      // one x row: the units of the 4 quarters that share ql and qh bytes together, each byte
-      // loaded once (six_bits loads ql twice and qh 4 times); the same int16 pair sums
-      #pragma GCC unroll 1
-      for (int hf = 0; hf < 2; ++hf) {
-        #pragma GCC unroll 1
-        for (int half = 0; half < 2; ++half) {
-          VI sc[4];
-          for (int t = 0; t < 4; ++t) sc[t] = Vec::scale16s(blk + o.sc + (hf * 8 + 2 * t + half) * kRows + h * L);
-          #pragma GCC unroll 2
-          for (int v0 = half * 4; v0 < half * 4 + 4; v0 += 2) {
-            VI ps[4];
-            #pragma GCC unroll 2
-            for (int v = v0; v < v0 + 2; ++v) {
-              if (ahead > 0 && hf % R == h) {  // pass h prefetches half h's lines (AVX-512: one pass)
-                __builtin_prefetch(blk + ahead + o.qs + (hf * 16 + v) * kUnit, 0, 3);
-                __builtin_prefetch(blk + ahead + o.qs + (hf * 16 + v + 8) * kUnit, 0, 3);
-                __builtin_prefetch(blk + ahead + o.qh + (hf * 8 + v) * kUnit, 0, 3);
-              }
-              const VI la = Vec::load(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4);
-              const VI lb = Vec::load(blk + o.qs + (hf * 16 + v + 8) * kUnit + h * L * 4);
-              const VI q = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
-              const VI w[4] = {Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(q, 4), 0x30)),
-                               Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(q, 2), 0x30)),
-                               Vec::or_(Vec::hi4(la), Vec::and8(q, 0x30)),
-                               Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(q, 2), 0x30))};
-              const int8_t* x = xb[0] + hf * 128 + 4 * v;
-              for (int t = 0; t < 4; ++t) {
-                const VI p = Vec::pairs(w[t], Vec::bcast4(x + t * 32));
-                ps[t] = v == v0 ? p : Vec::add16(ps[t], p);
-              }
-            }
-            for (int t = 0; t < 4; ++t) isum[0] = Vec::add(isum[0], Vec::madd16(ps[t], sc[t]));
-          }
-        }
-      }
-    } else {
     #pragma GCC unroll 1
     for (int hf = 0; hf < 2; ++hf) {
       #pragma GCC unroll 8
@@ -249,7 +209,6 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
         }
       }
     }
-    }
     VI off[MT];  // sum over the 16-groups of sc * (x sum): the -32 of every quant, times 32 below
     for (int i = 0; i < MT; ++i) off[i] = Vec::zero();
     for (int j = 0; j < 16; j += 2) {
@@ -265,9 +224,82 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
   }
 }
 
+// Q6_K at one x row (batch 1, a decode step): every row vector of a unit in one pass, so each line
+// of the block is used whole when it arrives. Passes per row vector over kChunk blocks (tile() at
+// M > 1) read half of each line in the first pass, which then waits on memory with nothing to
+// overlap: one core streamed 7.4 GB/s cold that way against Q4_K's 14.5 (19 with the weights in
+// cache). The units of the 4 quarters that share ql and qh bytes are made together from one load
+// of each; the x quants of a unit broadcast once for all row vectors; the same int16 pair sums;
+// the block's 16 scale vectors made once. The lines are prefetched `prefetch_q6k` bytes ahead in
+// address order, 3 beside each unit (the units' own lines, from ql's two halves and qh, measured
+// slower: three interleaved streams). Two threads, cold, AVX2: 13.5-17 -> 18.5-21 GB/s.
+WSQ_TARGET void block_q6k_1(const uint8_t* g, const Act& a, int m0, VF* acc) {
+  constexpr Off o = offsets(Q6_K);
+  constexpr int lines = (o.bytes + 63) / 64, head = lines - 3 * 16;  // 3 lines for each of 16 units below
+  const int ahead = m0 == 0 ? prefetch_q6k : 0;  // the later tiles of a call find the group in cache
+  for (int b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = g + (size_t)b * o.bytes;
+    for (int l = 0; ahead > 0 && l < head; ++l) __builtin_prefetch(blk + ahead + 64 * l, 0, 3);
+    const int8_t* xb = a.qrow(m0) + b * 256;
+    VI sc[R][16];  // each 16-group's scale in both int16 halves of every lane, made once a block
+    for (int h = 0; h < R; ++h)
+      for (int j = 0; j < 16; ++j) sc[h][j] = Vec::scale16s(blk + o.sc + j * kRows + h * L);
+    VI isum[R];
+    for (int h = 0; h < R; ++h) isum[h] = Vec::zero();
+    #pragma GCC unroll 1
+    for (int hf = 0; hf < 2; ++hf) {
+      #pragma GCC unroll 1
+      for (int half = 0; half < 2; ++half) {
+        #pragma GCC unroll 2
+        for (int v0 = half * 4; v0 < half * 4 + 4; v0 += 2) {
+          VI ps[R][4];
+          #pragma GCC unroll 2
+          for (int v = v0; v < v0 + 2; ++v) {
+            for (int l = head + 3 * (hf * 8 + v); ahead > 0 && l < head + 3 * (hf * 8 + v) + 3; ++l)
+              __builtin_prefetch(blk + ahead + 64 * l, 0, 3);
+            const int8_t* x = xb + hf * 128 + 4 * v;
+            const VI xv[4] = {Vec::bcast4(x), Vec::bcast4(x + 32), Vec::bcast4(x + 64), Vec::bcast4(x + 96)};
+            for (int h = 0; h < R; ++h) {
+              const VI la = Vec::load(blk + o.qs + (hf * 16 + v) * kUnit + h * L * 4);
+              const VI lb = Vec::load(blk + o.qs + (hf * 16 + v + 8) * kUnit + h * L * 4);
+              const VI q = Vec::load(blk + o.qh + (hf * 8 + v) * kUnit + h * L * 4);
+              const VI w[4] = {Vec::or_(Vec::lo4(la), Vec::and8(Vec::shl16(q, 4), 0x30)),
+                               Vec::or_(Vec::lo4(lb), Vec::and8(Vec::shl16(q, 2), 0x30)),
+                               Vec::or_(Vec::hi4(la), Vec::and8(q, 0x30)),
+                               Vec::or_(Vec::hi4(lb), Vec::and8(Vec::shr16(q, 2), 0x30))};
+              for (int t = 0; t < 4; ++t) {
+                const VI p = Vec::pairs(w[t], xv[t]);
+                ps[h][t] = v == v0 ? p : Vec::add16(ps[h][t], p);
+              }
+            }
+          }
+          for (int h = 0; h < R; ++h)
+            for (int t = 0; t < 4; ++t)
+              isum[h] = Vec::add(isum[h], Vec::madd16(ps[h][t], sc[h][hf * 8 + 2 * t + half]));
+        }
+      }
+    }
+    const int32_t* xp = a.pairs(m0) + b * 8;
+    const VF dx = Vec::fset1(a.dx(m0)[b]);
+    for (int h = 0; h < R; ++h) {
+      VI off = Vec::zero();  // as block_q6k's: the -32 of every quant
+      for (int j = 0; j < 16; j += 2)
+        off = Vec::add(off, Vec::madd16(Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L),
+                                         Vec::set1(xp[j / 2])));
+      const VI si = Vec::sub(isum[h], Vec::shl32(off, 5));
+      acc[h] = Vec::fadd(acc[h], Vec::fmul(Vec::fmul(Vec::f16(blk + o.d + h * L * 2), dx), Vec::cvt(si)));
+    }
+  }
+}
+
 template <int MT, int QT>
 WSQ_TARGET void tile(const uint8_t* g, const Act& a, int m0, float* out) {
-  if constexpr (QT == Q6_K) {
+  if constexpr (QT == Q6_K && MT == 1) {
+    VF acc[R];
+    for (int h = 0; h < R; ++h) acc[h] = Vec::fzero();
+    block_q6k_1(g, a, m0, acc);
+    for (int h = 0; h < R; ++h) Vec::store(out + h * L, acc[h]);
+  } else if constexpr (QT == Q6_K) {
     // row vectors in turn over kChunk blocks (they stay in L1 for the next vector)
     VF acc[R][MT];
     for (int h = 0; h < R; ++h)
