@@ -1,7 +1,7 @@
 """A long prompt tokenized on a thread must not stop the event loop (issue 23): the
 tokenizer's `encode` and `decode` hold the GIL throughout (seconds for a megabyte),
-`encode_batch_fast` and `decode` release it (`encode_batch` takes it back to hand over the
-offsets). The ids and the text are the same either way."""
+its batch calls release it (`encode_batch_fast`: `encode_batch` takes it back to hand over
+the offsets). The ids and the text are the same either way."""
 
 from __future__ import annotations
 
