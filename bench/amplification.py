@@ -128,7 +128,8 @@ def keys_file() -> str:
 def trace_server(engine: Any, path: str) -> Any:
     """Write one line per engine step (wall start, wall and CPU ms, tokens, prompt-logprob
     rows, decodes, running and waiting requests after it, sequences it preempted, free KV
-    blocks) and one per event-loop stall over 20 ms to `path`; returns the loop monitor to
+    blocks), one per event-loop stall over 20 ms and one per garbage collection over 5 ms
+    (start, ms, generation, objects freed) to `path`; returns the loop monitor to
     start inside the server's loop. For finding where a bystander's worst gap went."""
     import threading
 
@@ -158,6 +159,18 @@ def trace_server(engine: Any, path: str) -> Any:
         return got
 
     engine.step, engine.scheduler.schedule = traced_step, traced_schedule
+    import gc
+
+    gc_start: dict[str, float] = {}
+
+    def gc_pause(phase: str, info: dict[str, Any]) -> None:  # a collection stops every thread
+        if phase == "start":
+            gc_start["t"] = time.time()
+        elif (ms := (time.time() - gc_start.get("t", time.time())) * 1000) > 5:
+            with lock:
+                out.write(f"gc {gc_start['t']:.3f} {ms:.1f} {info['generation']} {info['collected']}\n")
+
+    gc.callbacks.append(gc_pause)
 
     async def monitor() -> None:
         while True:
@@ -295,8 +308,11 @@ def auth(tenant: str) -> dict[str, str]:
 
 
 async def bystander(http: httpx.AsyncClient, i: int, n_tokens: int, out: Phase) -> None:
+    # `logprobs: 0`: a chunk for every token. Without it a token whose text is empty sends none (the
+    # model, past its <|im_end|> by `ignore_eos`, writes <|im_end|><|im_start|>: 3 steps in one gap,
+    # the worst gap of both phases), and a gap is then not between two tokens
     body = {"prompt": f"Story {i}: {FOX}", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     last: float | None = None
     async with http.stream("POST", "/v1/completions", json=body, headers=auth("bystander")) as r:
         r.raise_for_status()

@@ -180,6 +180,9 @@ def engine(args: argparse.Namespace) -> int:
         print("wsllm: an engine serves one --model (start one engine per model)", file=sys.stderr)
         return 2
     llm = _build_engine(ecfg, mcfg)
+    from wsllm.server.app import freeze_startup_heap
+
+    freeze_startup_heap()  # the engine's own process: its steps stop for a full collection too
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     url = rcfg.url()
     broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
