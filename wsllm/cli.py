@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -180,9 +181,10 @@ def engine(args: argparse.Namespace) -> int:
         print("wsllm: an engine serves one --model (start one engine per model)", file=sys.stderr)
         return 2
     llm = _build_engine(ecfg, mcfg)
-    from wsllm.server.app import freeze_startup_heap
-
-    freeze_startup_heap()  # the engine's own process: its steps stop for a full collection too
+    # what is loaded out of the collector's full walks, as the app does when it starts serving
+    # (server/app.py, freeze_startup_heap: importing it would load the whole gateway here)
+    gc.collect()
+    gc.freeze()
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     url = rcfg.url()
     broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)

@@ -174,6 +174,20 @@ WSQ_TARGET inline VI six_bits(const uint8_t* blk, int hf, int t, int v, int h) {
   return Vec::or_(t < 2 ? Vec::lo4(l) : Vec::hi4(l), Vec::and8(hb, 0x30));
 }
 
+// One Q6_K block's value for x row m and row vector h, from the integer sum isum of its unsigned
+// quants times x: the -32 of every quant taken out with the x sums (over the 16-groups, sc times
+// the group's x sum, times 32), then times d * dx, in kernels/quant_ref.py's order.
+WSQ_TARGET inline VF q6k_value(const uint8_t* blk, const Act& a, int m, int b, int h, VI isum) {
+  constexpr Off o = offsets(Q6_K);
+  const int32_t* xp = a.pairs(m) + b * 8;
+  VI off = Vec::zero();
+  for (int j = 0; j < 16; j += 2)
+    off = Vec::add(off, Vec::madd16(Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L),
+                                     Vec::set1(xp[j / 2])));
+  const VI si = Vec::sub(isum, Vec::shl32(off, 5));
+  return Vec::fmul(Vec::fmul(Vec::f16(blk + o.d + h * L * 2), Vec::fset1(a.dx(m)[b])), Vec::cvt(si));
+}
+
 template <int MT>
 WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0, int b1, VF* acc) {
   constexpr Off o = offsets(Q6_K);
@@ -209,18 +223,7 @@ WSQ_TARGET void block_q6k(const uint8_t* g, const Act& a, int m0, int h, int b0,
         }
       }
     }
-    VI off[MT];  // sum over the 16-groups of sc * (x sum): the -32 of every quant, times 32 below
-    for (int i = 0; i < MT; ++i) off[i] = Vec::zero();
-    for (int j = 0; j < 16; j += 2) {
-      const VI sc = Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L);
-      for (int i = 0; i < MT; ++i) off[i] = Vec::add(off[i], Vec::madd16(sc, Vec::set1(a.pairs(m0 + i)[b * 8 + j / 2])));
-    }
-    const VF dw = Vec::f16(blk + o.d + h * L * 2);
-    for (int i = 0; i < MT; ++i) {
-      const VI si = Vec::sub(isum[i], Vec::shl32(off[i], 5));
-      const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
-      acc[i] = Vec::fadd(acc[i], Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si)));
-    }
+    for (int i = 0; i < MT; ++i) acc[i] = Vec::fadd(acc[i], q6k_value(blk, a, m0 + i, b, h, isum[i]));
   }
 }
 
@@ -279,16 +282,7 @@ WSQ_TARGET void block_q6k_1(const uint8_t* g, const Act& a, int m0, VF* acc) {
         }
       }
     }
-    const int32_t* xp = a.pairs(m0) + b * 8;
-    const VF dx = Vec::fset1(a.dx(m0)[b]);
-    for (int h = 0; h < R; ++h) {
-      VI off = Vec::zero();  // as block_q6k's: the -32 of every quant
-      for (int j = 0; j < 16; j += 2)
-        off = Vec::add(off, Vec::madd16(Vec::pair16s(blk + o.sc + j * kRows + h * L, blk + o.sc + (j + 1) * kRows + h * L),
-                                         Vec::set1(xp[j / 2])));
-      const VI si = Vec::sub(isum[h], Vec::shl32(off, 5));
-      acc[h] = Vec::fadd(acc[h], Vec::fmul(Vec::fmul(Vec::f16(blk + o.d + h * L * 2), dx), Vec::cvt(si)));
-    }
+    for (int h = 0; h < R; ++h) acc[h] = Vec::fadd(acc[h], q6k_value(blk, a, m0, b, h, isum[h]));
   }
 }
 
