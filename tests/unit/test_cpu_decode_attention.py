@@ -141,3 +141,39 @@ def test_a_decode_step_is_one_native_call_equal_to_the_references(cache_dtype: t
     assert torch.equal(kc, rk) and torch.equal(vc, rv), "the cache holds the same K and V"
     want = paged_decode_attention_ref(q, rk.float(), rv.float(), c.block_tables, c.seq_lens, c.scale)
     torch.testing.assert_close(out, want.reshape(3, h * d), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "as_decodes"),
+    [([1, 1, 6, 9], True), ([1, 1, 6, 10], True), ([1, 1, 12, 9], False)],
+    ids=["15 prompt tokens", "16", "21"],
+)
+def test_a_step_with_few_prompt_tokens_runs_them_as_decode_rows(
+    isa: str, q_lens: list[int], as_decodes: bool
+) -> None:
+    """A long prompt's short chunk beside running streams (the step pacer's floor) and a short
+    fresh prompt: at most SHORT_PROMPT_TOKENS prompt tokens in the step are planned as one
+    decode row each, so the step stays decode-shaped (the model's one-call decode stack) and its
+    attention is still causal: equal to the prefill reference. One token more and the prompt
+    rows keep the gather path."""
+    from wsllm.kernels.cpu_attention import SHORT_PROMPT_TOKENS
+    from wsllm.kernels.paged_attention import paged_prefill_attention_ref
+
+    assert (sum(n for n in q_lens if n > 1) <= SHORT_PROMPT_TOKENS) == as_decodes
+    bs = 8
+    seq_lens = [40, 17, 30, q_lens[3]]  # two decodes, a chunk at the end of 30, a fresh prompt
+    c = make_paged_case(seq_lens, q_lens, bs, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
+    tables = c.block_tables.tolist()
+    # this step's K and V rows as the projection made them (the cache already holds them)
+    new = [
+        (t[p // bs], p % bs)
+        for t, ctx, n in zip(tables, seq_lens, q_lens, strict=True)
+        for p in range(ctx - n, ctx)
+    ]
+    k = torch.stack([c.k_cache[b, o] for b, o in new])
+    v = torch.stack([c.v_cache[b, o] for b, o in new])
+    plan = plan_cpu_attention(tables, seq_lens, q_lens, bs, torch.float32)
+    assert (not plan.prefills and plan.num_decodes == sum(q_lens)) == as_decodes
+    out = cpu_paged_attention(c.q, k, v, c.k_cache, c.v_cache, plan, c.scale)
+    want = paged_prefill_attention_ref(*c.prefill_args())
+    torch.testing.assert_close(out, want, **tolerance(torch.float32))
