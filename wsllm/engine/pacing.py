@@ -30,8 +30,11 @@ import math
 import statistics
 from collections import deque
 
-# Prompt budget units a step that decodes always allows (a prompt always progresses).
-MIN_UNITS = 16
+# Prompt budget units a step that decodes always allows (a prompt always progresses): 8 tokens,
+# or 4 prompt-logprobs rows. At a context of 1,500 on 2 AVX2 cores a SmolLM2 prompt token costs
+# ~6 ms beside 16 decodes, so the floor, not the target, bounds such steps: 16 units made them
+# ~3x a decode-only step, 8 about 2x (bench/amplification.py, docs/benchmarks.md).
+MIN_UNITS = 8
 # Weight of the newest step in the moving average of a unit's cost: a long prompt's next
 # chunk costs about what its last one did, so the newest counts for half.
 ALPHA = 0.5
