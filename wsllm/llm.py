@@ -28,7 +28,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Choice] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # params.prompt_logprobs: per prompt token, None for the first, else [logprob, top N]
+    # params.prompt_logprobs: per prompt token, None for the first, else (logprob, ((token, logprob), ...top N))
     prompt_logprobs: list[Any] | None = None
     # params.pooling set: the prompt's pooled last hidden state (not normalized); no choices' tokens
     embedding: list[float] | None = None

@@ -367,7 +367,8 @@ class TokenEvent:
     error_code: str | None = None  # machine-readable, one of the ERR_* codes
     queue_time: float | None = None  # seconds between arrival and first schedule (seq 0)
     # Once per request (params.prompt_logprobs set), on the first event after its prompt is
-    # computed: per prompt token, None for the first, else [logprob, [[token_id, logprob], ...]].
+    # computed: per prompt token, None for the first, else (logprob, ((token_id, logprob), ...))
+    # (lists once it has crossed a process: JSON has no tuples).
     # Left out of the encoding when None, so a peer that predates it still reads the event.
     prompt_logprobs: list[Any] | None = None
     # An embedding request's pooled vector (fp32 values, not normalized), on its final

@@ -27,7 +27,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     queue_time: float | None = None  # seconds from arrival to first schedule, on the first output
     # Once, on the first output after the prompt is computed (params.prompt_logprobs set):
-    # per prompt token, None for the first, else [logprob, [[tok, lp], ...top N]]
+    # per prompt token, None for the first, else (logprob, ((tok, lp), ...top N))
     prompt_logprobs: list[Any] | None = None
     # Set when the engine could not serve this request (its other outputs are empty):
     # a machine-readable code and a message a person can read.
