@@ -74,8 +74,9 @@ class EngineConfig:
         default=50.0,
         metadata={
             "help": "about how long the prompt work of a step that also decodes running streams may take, "
-            "in ms, as estimated from the steps before (a prompt token costs more at a long context and on a "
-            "busy machine); at least 8 budget tokens a step (a prompt-logprobs row counts more); 0: only "
+            "in ms, or as long as a decode-only step where that is longer, as estimated from the steps "
+            "before (a prompt token costs more at a long context and on a busy machine); at least 8 "
+            "budget tokens a step (a prompt-logprobs row counts more); 0: only "
             "--prefill-tokens-while-decoding bounds it"
         },
     )

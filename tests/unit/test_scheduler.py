@@ -280,3 +280,19 @@ def _admission_order(tenant_b: str) -> list[str]:
 def test_a_tenant_that_arrives_later_is_served_before_the_backlog_of_a_busy_one() -> None:
     assert _admission_order("b")[:4] == ["a0", "a1", "b0", "b1"]  # the next free slots
     assert _admission_order("a")[-2:] == ["b0", "b1"]  # one tenant: first come, first served
+
+
+def test_a_batch_whose_decodes_take_longer_than_the_target_gives_prompts_as_long() -> None:
+    """A step that decodes may take about twice a decode-only step: 32 streams decoding in
+    80 ms give a prompt 80 ms beside them, not the 50 ms target (which bounds the prompt work
+    beside a small batch); the streams' gap at most about doubles either way."""
+    pacer = StepPacer(50.0)
+    for _ in range(5):
+        pacer.observe(0, 32, 0.080)
+    pacer.observe(20, 32, (80 + 20 * 2) / 1000)  # 2 ms a unit beside the decodes
+    assert pacer.units() == 40
+    small = StepPacer(50.0)
+    for _ in range(5):
+        small.observe(0, 4, 0.020)
+    small.observe(20, 4, (20 + 20 * 2) / 1000)
+    assert small.units() == 25

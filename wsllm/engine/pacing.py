@@ -16,11 +16,15 @@ prompt token; a prompt-logprob row `1 + prompt_logprob_cost`, as the scheduler c
 them), measured as a step's time beyond its decodes over its prompt units. A long
 prompt's chunks follow one another, so the average follows the context as it grows,
 and the machine's load as it changes (a stalled step makes the next chunks smaller,
-which is the safe side). A step that decodes gives prompts `prefill_ms_while_decoding / ms_per_unit`
-units, never fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs)
-and never more than the token cap. A step with nothing to decode still gives a prompt
-the whole budget, for its first token's sake; on a GPU, where a prompt token costs
-microseconds, the token cap is the bound. The first estimate comes from the first step
+which is the safe side). A step that decodes gives prompts what fits in
+`prefill_ms_while_decoding` or in a decode-only step's time, whichever is longer: a long
+prompt at most about doubles the streams' gap, and a large batch, whose steps are long
+anyway, still takes new prompts in about as fast as before (bench/serving_peers.py and
+bench/amplification.py in docs/benchmarks.md). That is `ms / ms_per_unit` units, never
+fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs) and never more
+than the token cap. A step with nothing to decode still gives a prompt the whole budget,
+for its first token's sake; on a GPU, where a prompt token costs microseconds, the token
+cap is the bound. The first estimate comes from the first step
 with prompt work; until then only the token cap applies. Torch-free.
 """
 
@@ -77,7 +81,8 @@ class StepPacer:
         """Prompt budget units for a step that also decodes (inf: no time bound yet)."""
         if self.target_ms <= 0 or not self.ms_per_unit:
             return math.inf
-        return max(float(MIN_UNITS), self.target_ms / self.ms_per_unit)
+        ms = max(self.target_ms, self.decode_ms or 0.0)
+        return max(float(MIN_UNITS), ms / self.ms_per_unit)
 
 
 def _average(old: float | None, new: float) -> float:
