@@ -14,11 +14,13 @@ dispatch and the fused SDPA kernel has a large fixed cost with boolean masks:
   context needs.
 - **A fresh prompt** (no cached prefix: its queries are its whole context) attends
   to its own new K and V straight from the projection: no gather at all.
-- **A step with few prompt tokens** (`SHORT_PROMPT_TOKENS` in all: a long prompt's chunk
-  at the step pacer's floor beside running streams, a short new prompt) runs each prompt
-  token as a decode row of the native kernel over its own context, which is exact causal
-  attention because the step's K and V are all stored before any row attends. The step is
-  then decode-shaped, so the model runs it in its one-call decode stack.
+- **A short prompt row** (at most `SHORT_PROMPT_TOKENS`: a long prompt's chunk at the step
+  pacer's floor beside running streams, a short new prompt) runs each of its tokens as a
+  decode row of the native kernel over its own context, which is exact causal attention
+  because the step's K and V are all stored before any row attends. A step of decodes and
+  short rows only is then decode-shaped, so the model runs it in its one-call decode
+  stack. The rule is the row's own, so a prompt's result does not depend on what it is
+  batched with (the same bits alone or beside a long prompt).
 - **A prompt chunk or a prefix-cache hit** gathers its own context (no padding to
   the batch's longest) and runs SDPA with the queries at the end, under an additive
   mask built once per step.
@@ -44,9 +46,9 @@ import torch.nn.functional as F
 
 from .cpu_ops import native_cache, native_cache_pair, native_ext, native_isa
 
-# A step whose prompt rows hold this many tokens or fewer in all (a long prompt's chunk beside
-# running streams, at the step pacer's floor) runs each prompt token as a decode row of the native
-# kernel: the step is then decode-shaped, so the model runs it in its one-call decode stack
+# A prompt row of this many tokens or fewer (a long prompt's chunk beside running streams, at the
+# step pacer's floor) runs each token as a decode row of the native kernel; a step of such rows and
+# decodes is then decode-shaped, so the model runs it in its one-call decode stack
 # (LlamaForCausalLM.forward) instead of layer by layer: 16 SmolLM2 streams beside a 4-8 token
 # chunk of a 1,500-token prompt, one thread of a 2-core AVX2 EPYC, took a forward of ~95 ms
 # against ~115 (alternating runs). Each row reads its whole context, so past a few dozen queries
@@ -62,6 +64,10 @@ class PrefillRow:
     context: int  # tokens it attends to, its new ones included (the last q_end - q_start)
     blocks: torch.Tensor | None  # [ceil(context / block_size)] int64; None: a fresh prompt
     bias: torch.Tensor | None = None  # [q_len, context]: 0 where a query sees a key, else -inf
+    # A short row (SHORT_PROMPT_TOKENS) on the native kernel, a decode row per query: its
+    # block table [q_len, blocks] int32 and each query's context [q_len] int32
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -93,8 +99,7 @@ def plan_cpu_attention(
     kv_dtype: torch.dtype | None = None,  # the cache's; None: dtype
 ) -> CpuAttentionPlan:
     native = native_decode(dtype, kv_dtype or dtype)
-    prompt_tokens = sum(n for n in q_lens if n > 1)
-    if native and 0 < prompt_tokens <= SHORT_PROMPT_TOKENS:
+    if native and q_lens and 1 < max(q_lens) <= SHORT_PROMPT_TOKENS:  # decode-shaped: one call a layer
         tables, seq_lens, q_lens = _one_query_per_row(tables, seq_lens, q_lens)
     num_decodes = 0
     while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
@@ -121,6 +126,13 @@ def plan_cpu_attention(
     start = num_decodes
     for t, ctx, n in zip(tables[num_decodes:], seq_lens[num_decodes:], q_lens[num_decodes:], strict=True):
         blocks = row_bias = None
+        if native and n <= SHORT_PROMPT_TOKENS:  # beside a long prompt: the same kernel, the same bits
+            used = list(t[: (ctx + block_size - 1) // block_size])
+            row_tables = torch.tensor([used] * n, dtype=torch.int32)
+            row_lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)
+            prefills.append(PrefillRow(start, start + n, ctx, None, None, row_tables, row_lens))
+            start += n
+            continue
         if n != ctx:
             blocks = torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
             # queries are the last n positions: query i sees keys <= ctx - n + i
@@ -229,6 +241,12 @@ def cpu_paged_attention(
         out[: plan.num_decodes] = _decode(q[: plan.num_decodes], k_cache, v_cache, plan, scale, group)
     for row in plan.prefills:
         a, b = row.q_start, row.q_end
+        if row.lens is not None:  # a short row: a decode row per query
+            ext = native_ext()
+            assert ext is not None and row.tables is not None
+            o = ext.decode_attention(q[a:b], k_cache, v_cache, row.tables, row.lens, scale, native_isa())
+            out[a:b] = o.view(b - a, *q.shape[1:])
+            continue
         qs = q[a:b].transpose(0, 1)[None]  # [1, H, q_len, D]
         if row.blocks is None:  # fresh prompt: its context is exactly its new tokens
             # as the cache holds them (a half cache: rounded), so that a later read of these

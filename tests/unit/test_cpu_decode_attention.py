@@ -143,25 +143,21 @@ def test_a_decode_step_is_one_native_call_equal_to_the_references(cache_dtype: t
     torch.testing.assert_close(out, want.reshape(3, h * d), **tolerance(torch.float32))
 
 
-@pytest.mark.parametrize(
-    ("q_lens", "as_decodes"),
-    [([1, 1, 6, 9], True), ([1, 1, 6, 10], True), ([1, 1, 12, 9], False)],
-    ids=["15 prompt tokens", "16", "21"],
-)
-def test_a_step_with_few_prompt_tokens_runs_them_as_decode_rows(
-    isa: str, q_lens: list[int], as_decodes: bool
-) -> None:
-    """A long prompt's short chunk beside running streams (the step pacer's floor) and a short
-    fresh prompt: at most SHORT_PROMPT_TOKENS prompt tokens in the step are planned as one
-    decode row each, so the step stays decode-shaped (the model's one-call decode stack) and its
-    attention is still causal: equal to the prefill reference. One token more and the prompt
-    rows keep the gather path."""
+@pytest.mark.parametrize("fresh", [9, 16, 17], ids=lambda n: f"fresh prompt of {n}")
+def test_short_prompt_rows_run_as_decode_rows_whatever_they_are_batched_with(isa: str, fresh: int) -> None:
+    """A long prompt's short chunk beside running streams (the step pacer's floor) and a fresh
+    prompt: a row of at most SHORT_PROMPT_TOKENS runs a decode row per query on the native kernel,
+    still causal (equal to the prefill reference). With only such rows the step is decode-shaped
+    (the model's one-call decode stack); beside a longer prompt the short row gives the same
+    bits, so a prompt's result does not depend on what it is batched with."""
     from wsllm.kernels.cpu_attention import SHORT_PROMPT_TOKENS
     from wsllm.kernels.paged_attention import paged_prefill_attention_ref
 
-    assert (sum(n for n in q_lens if n > 1) <= SHORT_PROMPT_TOKENS) == as_decodes
     bs = 8
-    seq_lens = [40, 17, 30, q_lens[3]]  # two decodes, a chunk at the end of 30, a fresh prompt
+    seq_lens, q_lens = (
+        [40, 17, 30, fresh],
+        [1, 1, 6, fresh],
+    )  # two decodes, a chunk ending at 30, a new prompt
     c = make_paged_case(seq_lens, q_lens, bs, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
     tables = c.block_tables.tolist()
     # this step's K and V rows as the projection made them (the cache already holds them)
@@ -173,7 +169,14 @@ def test_a_step_with_few_prompt_tokens_runs_them_as_decode_rows(
     k = torch.stack([c.k_cache[b, o] for b, o in new])
     v = torch.stack([c.v_cache[b, o] for b, o in new])
     plan = plan_cpu_attention(tables, seq_lens, q_lens, bs, torch.float32)
-    assert (not plan.prefills and plan.num_decodes == sum(q_lens)) == as_decodes
+    decode_shaped = not plan.prefills and plan.num_decodes == sum(q_lens)
+    assert decode_shaped == (fresh <= SHORT_PROMPT_TOKENS)
     out = cpu_paged_attention(c.q, k, v, c.k_cache, c.v_cache, plan, c.scale)
-    want = paged_prefill_attention_ref(*c.prefill_args())
-    torch.testing.assert_close(out, want, **tolerance(torch.float32))
+    torch.testing.assert_close(
+        out, paged_prefill_attention_ref(*c.prefill_args()), **tolerance(torch.float32)
+    )
+    alone = plan_cpu_attention(tables[:3], seq_lens[:3], q_lens[:3], bs, torch.float32)
+    assert not alone.prefills, "decodes and a short chunk: decode-shaped"
+    rows = sum(q_lens[:3])
+    got = cpu_paged_attention(c.q[:rows], k[:rows], v[:rows], c.k_cache, c.v_cache, alone, c.scale)
+    assert torch.equal(got, out[:rows]), "the chunk's bits do not depend on the prompt beside it"

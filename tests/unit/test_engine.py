@@ -281,9 +281,11 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
 
 def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_gguf_path: Path) -> None:
     # (the quantized tiny model only: the pacing is the scheduler's, whatever the weights)
-    # a target no prompt token meets: the floor (8 tokens) a step, the stream decoding in each
+    # a target no prompt token meets: the prompt work beside the stream is what fits in a
+    # decode-only step's measured time (the pacer's other bound), never under the floor, so the
+    # prompt comes in several chunks, the stream decoding in each (the floor alone: test_scheduler)
     chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=1e-6)
-    assert chunks == [MIN_UNITS] * (200 // MIN_UNITS) + ([200 % MIN_UNITS] if 200 % MIN_UNITS else [])
+    assert len(chunks) > 1 and min(chunks[:-1]) >= MIN_UNITS and sum(chunks) == 200, chunks
     assert stream == [1] * len(chunks)
     # the time bound off: the token cap (256) alone, the prompt computed in one step
     chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=0)
