@@ -127,9 +127,9 @@ def plan_cpu_attention(
     for t, ctx, n in zip(tables[num_decodes:], seq_lens[num_decodes:], q_lens[num_decodes:], strict=True):
         blocks = row_bias = None
         if native and n <= SHORT_PROMPT_TOKENS:  # beside a long prompt: the same kernel, the same bits
-            used = list(t[: (ctx + block_size - 1) // block_size])
-            row_tables = torch.tensor([used] * n, dtype=torch.int32)
-            row_lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)
+            used, lens, _ = _one_query_per_row([t[: (ctx + block_size - 1) // block_size]], [ctx], [n])
+            row_tables = torch.tensor([list(u) for u in used], dtype=torch.int32)
+            row_lens = torch.tensor(lens, dtype=torch.int32)
             prefills.append(PrefillRow(start, start + n, ctx, None, None, row_tables, row_lens))
             start += n
             continue

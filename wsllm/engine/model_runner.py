@@ -221,7 +221,7 @@ class ModelRunner:
         lives, the request's whole prefill and reply. 1,500 rows of a top 20 were 33,000
         tracked objects as lists, 3,300 as tuples after one collection, and every full
         collection of a server under such requests walks them all (bench/amplification.py's
-        trace: 50-110 ms generation-2 collections that freed nothing)."""
+        trace: generation-2 collections of up to 108 ms that freed nothing)."""
         vocab = self.model.config.vocab_size
         step = max(_LOGPROB_SLICE_MIN_ROWS, _LOGPROB_SLICE_FLOATS // vocab)
         top = min(top, vocab)
