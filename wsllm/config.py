@@ -134,8 +134,45 @@ class EngineConfig:
             "for the decoder-only chat models served here, as vLLM) | last | mean"
         },
     )
+    speculative: str = field(
+        default="off",
+        metadata={
+            "help": "speculative decoding: off | ngram (drafts from the sequence's own earlier tokens: answers "
+            "that quote their input) | draft (a smaller model with the same tokenizer, --draft-model); "
+            "verified exactly (greedy output unchanged) and only where the measured step cost says a draft "
+            "pays (docs/speculative.md)"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=8,
+        metadata={
+            "help": "most draft tokens a sequence verifies in a step (1-15); the engine picks fewer, or "
+            "none, from the sequence's recent acceptance and the measured cost of a step's rows"
+        },
+    )
+    speculative_ngram_min: int = field(
+        default=2, metadata={"help": "--speculative ngram: the shortest suffix looked up in the context"}
+    )
+    speculative_ngram_max: int = field(
+        default=4, metadata={"help": "--speculative ngram: the longest suffix looked up in the context"}
+    )
+    speculative_adaptive: bool = field(
+        default=True,
+        metadata={
+            "help": "pick each sequence's drafts from its acceptance and the measured step cost; false: "
+            "verify every draft the proposer offers, up to --num-speculative-tokens (for measuring)"
+        },
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "--speculative draft: the draft model (an HF directory or a GGUF file) with the "
+            "target's tokenizer, run in this engine with a KV cache of its own"
+        },
+    )
 
     def __post_init__(self) -> None:
+        self._check_speculative()
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError(f"pooling must be auto, last or mean, got {self.pooling!r}")
         bs = self.block_size
@@ -172,6 +209,18 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative must be off, ngram or draft, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 15:  # k + 1 <= 16: a row the decode stack runs
+            raise ValueError(
+                f"num_speculative_tokens must be within 1 and 15, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= 16:
+            raise ValueError("speculative_ngram_min and _max must satisfy 1 <= min <= max <= 16")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft and --draft-model go together")
 
 
 @dataclass(slots=True)

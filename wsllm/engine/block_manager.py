@@ -172,6 +172,15 @@ class BlockManager:
         table.extend(self._take() for _ in range(need))
         return True
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens to the pool: those that held
+        only rejected draft tokens (speculative decoding). They were never full and computed,
+        so none of them is in the prefix cache."""
+        table = self.block_tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+
     def cow_blocks_needed(self, seq_id: int, first_pos: int) -> int:
         table = self.block_tables[seq_id]
         return sum(1 for b in table[first_pos // self.block_size :] if self.ref_counts[b] > 1)

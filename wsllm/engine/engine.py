@@ -19,12 +19,15 @@ from wsllm.config import EngineConfig
 from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
+from wsllm.engine.checks import check_request
 from wsllm.engine.model_runner import ModelRunner, Pooled, PromptLogprobs
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
+from wsllm.engine.speculative import build as build_speculator
+from wsllm.engine.speculative.draft import load_draft
 from wsllm.models.build import DEFAULT_POOLING, build_model
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers, PendingCompiles
@@ -34,7 +37,6 @@ from wsllm.types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
-    EngineBusy,
     SamplingParams,
 )
 
@@ -64,6 +66,7 @@ class LLMEngine:
         dtype, why = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, device)
         log.info("KV cache dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         bs = config.block_size
+        draft = load_draft(config, mc.vocab_size) if config.speculative == "draft" else None  # weights first
         num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
@@ -83,6 +86,9 @@ class LLMEngine:
             config.prefill_ms_while_decoding,
         )
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
+        self.spec = build_speculator(
+            config, self.sampler, eos_token_ids, self.max_model_len, draft, num_blocks * bs
+        )
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
@@ -113,7 +119,10 @@ class LLMEngine:
         batch by tokens served (see Scheduler)."""
         if params.pooling == "auto":  # an embedding request: this model's pooling
             params = dataclasses.replace(params, pooling=self.pooling)
-        self._validate(request_id, prompt_token_ids, params)
+        check_request(
+            request_id, prompt_token_ids, params, in_use=request_id in self._requests, held=len(self._requests),
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, bm=self.block_manager, config=self.config,
+        )  # fmt: skip
         now = arrival_time if arrival_time is not None else time.time()
         req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
         self._requests[request_id] = req
@@ -121,45 +130,6 @@ class LLMEngine:
             self.compiling.add(request_id, self.matchers.start(params.structured))
         else:
             self.scheduler.add(req.seqs[0])
-
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt
-        ):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
-        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        most = 0 if params.pooling else params.max_tokens  # an embedding computes its prompt only
-        total = len(prompt) + most
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({most}) is {total}, "
-                f"beyond the model's context of {self.max_model_len} tokens"
-            )
-        bm = self.block_manager
-        if bm.blocks_for(total) > bm.num_blocks - bm.watermark_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens ({total} tokens) needs more KV blocks than the cache has "
-                f"({bm.num_blocks} blocks of {bm.block_size})"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
-        if params.use_beam_search and params.n > params.beam_width:
-            raise ValueError(f"n ({params.n}) must be <= beam_width ({params.beam_width}) with beam search")
-        if params.use_beam_search and params.beam_width > self.config.max_num_seqs:
-            raise ValueError(f"beam_width must be <= max_num_seqs ({self.config.max_num_seqs})")
-        if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
-            raise EngineBusy("the engine is full; retry later")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now. Its blocks are freed before this returns; the next
@@ -198,6 +168,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted() + self._admit_compiled()
         started = time.perf_counter()
+        self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
@@ -206,7 +177,9 @@ class LLMEngine:
             tables = self.block_manager.block_tables
             seqs, logits, prompt, pooled = self.runner.run(sched.scheduled, tables, want, pool or None)
             outputs += self._postprocess(sched.scheduled, seqs, logits, prompt, pooled)
-            self.scheduler.observe_step(sched, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.scheduler.observe_step(sched, seconds)
+            self.spec.observe_step(sched.num_tokens, not sched.prefill_cost, seconds)
         self.num_steps += 1
         return outputs
 
@@ -257,11 +230,15 @@ class LLMEngine:
                 embedded.append(self._requests.pop(req.request_id))
         outputs: list[RequestOutput] = []
         if logits is not None:
-            seqs, rest, searched = self.beams.split(seqs, logits, self._requests)
-            outputs += [self._beam_output(r) for r in searched if r.beam and r.beam.done]  # type: ignore[arg-type]
+            seqs, rest, bad = self.spec.verify(seqs, logits)  # the rows that verify drafts
+            if rest is not None:
+                seqs, rest, searched = self.beams.split(seqs, rest, self._requests)
+                outputs += [self._beam_output(r) for r in searched if r.beam and r.beam.done]  # type: ignore[arg-type]
             if rest is not None and seqs:
                 seqs, rest = self._fork_children(seqs, rest)
-                outputs += [self._fail(req, code, why) for req, code, why in self._sample(seqs, rest)]
+                bad += self._sample(seqs, rest)
+            outputs += self._fail_each(bad)
+        scheduled = self.spec.settle(scheduled, self.block_manager)  # rejected drafts: not computed
         self.scheduler.finish_step(scheduled)  # offers the embeddings' full blocks to the prefix cache
         for req in embedded:
             self._end(req, FINISH_STOP)  # never sampled; its blocks are freed now
@@ -292,17 +269,17 @@ class LLMEngine:
             return seqs, logits
         return out, logits[torch.tensor(rows)]
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Request, str, str]]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, str, str]]:
         """Sample each row's next token and append it to its sequence, which decides
-        whether it stops. Returns the requests that must fail, with a code and why."""
+        whether it stops. Returns the sequences whose request must fail, with a code and why."""
         result, failed = self.sampler.sample_isolated(logits, seqs)
-        bad = {seqs[i].request_id: (ERR_INTERNAL, reason) for i, reason in failed.items()}
+        bad = [(seqs[i], ERR_INTERNAL, reason) for i, reason in failed.items()]
         for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
-            if i in failed:
-                continue
-            if error := seq.append_token(tok, lp, self.eos_token_ids, self.max_model_len):
-                bad.setdefault(seq.request_id, (ERR_INVALID_REQUEST, error))
-        return [(self._requests[rid], code, why) for rid, (code, why) in bad.items() if rid in self._requests]
+            if i not in failed and (
+                error := seq.append_token(tok, lp, self.eos_token_ids, self.max_model_len)
+            ):
+                bad.append((seq, ERR_INVALID_REQUEST, error))
+        return bad
 
     def _beam_output(self, req: Request) -> RequestOutput:
         del self._requests[req.request_id]
@@ -322,6 +299,11 @@ class LLMEngine:
         out = req.output()
         out.error_code, out.error = code, message
         return out
+
+    def _fail_each(self, bad: list[tuple[Sequence, str, str]]) -> list[RequestOutput]:
+        """Fail the requests of these sequences, each once, with its first reason."""
+        first = {seq.request_id: (code, why) for seq, code, why in reversed(bad)}
+        return [self._fail(self._requests[r], c, w) for r, (c, w) in first.items() if r in self._requests]
 
     def _collect(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         touched: dict[str, Request] = {}

@@ -71,7 +71,7 @@ class ModelRunner:
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[list[int]]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -79,27 +79,31 @@ class ModelRunner:
         seq_lens: list[int] = []
         starts = [0]
         rows: list[int] = []  # scheduled rows that caught up with their tokens: they sample
-        last_index: list[int] = []  # their last token's row in the packed batch
+        sample_at: list[list[int]] = []  # per such row, the packed rows it samples at
         tables: list[list[int]] = []
         for i, (seq, n) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + n
             table = block_tables[seq.seq_id]
-            caught_up = end == seq.num_tokens
+            drafts = end - seq.num_tokens  # > 0: the last token and this many drafts to verify
+            caught_up = drafts >= 0
             if n == 1:  # decode: one token, usually the last one
                 input_ids.append(seq.last_token_id if caught_up else seq.token_ids[start:end][0])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(seq.token_ids[start:end])
+                if drafts > 0:
+                    input_ids.extend(seq.token_ids[start:] + seq.draft_token_ids[:drafts])
+                else:
+                    input_ids.extend(seq.token_ids[start:end])
                 pos = np.arange(start, end)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(end)
             starts.append(starts[-1] + n)
-            if caught_up:
+            if caught_up:  # a verifying row samples at its last token and at every draft
                 rows.append(i)
-                last_index.append(starts[-1] - 1)
+                sample_at.append(list(range(starts[-1] - 1 - drafts, starts[-1])))
             tables.append(table)
         # Only the blocks this step reads: ceil(longest context / block size) columns.
         width = (max(seq_lens) + bs - 1) // bs
@@ -136,7 +140,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             cpu_plan=plan,
         )
-        return ids, pos_t, meta, rows, last_index
+        return ids, pos_t, meta, rows, sample_at
 
     @torch.inference_mode()
     def run(
@@ -148,18 +152,20 @@ class ModelRunner:
     ) -> tuple[list[Sequence], torch.Tensor | None, list[PromptLogprobs], list[Pooled]]:
         """Forward every scheduled token. Returns the sequences that caught up with
         their tokens (embedding requests aside), their next-token logits [num_sampled,
-        vocab] (fp32, CPU), the prompt logprobs this step computed for the sequences in
-        `prompt_logprobs`, and the pooled chunks of the sequences in `pooling`."""
-        ids, pos, meta, rows, last_index = self._prepare(scheduled, block_tables)
+        vocab] (fp32, CPU; a sequence that verifies k drafts has k + 1 rows, in order), the
+        prompt logprobs this step computed for the sequences in `prompt_logprobs`, and the
+        pooled chunks of the sequences in `pooling`."""
+        ids, pos, meta, rows, sample_at = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
         pooled: list[Pooled] = []
         if pooling:
             pooled = self._pool(hidden, scheduled, pooling)
             keep = [k for k, i in enumerate(rows) if scheduled[i][0].seq_id not in pooling]
-            rows, last_index = [rows[k] for k in keep], [last_index[k] for k in keep]
+            rows, sample_at = [rows[k] for k in keep], [sample_at[k] for k in keep]
         if not rows:
             return [], None, prompt, pooled
+        last_index = [r for at in sample_at for r in at]
         if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
             hidden = hidden[torch.tensor(last_index, device=hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]

@@ -169,6 +169,8 @@ class Scheduler:
         `1 + prompt_logprob_cost`. At least one token when the budget is whole, so a
         request always progresses; else nothing rather than past the budget."""
         left, extra = seq.num_uncomputed, self.prompt_logprob_cost
+        if left == 1:  # a decode; with drafts to verify, a row of 1 + k tokens
+            left += len(seq.draft_token_ids)
         rows = 0  # uncomputed positions whose row predicts a prompt token
         if seq.params.prompt_logprobs is not None and extra:
             rows = max(0, len(seq.prompt_token_ids) - 1 - seq.num_computed_tokens)
@@ -245,6 +247,8 @@ class Scheduler:
             n, cost = self._fit(seq, budget)
             if n == 0:
                 continue  # a beam waiting for the rest of its group, or a chunk that does not fit
+            if seq.draft_token_ids:
+                n = cost = self._with_drafts(seq, n)
             while not self._reserve(seq, n):
                 victim = self._victim(seq, taken)
                 self._preempt(victim, out)
@@ -259,6 +263,15 @@ class Scheduler:
         if decodes and not capped:
             budget = self._while_decoding(budget)
         return budget
+
+    def _with_drafts(self, seq: Sequence, n: int) -> int:
+        """A decode that verifies drafts (speculative decoding): one row of its last token
+        and the drafts that fit the budget (`n`) and the free blocks, never at the cost of
+        preempting anyone; the drafts that do not fit are dropped."""
+        if n > 1 and not self._reserve(seq, n):
+            n = 1
+        del seq.draft_token_ids[n - 1 :]
+        return n
 
     def _victim(self, seq: Sequence, taken: set[int]) -> Sequence:
         """Whom to preempt so that `seq` gets blocks: the newest of the lowest priority
@@ -331,6 +344,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids.clear()
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)

@@ -73,6 +73,13 @@ class Sequence:
     # (it survives a preemption with them, so nothing is replayed), None otherwise and
     # once the sequence has finished.
     matcher: Any = None
+    # Speculative decoding (engine/speculative/): the tokens proposed to verify in this step
+    # beside the last one (the scheduler trims them to what fits; empty: a plain decode), the
+    # proposer's own state, and what was drafted and accepted over the sequence's life.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def token_ids(self) -> TokenView:

@@ -1,0 +1,56 @@
+"""What the engine refuses before a request enters it: each refusal a ValueError (or
+EngineBusy) whose message a client can act on, leaving the engine as it was."""
+
+from __future__ import annotations
+
+from wsllm.config import EngineConfig
+from wsllm.engine.block_manager import BlockManager
+from wsllm.types import EngineBusy, SamplingParams
+
+
+def check_request(
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    in_use: bool,  # the id names a request the engine holds
+    held: int,  # requests the engine holds
+    vocab_size: int,
+    max_model_len: int,
+    bm: BlockManager,
+    config: EngineConfig,
+) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    if in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    if not isinstance(params, SamplingParams):
+        raise ValueError("params must be a SamplingParams")
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size for t in prompt):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    most = 0 if params.pooling else params.max_tokens  # an embedding computes its prompt only
+    total = len(prompt) + most
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({most}) is {total}, "
+            f"beyond the model's context of {max_model_len} tokens"
+        )
+    if bm.blocks_for(total) > bm.num_blocks - bm.watermark_blocks:
+        raise ValueError(
+            f"prompt plus max_tokens ({total} tokens) needs more KV blocks than the cache has "
+            f"({bm.num_blocks} blocks of {bm.block_size})"
+        )
+    if params.n > config.max_num_seqs:
+        raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({config.max_num_seqs})")
+    if params.use_beam_search and params.n > params.beam_width:
+        raise ValueError(f"n ({params.n}) must be <= beam_width ({params.beam_width}) with beam search")
+    if params.use_beam_search and params.beam_width > config.max_num_seqs:
+        raise ValueError(f"beam_width must be <= max_num_seqs ({config.max_num_seqs})")
+    if held >= config.max_waiting + config.max_num_seqs:
+        raise EngineBusy("the engine is full; retry later")
