@@ -54,7 +54,12 @@ def mixed_plan(stop_token: int) -> list[tuple[int, str, list[int], SamplingParam
     long = [(7 * i + 3) % 4000 + 100 for i in range(150)]  # chunked beside the decodes
     return [
         (0, "loop", LOOPING, SamplingParams(**GREEDY)),
-        (0, "seeded-n2", [5, 600, 7000, 42, 9] * 3, SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=30)),
+        (
+            0,
+            "seeded-n2",
+            [5, 600, 7000, 42, 9] * 3,
+            SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=30),
+        ),
         (2, "long", long, SamplingParams(**GREEDY)),
         (3, "prefix-hit", LOOPING + [504, 3456], SamplingParams(**GREEDY)),  # shares blocks with "loop"
         (4, "stop", LOOPING, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_token])),
@@ -132,7 +137,9 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny_gguf_pa
     assert engine.spec.proposer.bm.num_free_blocks == engine.spec.proposer.bm.num_blocks
 
 
-def test_a_draft_model_with_another_vocabulary_is_refused(tiny_gguf_path: Path, tiny_words_model_dir: Path) -> None:
+def test_a_draft_model_with_another_vocabulary_is_refused(
+    tiny_gguf_path: Path, tiny_words_model_dir: Path
+) -> None:
     with pytest.raises(ValueError, match="same tokenizer|share the target's tokenizer"):
         make(tiny_gguf_path, speculative="draft", draft_model=str(tiny_words_model_dir))
 

@@ -74,7 +74,9 @@ class Stand:
             if start + n >= seq.num_tokens:  # caught up: a row per position from the last token on
                 sampled.append(seq)
                 for p in range(seq.num_tokens - 1, start + n):
-                    rows.append(torch.nn.functional.one_hot(torch.tensor(truth(self.read(seq, p + 1))), VOCAB))
+                    rows.append(
+                        torch.nn.functional.one_hot(torch.tensor(truth(self.read(seq, p + 1))), VOCAB)
+                    )
         if sampled:
             logits = torch.stack(rows).float()
             plain, rest, bad = self.spec.verify(sampled, logits)
