@@ -206,6 +206,9 @@ class LLMEngine:
             prefix_hit_tokens=bm.hit_tokens,
             prefix_queried_tokens=bm.queried_tokens,
             num_steps=self.num_steps,
+            spec_draft_tokens=self.spec.stats.drafted,
+            spec_accepted_tokens=self.spec.stats.accepted,
+            spec_verifications=self.spec.stats.verifications,
         )
 
     # -- one step's postprocess ----------------------------------------------

@@ -36,6 +36,9 @@ class RequestOutput:
     # An embedding request's pooled last hidden state (fp32, not normalized), on its one
     # output: params.pooling set.
     embedding: list[float] | None = None
+    # Speculative decoding, over every choice so far: draft tokens verified and accepted
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -57,6 +60,12 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_queried_tokens: int
     num_steps: int
+    # Speculative decoding (--speculative): draft tokens verified, of them accepted, and the
+    # verifications (a sequence's row of drafts in a step): tokens per verification = 1 +
+    # accepted / verifications, the mean accepted length
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 __all__ = ["CompletionOutput", "EngineStats", "RequestOutput"]

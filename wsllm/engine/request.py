@@ -179,4 +179,6 @@ class Request:
             qt,
             prompt_logprobs=self.take_prompt_logprobs(),
             embedding=self.embedding,
+            num_drafted=sum(s.num_drafted for s in self.seqs),
+            num_accepted=sum(s.num_accepted for s in self.seqs),
         )
