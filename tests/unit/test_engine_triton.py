@@ -19,13 +19,19 @@ from wsllm.engine.engine import LLMEngine  # noqa: E402
 from wsllm.types import SamplingParams  # noqa: E402
 
 
+def make(path: Path, backend: str, **kw: object) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(path), kv_cache_gb=0.02, block_size=16, attention_backend=backend, dtype="float32", **kw
+    )  # type: ignore[arg-type]
+    return LLMEngine.from_config(cfg)
+
+
 def greedy_tokens(path: Path, backend: str, prompts: list[list[int]]) -> dict[str, list[int]]:
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=str(path), kv_cache_gb=0.02, block_size=16, attention_backend=backend, dtype="float32"
-        )
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return run(make(path, backend), prompts)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     out: dict[str, list[int]] = {}
@@ -52,3 +58,18 @@ def test_engine_with_triton_interpreter_equals_torch_path(
         kernels.use_backend("auto")
     assert os.environ["TRITON_INTERPRET"] == "1"
     assert tri == ref
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU-only machines")
+def test_speculative_verification_rows_through_the_paged_kernels(tiny_llama3_dir: Path) -> None:
+    """A sequence verifying k drafts is a row of k + 1 queries over its cached context: on
+    CUDA the paged prefill kernel runs it. Greedy tokens equal the torch path's without drafts."""
+    prompts = [[1, 504, 3456, 77, 504, 3456, 77, 504], [5, 600, 7000, 42] * 5]
+    try:
+        ref = run(make(tiny_llama3_dir, "torch"), prompts, max_tokens=24)
+        engine = make(tiny_llama3_dir, "triton", speculative="ngram", speculative_adaptive=False)
+        tri = run(engine, prompts, max_tokens=24)
+    finally:
+        kernels.use_backend("auto")
+    assert tri == ref
+    assert 0 < engine.spec.stats.accepted < engine.spec.stats.drafted
