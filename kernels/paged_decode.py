@@ -2,14 +2,23 @@
 
 One program serves (sequence, KV head, split): it loads the queries of every head
 in that KV head's group as one [G_PAD, D_PAD] tile, so each K/V byte is read once
-per step however large the GQA ratio is. A sequence's context is cut into splits
-of `partition` tokens; each split writes its normalised partial
-output and its log-sum-exp, and a second kernel merges the splits. With a single
-split the first kernel writes the output directly and the merge is skipped.
+per step however large the GQA ratio is. A sequence's context is cut into as many
+splits as the grid has, each a whole number of BLOCK_N tiles; each split writes its
+normalised partial output and its log-sum-exp, and a second kernel merges the
+splits. With a single split the first kernel writes the output directly and the
+merge is skipped.
 
-The launch plan depends only on tensor shapes (batch, KV heads, block-table
-width), never on the values in `seq_lens`, so the call needs no host sync and can
-be captured in a CUDA graph.
+The launch plan (the split count) depends only on tensor shapes (batch, KV heads,
+block-table width) and the SM count, never on the values in `seq_lens`, so the call
+needs no host sync and can be captured in a CUDA graph. The split *size* is each
+sequence's own, computed on the device from its length: a graph captured for a
+batch bucket over block tables as wide as the longest context still cuts a short
+context into few full tiles (the splits past its end return at once), and a long
+one into many. So one graph per batch bucket serves every context length.
+
+Batch 1 at 1k-4k tokens is the case that needs the splits: 8 KV heads make 8
+programs, which cannot stream the cache on a GPU of 132 SMs; cut into 64-token
+splits they make 128-512 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ import triton.language as tl
 from ._triton_common import dot_flags, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
-_MIN_PARTITION = 256  # tokens: below this a split is not worth its partial write
-_BLOCK_N = 64  # KV tokens per inner-loop tile
+_BLOCK_N = 64  # KV tokens per inner-loop tile, and the shortest split
+_WAVES = 4  # programs per SM the split count aims at: enough loads in flight to stream the cache
 
 
 @triton.jit
@@ -36,7 +45,6 @@ def _decode_split_kernel(
     part_ptr,
     lse_ptr,
     qk_scale,
-    partition,  # tokens per split, a multiple of BLOCK_N (runtime: no recompile per width)
     s_qs,
     s_qh,
     s_kb,
@@ -67,6 +75,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    # This sequence's split size: its context over the grid's splits, in whole tiles. A
+    # padded row (length 0) and the splits past a short context's end loop zero times.
+    partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
 
@@ -160,12 +171,14 @@ def _decode_merge_kernel(
 def plan_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many splits each sequence's context is cut into, from shapes only.
 
-    Enough (sequence, KV head, split) programs to fill the GPU about twice over,
-    but no split shorter than _MIN_PARTITION tokens.
+    Enough (sequence, KV head, split) programs for _WAVES per SM, but no more splits
+    than the longest context has BLOCK_N tiles: batch 1 with 8 KV heads on 132 SMs
+    takes 66 (a 4k context in 64 splits of 64 tokens, a 1k one in 16), batch 64 takes
+    2, batch 128 and up 1.
     """
-    target = 2 * num_sms(device)
+    target = _WAVES * num_sms(device)
     want = triton.cdiv(target, max(num_seqs * num_kv_heads, 1))
-    most = triton.cdiv(max(max_context, 1), _MIN_PARTITION)
+    most = triton.cdiv(max(max_context, 1), _BLOCK_N)
     return max(1, min(want, most))
 
 
@@ -190,7 +203,6 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     splits = num_splits or plan_splits(num_seqs, num_kv_heads, max_context, q.device)
-    partition = triton.cdiv(triton.cdiv(max(max_context, 1), splits), _BLOCK_N) * _BLOCK_N
     d_pad = next_pow2(head_dim)
     upcast, precision = dot_flags(q.dtype, q.device)
     single = splits == 1
@@ -212,7 +224,6 @@ def paged_decode_attention_triton(
         part,
         lse,
         scale * _LOG2E,
-        partition,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],

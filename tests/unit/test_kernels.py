@@ -79,11 +79,30 @@ def test_decode_split_count_does_not_change_the_result(num_splits: int) -> None:
 
 
 def test_decode_plan_depends_on_shapes_only() -> None:
-    # CUDA graphs replay one launch plan: it may not read seq_lens.
+    # CUDA graphs replay one launch plan: it may not read seq_lens. Off CUDA the plan
+    # assumes 16 SMs, 4 programs each.
     cpu = torch.device("cpu")
-    assert plan_splits(5, 2, 304, cpu) == 2
-    assert plan_splits(5, 2, 128, cpu) == 1  # short contexts are not split
+    assert plan_splits(1, 8, 4096, cpu) == 8  # batch 1: split until the GPU is full
+    assert plan_splits(5, 2, 304, cpu) == 5  # no more splits than 64-token tiles
+    assert plan_splits(5, 2, 64, cpu) == 1  # one tile is not split
     assert plan_splits(256, 8, 4096, cpu) == 1  # a full batch needs no split
+
+
+def test_decode_in_a_table_as_wide_as_the_longest_context() -> None:
+    # A captured graph's block tables are as wide as max_model_len, so the plan gives
+    # every row many splits; each row cuts its own context into them, and a short
+    # context's splits past its end must weigh nothing.
+    case = make_paged_case([1, 63, 65, 300], None, 16, 2, 4, 64, torch.float32, seed=6)
+    wide = torch.zeros(4, 64, dtype=torch.int32)  # 1,024 tokens' worth of columns
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    args = list(case.decode_args())
+    args[3] = wide
+    assert plan_splits(4, 2, 64 * 16, case.q.device) == 8
+    _close(
+        pa.paged_decode_attention_triton(*args),
+        pa.paged_decode_attention_ref(*case.decode_args()),
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])

@@ -25,6 +25,7 @@ from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
+from wsllm.engine.static_step import make_static_step
 from wsllm.models.build import DEFAULT_POOLING, build_model
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers, PendingCompiles
@@ -64,7 +65,8 @@ class LLMEngine:
         dtype, why = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, device)
         log.info("KV cache dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         bs = config.block_size
-        num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device)
+        static = make_static_step(config, model, self.max_model_len, device)  # its memory before the KV's
+        num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device, static.reserved_bytes if static else 0)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
         swapper = None
@@ -86,7 +88,7 @@ class LLMEngine:
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
-        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
+        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_aborted_total = 0

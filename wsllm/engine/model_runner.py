@@ -28,6 +28,7 @@ import torch
 
 from wsllm import kernels
 from wsllm.engine.sequence import Sequence
+from wsllm.engine.static_step import StaticStep
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
 # Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
@@ -61,6 +62,7 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        static: StaticStep | None = None,  # decode-only steps over padded static inputs
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -68,6 +70,9 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype  # the activations'
         self.kv_dtype = kv_caches[0][0].dtype  # may be narrower (kv_cache_dtype)
+        self.static = static
+        if static is not None:
+            static.bind(kv_caches)  # on CUDA: captures its graphs now
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
@@ -150,6 +155,8 @@ class ModelRunner:
         their tokens (embedding requests aside), their next-token logits [num_sampled,
         vocab] (fp32, CPU), the prompt logprobs this step computed for the sequences in
         `prompt_logprobs`, and the pooled chunks of the sequences in `pooling`."""
+        if self.static is not None and not prompt_logprobs and not pooling and self.static.takes(scheduled):
+            return [seq for seq, _ in scheduled], self.static.run(scheduled, block_tables), [], []
         ids, pos, meta, rows, last_index = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
