@@ -55,6 +55,13 @@ class Pooled:
     vector: torch.Tensor  # [hidden] fp32, CPU: the chunk's sum (mean) or its last row (last)
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a device tensor. On CUDA through pinned memory, asynchronously: a plain
+    copy would first wait for the forward queued before it."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -168,7 +175,7 @@ class ModelRunner:
         if not rows:
             return [], None, prompt, pooled
         if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
-            hidden = hidden[torch.tensor(last_index, device=hidden.device)]
+            hidden = hidden[_on_device(last_index, hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         return [scheduled[i][0] for i in rows], logits.cpu(), prompt, pooled
 
