@@ -132,7 +132,10 @@ def _decode_split_kernel(
         tl.store(lse_ptr + seq.to(tl.int64) * s_ls + heads * s_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
+# num_splits not specialised (a value of 16 or 32 would compile a variant of its own), and no
+# power-of-two bound on it as a constexpr: the merge loops over the splits P_CHUNK at a time,
+# so the eager step, whose split count follows its batch, never compiles a kernel mid-serving.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,
@@ -145,26 +148,36 @@ def _decode_merge_kernel(
     s_os,
     s_oh,
     num_splits,
-    P_PAD: tl.constexpr,
+    P_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    sp = tl.arange(0, P_PAD)
+    pc = tl.arange(0, P_CHUNK)
     d = tl.arange(0, D_PAD)
-    sp_mask = sp < num_splits
-    # lse: [P_PAD], base 2
     lse_row = lse_ptr + seq.to(tl.int64) * s_ls + head * s_lh
-    lse = tl.load(lse_row + sp, mask=sp_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    # the largest log-sum-exp (base 2) over the splits
+    m_vec = tl.full([P_CHUNK], float("-inf"), tl.float32)
+    for p0 in range(0, num_splits, P_CHUNK):
+        sp = p0 + pc
+        m_vec = tl.maximum(m_vec, tl.load(lse_row + sp, mask=sp < num_splits, other=float("-inf")))
+    m = tl.max(m_vec, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # empty splits weigh 0
-    base = seq.to(tl.int64) * s_ps + head * s_ph
-    pd_mask = sp_mask[:, None] & (d < HEAD_DIM)[None, :]
-    parts = tl.load(part_ptr + base + sp[:, None] * s_pp + d[None, :], mask=pd_mask, other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    # each split's output weighed by exp2(lse - max): an empty split (lse -inf) weighs 0
+    base = part_ptr + seq.to(tl.int64) * s_ps + head * s_ph
+    acc = tl.zeros([D_PAD], tl.float32)
+    w_sum = tl.zeros([P_CHUNK], tl.float32)
+    for p0 in range(0, num_splits, P_CHUNK):
+        sp = p0 + pc
+        sp_mask = sp < num_splits
+        w = tl.exp2(tl.load(lse_row + sp, mask=sp_mask, other=float("-inf")) - m_safe)  # [P_CHUNK]
+        pd_mask = sp_mask[:, None] & (d < HEAD_DIM)[None, :]
+        parts = tl.load(base + sp[:, None] * s_pp + d[None, :], mask=pd_mask, other=0.0)  # [P_CHUNK, D_PAD]
+        acc += tl.sum(parts * w[:, None], 0)
+        w_sum += w
+    total = tl.sum(w_sum, 0)
+    o = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * s_os + head * s_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -252,7 +265,7 @@ def paged_decode_attention_triton(
             out.stride(0),
             out.stride(1),
             splits,
-            P_PAD=next_pow2(splits),
+            P_CHUNK=16,
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             num_warps=4,

@@ -188,7 +188,14 @@ class StaticStep:
             out = self.logits[:bucket]
         else:
             out = self.forward(bucket)
-        return out[:n].to("cpu", copy=True)
+        if not out.is_cuda:
+            return out[:n].clone()
+        # through pinned memory: about twice a pageable copy's speed (131 MB at batch 256 of a
+        # 128k vocabulary), and the copy's wait is the step's only one
+        host = torch.empty((n, out.shape[1]), dtype=out.dtype, pin_memory=True)
+        host.copy_(out[:n], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host
 
     def _measure_activations(self) -> int:
         """Peak memory of one forward at the largest bucket, over a one-block scratch cache
