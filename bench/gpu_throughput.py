@@ -200,7 +200,7 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], outs: list[int], 
 
         with torch.device(dev):  # random weights made on the device
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir), dtype=dtype)
-    model.eval()
+    model = model.to(dev).eval()
     sync(dev)
     cell.start_s = time.perf_counter() - started
     order = sorted(range(len(prompts)), key=lambda i: outs[i])

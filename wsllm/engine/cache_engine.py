@@ -54,11 +54,11 @@ def num_kv_blocks(
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
+        # torch's allocator keeps what this process freed (a loaded checkpoint's temporaries, the
+        # graphs' measuring forward, an earlier engine in this process) where the device does
+        # not count it free: handed back first, it is
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        # torch's allocator keeps what this process freed (a loaded checkpoint's temporaries,
-        # an earlier engine in the same process): the device does not count it free, but
-        # the KV cache can use it
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free * config.gpu_memory_utilization - reserved
         num_blocks = num_blocks_for_budget(c, bs, dtype, budget)
     else:
