@@ -39,9 +39,11 @@ def make_engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
 
+    # every prompt of a batch in its first step (40 x 700 tokens at most), so each batch then
+    # decodes at exactly its size until all its requests end together
     base: dict[str, object] = dict(
         model=str(path), device="cuda", dtype="float32", num_kv_blocks=2048, max_num_seqs=MAX_SEQS,
-        max_num_batched_tokens=16384, prefill_ms_while_decoding=0.0,
+        max_num_batched_tokens=32768, prefill_tokens_while_decoding=32768, prefill_ms_while_decoding=0.0,
     )  # fmt: skip
     return LLMEngine.from_config(EngineConfig(**(base | kw)))  # type: ignore[arg-type]
 
