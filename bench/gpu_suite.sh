@@ -122,8 +122,11 @@ cell() {  # cell MODEL MODE LIMIT [ARGS...]
     fi
     stage "throughput $model $mode" "$limit" throughput.log "${TP[@]}" --model "$model" --mode "$mode" "$@" \
         || true
-    grep -q "\"model\": \"$model\", \"mode\": \"$mode\"" "$OUT/gpu_throughput.jsonl" 2>/dev/null \
-        || echo "{\"model\": \"$model\", \"mode\": \"$mode\", \"device\": \"\", \"weights\": \"\", \"requests\": 0, \"output_tokens\": 0, \"seconds\": 0, \"tok_s\": 0, \"error\": \"$(tail -n 1 "$STATUS" | cut -d'|' -f2)\"}" >>"$OUT/gpu_throughput.jsonl"
+    grep -q "\"model\": \"$model\", \"mode\": \"$mode\"" "$OUT/gpu_throughput.jsonl" 2>/dev/null && return
+    local why
+    why="$(tail -n 1 "$STATUS" | cut -d'|' -f2)"
+    [ "$why" = ok ] && why="no figures written (throughput.log)"
+    echo "{\"model\": \"$model\", \"mode\": \"$mode\", \"error\": \"$why\"}" >>"$OUT/gpu_throughput.jsonl"
 }
 HF=(--hf-requests 64)  # HF: the middle 64 by output length (all 256 took it ~4 min a model)
 cell llama-1b graphs 120
