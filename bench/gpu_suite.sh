@@ -9,7 +9,7 @@
 #
 # What travels with the tree (the device tool sends tracked and untracked-not-ignored files,
 # 64 MiB a call):
-#   - the tree itself (~10 MiB);
+#   - the tree itself (~4 MiB);
 #   - `.whl/`, named in `carry` (3.3 MiB): the wheels of what the engine imports and the
 #     device image lacks (orjson, llguidance; gguf for a GGUF). Fetch them once, here:
 #     `bench/gpu_suite.sh --fetch-wheels` (cp312, manylinux x86_64; .gitignore ignores .whl/).
@@ -23,7 +23,8 @@
 # wsllm/kernels -> ../kernels (the package layout pyproject.toml maps) in the device's copy
 # and puts the tree on PYTHONPATH.
 #
-# On the device (the `run` tool: carry [".whl"], timeout_s 540):
+# On the device (the `run` tool: carry [".whl"], timeout_s 540; ~8 minutes of command, with
+# the machine's start ~10 of a session's 15; `--budget 300` leaves room for a second try):
 #   bash bench/gpu_suite.sh
 # Here, on the CPU (everything that does not need CUDA, tiny sizes; must pass):
 #   bench/gpu_suite.sh --dry-run
