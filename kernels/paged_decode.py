@@ -2,14 +2,23 @@
 
 One program serves (sequence, KV head, split): it loads the queries of every head
 in that KV head's group as one [G_PAD, D_PAD] tile, so each K/V byte is read once
-per step however large the GQA ratio is. A sequence's context is cut into splits
-of `partition` tokens; each split writes its normalised partial
-output and its log-sum-exp, and a second kernel merges the splits. With a single
-split the first kernel writes the output directly and the merge is skipped.
+per step however large the GQA ratio is. A sequence's context is cut into as many
+splits as the grid has, each a whole number of BLOCK_N tiles; each split writes its
+normalised partial output and its log-sum-exp, and a second kernel merges the
+splits. With a single split the first kernel writes the output directly and the
+merge is skipped.
 
-The launch plan depends only on tensor shapes (batch, KV heads, block-table
-width), never on the values in `seq_lens`, so the call needs no host sync and can
-be captured in a CUDA graph.
+The launch plan (the split count) depends only on tensor shapes (batch, KV heads,
+block-table width) and the SM count, never on the values in `seq_lens`, so the call
+needs no host sync and can be captured in a CUDA graph. The split *size* is each
+sequence's own, computed on the device from its length: a graph captured for a
+batch bucket over block tables as wide as the longest context still cuts a short
+context into few full tiles (the splits past its end return at once), and a long
+one into many. So one graph per batch bucket serves every context length.
+
+Batch 1 at 1k-4k tokens is the case that needs the splits: 8 KV heads make 8
+programs, which cannot stream the cache on a GPU of 132 SMs; cut into 64-token
+splits they make 128-512 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ import triton.language as tl
 from ._triton_common import dot_flags, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
-_MIN_PARTITION = 256  # tokens: below this a split is not worth its partial write
-_BLOCK_N = 64  # KV tokens per inner-loop tile
+_BLOCK_N = 64  # KV tokens per inner-loop tile, and the shortest split
+_WAVES = 4  # programs per SM the split count aims at: enough loads in flight to stream the cache
 
 
 @triton.jit
@@ -36,7 +45,6 @@ def _decode_split_kernel(
     part_ptr,
     lse_ptr,
     qk_scale,
-    partition,  # tokens per split, a multiple of BLOCK_N (runtime: no recompile per width)
     s_qs,
     s_qh,
     s_kb,
@@ -67,6 +75,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    # This sequence's split size: its context over the grid's splits, in whole tiles. A
+    # padded row (length 0) and the splits past a short context's end loop zero times.
+    partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
 
@@ -121,7 +132,10 @@ def _decode_split_kernel(
         tl.store(lse_ptr + seq.to(tl.int64) * s_ls + heads * s_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
+# num_splits not specialised (a value of 16 or 32 would compile a variant of its own), and no
+# power-of-two bound on it as a constexpr: the merge loops over the splits P_CHUNK at a time,
+# so the eager step, whose split count follows its batch, never compiles a kernel mid-serving.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,
@@ -134,38 +148,50 @@ def _decode_merge_kernel(
     s_os,
     s_oh,
     num_splits,
-    P_PAD: tl.constexpr,
+    P_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    sp = tl.arange(0, P_PAD)
+    pc = tl.arange(0, P_CHUNK)
     d = tl.arange(0, D_PAD)
-    sp_mask = sp < num_splits
-    # lse: [P_PAD], base 2
     lse_row = lse_ptr + seq.to(tl.int64) * s_ls + head * s_lh
-    lse = tl.load(lse_row + sp, mask=sp_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    # the largest log-sum-exp (base 2) over the splits
+    m_vec = tl.full([P_CHUNK], float("-inf"), tl.float32)
+    for p0 in range(0, num_splits, P_CHUNK):
+        sp = p0 + pc
+        m_vec = tl.maximum(m_vec, tl.load(lse_row + sp, mask=sp < num_splits, other=float("-inf")))
+    m = tl.max(m_vec, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # empty splits weigh 0
-    base = seq.to(tl.int64) * s_ps + head * s_ph
-    pd_mask = sp_mask[:, None] & (d < HEAD_DIM)[None, :]
-    parts = tl.load(part_ptr + base + sp[:, None] * s_pp + d[None, :], mask=pd_mask, other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    # each split's output weighed by exp2(lse - max): an empty split (lse -inf) weighs 0
+    base = part_ptr + seq.to(tl.int64) * s_ps + head * s_ph
+    acc = tl.zeros([D_PAD], tl.float32)
+    w_sum = tl.zeros([P_CHUNK], tl.float32)
+    for p0 in range(0, num_splits, P_CHUNK):
+        sp = p0 + pc
+        sp_mask = sp < num_splits
+        w = tl.exp2(tl.load(lse_row + sp, mask=sp_mask, other=float("-inf")) - m_safe)  # [P_CHUNK]
+        pd_mask = sp_mask[:, None] & (d < HEAD_DIM)[None, :]
+        parts = tl.load(base + sp[:, None] * s_pp + d[None, :], mask=pd_mask, other=0.0)  # [P_CHUNK, D_PAD]
+        acc += tl.sum(parts * w[:, None], 0)
+        w_sum += w
+    total = tl.sum(w_sum, 0)
+    o = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * s_os + head * s_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def plan_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """How many splits each sequence's context is cut into, from shapes only.
 
-    Enough (sequence, KV head, split) programs to fill the GPU about twice over,
-    but no split shorter than _MIN_PARTITION tokens.
+    Enough (sequence, KV head, split) programs for _WAVES per SM, but no more splits
+    than the longest context has BLOCK_N tiles: batch 1 with 8 KV heads on 132 SMs
+    takes 66 (a 4k context in 64 splits of 64 tokens, a 1k one in 16), batch 64 takes
+    2, batch 128 and up 1.
     """
-    target = 2 * num_sms(device)
+    target = _WAVES * num_sms(device)
     want = triton.cdiv(target, max(num_seqs * num_kv_heads, 1))
-    most = triton.cdiv(max(max_context, 1), _MIN_PARTITION)
+    most = triton.cdiv(max(max_context, 1), _BLOCK_N)
     return max(1, min(want, most))
 
 
@@ -190,7 +216,6 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     splits = num_splits or plan_splits(num_seqs, num_kv_heads, max_context, q.device)
-    partition = triton.cdiv(triton.cdiv(max(max_context, 1), splits), _BLOCK_N) * _BLOCK_N
     d_pad = next_pow2(head_dim)
     upcast, precision = dot_flags(q.dtype, q.device)
     single = splits == 1
@@ -212,7 +237,6 @@ def paged_decode_attention_triton(
         part,
         lse,
         scale * _LOG2E,
-        partition,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -241,7 +265,7 @@ def paged_decode_attention_triton(
             out.stride(0),
             out.stride(1),
             splits,
-            P_PAD=next_pow2(splits),
+            P_CHUNK=16,
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             num_warps=4,

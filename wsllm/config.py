@@ -170,6 +170,21 @@ class EngineConfig:
             "target's tokenizer, run in this engine with a KV cache of its own"
         },
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "run every step eagerly: no CUDA graphs (on CUDA a decode-only step otherwise replays "
+            "a graph captured at start, one per batch bucket)"
+        },
+    )
+    static_decode: str = field(
+        default="auto",
+        metadata={
+            "help": "decode-only steps over static inputs padded to a batch bucket: auto (on CUDA, replayed "
+            "from CUDA graphs unless --enforce-eager) | on (also on the CPU, as a plain call: what the "
+            "tests use to check the padding) | off (the packed eager step everywhere)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_speculative()
@@ -205,6 +220,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be auto, none, {' or '.join(QUANTIZE_AT_LOAD)}, got {self.quantization!r}"
             )
+        if self.static_decode not in ("auto", "on", "off"):
+            raise ValueError(f"static_decode must be auto, on or off, got {self.static_decode!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

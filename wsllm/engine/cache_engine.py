@@ -44,18 +44,23 @@ def num_blocks_for_budget(c: ModelConfig, block_size: int, dtype: torch.dtype, b
 
 
 def num_kv_blocks(
-    config: EngineConfig, c: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, c: ModelConfig, dtype: torch.dtype, device: torch.device, reserved: int = 0
 ) -> tuple[int, int]:
     """(device blocks, CPU swap blocks) for this engine: `num_kv_blocks` when set, else
     what fits in the budget: a share (`gpu_memory_utilization`) of the GPU memory free
-    now, or `kv_cache_gb` on a CPU. Swap blocks (`swap_space_gb`) only when preemption
-    swaps."""
+    now, less `reserved` bytes (the decode graphs' pool), or `kv_cache_gb` on a CPU. Swap
+    blocks (`swap_space_gb`) only when preemption swaps."""
     bs = config.block_size
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
+        # torch's allocator keeps what this process freed (a loaded checkpoint's temporaries, the
+        # graphs' measuring forward, an earlier engine in this process) where the device does
+        # not count it free: handed back first, it is
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        num_blocks = num_blocks_for_budget(c, bs, dtype, free * config.gpu_memory_utilization)
+        budget = free * config.gpu_memory_utilization - reserved
+        num_blocks = num_blocks_for_budget(c, bs, dtype, budget)
     else:
         num_blocks = num_blocks_for_budget(c, bs, dtype, config.kv_cache_gb * 2**30)
     swap = config.preemption_mode == "swap"

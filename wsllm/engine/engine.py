@@ -28,6 +28,7 @@ from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.speculative import build as build_speculator
 from wsllm.engine.speculative.draft import load_draft
+from wsllm.engine.static_step import make_static_step
 from wsllm.models.build import DEFAULT_POOLING, build_model
 from wsllm.models.llama import LlamaForCausalLM
 from wsllm.structured import Matchers, PendingCompiles
@@ -67,7 +68,8 @@ class LLMEngine:
         log.info("KV cache dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         bs = config.block_size
         draft = load_draft(config, mc.vocab_size) if config.speculative == "draft" else None  # weights first
-        num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device)
+        static = make_static_step(config, model, self.max_model_len, device)  # its memory before the KV's
+        num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device, static.reserved_bytes if static else 0)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
         swapper = None
@@ -92,7 +94,7 @@ class LLMEngine:
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
-        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device)
+        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_aborted_total = 0

@@ -28,6 +28,7 @@ import torch
 
 from wsllm import kernels
 from wsllm.engine.sequence import Sequence
+from wsllm.engine.static_step import StaticStep
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
 
 # Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
@@ -54,6 +55,13 @@ class Pooled:
     vector: torch.Tensor  # [hidden] fp32, CPU: the chunk's sum (mean) or its last row (last)
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a device tensor. On CUDA through pinned memory, asynchronously: a plain
+    copy would first wait for the forward queued before it."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -61,6 +69,7 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        static: StaticStep | None = None,  # decode-only steps over padded static inputs
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -68,6 +77,9 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype  # the activations'
         self.kv_dtype = kv_caches[0][0].dtype  # may be narrower (kv_cache_dtype)
+        self.static = static
+        if static is not None:
+            static.bind(kv_caches)  # on CUDA: captures its graphs now
 
     def _prepare(
         self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
@@ -155,6 +167,8 @@ class ModelRunner:
         vocab] (fp32, CPU; a sequence that verifies k drafts has k + 1 rows, in order), the
         prompt logprobs this step computed for the sequences in `prompt_logprobs`, and the
         pooled chunks of the sequences in `pooling`."""
+        if self.static is not None and not prompt_logprobs and not pooling and self.static.takes(scheduled):
+            return [seq for seq, _ in scheduled], self.static.run(scheduled, block_tables), [], []
         ids, pos, meta, rows, sample_at = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
@@ -167,7 +181,7 @@ class ModelRunner:
             return [], None, prompt, pooled
         last_index = [r for at in sample_at for r in at]
         if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
-            hidden = hidden[torch.tensor(last_index, device=hidden.device)]
+            hidden = hidden[_on_device(last_index, hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         return [scheduled[i][0] for i in rows], logits.cpu(), prompt, pooled
 

@@ -228,11 +228,13 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device)
+    # In the dtype it runs in before any memory is taken: each checkpoint tensor is rounded as
+    # it is copied in (as a cast afterwards would round it). Built in fp32 and cast, an 8B
+    # model took 32 GB and then 16 more, and the 32 stayed in torch's allocator.
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_weights(model_dir))
-    model = model.to(dtype)
     from wsllm import kernels
 
     cs = kernels.compute_cos_sin_cache(
