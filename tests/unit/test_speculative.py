@@ -202,10 +202,13 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_words_model_dir
 
 def test_the_cost_model_drafts_where_rows_are_cheap_only() -> None:
     cheap, dear = StepCost(), StepCost()
-    for rows, ms in ((1, 6.0), (2, 6.2), (4, 6.8), (8, 8.0), (16, 12.0)):
-        cheap.observe(rows, ms)  # one stream on a CPU: the step's fixed cost dominates
-    for rows, ms in ((32, 33.0), (33, 34.1), (36, 37.5), (48, 50.0)):
-        dear.observe(rows, ms)  # 32 streams: a row costs about what a token is worth
+    for _ in range(3):
+        for rows, ms in ((1, 6.0), (2, 6.2), (4, 6.8), (8, 8.0), (16, 12.0)):
+            cheap.observe(rows, ms)  # one stream on a CPU: the step's fixed cost dominates
+        for rows, ms in ((32, 33.0), (33, 34.1), (36, 37.5), (48, 50.0)):
+            dear.observe(rows, ms)  # 32 streams: a row costs about what a token is worth
+    cheap.observe(9, 500.0)  # one slow step (a collection, a neighbour): drafting goes on
+    cheap.observe(4, 400.0)
     assert choose([8], [0.9], cheap, 1) == [8]
     assert 1 <= choose([8], [0.5], cheap, 1)[0] < 8
     assert choose([8] * 32, [0.7] * 32, dear, 32) == [0] * 32

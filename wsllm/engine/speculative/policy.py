@@ -11,11 +11,12 @@ time beat what the step already gives. Two estimates feed that:
   prior and tries again when the step's cost allows it. Under that model the i-th draft is
   accepted (the previous ones with it) with chance `a ** i`.
 - **Step cost**, measured: the wall time of decode-only steps by the rows they ran (a
-  decoding sequence is a row; a verification of k drafts is k + 1), an average per row
-  count, read between the counts seen (linear) and past the largest with the slope
-  between the last two seen, never flatter than `PRIOR_SLOPE` of the largest's time per
-  row. On a CPU a step's time grows with its rows (0.5-1 ms a row of SmolLM2 on two cores:
-  docs/benchmarks.md), on a GPU hardly at all until the batch fills it.
+  decoding sequence is a row; a verification of k drafts is k + 1), the median of each row
+  count's recent steps (StepCost: robust to a slow step), read between the counts seen
+  (linear) and past the largest with the slope between the last two seen, never flatter
+  than `PRIOR_SLOPE` of the largest's time per row. On a CPU a step's time grows with its
+  rows (0.5-1 ms a row of SmolLM2 on two cores: docs/speculative.md), on a GPU hardly at
+  all until the batch fills it.
 
 The choice is greedy: start from every decoding sequence's one token a step, then add
 the draft with the highest expected gain while (tokens + gain) / t(rows + 1) beats
@@ -27,6 +28,8 @@ several drafts pay even at modest acceptance.
 from __future__ import annotations
 
 import heapq
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 PRIOR = 0.5  # a draft token's chance before a sequence has verified any
@@ -34,7 +37,9 @@ DECAY = 0.9  # per decoding step, on a sequence's counts
 # Extrapolated cost of a row past the largest count seen, as a share of that step's time
 # per row: optimistic enough to try a few drafts, which then measures the real cost.
 PRIOR_SLOPE = 0.25
-EMA = 0.2  # weight of the newest step in a row count's average time
+SAMPLES = 8  # steps kept per row count; their median is its time
+TRUSTED = 3  # samples before a row count's median stands on its own
+STALE = 500  # decode-only steps after which a row count not seen again is forgotten
 
 
 @dataclass(slots=True)
@@ -58,35 +63,60 @@ class Acceptance:
 
 
 class StepCost:
-    """Milliseconds of a decode-only step by its rows, as measured."""
+    """Milliseconds of a decode-only step by its rows, as measured: the median of each row
+    count's last `SAMPLES` steps. A count with fewer than `TRUSTED` samples is read as the
+    lower of its samples' median and what the trusted counts say of it, so that one slow step
+    (a collection, a neighbour's burst) never makes drafting look dear where no later step
+    would come to correct it; a count not seen for `STALE` decode-only steps is forgotten."""
 
     def __init__(self) -> None:
-        self.ms: dict[int, float] = {}
+        self._samples: dict[int, deque[float]] = {}
+        self._seen: dict[int, int] = {}  # rows -> the observation that last saw them
+        self._count = 0
 
     def observe(self, rows: int, ms: float) -> None:
-        old = self.ms.get(rows)
-        self.ms[rows] = ms if old is None else old + EMA * (ms - old)
+        self._count += 1
+        self._samples.setdefault(rows, deque(maxlen=SAMPLES)).append(ms)
+        self._seen[rows] = self._count
+        if self._count % STALE == 0:
+            for r in [r for r, at in self._seen.items() if self._count - at > STALE]:
+                del self._samples[r], self._seen[r]
 
     def __call__(self, rows: int) -> float | None:
         """The expected time of a step of `rows` rows; None before any step was seen."""
-        if not self.ms:
-            return None
-        if rows in self.ms:
-            return self.ms[rows]
-        seen = sorted(self.ms)
-        below = [r for r in seen if r < rows]
-        above = [r for r in seen if r > rows]
-        if below and above:
-            a, b = below[-1], above[0]
-            return self.ms[a] + (self.ms[b] - self.ms[a]) * (rows - a) / (b - a)
-        if not below:  # fewer rows than any seen: no cheaper than the smallest
-            return self.ms[seen[0]] * rows / seen[0]
-        top = seen[-1]
-        slope = PRIOR_SLOPE * self.ms[top] / top
-        if len(seen) > 1:
-            prev = seen[-2]
-            slope = max(slope, (self.ms[top] - self.ms[prev]) / (top - prev))
-        return self.ms[top] + slope * (rows - top)
+        trusted = {r: statistics.median(q) for r, q in self._samples.items() if len(q) >= TRUSTED}
+        model = _read(trusted, rows)
+        own = self._samples.get(rows)
+        if own and len(own) < TRUSTED:
+            mine = statistics.median(own)
+            return mine if model is None else min(mine, model)
+        if model is None and self._samples:  # nothing trusted yet: what was seen, as it is
+            return _read({r: statistics.median(q) for r, q in self._samples.items()}, rows)
+        return model
+
+
+def _read(ms: dict[int, float], rows: int) -> float | None:
+    """`rows` read off the measured counts: linear between two, past the largest with the
+    slope between the last two (never flatter than PRIOR_SLOPE of its time per row), below
+    the smallest in proportion."""
+    if not ms:
+        return None
+    if rows in ms:
+        return ms[rows]
+    seen = sorted(ms)
+    below = [r for r in seen if r < rows]
+    above = [r for r in seen if r > rows]
+    if below and above:
+        a, b = below[-1], above[0]
+        return ms[a] + (ms[b] - ms[a]) * (rows - a) / (b - a)
+    if not below:  # fewer rows than any seen: no cheaper than the smallest, per row
+        return ms[seen[0]] * rows / seen[0]
+    top = seen[-1]
+    slope = PRIOR_SLOPE * ms[top] / top
+    if len(seen) > 1:
+        prev = seen[-2]
+        slope = max(slope, (ms[top] - ms[prev]) / (top - prev))
+    return ms[top] + slope * (rows - top)
 
 
 def choose(most: list[int], rates: list[float], cost: StepCost, rows: int) -> list[int]:
