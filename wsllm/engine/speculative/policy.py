@@ -18,18 +18,19 @@ time beat what the step already gives. Two estimates feed that:
   rows (0.5-1 ms a row of SmolLM2 on two cores: docs/speculative.md), on a GPU hardly at
   all until the batch fills it.
 
-The choice is greedy: start from every decoding sequence's one token a step, then add
-the draft with the highest expected gain while (tokens + gain) / t(rows + 1) beats
-tokens / t(rows). At 32 streams on a CPU a row costs about what a token is worth, so only
+The choice: the drafts in order of expected gain, and of every leading run of that order
+the one that gives the most expected tokens per millisecond of step (`choose`). At 32 streams on a CPU a row costs about what a token is worth, so only
 drafts nearly sure to be accepted ride; at one stream the step's fixed cost dominates and
 several drafts pay even at modest acceptance.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PRIOR = 0.5  # a draft token's chance before a sequence has verified any
@@ -84,32 +85,39 @@ class StepCost:
 
     def __call__(self, rows: int) -> float | None:
         """The expected time of a step of `rows` rows; None before any step was seen."""
-        trusted = {r: statistics.median(q) for r, q in self._samples.items() if len(q) >= TRUSTED}
-        model = _read(trusted, rows)
-        own = self._samples.get(rows)
-        if own and len(own) < TRUSTED:
-            mine = statistics.median(own)
-            return mine if model is None else min(mine, model)
-        if model is None and self._samples:  # nothing trusted yet: what was seen, as it is
-            return _read({r: statistics.median(q) for r, q in self._samples.items()}, rows)
-        return model
+        return self.snapshot()(rows)
+
+    def snapshot(self) -> Callable[[int], float | None]:
+        """The expected time by rows, as the steps so far say (computed once for many reads)."""
+        medians = {r: statistics.median(q) for r, q in self._samples.items()}
+        trusted = {r: m for r, m in medians.items() if len(self._samples[r]) >= TRUSTED}
+        few = {r: m for r, m in medians.items() if r not in trusted}
+        counts = sorted(trusted) if trusted else sorted(medians)
+        table = trusted if trusted else medians
+
+        def read(rows: int) -> float | None:
+            model = _read(table, counts, rows)
+            mine = few.get(rows)
+            if mine is not None and trusted:
+                return mine if model is None else min(mine, model)
+            return model
+
+        return read
 
 
-def _read(ms: dict[int, float], rows: int) -> float | None:
-    """`rows` read off the measured counts: linear between two, past the largest with the
-    slope between the last two (never flatter than PRIOR_SLOPE of its time per row), below
-    the smallest in proportion."""
+def _read(ms: dict[int, float], seen: list[int], rows: int) -> float | None:
+    """`rows` read off the measured counts (`seen`: ms's keys, sorted): linear between two,
+    past the largest with the slope between the last two (never flatter than PRIOR_SLOPE of
+    its time per row), below the smallest in proportion."""
     if not ms:
         return None
     if rows in ms:
         return ms[rows]
-    seen = sorted(ms)
-    below = [r for r in seen if r < rows]
-    above = [r for r in seen if r > rows]
-    if below and above:
-        a, b = below[-1], above[0]
+    at = bisect.bisect(seen, rows)
+    if 0 < at < len(seen):
+        a, b = seen[at - 1], seen[at]
         return ms[a] + (ms[b] - ms[a]) * (rows - a) / (b - a)
-    if not below:  # fewer rows than any seen: no cheaper than the smallest, per row
+    if at == 0:  # fewer rows than any seen: no cheaper than the smallest, per row
         return ms[seen[0]] * rows / seen[0]
     top = seen[-1]
     slope = PRIOR_SLOPE * ms[top] / top
@@ -121,24 +129,33 @@ def _read(ms: dict[int, float], rows: int) -> float | None:
 
 def choose(most: list[int], rates: list[float], cost: StepCost, rows: int) -> list[int]:
     """How many drafts each sequence verifies (at most most[i], each accepted with chance
-    rates[i]), in a step of `rows` rows without drafts, one token expected per row."""
-    ks = [0] * len(most)
-    now = cost(rows)
-    if now is None:  # nothing measured yet: one plain step first
-        return ks
-    tokens = float(rows)
+    rates[i]), in a step of `rows` rows without drafts, one token expected per row.
+
+    The drafts in order of expected gain (a sequence's i-th after its first i - 1, so each
+    sequence's drafts stay a prefix); of every leading run of that order, the one with the
+    most tokens per millisecond. Not the first run that stops paying: a step's time is not
+    convex in its rows (on the CPU two rows can cost more than three), so one dear row can
+    hide cheaper ones past it."""
+    read = cost.snapshot()
+    base = read(rows)
+    if base is None:  # nothing measured yet: one plain step first
+        return [0] * len(most)
+    order: list[int] = []  # sequence of each draft, best first
     heap = [(-rates[i], i) for i in range(len(most)) if most[i] > 0 and rates[i] > 0]
     heapq.heapify(heap)
+    taken = [0] * len(most)
+    best_rate, best_n, tokens = rows / base, 0, float(rows)
     while heap:
         neg_gain, i = heapq.heappop(heap)
-        after = cost(rows + 1)
-        assert after is not None
-        if (tokens - neg_gain) * now <= tokens * after:
-            break  # the best draft left no longer pays for its row
+        order.append(i)
+        taken[i] += 1
         tokens -= neg_gain
-        rows += 1
-        now = after
-        ks[i] += 1
-        if ks[i] < most[i]:
+        t = read(rows + len(order))
+        if t is not None and tokens / t > best_rate:
+            best_rate, best_n = tokens / t, len(order)
+        if taken[i] < most[i]:
             heapq.heappush(heap, (neg_gain * rates[i], i))
+    ks = [0] * len(most)
+    for i in order[:best_n]:
+        ks[i] += 1
     return ks
