@@ -123,7 +123,19 @@ def table(runs: list[dict[str, Any]]) -> str:
     for m in METRICS:
         for s in STATS:
             rows.append((f"{NAMES[m]} {s} (ms)", [num(r[f"{m}_ms"][s]) for r in runs]))
+    if any(r.get("speculation") for r in runs):  # the server's drafts during each level (its /metrics)
+        rows.append(("drafted / accepted tokens", [_drafts(r.get("speculation")) for r in runs]))
+        rows.append(
+            (
+                "mean accepted length",
+                [num((r.get("speculation") or {}).get("mean_accepted_length"), ".2f") for r in runs],
+            )
+        )
     head = "| | " + " | ".join(level_name(r) for r in runs) + " |"
     sep = "| --- |" + " ---: |" * len(runs)
     body = ["| " + label + " | " + " | ".join(cells) + " |" for label, cells in rows]
     return "\n".join([head, sep, *body])
+
+
+def _drafts(spec: dict[str, Any] | None) -> str:
+    return "–" if not spec else f"{spec['drafted']:,} / {spec['accepted']:,}"

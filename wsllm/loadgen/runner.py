@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from wsllm.loadgen import BenchConfig
+from wsllm.loadgen import BenchConfig, speculation
 from wsllm.loadgen.clients import Client, Result, SSEClient, WSClient, auth_headers, root_url
 from wsllm.loadgen.prompts import Prompt, from_jsonl, synthetic
 from wsllm.loadgen.report import summarize, table
@@ -76,7 +76,10 @@ async def run_all(cfg: BenchConfig) -> dict[str, Any]:
             )
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
+            before = await speculation.counters(cfg.base_url, auth_headers(cfg))
             runs.append(await run_level(cfg, client, prompts, level))
+            after = await speculation.counters(cfg.base_url, auth_headers(cfg))
+            runs[-1]["speculation"] = speculation.summary(before, after)
         finally:
             await client.close()
     return {
