@@ -11,7 +11,7 @@ Output tokens/s is the servers' `usage.completion_tokens` over each run's durati
 its best run (a shared 2-core machine moves 30% between minutes; the best of a few is the steadiest
 figure). llama-server (the same Q4_1 GGUF) runs quoting at c=1 with each `--spec-type` it has; the best
 n-gram type then runs every cell. The speculative wsllm's drafted and accepted tokens come from its
-/metrics. The table goes into the "Speculative decoding" section of docs/benchmarks.md.
+/metrics (`wsllm bench` reads them around each run). The table goes into the "Speculative decoding" section of docs/benchmarks.md.
 
     python bench/speculative.py                       # everything (about 20 minutes)
     python bench/speculative.py --no-llamacpp --repeat 1 --no-write-docs
@@ -32,8 +32,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_peers as sp  # noqa: E402  (sibling scripts, not a package)
@@ -95,15 +93,6 @@ def bench(port: int, prompts: Path, level: int, n: int, length: int, eos: bool, 
     return dict(json.loads(out.read_text())["runs"][0])
 
 
-def spec_counters(port: int) -> dict[str, float]:
-    """The speculative counters of a wsllm server's /metrics (empty for other servers)."""
-    with contextlib.suppress(httpx.HTTPError):
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        found = re.findall(r"^wsllm_spec_(\w+?)(?:_total)? ([0-9.e+]+)$", text, re.M)
-        return {k: float(v) for k, v in found}
-    return {}
-
-
 def run_server(name: str, extra: list[str], args: argparse.Namespace, work: Path, cells: tuple) -> dict:
     """Start one server configuration, run `cells`, stop it: {cell: (tokens/s, counters)}."""
     port = sp.free_port()
@@ -119,12 +108,10 @@ def run_server(name: str, extra: list[str], args: argparse.Namespace, work: Path
             n = args.requests_c1 if level == 1 else args.requests_c32
             prompts = work / f"{kind}-{level}.jsonl"
             length = args.quote_len if kind == "quoting" else args.free_len
-            before = spec_counters(port)
             run = bench(
                 port, prompts, level, n, length, kind == "quoting", work / f"{tag}-{kind}-{level}.json"
             )
-            after = spec_counters(port)
-            counters = {k: after[k] - before.get(k, 0.0) for k in after}
+            counters = run.get("speculation") or {}  # wsllm bench read the server's /metrics
             tps = serving_report.tokens_per_s(run)
             print(f"  {tag} {kind} c={level}: {tps:.1f} tokens/s {counters or ''}", file=sys.stderr)
             results[(kind, level)] = (tps, counters)
@@ -185,11 +172,12 @@ def report(rows: dict[str, dict], args: argparse.Namespace, command: str) -> str
         )
     accept = []
     for c in CELLS:
-        k = on[c][1]
-        if k.get("draft_tokens"):
-            mean = 1 + k["accepted_tokens"] / max(k.get("verifications", 0), 1)
-            accept.append(f"{c[0]} c={c[1]}: {int(k['draft_tokens'])} drafted, {int(k['accepted_tokens'])} "
-                          f"accepted, {mean:.2f} tokens a verification")  # fmt: skip
+        k = on.get(c, (0.0, {}))[1]
+        if k.get("drafted"):
+            accept.append(f"{c[0]} c={c[1]}: {k['drafted']} drafted, {k['accepted']} accepted, "
+                          f"{k['mean_accepted_length']:.2f} tokens a verification")  # fmt: skip
+        elif c in on:
+            accept.append(f"{c[0]} c={c[1]}: none drafted")
     return "\n".join(
         [
             f"## {TITLE}\n",
