@@ -30,15 +30,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from wsllm import loadgen
-from wsllm.config import (
-    EngineConfig,
-    GatewayConfig,
-    LogConfig,
-    ModelRefConfig,
-    RedisConfig,
-    add_arguments,
-    from_args,
-)
+from wsllm.config import EngineConfig, add_arguments, from_args
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_process import LogConfig, ModelRefConfig
+from wsllm.config_redis import RedisConfig
 
 log = logging.getLogger("wsllm")
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.chat.output import OutputOptions, assemble_tool_calls
 from wsllm.server.chat.reasoning import ThinkSplitter
 from wsllm.server.chat.registry import get_style

@@ -18,7 +18,8 @@ import pytest
 from wsllm.broker.base import Broker, QueueFull
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import EngineConfig, RedisConfig
+from wsllm.config import EngineConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
 

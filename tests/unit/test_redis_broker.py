@@ -24,7 +24,7 @@ from wsllm.broker.redis_conn import cluster_settings
 from wsllm.broker.redis_keys import Keys
 from wsllm.broker.redis_queue import counters_key, waiting_key
 from wsllm.broker.replay import History, Replay
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 from wsllm.wire import encode
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.responses_schema import responses_request, to_chat, turns
 

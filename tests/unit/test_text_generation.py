@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics

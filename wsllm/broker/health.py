@@ -15,7 +15,8 @@ import redis
 
 from wsllm.broker.redis_conn import sync_client
 from wsllm.broker.redis_keys import Keys
-from wsllm.config import RedisConfig, from_args
+from wsllm.config import from_args
+from wsllm.config_redis import RedisConfig
 
 
 def main() -> int:

@@ -31,7 +31,7 @@ from wsllm.broker.redis_keys import UNAVAILABLE, Keys
 from wsllm.broker.redis_limits import RedisLimiter
 from wsllm.broker.redis_responses import RedisResponseStore
 from wsllm.broker.response_store import ResponseStore
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import orjson
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import taken_key
 from wsllm.broker.redis_recovery import results_of
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
 from wsllm.wire import encode
 

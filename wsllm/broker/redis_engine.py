@@ -39,7 +39,7 @@ from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key, wake_key
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery, reclaim_interval_s, results_of
 from wsllm.broker.redis_registry import Registry
 from wsllm.broker.replay import Plan, Replay
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_request, encode
 

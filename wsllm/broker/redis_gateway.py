@@ -34,7 +34,7 @@ from wsllm.broker.redis_conn import async_client, eval_script
 from wsllm.broker.redis_follow import Follow, Read
 from wsllm.broker.redis_keys import ENGINES, UNAVAILABLE, Keys
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 

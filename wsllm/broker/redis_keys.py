@@ -56,7 +56,7 @@ from typing import Any
 
 import redis.exceptions
 
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 
 GROUP = "engines"
 

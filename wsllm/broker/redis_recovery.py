@@ -25,7 +25,7 @@ from typing import Any
 
 from wsllm.broker.redis_keys import GROUP, Keys
 from wsllm.broker.replay import History, Plan, Replay, error_event, plan
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_events, decode_request
 

@@ -15,7 +15,7 @@ import redis.exceptions
 
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import counters_key, wake_key
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo
 from wsllm.wire import encode
 

@@ -24,7 +24,7 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import Broker, BrokerError
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server import (
     embeddings_api,
     messages_api,

@@ -36,7 +36,7 @@ from pathlib import Path
 from wsllm.broker.base import Broker, BrokerError, BrokerUnavailable
 from wsllm.broker.limits import Limiter
 from wsllm.broker.response_store import ResponseStore
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import from_broker
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.conversation import MAX_TOOLS
 from wsllm.server.errors import APIError, from_validation

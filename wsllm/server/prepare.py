@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
 from wsllm.server.schemas import ChatRequest, parse_json, validate_http

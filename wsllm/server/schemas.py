@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
 from wsllm.server.conversation import (
     MAX_TOOLS,

@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.websockets import WebSocket
 
 from wsllm.broker.base import BrokerError
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server import embeddings_api, textwork
 from wsllm.server.errors import APIError, from_broker, from_generation
 from wsllm.server.fields import bounds_table
