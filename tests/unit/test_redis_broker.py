@@ -130,7 +130,7 @@ def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_dup
     t0 = time.monotonic()
     (again,) = pull_until(b)
     assert LEASE.lease_s <= time.monotonic() - t0 < LEASE.lease_s + 3
-    assert again.request_id == "r1" and again.skip_tokens == 2
+    assert again.request_id == "r1"
     assert again.queue_deadline == 0.0  # it started once: not a waiting request past its deadline
     # It regenerates from the start (greedy: the same tokens); the client's two are skipped.
     b.publish([tokens_event("r1", 0, [11, 12])])
@@ -189,7 +189,6 @@ def test_an_engine_hands_its_requests_back_and_another_resumes_them(brokers) -> 
     t0 = time.monotonic()
     (again,) = pull_until(b)
     assert time.monotonic() - t0 < 2.0, "a hand-back needs no lease to pass"
-    assert again.skip_tokens == 1
     b.publish([tokens_event("r5", 0, [21]), tokens_event("r5", 1, [22], "stop")])
     events = asyncio.run(read(gw, "r5"))
     assert [(e.seq, e.token_ids) for e in events] == [(0, [21]), (1, [22])]

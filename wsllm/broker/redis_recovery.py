@@ -147,7 +147,6 @@ class Recovery:
         log.info("%s: request %s (delivery %d, %d events sent): %s", self.consumer, rid, deliveries,
                  history.num_events, what.value)  # fmt: skip
         if what is Plan.REPLAY:
-            req.skip_tokens = max((len(t) for t in history.sent.values()), default=0)
             return Decision(entry_id, fields, what, req, replay=Replay(rid, history))
         if what is Plan.DEAD:
             msg = f"the request failed on {deliveries - 1} engines and was moved to the dead-letter stream"

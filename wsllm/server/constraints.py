@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from wsllm.bounds import MAX_TOKEN_ID
 from wsllm.server.fields import Strict, invalid, wire_check
-from wsllm.types import MAX_TOKEN_ID
 
 
 class JsonSchemaFormat(Strict):

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag
 
+from wsllm.bounds import MAX_ID_CHARS
 from wsllm.server.fields import Inert, Strict, invalid
-from wsllm.types import MAX_ID_CHARS
 
 # Tools in one request, and tool calls in one message.
 MAX_TOOLS = 128

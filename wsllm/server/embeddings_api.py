@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from wsllm.bounds import MAX_TOKEN_ID
 from wsllm.server import textwork
 from wsllm.server.errors import APIError, from_generation, from_validation
 from wsllm.server.fields import Inert, Strict, invalid
@@ -40,7 +41,7 @@ from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import parse_json
 from wsllm.server.sse import until_disconnect
 from wsllm.server.tenants import Tenant
-from wsllm.types import ERR_INTERNAL, MAX_TOKEN_ID, SamplingParams
+from wsllm.types import ERR_INTERNAL, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from wsllm.bounds import MAX_ID_CHARS
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.conversation import MAX_TOOLS
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
 from wsllm.server.schemas import ChatRequest, parse_json, validate_http
-from wsllm.types import MAX_ID_CHARS
 
 # Bodies larger than this are validated off the event loop (as on the OpenAI routes).
 _VALIDATE_INLINE_BYTES = 64 * 1024

@@ -18,11 +18,11 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
 
+from wsllm.bounds import MAX_ID_CHARS, REQUEST_BOUNDS
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
 from wsllm.server.schemas import ChatRequest, parse_json, validate_http
-from wsllm.types import MAX_ID_CHARS, REQUEST_BOUNDS
 
 #: an item of a conversation in its kept shape (see the module's docstring)
 Turn = dict[str, Any]

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
+from wsllm.bounds import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
 from wsllm.server.conversation import (
@@ -29,7 +30,6 @@ from wsllm.server.conversation import (
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged, wire_check
-from wsllm.types import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 M = TypeVar("M", bound=BaseModel)

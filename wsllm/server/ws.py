@@ -120,7 +120,7 @@ class WsSession:
                 return
 
     async def _read(self) -> None:
-        # `bounds`: every sampling parameter's range, as declared once (types.SAMPLING_BOUNDS);
+        # `bounds`: every sampling parameter's range, as declared once (bounds.SAMPLING_BOUNDS);
         # `limits`: the operator's, tighter (the UI takes both from here)
         limits = await self._limits()
         await self.send(
