@@ -11,7 +11,7 @@ interval, not once per engine (64 engines scanning a few hundred pending entries
 2 s took a third of a Redis core's budget in `bench/broker_scale.py`), and a scan visits
 at most `RECLAIM_PAGE` x 10 entries (XAUTOCLAIM's own bound), going round by its cursor.
 
-`Recovery` only reads Redis and decides; the engine side (`redis_engine.EngineSide`)
+`Recovery` only reads Redis and decides; the engine side (`redis_engine.RedisEngine`)
 applies each `Decision` (hold the request, ack it, send its last event, dead-letter
 it), so the two never reach into each other.
 """
