@@ -14,7 +14,14 @@ FORBIDDEN = {
     "wsllm/broker": ("torch", "wsllm.engine", "wsllm.models", "wsllm.kernels", "wsllm.server", "triton"),
     "wsllm/bounds.py": ("torch", "wsllm."),
     # the types stand on their bounds alone
-    "wsllm/types.py": ("torch", "wsllm.server", "wsllm.broker", "wsllm.engine", "wsllm.models", "wsllm.config"),
+    "wsllm/types.py": (
+        "torch",
+        "wsllm.server",
+        "wsllm.broker",
+        "wsllm.engine",
+        "wsllm.models",
+        "wsllm.config",
+    ),
     # the worker sees the broker only through the Protocol it declares (worker.BrokerSide)
     "wsllm/engine": ("wsllm.server", "wsllm.broker", "asyncio"),
     "wsllm/models": ("wsllm.server", "wsllm.broker", "wsllm.engine"),

@@ -121,6 +121,20 @@ class ChatMessage(Strict):
             raise invalid(f"{at}.tool_call_id", "only a tool message has tool_call_id")
 
 
+def chat_message(
+    role: str,
+    content: str | None,
+    *,
+    name: str | None = None,
+    tool_calls: list[ToolCallIn] | None = None,
+    tool_call_id: str | None = None,
+) -> ChatMessage:
+    """A message another API's request translates into (Messages, Responses): checked
+    as a client's would be."""
+    fields = {"role": role, "content": content, "name": name, "tool_calls": tool_calls}
+    return ChatMessage.model_validate(fields | {"tool_call_id": tool_call_id})
+
+
 def _template_call(c: ToolCallIn) -> dict[str, Any]:
     # Chat templates expect the arguments as a mapping (they write them with `tojson`).
     try:

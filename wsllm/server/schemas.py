@@ -152,6 +152,8 @@ class ChatRequest(SamplingFields):
     def check_chat(self) -> None:
         """What the schema cannot say about the messages, tools and tool_choice."""
         check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs)
+        if self.structured is not None and self.forced_tool is not None:
+            raise invalid("tool_choice", "a forced call cannot be combined with response_format")
 
 
 class CompletionRequest(SamplingFields):
@@ -199,55 +201,6 @@ class CompletionRequest(SamplingFields):
     def one(self, prompt: str | list[int]) -> CompletionRequest:
         """This request for one prompt of its batch."""
         return self.model_copy(update={"prompt": prompt})
-
-
-# -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------
-
-
-class TokenizeCompletion(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChat(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # The template writes the special tokens; true is refused (it would add a second BOS).
-    add_special_tokens: Literal[False] = False
-    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-    def as_chat(self) -> ChatRequest:
-        """The chat request whose prompt this is (for the template and its checks)."""
-        req = ChatRequest.model_construct(
-            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
-        )
-        req.check_chat()
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt")
-        return req
-
-
-class Detokenize(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
-
-
-def validate_tokenize(raw: bytes, cfg: GatewayConfig) -> TokenizeCompletion | TokenizeChat:
-    """A /tokenize body: `prompt` (text) or `messages` (a chat), as vLLM takes them."""
-    obj = _body(raw, cfg)
-    if "messages" in obj:
-        return _validated(TokenizeChat, obj)
-    return _validated(TokenizeCompletion, obj)
-
-
-def validate_detokenize(raw: bytes, cfg: GatewayConfig) -> Detokenize:
-    return _validated(Detokenize, _body(raw, cfg))
 
 
 # -- WebSocket messages (docs/protocol.md) ------------------------------------------------
@@ -299,12 +252,12 @@ def parse_json(raw: bytes | str) -> Any:
 
 def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
     """Parse and check a /v1/chat/completions or /v1/completions body."""
-    req = _validated(model, _body(raw, cfg))
-    _check_limits(req, cfg)
+    req = validated(model, body_object(raw, cfg))
+    check_limits(req, cfg)
     return req
 
 
-def _body(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
+def body_object(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
     """An HTTP body: a JSON object, its message count checked before its schema."""
     obj = parse_json(raw)
     if not isinstance(obj, dict):
@@ -313,7 +266,7 @@ def _body(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
     return obj
 
 
-def _validated(model: type[M], obj: dict[str, Any]) -> M:
+def validated(model: type[M], obj: dict[str, Any]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -332,7 +285,7 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
         tagged = obj.get("type") in ("chat", "completion", "cancel", "resume", "ping")
         raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
-        _check_limits(msg, cfg)
+        check_limits(msg, cfg)
     return msg
 
 
@@ -349,7 +302,7 @@ def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:
         )
 
 
-def _check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
+def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
     """The operator's limits (GatewayConfig), beyond what the schema says; then, for a
     chat, what the schema cannot say about its conversation."""
 

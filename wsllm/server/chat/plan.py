@@ -53,16 +53,9 @@ def wanted_constraint(
 ) -> tuple[dict[str, Any], str] | None:
     """The one structured-output constraint a checked request asks for, with the field
     that asked: its `response_format` / `structured_outputs`, or the call a forcing
-    `tool_choice` needs (not both); None for free text. Cheap."""
+    `tool_choice` needs (validation refused both at once); None for free text. Cheap."""
     asked = req.structured
     forced = plan.sampling.get("structured") if plan is not None else None
-    if asked is not None and forced is not None:
-        raise APIError(
-            400,
-            "invalid_request",
-            "tool_choice: a forced call cannot be combined with response_format",
-            "tool_choice",
-        )
     if asked is not None:
         return asked
     return None if forced is None else (forced, "tool_choice")
