@@ -93,7 +93,9 @@ def test_text_format_becomes_response_format_and_is_not_combined_with_a_forced_c
     assert chat.response_format is not None and chat.response_format.type == "json_schema"
     assert chat.structured == ({"json": {"type": "object"}}, "response_format.json_schema.schema")
     with pytest.raises(APIError) as e:  # at validation: before admission, before any compile
-        responses_request({"input": "Weather?", "tools": [WEATHER], "text": fmt, "tool_choice": "required"}, CFG)
+        responses_request(
+            {"input": "Weather?", "tools": [WEATHER], "text": fmt, "tool_choice": "required"}, CFG
+        )
     assert e.value.status == 400 and e.value.param == "tool_choice"
 
 
