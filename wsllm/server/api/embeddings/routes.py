@@ -25,7 +25,7 @@ from wsllm.server.http import Answer, Endpoint, route
 from wsllm.server.quota import Charge
 from wsllm.server.resume import Api
 from wsllm.server.wing import Wing, WsKind, WsRun
-from wsllm.types import ERR_INTERNAL
+from wsllm.types import ERR_INTERNAL, FINISH_ABORT
 
 
 def charge(req: EmbeddingRequest, cfg: GatewayConfig) -> Charge:
@@ -46,10 +46,15 @@ async def start(adm: Admission, req: EmbeddingRequest) -> list[Generation]:
     return gens
 
 
+class _Cancelled(Exception):
+    """The client cancelled the call (a WebSocket `cancel`): nothing is answered."""
+
+
 async def _vector(gen: Generation) -> list[float]:
     """The request's pooled vector, once its one event came. GenerationError on failure."""
     while not gen.finished:
-        await gen.next()
+        if any(d.finish_reason == FINISH_ABORT for d in await gen.next()):
+            raise _Cancelled
     if gen.embedding is None:
         raise GenerationError(ERR_INTERNAL, "the engine sent no embedding for this input")
     return gen.embedding
@@ -76,12 +81,15 @@ async def run(adm: Admission, req: EmbeddingRequest) -> Answer:
 
 
 async def ws_run(adm: Admission, req: EmbeddingRequest) -> WsRun:
-    """One `embeddings` message answers it: the HTTP answer's body (or an `error`)."""
+    """One `embeddings` message answers it: the HTTP answer's body (or an `error`; a
+    `cancel` stops it, and nothing is answered)."""
     gens = await start(adm, req)
 
     async def messages() -> AsyncIterator[dict[str, Any]]:
         try:
             yield {"type": "embeddings"} | await _body(gens, req, adm.model.name)
+        except _Cancelled:
+            return
         except GenerationError as e:
             raise from_generation(e.code, e.message) from None
         finally:
