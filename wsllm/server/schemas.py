@@ -294,56 +294,49 @@ def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:
     template time per message, so their number is capped first."""
     messages = obj.get("messages")
     if isinstance(messages, list) and len(messages) > cfg.max_messages:
-        raise APIError(
-            400,
-            "invalid_request",
-            f"messages: at most {cfg.max_messages} messages (got {len(messages)})",
-            param="messages",
-        )
+        raise invalid("messages", f"at most {cfg.max_messages} messages (got {len(messages)})")
 
 
 def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
     """The operator's limits (GatewayConfig), beyond what the schema says; then, for a
     chat, what the schema cannot say about its conversation."""
-
-    def bad(param: str, message: str) -> APIError:
-        return APIError(400, "invalid_request", f"{param}: {message}", param=param)
-
     if req.n is not None and req.n > cfg.max_n:
-        raise bad("n", f"at most {cfg.max_n} (got {req.n})")
+        raise invalid("n", f"at most {cfg.max_n} (got {req.n})")
     mt = req.requested_max_tokens
     if mt is not None and mt > cfg.max_tokens_limit:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        raise bad(name, f"at most {cfg.max_tokens_limit} (got {mt})")
+        raise invalid(name, f"at most {cfg.max_tokens_limit} (got {mt})")
     stops = req.stops
     if len(stops) > cfg.max_stop:
-        raise bad("stop", f"at most {cfg.max_stop} stop strings (got {len(stops)})")
+        raise invalid("stop", f"at most {cfg.max_stop} stop strings (got {len(stops)})")
     for s in stops:
         if not s or len(s) > cfg.max_stop_len:
-            raise bad("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
+            raise invalid("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
     plp = getattr(req, "prompt_logprobs", None)
     if plp is not None and plp > cfg.max_top_logprobs:
-        raise bad("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
+        raise invalid("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
     top = req.num_top_logprobs
     if top is not None and top > cfg.max_top_logprobs:
         param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
-        raise bad(param, f"at most {cfg.max_top_logprobs} (got {top})")
+        raise invalid(param, f"at most {cfg.max_top_logprobs} (got {top})")
     width = getattr(req, "beam_width", None)
     if width is not None and width > cfg.max_n:
-        raise bad("beam_width", f"at most {cfg.max_n} (got {width})")
+        raise invalid("beam_width", f"at most {cfg.max_n} (got {width})")
     if getattr(req, "use_beam_search", None):
         if req.n is not None and req.n > (width or cfg.max_n):
-            raise bad("n", "must not exceed beam_width with use_beam_search")
+            raise invalid("n", "must not exceed beam_width with use_beam_search")
         if width is None:
             wire_check("beam_width", req.n or 1)  # the width it gets is at least n
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
-        raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
+        raise invalid("min_tokens", f"must not exceed max_tokens ({mt})")
     batch = req.prompts if isinstance(req, CompletionRequest) else None
     if batch is not None:
         if isinstance(req, WsCompletion):
-            raise bad("prompt", "a list of prompts is for /v1/completions; send a request per prompt here")
+            raise invalid(
+                "prompt", "a list of prompts is for /v1/completions; send a request per prompt here"
+            )
         if not 1 <= len(batch) <= cfg.max_prompts:
-            raise bad("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
+            raise invalid("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
     if isinstance(req, CompletionRequest) and req.suffix is not None:
         _check_suffix(req)
     if isinstance(req, ChatRequest):
