@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -105,6 +106,22 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(gw: Gateway, app: Starlette) -> AsyncIterator[None]:
+    """The app's life: the heap frozen, the one event reader running, until it stops."""
+    freeze_startup_heap()
+    task = asyncio.create_task(gw.router.run(), name="wsllm-event-router")
+    app.state.router_task = task
+    try:
+        yield
+    finally:
+        await gw.aclose()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gc.unfreeze()  # an app made and shut down in a longer-lived process (tests): collectable again
+
+
 def create_app(
     cfg: GatewayConfig,
     broker: GatewayBroker,
@@ -129,20 +146,6 @@ def create_app(
         tokenizer_dirs=dict(tokenizer_dirs or {}),
     )
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        freeze_startup_heap()
-        task = asyncio.create_task(gw.router.run(), name="wsllm-event-router")
-        app.state.router_task = task
-        try:
-            yield
-        finally:
-            await gw.aclose()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            gc.unfreeze()  # an app made and shut down in a longer-lived process (tests): collectable again
-
     wings = [mount(gw) for mount in WINGS]
     routes: list[BaseRoute] = [*status.routes(), *(r for w in wings for r in w.routes)]
     routes.append(WebSocketRoute("/v1/ws", ws_endpoint))
@@ -163,7 +166,7 @@ def create_app(
             HTTPException: _http_error,
             Exception: _internal_error,
         },
-        lifespan=lifespan,
+        lifespan=functools.partial(_lifespan, gw),
     )
     app.state.gateway = gw
     app.state.ws_kinds = {kind: k for w in wings for kind, k in w.ws.items()}
