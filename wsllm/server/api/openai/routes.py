@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -130,10 +129,10 @@ class OpenAI:
         )
         return Charge(req.model, [coarse_charge(r, cfg.default_max_tokens) for r in one], req.priority)
 
-    async def run(self, adm: Admission, req: Any) -> Answer:
+    async def run(self, adm: Admission, req: ChatRequest | CompletionRequest) -> Answer:
         """Prepare and submit each prompt; the answer streams or comes whole."""
         batch = req.prompts if isinstance(req, CompletionRequest) else None
-        reqs = [req] if batch is None else [req.one(p) for p in batch]
+        reqs = [req] if batch is None or isinstance(req, ChatRequest) else [req.one(p) for p in batch]
         gens: list[Generation] = []
         try:
             for i, one in enumerate(reqs):
