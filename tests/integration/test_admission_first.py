@@ -2,8 +2,9 @@
 its rpm gets 429, in its API's own error shape, and the gateway did nothing for it: no
 template rendered, no text tokenized or detokenized, no grammar compiled, no stored
 conversation read (the real tokenizer's, the compiler's and the response store's calls
-are counted). And a socket whose cap is one request refuses a second request of any
-kind while one runs (tiny model, memory broker)."""
+are counted). A socket whose cap is one request refuses a second request of any kind
+while one runs; a text longer than the context can hold is refused by its length, untokenized
+(tiny model, memory broker)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,20 @@ def test_a_socket_capped_at_one_request_refuses_a_second_of_any_kind(srv: Any, f
     assert any(m["type"] == "started" and m["id"] == "long" for m in got)
     srv.wait_gateway_forgot()
     srv.assert_no_blocks_held()
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"), ("/v1/completions", "prompt")])
+def test_a_text_the_context_cannot_hold_is_refused_by_its_length_before_tokenizing(
+    srv: Any, work: Counter[str], path: str, field: str
+) -> None:
+    """Past the context times the vocabulary's longest token, a text is too long
+    whatever its tokens: a 400 without tokenizing it (a megabyte takes a second)."""
+    (card,) = httpx.get(f"{srv.base_url}/v1/models", headers={"authorization": f"Bearer {ADMIN}"}).json()[
+        "data"
+    ]
+    most = card["max_model_len"] * srv.gateway.models.default.codec.max_token_chars
+    seen = dict(work)
+    r = post(srv, ADMIN, path, {field: "x" * (most + 1)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == field
+    assert dict(work) == seen, "the text was tokenized"
