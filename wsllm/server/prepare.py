@@ -27,13 +27,14 @@ from typing import Any, TypeVar
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.chat.output import OutputOptions
-from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
+from wsllm.server.chat.plan import plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.fim import fim_prompt
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TemplateError, TextCodec, run_with_deadline
+from wsllm.structured import check_spec_within
 from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
@@ -133,6 +134,16 @@ async def embeddings(model: ServedModel, inputs: list[str | list[int]], max_len:
         params = SamplingParams(max_tokens=1, pooling="auto")  # the engine never samples it
         out.append(Prepared(ids, params, ResumeContext.start(Api.EMBEDDINGS, model.name, ids, params, [])))
     return out
+
+
+async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
+    """`spec` and the seconds its check took, compiled once with llguidance off the event
+    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
+    try:
+        took = await check_spec_within(spec, limit_s)
+    except ValueError as e:
+        raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
+    return spec, took
 
 
 def _prompt_chars(req: ChatRequest | CompletionRequest) -> int:

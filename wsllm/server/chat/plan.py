@@ -11,10 +11,8 @@ from typing import Any
 
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.registry import choose_style
-from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TextCodec
-from wsllm.structured import check_spec_within
 
 
 @dataclass(slots=True)
@@ -59,13 +57,3 @@ def wanted_constraint(
     if asked is not None:
         return asked
     return None if forced is None else (forced, "tool_choice")
-
-
-async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
-    """`spec` and the seconds its check took, compiled once with llguidance off the event
-    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
-    try:
-        took = await check_spec_within(spec, limit_s)
-    except ValueError as e:
-        raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
-    return spec, took
