@@ -5,7 +5,7 @@
 #   docker build -t wsllm:cuda --build-arg BASE=cuda .   # CUDA: CUDA runtime base, CUDA torch, Triton
 #
 # Configuration is by WSLLM_* environment variables (one per config field, see
-# wsllm/config.py and .env.example) or by flags after the subcommand.
+# wsllm/config*.py and .env.example) or by flags after the subcommand.
 
 ARG BASE=cpu
 

@@ -195,7 +195,8 @@ def serve(
     import uvicorn
 
     from wsllm.broker.memory import MemoryBroker
-    from wsllm.config import EngineConfig, GatewayConfig
+    from wsllm.config import EngineConfig
+    from wsllm.config_gateway import GatewayConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
     from wsllm.server.app import create_app, uvicorn_config

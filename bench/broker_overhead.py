@@ -50,7 +50,8 @@ def serve(broker_kind: str, port: int, model: str | None, redis_url: str, thread
 
     from wsllm.broker.memory import MemoryBroker
     from wsllm.broker.redis import RedisBroker
-    from wsllm.config import EngineConfig, GatewayConfig
+    from wsllm.config import EngineConfig
+    from wsllm.config_gateway import GatewayConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.engine.worker import EngineWorker
     from wsllm.models.loader import model_name_for

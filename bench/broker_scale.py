@@ -245,7 +245,7 @@ def _collect(
 
 
 def cluster_supported() -> bool:
-    from wsllm.config import RedisConfig
+    from wsllm.config_redis import RedisConfig
 
     try:
         return RedisConfig(broker="redis+cluster://127.0.0.1:1").uses_redis

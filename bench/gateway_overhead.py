@@ -127,7 +127,7 @@ def serve_gateway(port: int, tokenizer_dir: str, pace_s: float) -> None:
     from tokenizers import Tokenizer
 
     from wsllm.broker.memory import MemoryBroker
-    from wsllm.config import GatewayConfig
+    from wsllm.config_gateway import GatewayConfig
     from wsllm.engine.worker import EngineWorker
     from wsllm.server.app import create_app, uvicorn_config
 

@@ -113,7 +113,7 @@ def run(url: str, engines: list[Any], routing: str, args: argparse.Namespace, se
     import redis
 
     from wsllm.broker.redis import RedisBroker
-    from wsllm.config import RedisConfig
+    from wsllm.config_redis import RedisConfig
     from wsllm.engine.worker import EngineWorker
 
     redis.Redis.from_url(url).flushall()

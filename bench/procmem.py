@@ -131,7 +131,8 @@ def stages(num_kv_blocks: int) -> None:
 
     stage("import torch")
     from wsllm.broker.memory import MemoryBroker
-    from wsllm.config import EngineConfig, GatewayConfig
+    from wsllm.config import EngineConfig
+    from wsllm.config_gateway import GatewayConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.models.build import build_model
     from wsllm.models.loader import release_freed_heap

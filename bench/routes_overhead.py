@@ -1,5 +1,6 @@
-"""What the newer APIs cost per streamed token next to chat completions: OpenAI's
-Responses (`/v1/responses`) and Anthropic's Messages (`/v1/messages`).
+"""What each API costs per streamed token next to chat completions: completions
+(`/v1/completions`), OpenAI's Responses (`/v1/responses`) and Anthropic's Messages
+(`/v1/messages`), every route that streams tokens, each through its wing of the gateway.
 
 One gateway process behind the fake engine of `gateway_overhead.py` (one token per
 running request every `--pace` seconds, through the real worker loop, memory broker
@@ -7,7 +8,7 @@ and gateway). In the same run, alternating, N concurrent SSE clients stream from
 route (the same prompt, the same number of tokens). For 64 and 256 streams it reports
 per route delivered tokens/s, the latency from a token's emission by the engine to its
 arrival at the client (p50/p99), and the gateway's CPU time per delivered token (the
-process's, less the fake engine's thread), each new route as a ratio to chat (issue 25:
+process's, less the fake engine's thread), each route as a ratio to chat (the bar:
 within 10% per token).
 
     python bench/routes_overhead.py                 # print the table
@@ -41,7 +42,7 @@ from gateway_overhead import (
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUTES = ("chat", "responses", "messages")
+ROUTES = ("chat", "completions", "responses", "messages")
 _MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
@@ -49,6 +50,9 @@ def _request(route: str, n_tokens: int) -> tuple[bytes, bytes]:
     if route == "chat":
         body: dict[str, Any] = {"messages": _MESSAGES, "max_tokens": n_tokens, "stream": True}
         return b"/v1/chat/completions", orjson.dumps(body)
+    if route == "completions":
+        body = {"prompt": "Hello", "max_tokens": n_tokens, "stream": True}
+        return b"/v1/completions", orjson.dumps(body)
     if route == "responses":
         body = {"input": "Hello", "max_output_tokens": n_tokens, "stream": True}
         return b"/v1/responses", orjson.dumps(body)
@@ -61,6 +65,9 @@ def _chars(route: str, obj: dict[str, Any], out: Stream) -> int:
     if route == "chat":
         out.rid = str(obj["id"])
         return sum(len(c["delta"].get("content") or "") for c in obj["choices"])
+    if route == "completions":
+        out.rid = str(obj["id"])
+        return sum(len(c["text"]) for c in obj["choices"])
     kind = obj["type"]
     if route == "responses":
         if kind == "response.created":
@@ -187,12 +194,16 @@ def table(results: dict[tuple[str, int], Cell], args: argparse.Namespace) -> str
 def write_docs(text: str, command: str) -> None:
     path = ROOT / "docs" / "benchmarks.md"
     section = (
-        "## Overhead of the Responses and Messages routes\n\n"
+        "## Overhead of each API's routes\n\n"
         f"`{command}` ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}):\n\n{text}\n"
     )
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Overhead of the Responses and Messages routes\n.*?(?=^## |\Z)", re.S | re.M)
+    # the section of an earlier run, under this name or its former one
+    pattern = re.compile(
+        r"^## Overhead of (?:each API's routes|the Responses and Messages routes)\n.*?(?=^## |\Z)",
+        re.S | re.M,
+    )
     new = (
         pattern.sub(lambda _: section + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + section
     )

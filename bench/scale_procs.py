@@ -36,7 +36,7 @@ log = logging.getLogger("broker_scale")
 def run_engines(args: argparse.Namespace) -> None:
     from wsllm.broker.base import read_tokenizer_files
     from wsllm.broker.redis import RedisBroker
-    from wsllm.config import RedisConfig
+    from wsllm.config_redis import RedisConfig
     from wsllm.engine.fake import FakeEngine
     from wsllm.engine.worker import EngineWorker
 

@@ -30,15 +30,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from wsllm import loadgen
-from wsllm.config import (
-    EngineConfig,
-    GatewayConfig,
-    LogConfig,
-    ModelRefConfig,
-    RedisConfig,
-    add_arguments,
-    from_args,
-)
+from wsllm.config import EngineConfig, add_arguments, from_args
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_process import LogConfig, ModelRefConfig
+from wsllm.config_redis import RedisConfig
 
 log = logging.getLogger("wsllm")
 
@@ -150,13 +145,13 @@ def _gateway_app(gcfg: GatewayConfig, mcfg: ModelRefConfig, broker: Any) -> tupl
 
 
 def gateway(args: argparse.Namespace) -> int:
-    from wsllm.broker.redis import RedisBroker
+    from wsllm.broker.redis_gateway import RedisGateway
 
     gcfg, rcfg, mcfg, lcfg = _configs(args, GatewayConfig, RedisConfig, ModelRefConfig, LogConfig)
     if not _keys_ok(gcfg):
         return 2
     default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
-    broker = RedisBroker(
+    broker = RedisGateway(
         rcfg.url(),
         model=default,
         cfg=rcfg,
@@ -173,7 +168,7 @@ def gateway(args: argparse.Namespace) -> int:
 
 def engine(args: argparse.Namespace) -> int:
     from wsllm.broker.base import read_tokenizer_files
-    from wsllm.broker.redis import RedisBroker
+    from wsllm.broker.redis_engine import RedisEngine
     from wsllm.engine.worker import EngineWorker
 
     ecfg, rcfg, mcfg = _configs(args, EngineConfig, RedisConfig, ModelRefConfig)
@@ -187,7 +182,7 @@ def engine(args: argparse.Namespace) -> int:
     gc.freeze()
     engine_id = rcfg.engine_id or f"{socket.gethostname()}-{os.getpid()}"
     url = rcfg.url()
-    broker = RedisBroker(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
+    broker = RedisEngine(url, model=llm.model_name, cfg=rcfg, engine_id=engine_id)
     # every gateway can then serve this model without the files on its own disk
     broker.publish_tokenizer(llm.model_name, read_tokenizer_files(llm.model_dir))
     worker = EngineWorker(
@@ -243,7 +238,7 @@ def _serve_redis(
     """`wsllm serve --broker redis://...`: one engine child process per model and the
     gateway here, which starts serving once every engine has registered (as `serve`
     does in memory)."""
-    from wsllm.broker.redis import RedisBroker
+    from wsllm.broker.redis_gateway import RedisGateway
 
     url = rcfg.url()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -256,7 +251,7 @@ def _serve_redis(
             pdeath = _die_with_parent if sys.platform == "linux" else None
             children.append((engine_id, subprocess.Popen(cmd, env=env, preexec_fn=pdeath)))
         default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
-        broker = RedisBroker(
+        broker = RedisGateway(
             url,
             model=default,
             cfg=rcfg,
@@ -264,7 +259,7 @@ def _serve_redis(
             max_queue_share=gcfg.max_queue_share,
         )
         try:
-            if not all(_wait_registered(broker, eid, child) for eid, child in children):
+            if not all(_wait_registered(url, rcfg, eid, child) for eid, child in children):
                 return 1
             app, names = _gateway_app(gcfg, mcfg, broker)
             _run_gateway(app, gcfg, names, lcfg.log_level)
@@ -301,13 +296,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _wait_registered(broker: Any, engine_id: str, child: subprocess.Popen[bytes]) -> bool:
+def _wait_registered(url: str, rcfg: RedisConfig, engine_id: str, child: subprocess.Popen[bytes]) -> bool:
     """Until the engine child's heartbeat is in Redis; False if the child exits first."""
     import time
 
+    from wsllm.broker.health import engine_alive
+
     while child.poll() is None:
         with contextlib.suppress(Exception):  # Redis may still be starting too
-            if broker.engine_alive(engine_id):
+            if engine_alive(url, rcfg, engine_id):
                 return True
         time.sleep(0.2)
     print(f"wsllm: the engine process exited ({child.returncode}) before it registered", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""The Redis Streams broker's settings (`RedisConfig`), split from `wsllm.config` so
-that each module stays under the house's file size; `wsllm.config` re-exports it, and
-its flags and `WSLLM_*` variables are derived there like every other component's."""
+"""The Redis Streams broker's settings (`RedisConfig`): a module of its own, as each
+component's settings are; its flags and `WSLLM_*` variables are derived by
+`wsllm.config.add_arguments` / `from_args` like every other component's."""
 
 from __future__ import annotations
 

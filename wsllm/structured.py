@@ -30,7 +30,7 @@ import llguidance
 import orjson
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from wsllm.types import check_structured_shape
+from wsllm.bounds import check_structured_shape
 
 log = logging.getLogger(__name__)
 

@@ -5,18 +5,29 @@ Plain dataclasses, encoded with orjson and a schema version. No torch here: the
 gateway imports this module and must stay light. Nothing is ever pickled.
 
 The codec is wsllm/wire.py: decoding is strict, and a bad entry raises `WireError`
-naming the field, so that it costs its own request and nothing else. Every bound of a number is declared here once (SAMPLING_BOUNDS,
-REQUEST_BOUNDS); the gateway's validator (server/schemas.py) and the UI (through the
+naming the field, so that it costs its own request and nothing else. Every bound of a
+number is declared once, in wsllm/bounds.py (SAMPLING_BOUNDS, REQUEST_BOUNDS), and checked
+here on construction; the gateway's validator (server/schemas.py) and the UI (through the
 WebSocket hello) read the same declaration.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import orjson
+from wsllm.bounds import (
+    BEAM_ALONE,
+    MAX_ID_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKEN_ID,
+    REQUEST_BOUNDS,
+    SAMPLING_BOUNDS,
+    check,
+    check_structured_shape,
+    summary,
+    token_ids_ok,
+)
 
 SCHEMA_VERSION = 1
 
@@ -41,22 +52,11 @@ ERR_RATE_LIMITED = "rate_limited"  # refused at admission: the tenant is over a 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1
 
-# -- bounds: the numbers that more than one table uses --------------------------------------
+# -- sampling ---------------------------------------------------------------------------
 
-MAX_TOKENS = 1 << 20
 #: temperatures below this sample greedily, as vLLM does: dividing logits by 1e-300
 #: would turn them into inf and NaN
 GREEDY_BELOW = 1e-5
-MAX_TOP_K = 1 << 20  # -1 (off) or 1..MAX_TOP_K; the engine clamps it to its vocabulary
-MAX_TOKEN_ID = 2**31 - 1  # token ids are in [0, MAX_TOKEN_ID]; the vocabulary is checked later
-MAX_PROMPT_TOKENS = 1 << 20
-MAX_ID_CHARS = 256  # request ids, model and tenant names
-MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
-LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as OpenAI's
-#: the kinds of `structured` output, each the one key of its dict (see wsllm/structured.py)
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
-MAX_STRUCTURED_BYTES = 1 << 17  # a structured spec, as JSON
-MAX_CHOICES = 1024  # strings of a structured {"choice": [...]}
 #: SamplingParams.pooling: how an embedding request's last hidden states become one vector
 #: ("auto": the engine's choice for its model, EngineConfig.pooling)
 POOLING_KINDS = ("auto", "last", "mean")
@@ -78,139 +78,6 @@ class WireError(ValueError):
 class EngineBusy(ValueError):
     """The engine cannot take a request now (it is full); a retry later may succeed.
     The worker reports it as `engine_busy`, which the gateway answers with 503."""
-
-
-def _check(cond: bool, field_name: str, allowed: str, value: object) -> None:
-    if not cond:
-        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-class _Summary(str):
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def _summary(ids: object) -> object:
-    """A long list (or map) shown by its length in an error message."""
-    if isinstance(ids, (list, dict)) and len(ids) > 8:
-        return _Summary(f"a {'list' if isinstance(ids, list) else 'map'} of {len(ids)} items")
-    return ids
-
-
-def check_structured_shape(spec: object) -> None:
-    """ValueError naming the field when `spec` is not one of the `structured` shapes (see
-    SamplingParams.structured). Whether its schema, regex or grammar compiles is not
-    checked here (wsllm.structured.check_spec does that)."""
-    kinds = " | ".join(STRUCTURED_KINDS)
-    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
-        keys = list(spec) if isinstance(spec, dict) else type(spec).__name__
-        raise ValueError(f"structured must be an object with exactly one key of {kinds}, got {keys!r}")
-    kind, value = next(iter(spec.items()))
-    where = f"structured.{kind}"
-    if kind == "json":
-        ok, allowed = value is True or isinstance(value, dict), "a JSON schema object or true"
-    elif kind == "choice":
-        ok = isinstance(value, list) and 1 <= len(value) <= MAX_CHOICES
-        ok = ok and all(isinstance(c, str) and c for c in value)
-        allowed = f"a list of 1 to {MAX_CHOICES} non-empty strings"
-    else:
-        ok, allowed = isinstance(value, str) and value != "", "a non-empty string"
-    _check(ok, where, allowed, _summary(value))
-    try:
-        size = len(orjson.dumps(value))
-    except TypeError as e:  # a key that is not a string, an object JSON has no word for
-        raise ValueError(f"{where} must be plain JSON: {e}") from None
-    most = f"at most {MAX_STRUCTURED_BYTES} bytes as JSON"
-    _check(size <= MAX_STRUCTURED_BYTES, where, most, _Summary(f"{size} bytes"))
-
-
-def _token_ids_ok(ids: object, max_len: int, min_len: int = 0) -> bool:
-    if not isinstance(ids, list) or not min_len <= len(ids) <= max_len:
-        return False
-    if not all(_is_int(t) for t in ids):
-        return False
-    return not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID)
-
-
-@dataclass(frozen=True, slots=True)
-class Bound:
-    """The range of one number of a wire message, declared once (SAMPLING_BOUNDS,
-    REQUEST_BOUNDS) and read by the message's own checks, the gateway's request schema
-    (its 400s) and, through the WebSocket hello's `bounds`, the chat UI."""
-
-    lo: float
-    hi: float
-    integer: bool = False
-    lo_open: bool = False  # lo itself is out
-    hi_open: bool = False  # hi itself is out
-    nullable: bool = False  # None is allowed (on the wire; in a request None is "the default")
-    off: int | None = None  # one more value, below lo, that turns the parameter off (top_k's -1)
-    api_hi: float | None = None  # a request's tighter upper end (temperature: OpenAI's 2)
-    items: int | None = None  # a list of at most this many values in range
-    keyed: bool = False  # with `items`: a map from token ids to values in range
-
-    def holds(self, v: Any) -> bool:
-        """One value (not a list) is in range."""
-        if not (_is_int(v) if self.integer else _is_num(v)):
-            return False
-        above = v > self.lo if self.lo_open else v >= self.lo
-        return v == self.off or (above and (v < self.hi if self.hi_open else v <= self.hi))
-
-    def check(self, name: str, v: Any) -> None:
-        """ValueError naming the field and its range when `v` is out of it."""
-        if v is None or self.items is None:
-            ok = self.nullable if v is None else self.holds(v)
-        elif self.keyed:
-            ok = isinstance(v, dict) and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v)
-            ok = ok and len(v) <= self.items and all(self.holds(x) for x in v.values())
-        else:
-            ok = isinstance(v, list) and len(v) <= self.items and all(self.holds(x) for x in v)
-        if not ok:  # the message only when it is needed: this runs for every field of every request
-            raise ValueError(f"{name} must be {self.describe()}, got {_summary(v)!r}")
-
-    def describe(self) -> str:
-        span = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-        one = f"{'an integer' if self.integer else 'a number'} in {span}"
-        if self.keyed:
-            one = f"a map of at most {self.items} token ids in [0, {MAX_TOKEN_ID}] to numbers in {span}"
-        elif self.items is not None:
-            one = f"a list of at most {self.items} {'integers' if self.integer else 'numbers'} in {span}"
-        elif self.off is not None:
-            one = f"{self.off} (off) or {one}"
-        return f"null or {one}" if self.nullable else one
-
-
-#: Every bound of SamplingParams, each declared here once. Its keys are SamplingParams'
-#: fields; a request's max_completion_tokens, top_logprobs and a completion's logprobs
-#: take the bound of max_tokens and logprobs.
-SAMPLING_BOUNDS: dict[str, Bound] = {
-    "n": Bound(1, 128, integer=True),
-    "max_tokens": Bound(1, MAX_TOKENS, integer=True),
-    "min_tokens": Bound(0, MAX_TOKENS, integer=True),  # and at most max_tokens
-    "temperature": Bound(0.0, 100.0, api_hi=2.0),  # a request: OpenAI's [0, 2]
-    "top_p": Bound(0.0, 1.0, lo_open=True),
-    "top_k": Bound(1, MAX_TOP_K, integer=True, off=-1),
-    "min_p": Bound(0.0, 1.0),
-    "presence_penalty": Bound(-2.0, 2.0),
-    "frequency_penalty": Bound(-2.0, 2.0),
-    "repetition_penalty": Bound(0.0, 2.0, lo_open=True),
-    "seed": Bound(0, 2**63, integer=True, hi_open=True, nullable=True),
-    "stop_token_ids": Bound(0, MAX_TOKEN_ID, integer=True, items=64),
-    "logprobs": Bound(0, 20, integer=True, nullable=True),  # top logprobs per token
-    "prompt_logprobs": Bound(0, 20, integer=True, nullable=True),
-    "beam_width": Bound(1, 16, integer=True),
-    "length_penalty": Bound(-10.0, 10.0),
-    "logit_bias": Bound(-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, items=MAX_LOGIT_BIAS, keyed=True, nullable=True),
-}
-BEAM_ALONE = "structured and logit_bias cannot be combined with use_beam_search"
 
 
 @dataclass(slots=True)
@@ -258,17 +125,17 @@ class SamplingParams:
         for name, bound in SAMPLING_BOUNDS.items():
             bound.check(name, getattr(self, name))
         fits = self.min_tokens <= self.max_tokens
-        _check(fits, "min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
+        check(fits, "min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
         for name in ("ignore_eos", "use_beam_search", "early_stopping"):
-            _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
+            check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
         if self.structured is not None:
             check_structured_shape(self.structured)
         if self.use_beam_search and (self.structured is not None or self.logit_bias):
             raise ValueError(BEAM_ALONE)
         if self.pooling is not None:
-            _check(self.pooling in POOLING_KINDS, "pooling", f"null or one of {POOLING_KINDS}", self.pooling)
+            check(self.pooling in POOLING_KINDS, "pooling", f"null or one of {POOLING_KINDS}", self.pooling)
             alone = self.n == 1 and not self.use_beam_search and self.structured is None
-            _check(
+            check(
                 alone, "pooling", "set only with n = 1, no beam search and no structured output", self.pooling
             )
 
@@ -283,15 +150,6 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-#: The bounds of GenerateRequest's numbers (the gateway's schema takes `priority`'s).
-REQUEST_BOUNDS: dict[str, Bound] = {
-    "arrival_time": Bound(0.0, 1e12),  # time.time()
-    "queue_deadline": Bound(0.0, 1e12),
-    "priority": Bound(-1_000_000, 1_000_000, integer=True),
-    "skip_tokens": Bound(0, MAX_TOKENS, integer=True),
-}
-
-
 @dataclass(slots=True)
 class GenerateRequest:
     """A request as it travels from a gateway to an engine: token ids only."""
@@ -303,7 +161,6 @@ class GenerateRequest:
     params: SamplingParams
     model: str = ""
     arrival_time: float = 0.0  # time.time() at the gateway
-    skip_tokens: int = 0  # crash replay: tokens the client already has (per choice)
     #: time.time() after which it must not start (0: no deadline); set by the gateway
     #: from --queue-timeout-s, enforced by whoever holds it then (broker or engine)
     queue_deadline: float = 0.0
@@ -318,14 +175,14 @@ class GenerateRequest:
         for name, least in (("request_id", 1), ("model", 0), ("tenant", 0)):
             v = getattr(self, name)
             ok = isinstance(v, str) and least <= len(v) <= MAX_ID_CHARS
-            _check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
-        _check(
-            _token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
+            check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
+        check(
+            token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
             "prompt_token_ids",
             f"a list of 1 to {MAX_PROMPT_TOKENS} token ids in [0, {MAX_TOKEN_ID}]",
-            _summary(self.prompt_token_ids),
+            summary(self.prompt_token_ids),
         )
-        _check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
+        check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
         for name, bound in REQUEST_BOUNDS.items():
             bound.check(name, getattr(self, name))
 

@@ -368,10 +368,10 @@ def ui_smol(browser: Any, smollm_server: ServerProcess) -> Iterator[Ui]:
 
 class NarrowBoundServer(ServerProcess):
     """`wsllm serve` with one sampling bound declared narrower, in its one place
-    (wsllm.types.SAMPLING_BOUNDS: presence_penalty in [-0.5, 0.5]), before anything reads it."""
+    (wsllm.bounds.SAMPLING_BOUNDS: presence_penalty in [-0.5, 0.5]), before anything reads it."""
 
     PATCH = (
-        "import sys; import wsllm.types as t; "
+        "import sys; import wsllm.bounds as t; "
         "t.SAMPLING_BOUNDS['presence_penalty'] = t.Bound(-0.5, 0.5); "
         "from wsllm.cli import main; sys.exit(main())"
     )

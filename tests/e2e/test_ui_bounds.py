@@ -1,5 +1,5 @@
 """The settings dialog's ranges are the server's: a sampling bound changed in its one
-declaration (wsllm.types.SAMPLING_BOUNDS) changes what the UI accepts, through the
+declaration (wsllm.bounds.SAMPLING_BOUNDS) changes what the UI accepts, through the
 hello's `bounds` (tests/integration/test_bounds.py follows the same change into the
 400 and the wire). Fixture: `ui_narrow` (tests/e2e/conftest.py)."""
 

@@ -30,7 +30,9 @@ from redis_fixtures import Cluster, Deployment
 
 from wsllm.broker.memory import MemoryBroker
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import EngineConfig, GatewayConfig, RedisConfig
+from wsllm.config import EngineConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.server.app import create_app, uvicorn_config
 from wsllm.server.gateway import Gateway

@@ -39,7 +39,7 @@ import websockets
 
 from wsllm.broker.redis_conn import is_cluster, sync_client
 from wsllm.broker.redis_keys import Keys
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

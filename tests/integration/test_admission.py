@@ -12,7 +12,7 @@ import httpx
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.app import create_app
 
 BODY = {"prompt": "hi", "max_tokens": 4, "stream": True}

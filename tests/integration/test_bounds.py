@@ -1,4 +1,4 @@
-"""Each sampling bound is declared once (wsllm.types.SAMPLING_BOUNDS): changed there, it
+"""Each sampling bound is declared once (wsllm.bounds.SAMPLING_BOUNDS): changed there, it
 changes the gateway's 400, the wire's own check (SamplingParams) and the range the
 WebSocket hello announces to clients such as the chat UI (tests/e2e/test_ui_bounds.py
 follows it into the settings dialog)."""
@@ -20,13 +20,14 @@ import orjson
 import pytest
 import websockets
 
-from wsllm.types import SAMPLING_BOUNDS, Bound, GenerateRequest, SamplingParams, WireError
+from wsllm.bounds import SAMPLING_BOUNDS, Bound
+from wsllm.types import GenerateRequest, SamplingParams, WireError
 from wsllm.wire import decode_request, encode
 
 # One bound changed in one place, before anything else reads it: a server started so.
 NARROW = Bound(-0.5, 0.5)
 PATCHED_SERVE = (
-    "import sys; import wsllm.types as t; "
+    "import sys; import wsllm.bounds as t; "
     "t.SAMPLING_BOUNDS['presence_penalty'] = t.Bound(-0.5, 0.5); "
     "from wsllm.cli import main; sys.exit(main())"
 )

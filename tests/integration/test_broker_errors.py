@@ -16,7 +16,8 @@ import websockets
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.memory import MemoryBroker
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import GatewayConfig, RedisConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.server.app import create_app
 from wsllm.types import TokenEvent
 

@@ -14,7 +14,10 @@ import httpx
 import pytest
 
 from wsllm.cli import build_parser
-from wsllm.config import EngineConfig, GatewayConfig, LogConfig, ModelRefConfig, RedisConfig, from_args
+from wsllm.config import EngineConfig, from_args
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_process import LogConfig, ModelRefConfig
+from wsllm.config_redis import RedisConfig
 
 
 def test_serve_flags_are_derived_from_both_configs(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from wsllm.broker.base import BrokerUnavailable
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.app import create_app
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 

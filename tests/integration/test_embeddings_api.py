@@ -17,7 +17,7 @@ import orjson
 import pytest
 import websockets
 
-from wsllm.server.embeddings_api import shaped
+from wsllm.server.api.embeddings.render import shaped
 
 TEXTS = ["The cat sat on the mat.", "Paged attention keeps KV in blocks.", "héllo wörld ✓", "a"]
 HIDDEN = 64  # the tiny model's hidden size

@@ -17,7 +17,7 @@ from websockets.exceptions import InvalidStatus
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.app import create_app
 
 KEY = "edge-key"

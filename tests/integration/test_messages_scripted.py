@@ -15,7 +15,7 @@ import pytest
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.app import create_app
 from wsllm.server.text import TextCodec
 from wsllm.types import TokenEvent, Usage

@@ -17,7 +17,8 @@ import websockets
 
 from wsllm.broker.base import EngineInfo
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import GatewayConfig, RedisConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.server.app import create_app
 
 RCFG = RedisConfig(queue_poll_s=0.1, resume_grace_s=0.3, engine_ttl_s=30)

@@ -1,20 +1,16 @@
-"""The per-request and per-socket caps, on the in-process deployment: a chat of more
-messages than --max-messages is refused by count however small each is, and a resume
-takes one of the socket's --max-requests-per-socket places as a new request does."""
+"""The per-request caps, on the in-process deployment: a chat of more messages than
+--max-messages is refused by count however small each is (the per-socket cap, for
+every kind of request, is test_admission_first.py's)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import orjson
 import pytest
-import websockets
-from bodies import completion
 
-CAPS = dict(max_requests_per_socket=3, max_messages=64)
+CAPS = dict(max_messages=64)
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +28,3 @@ def test_a_body_of_many_tiny_messages_is_refused_by_count(srv: Any) -> None:
         f"{srv.base_url}/v1/chat/completions", json={"messages": many["messages"][:64], "max_tokens": 2}
     )
     assert ok.status_code == 200, ok.text
-
-
-def test_a_resume_counts_against_the_sockets_request_cap(srv: Any) -> None:
-    async def go() -> dict[str, Any]:
-        async with websockets.connect(srv.ws_url) as ws:
-            await ws.recv()
-            for i in range(3):
-                await ws.send(
-                    orjson.dumps({"type": "completion", "id": f"q{i}"} | completion([3, i], 2000)).decode()
-                )
-            await ws.send(
-                orjson.dumps({"type": "resume", "id": "r", "after_seq": -1, "resume_token": "x.y"}).decode()
-            )
-            while (m := orjson.loads(await ws.recv()))["type"] != "error":
-                pass
-            return m
-
-    m = asyncio.run(go())
-    assert (m["id"], m["code"]) == ("r", "too_many_requests")
-    srv.wait_gateway_forgot()
-    srv.assert_no_blocks_held()

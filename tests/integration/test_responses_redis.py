@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import GatewayConfig, RedisConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.server.app import create_app
 

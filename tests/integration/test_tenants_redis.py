@@ -20,7 +20,8 @@ from redis_fixtures import on_one_and_on_a_cluster  # noqa: F401 - every test ru
 
 from wsllm.broker.limits import Limits
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import GatewayConfig, RedisConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.server.app import create_app
 

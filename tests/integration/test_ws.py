@@ -165,21 +165,6 @@ def test_errors_keep_the_socket_open(srv: Any) -> None:
     assert msgs[-1]["id"] == "ok" and msgs[-1]["finish_reason"] == "length"
 
 
-def test_too_many_requests_per_socket(srv: Any) -> None:
-    async def run() -> dict[str, Any]:
-        async with connect(srv) as ws:
-            await hello(ws)
-            for i in range(10):
-                await send(ws, **completion(f"q{i}", max_tokens=2000))
-            while (m := await recv(ws))["type"] != "error":
-                pass
-            return m
-
-    m = asyncio.run(run())
-    assert (m["id"], m["code"]) == ("q9", "too_many_requests")
-    srv.assert_no_blocks_held()
-
-
 def test_oversize_frame_closes_with_1009(srv: Any) -> None:
     async def run() -> int | None:
         async with connect(srv, max_size=None) as ws:

@@ -254,10 +254,11 @@ def test_memory_engine_sides_take_only_their_models_work_and_see_every_abort() -
 def _engine_side_classes() -> list[type]:
     from wsllm.broker.base import EngineBroker
     from wsllm.broker.redis import RedisBroker
+    from wsllm.broker.redis_engine import RedisEngine
 
     with memory_broker() as b:
         model_side = type(b.engine_side("A"))
-    return [EngineBroker, MemoryBroker, model_side, RedisBroker]
+    return [EngineBroker, MemoryBroker, model_side, RedisEngine, RedisBroker]
 
 
 @pytest.mark.parametrize("side", _engine_side_classes(), ids=lambda c: c.__name__)

@@ -12,12 +12,13 @@ import orjson
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.chat.output import OutputOptions, assemble_tool_calls
 from wsllm.server.chat.reasoning import ThinkSplitter
 from wsllm.server.chat.registry import get_style
+from wsllm.server.delta import Delta
 from wsllm.server.gateway import Gateway
-from wsllm.server.generation import Delta, Generation
+from wsllm.server.generation import Generation
 from wsllm.server.metrics import Metrics
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.text import TextCodec
@@ -50,7 +51,11 @@ def generate(
         prompt = codec.encode_chat([{"role": "user", "content": "Weather and time in Oslo?"}])
         params, out = SamplingParams(), output.to_context() if output is not None else None
         gen = Generation(
-            gw.svc, "r1", prompt, params, ResumeContext.start(Api(api), "m", prompt, params, [], out)
+            gw.models.default.svc,
+            "r1",
+            prompt,
+            params,
+            ResumeContext.start(Api(api), "m", prompt, params, [], out),
         )
         for seq, (a, b) in enumerate(spans):
             broker.publish([TokenEvent("r1", seq, ids[a:b], 0, "stop" if b == len(ids) else None)])

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.chat.plan import plan_chat
 from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, validate_http

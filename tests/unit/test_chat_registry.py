@@ -8,7 +8,8 @@ import argparse
 
 import pytest
 
-from wsllm.config import GatewayConfig, add_arguments, from_args
+from wsllm.config import add_arguments, from_args
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.chat.registry import STYLES, choose_style, get_style
 
 QWEN3_CODER_TEMPLATE = (

@@ -1,6 +1,8 @@
 """Imports flow one way: server -> broker -> types <- engine <- models <- kernels, and
 no module of wsllm (kernels included, as wsllm.kernels) imports itself back through
-another: the module-level import graph has no cycle, TYPE_CHECKING imports counted."""
+another: the module-level import graph has no cycle, TYPE_CHECKING imports counted.
+In the server, no API's wing imports another's and the WebSocket imports none; no
+product file is over 400 lines; the distribution holds every package and its data."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "wsllm/server": ("torch", "wsllm.engine", "wsllm.models", "wsllm.kernels", "wsllm.llm", "triton"),
     "wsllm/broker": ("torch", "wsllm.engine", "wsllm.models", "wsllm.kernels", "wsllm.server", "triton"),
-    "wsllm/types.py": ("torch", "wsllm."),
+    "wsllm/bounds.py": ("torch", "wsllm."),
+    # the types stand on their bounds alone
+    "wsllm/types.py": (
+        "torch",
+        "wsllm.server",
+        "wsllm.broker",
+        "wsllm.engine",
+        "wsllm.models",
+        "wsllm.config",
+    ),
     # the worker sees the broker only through the Protocol it declares (worker.BrokerSide)
     "wsllm/engine": ("wsllm.server", "wsllm.broker", "asyncio"),
     "wsllm/models": ("wsllm.server", "wsllm.broker", "wsllm.engine"),
@@ -151,3 +162,83 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert "wsllm.types" in graph["wsllm.engine.worker"]  # the graph sees imports
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+# -- the server's wings and the sizes of files ----------------------------------------------
+
+WINGS = ROOT / "wsllm" / "server" / "api"
+MAX_LINES = 400  # a product file past it holds two ideas (STYLE.md)
+# the step is the house's heart: speculation and the static step live in modules of their own
+SMALLER = {"wsllm/server/gateway.py": 250, "wsllm/engine/engine.py": 350}
+
+
+def every_import(path: Path, text: str | None = None) -> set[str]:
+    """Every module the file at `path` (its `text`, when given) imports, anywhere in it
+    (in functions too), relative ones resolved: a lazy import is an import."""
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def test_no_api_wing_imports_another() -> None:
+    wings = sorted(p.name for p in WINGS.iterdir() if (p / "__init__.py").is_file())
+    assert {"openai", "responses", "messages", "embeddings", "tokenize"} <= set(wings)
+    bad = []
+    for wing in wings:
+        for f in sorted((WINGS / wing).rglob("*.py")):
+            for name in every_import(f):
+                other = name.removeprefix("wsllm.server.api.").split(".")[0]
+                if name.startswith("wsllm.server.api.") and other != wing:
+                    bad.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_websocket_imports_no_route_module() -> None:
+    """The WebSocket runs the wings' kinds (wing.WsKind, handed to it by the app), never
+    their routes: no module of the transport imports a wing."""
+    for f in (ROOT / "wsllm" / "server").glob("ws*.py"):
+        wings = [n for n in every_import(f) if n == "wsllm.server.api" or n.startswith("wsllm.server.api.")]
+        assert not wings, f"{f.name} imports {wings}"
+
+
+def test_the_checks_above_see_an_import_they_forbid() -> None:
+    text = "from wsllm.server.api.messages import render\ndef later():\n    from ..responses import run\n"
+    names = every_import(WINGS / "openai" / "x.py", text)
+    assert {"wsllm.server.api.messages.render", "wsllm.server.api.responses.run"} <= names
+
+
+def test_no_product_python_file_is_too_long() -> None:
+    long = []
+    for directory in PACKAGES.values():
+        for f in sorted(directory.rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            limit = SMALLER.get(rel, MAX_LINES)
+            n = len(f.read_text().splitlines())
+            if n > limit:
+                long.append(f"{rel}: {n} lines (at most {limit})")
+    assert not long, "\n".join(long)
+
+
+def test_every_package_and_its_data_is_in_the_distribution() -> None:
+    """pyproject.toml lists each package (a wheel has only those) and the data files its
+    modules read (the broker's Lua scripts)."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found == listed, f"not listed: {sorted(found - listed)}; gone: {sorted(listed - found)}"
+    lua = sorted((ROOT / "wsllm" / "broker" / "lua").glob("*.lua"))
+    globs = setup["package-data"]["wsllm.broker"]
+    assert lua and all(any(p.relative_to(ROOT / "wsllm" / "broker").match(g) for g in globs) for p in lua)

@@ -10,15 +10,22 @@ from typing import Any
 import orjson
 import pytest
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server.api.messages.render import BlockStream
+from wsllm.server.api.messages.request import CountTokensRequest, MessagesRequest, parsed
+from wsllm.server.api.messages.translate import to_chat
+from wsllm.server.delta import Delta
 from wsllm.server.errors import APIError
-from wsllm.server.generation import Delta
-from wsllm.server.messages_api import BlockStream
-from wsllm.server.messages_request import CountTokensRequest, MessagesRequest, validate_body
+from wsllm.server.schemas import ChatRequest
 from wsllm.server.text import StopMatcher
 
 CFG = GatewayConfig()
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def validate_body(raw: bytes, cfg: GatewayConfig, model: type[CountTokensRequest]) -> ChatRequest:
+    """What the route's validation makes of a body: its shape checked, then translated."""
+    return to_chat(parsed(raw, cfg, model), cfg)
 
 
 def _chat(**body: Any) -> Any:

@@ -15,7 +15,8 @@ import pytest
 
 from wsllm.broker.prefix_routing import pack, unpack
 from wsllm.broker.redis import RedisBroker
-from wsllm.config import EngineConfig, RedisConfig
+from wsllm.config import EngineConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.worker import EngineWorker
 from wsllm.prefix_hash import SUMMARY_BYTES, prompt_keys

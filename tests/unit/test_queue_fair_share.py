@@ -18,7 +18,8 @@ import pytest
 from wsllm.broker.base import Broker, QueueFull
 from wsllm.broker.fair_queue import tenant_cap
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import EngineConfig, RedisConfig
+from wsllm.config import EngineConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.engine.worker import EngineWorker
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
 
@@ -199,5 +200,5 @@ def test_once_every_waiting_request_is_taken_the_turn_keys_are_gone(make: Any) -
                 break
         assert sorted(got) == [f"w{i}" for i in range(6)]
         lasting = (b":nt", b":seen", b":tk", b":rc")  # :rc, recovery's turn, expires by itself
-        turn_keys = [k for k in b._sync.scan_iter(match="*:q:*") if not k.endswith(lasting)]
+        turn_keys = [k for k in b.r.scan_iter(match="*:q:*") if not k.endswith(lasting)]
         assert turn_keys == []

@@ -24,7 +24,7 @@ from wsllm.broker.redis_conn import cluster_settings
 from wsllm.broker.redis_keys import Keys
 from wsllm.broker.redis_queue import counters_key, waiting_key
 from wsllm.broker.replay import History, Replay
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 from wsllm.wire import encode
 
@@ -130,7 +130,7 @@ def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_dup
     t0 = time.monotonic()
     (again,) = pull_until(b)
     assert LEASE.lease_s <= time.monotonic() - t0 < LEASE.lease_s + 3
-    assert again.request_id == "r1" and again.skip_tokens == 2
+    assert again.request_id == "r1"
     assert again.queue_deadline == 0.0  # it started once: not a waiting request past its deadline
     # It regenerates from the start (greedy: the same tokens); the client's two are skipped.
     b.publish([tokens_event("r1", 0, [11, 12])])
@@ -139,7 +139,7 @@ def test_a_dead_engines_greedy_request_is_finished_by_another_without_gap_or_dup
     assert [e.seq for e in events] == [0, 1, 2, 3] and text_of(events) == [11, 12, 13, 14]
     assert events[-1].usage is not None
     # Done: its entry is acked and deleted, and its result stream expires.
-    r_ = a._sync
+    r_ = a.r
     assert r_.xlen(a.keys.queue("m")) == 0
     assert 0 < r_.pttl(a.keys.out("m", "r1")) <= LEASE.stream_retention_s * 1000
 
@@ -164,9 +164,9 @@ def test_a_request_that_streamed_nothing_is_run_again_and_dead_lettered_after_ma
     assert pull_for(last, LEASE.lease_s + 1.0) == []
     (err,) = asyncio.run(read(gw, "r3"))
     assert err.error_code == "worker_lost" and "dead-letter" in (err.error or "")
-    (dead,) = last._sync.xrange(last.keys.dead("m"))
+    (dead,) = last.r.xrange(last.keys.dead("m"))
     assert dead[1][b"reason"].startswith(b"delivered 3 times")
-    assert last._sync.xlen(last.keys.queue("m")) == 0
+    assert last.r.xlen(last.keys.queue("m")) == 0
 
 
 def test_a_live_engine_keeps_its_requests_past_the_lease(brokers) -> None:
@@ -189,7 +189,6 @@ def test_an_engine_hands_its_requests_back_and_another_resumes_them(brokers) -> 
     t0 = time.monotonic()
     (again,) = pull_until(b)
     assert time.monotonic() - t0 < 2.0, "a hand-back needs no lease to pass"
-    assert again.skip_tokens == 1
     b.publish([tokens_event("r5", 0, [21]), tokens_event("r5", 1, [22], "stop")])
     events = asyncio.run(read(gw, "r5"))
     assert [(e.seq, e.token_ids) for e in events] == [(0, [21]), (1, [22])]
@@ -204,7 +203,7 @@ def test_an_abort_from_another_gateway_reaches_the_engine_holding_the_request(br
     pull_until(engine)
     asyncio.run(gw2.abort("r6"))
     # its taken entry leaves the request stream at once: were its engine gone, nothing stays
-    assert engine._sync.xlen(engine.keys.queue("m")) == 0
+    assert engine.r.xlen(engine.keys.queue("m")) == 0
     assert engine.aborts() == ["r6"]
     assert engine.aborts() == []
 
@@ -245,7 +244,7 @@ def test_a_resume_on_the_same_gateway_gets_each_event_once_in_order(brokers) -> 
         got = list(await asyncio.wait_for(anext(events), 10))  # the old client's first event
         await asyncio.to_thread(engine.publish, [tokens_event("r8", 1, [32])])
         deadline = time.monotonic() + 10
-        while not gw.gateway._out.qsize():  # read for the old client, not routed yet
+        while not gw._out.qsize():  # read for the old client, not routed yet
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         await gw.follow("r8")  # the resume replaces the old client's follow
@@ -282,7 +281,7 @@ def test_queued_requests_know_their_place(brokers) -> None:
 
     assert asyncio.run(go()) == [1, 2, 3]
     pull_until(engine)
-    gw.gateway._positions_at = 0.0  # no cached answer
+    gw.positions._read_at = 0.0  # no cached answer
 
     async def after() -> list[int | None]:
         return [await gw.position(f"q{i}") for i in range(1, 3)]
@@ -338,7 +337,7 @@ def test_a_duplicated_publish_in_the_history_does_not_double_the_sent_tokens() -
 
 def test_invalid_queue_entries_go_to_the_dead_letters_with_the_reason(brokers) -> None:
     gw, engine = brokers(), brokers("engine-a")
-    r = engine._sync
+    r = engine.r
     q = engine.keys.queue("m")
     asyncio.run(gw.submit(req("named", max_tokens=4)))  # a gateway waits for this one
     assert r.zpopmin(waiting_key(q))  # out of the waiting set, as if taken
@@ -366,7 +365,7 @@ def test_malformed_abort_entries_are_dead_lettered_once_and_aborts_go_on(brokers
     # reclaim r10 (idle past its lease) during this test, and b then held an abort of its own
     held = replace(LEASE, lease_s=30.0)
     gw, a, b = brokers(), brokers("engine-a", held), brokers("engine-b", held)
-    r = a._sync
+    r = a.r
     asyncio.run(gw.submit(req("r10")))
     pull_until(a)
     pull_for(b, 0.1)  # both engines have started reading the abort stream
@@ -400,9 +399,9 @@ def test_an_unreadable_results_entry_ends_only_the_requests_it_held(brokers) -> 
         # Unreadable entries of the gateway's results stream (the first killed the reader
         # once): whose events they held is unknown, so they are skipped, and "hurt",
         # whose seq 0 was in them, sees the gap at its next event.
-        results = engine.keys.results("m", gw.gateway.gateway_id)
-        engine._sync.xadd(results, {"m": b"not json"})
-        engine._sync.xadd(results, {"e": b'{"v":1,"kind":"events","items":[{"seq":"x"}]}'})
+        results = engine.keys.results("m", gw.gateway_id)
+        engine.r.xadd(results, {"m": b"not json"})
+        engine.r.xadd(results, {"e": b'{"v":1,"kind":"events","items":[{"seq":"x"}]}'})
         await asyncio.to_thread(engine.publish, [tokens_event("fine", 0, [1]), tokens_event("hurt", 1, [2])])
         await asyncio.to_thread(engine.publish, [tokens_event("fine", 1, [3], "length")])
         await asyncio.wait_for(task, 10)
@@ -524,7 +523,7 @@ def test_concurrent_callers_share_one_registry_read(brokers, any_redis: Any) -> 
         return sum(n for k, n in stats.items() if k.startswith(("cmdstat_eval", "cmdstat_evalsha")))
 
     async def many() -> list[list[EngineInfo]]:
-        gw.gateway.invalidate_engines()
+        gw.invalidate_engines()
         return await asyncio.gather(*(gw.engines() for _ in range(20)))
 
     before = scripts()

@@ -1,4 +1,4 @@
-"""The Responses event machine (wsllm/server/responses_render.py): every event it sends
+"""The Responses event machine (wsllm/server/api/responses/render.py): every event it sends
 is one the `openai` SDK's own types accept, numbered from 0 without a gap; reasoning,
 text and a call become three items in order, each opened and closed once; the whole
 response is what the events assemble into; and the conversation kept for a next turn
@@ -18,9 +18,9 @@ from openai.types.responses import (
     ResponseStreamEvent,
 )
 
-from wsllm.server.generation import Delta, TokenLogprob
-from wsllm.server.responses_render import ResponseBuilder, input_item, output_turns, settings
-from wsllm.server.responses_schema import ResponsesRequest
+from wsllm.server.api.responses.render import ResponseBuilder, input_item, output_turns, settings
+from wsllm.server.api.responses.request import ResponsesRequest
+from wsllm.server.delta import Delta, TokenLogprob
 from wsllm.types import Usage
 
 # the SDK's event classes by their `type` (its union is tagged by the SDK's own marker)

@@ -1,4 +1,4 @@
-"""A Responses body and its translation (wsllm/server/responses_schema.py): a 400 names
+"""A Responses body and its translation (wsllm/server/api/responses/request.py, translate.py): a 400 names
 the field as the client wrote it (`input.0.content.0.text`, not a union's branch), and
 the conversation becomes the chat request the other routes prepare: instructions
 first, a call joined to the assistant turn before it, a call's output a tool message
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server.api.responses.request import responses_request
+from wsllm.server.api.responses.translate import to_chat, turns
 from wsllm.server.errors import APIError
-from wsllm.server.responses_schema import responses_request, to_chat, turns
 
 CFG = GatewayConfig()
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -69,7 +70,6 @@ def test_a_conversation_becomes_the_chat_request() -> None:
             ],
             "tools": [WEATHER],
             "tool_choice": {"type": "function", "name": "get_weather"},
-            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
             "max_output_tokens": 7,
         },
         CFG,
@@ -84,16 +84,30 @@ def test_a_conversation_becomes_the_chat_request() -> None:
     )
     assert msgs[3] == {"role": "tool", "content": "-3", "tool_call_id": "c1", "name": "get_weather"}
     assert chat.forced_tool == "get_weather" and chat.requested_max_tokens == 7
+
+
+def test_text_format_becomes_response_format_and_is_not_combined_with_a_forced_call() -> None:
+    fmt = {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}
+    req = responses_request({"input": "Weather?", "tools": [WEATHER], "text": fmt}, CFG)
+    chat = to_chat(req, turns(req), 0, CFG)
     assert chat.response_format is not None and chat.response_format.type == "json_schema"
+    assert chat.structured == ({"json": {"type": "object"}}, "response_format.json_schema.schema")
+    with pytest.raises(APIError) as e:  # at validation: before admission, before any compile
+        responses_request(
+            {"input": "Weather?", "tools": [WEATHER], "text": fmt, "tool_choice": "required"}, CFG
+        )
+    assert e.value.status == 400 and e.value.param == "tool_choice"
 
 
 def test_an_output_must_answer_an_earlier_call() -> None:
     history = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
-    req = responses_request(
-        {"input": [{"type": "function_call_output", "call_id": "c1", "output": "1"}]}, CFG
-    )
+    body = {"input": [{"type": "function_call_output", "call_id": "c1", "output": "1"}]}
+    with pytest.raises(APIError) as e:  # it continues nothing: its validation says so, before admission
+        responses_request(body, CFG)
+    assert e.value.status == 400 and e.value.param == "input.0.call_id"
+    req = responses_request(body | {"previous_response_id": "resp_1"}, CFG)
     assert to_chat(req, history + turns(req), 1, CFG).messages[-1].role == "tool"  # the call came before
-    with pytest.raises(APIError) as e:
+    with pytest.raises(APIError) as e:  # the stored conversation had no such call
         to_chat(req, turns(req), 0, CFG)
     assert e.value.param == "input.0.call_id"
 

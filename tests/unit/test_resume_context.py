@@ -61,5 +61,14 @@ def test_a_context_that_is_not_one_is_refused_by_name(bad: dict[str, Any], name:
 
 
 def test_chat_apis_get_chat_ids() -> None:
-    assert [a.id_prefix for a in Api] == ["chatcmpl", "cmpl", "chatcmpl", "cmpl", "msg", "resp", "embd"]
-    assert [a.is_chat for a in Api] == [True, False, True, False, True, True, False]
+    assert [a.id_prefix for a in Api] == [
+        "chatcmpl",
+        "cmpl",
+        "chatcmpl",
+        "cmpl",
+        "msg",
+        "resp",
+        "embd",
+        "tok",
+    ]
+    assert [a.is_chat for a in Api] == [True, False, True, False, True, True, False, False]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from wsllm.bounds import MAX_TOP_K
 from wsllm.engine.sampler import Sampler
 from wsllm.engine.sequence import Sequence
-from wsllm.types import MAX_TOP_K, SamplingParams
+from wsllm.types import SamplingParams
 
 
 def seq(**kw: object) -> Sequence:

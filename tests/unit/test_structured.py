@@ -14,11 +14,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis_jsonschema import from_schema
 
+from wsllm.bounds import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
 from wsllm.structured import Matchers, check_spec
-from wsllm.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplingParams
+from wsllm.types import SamplingParams
 
 PROMPT = [1, 504, 3456, 77, 9012]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from wsllm.broker.limits import Limits, MemoryLimiter
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import APIError
 from wsllm.server.quota import _duration, admit, ratelimit_headers
 from wsllm.server.tenants import ANONYMOUS_TENANT, DEFAULT_TENANT, Tenant, Tenants, anonymous_tenant

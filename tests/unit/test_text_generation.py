@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.gateway import Gateway
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics
@@ -38,7 +38,11 @@ def run(
         router = asyncio.create_task(gw.router.run())
         ids = codec.encode("Hi")
         gen = Generation(
-            gw.svc, "r1", ids, params, ResumeContext.start(Api.COMPLETIONS, "m", ids, params, stops)
+            gw.models.default.svc,
+            "r1",
+            ids,
+            params,
+            ResumeContext.start(Api.COMPLETIONS, "m", ids, params, stops),
         )
         for b in batches:
             broker.publish(b)
@@ -101,7 +105,9 @@ def test_an_engine_error_is_raised_once(codec: TextCodec) -> None:
     async def go() -> None:
         router = asyncio.create_task(gw.router.run())
         params = SamplingParams()
-        gen = Generation(gw.svc, "r1", [1], params, ResumeContext.start(Api.CHAT, "m", [1], params, []))
+        gen = Generation(
+            gw.models.default.svc, "r1", [1], params, ResumeContext.start(Api.CHAT, "m", [1], params, [])
+        )
         broker.publish(
             [TokenEvent("r1", 0, [], finish_reason="error", error="no room", error_code="invalid_request")]
         )

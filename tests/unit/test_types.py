@@ -9,16 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from wsllm.types import (
-    GREEDY_BELOW,
-    MAX_TOP_K,
-    SAMPLING_BOUNDS,
-    GenerateRequest,
-    SamplingParams,
-    TokenEvent,
-    Usage,
-    WireError,
-)
+from wsllm.bounds import MAX_TOP_K, SAMPLING_BOUNDS
+from wsllm.types import GREEDY_BELOW, GenerateRequest, SamplingParams, TokenEvent, Usage, WireError
 from wsllm.wire import check_request, decode_events, decode_request, encode
 
 

@@ -15,7 +15,17 @@ import redis
 
 from wsllm.broker.redis_conn import sync_client
 from wsllm.broker.redis_keys import Keys
-from wsllm.config import RedisConfig, from_args
+from wsllm.config import from_args
+from wsllm.config_redis import RedisConfig
+
+
+def engine_alive(url: str, rcfg: RedisConfig, engine_id: str) -> bool:
+    """Whether `engine_id`'s heartbeat is in Redis now (blocking; for tools)."""
+    r = sync_client(url, rcfg)
+    try:
+        return bool(r.exists(Keys(rcfg.redis_prefix).engine(engine_id)))
+    finally:
+        r.close()
 
 
 def main() -> int:

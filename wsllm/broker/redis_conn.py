@@ -22,7 +22,7 @@ from urllib.parse import unquote
 import redis
 
 from wsllm.broker.redis_keys import client_options
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 
 log = logging.getLogger(__name__)
 

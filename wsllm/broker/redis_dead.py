@@ -9,11 +9,12 @@ from typing import Any
 
 import orjson
 
+from wsllm.bounds import MAX_ID_CHARS
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import taken_key
 from wsllm.broker.redis_recovery import results_of
-from wsllm.config import RedisConfig
-from wsllm.types import ERR_INVALID_REQUEST, MAX_ID_CHARS, TokenEvent
+from wsllm.config_redis import RedisConfig
+from wsllm.types import ERR_INVALID_REQUEST, TokenEvent
 from wsllm.wire import encode
 
 log = logging.getLogger(__name__)

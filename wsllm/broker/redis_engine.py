@@ -1,5 +1,5 @@
-"""The engine side of the Redis broker: plain blocking redis-py, called from the
-worker loop (no asyncio).
+"""The engine side of the Redis broker (`RedisEngine`, the `EngineBroker` contract):
+plain blocking redis-py, called from the worker loop (no asyncio).
 
 - `pull` reads the model's request stream as one consumer of the `engines` group,
   `COUNT` = the engine's free capacity. On its first call it drains its own pending
@@ -11,11 +11,9 @@ worker loop (no asyncio).
 - Each iteration's `pull` reads the model's abort stream and the queue's wake-up
   stream in one `XREAD` (for `aborts()`, and so that a take runs only when it may find
   something: `redis_queue.Taker`).
-- `publish` sends one engine step in one pipelined round trip: one `XADD` per gateway
-  (its results stream: that step's events of all its requests), a copy of a request's
-  events to its own history stream every `history_flush_s` and when it ends, plus
-  `XACK` + `XDEL` (+ expiry) for the requests that ended.
-- `heartbeat` refreshes the registry and the lease on every entry this engine holds.
+- `publish` sends one engine step in one pipelined round trip (`redis_publish.py`).
+- `heartbeat` refreshes the registry and the lease on every entry this engine holds
+  (`redis_registry.py`); what it holds is `redis_held.py`'s table, shared by the three.
 - A Redis outage pauses the engine: `publish` retries until Redis is back (or the
   broker closes); `pull` returns nothing meanwhile.
 """
@@ -26,21 +24,26 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import uuid
 from typing import Any
 
 import redis
 import redis.exceptions
 
+from wsllm.broker import prefix_routing
+from wsllm.broker.base import EngineBroker, Rank
+from wsllm.broker.redis_conn import sync_client
 from wsllm.broker.redis_dead import DeadLetters, abort_target
-from wsllm.broker.redis_keys import GROUP, REFRESH, UNAVAILABLE, Keys
-from wsllm.broker.redis_queue import EXPIRE, Taker, taken_key, wake_key
+from wsllm.broker.redis_held import HeldRequests
+from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
+from wsllm.broker.redis_publish import Publisher
+from wsllm.broker.redis_queue import Taker, wake_key
 from wsllm.broker.redis_recovery import Decision, Entry, Recovery, reclaim_interval_s, results_of
 from wsllm.broker.redis_registry import Registry
+from wsllm.broker.redis_scripts import EXPIRE
 from wsllm.broker.replay import Plan, Replay
-from wsllm.config import RedisConfig
-from wsllm.types import ERR_QUEUE_TIMEOUT, GenerateRequest, TokenEvent, WireError
+from wsllm.config_redis import RedisConfig
+from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_request, encode
 
 log = logging.getLogger(__name__)
@@ -53,75 +56,61 @@ _EXPIRY_SCAN = 4096  # waiting entries looked at per sweep
 _EXPIRED_MSG = "no engine took this request in time"
 
 
-@dataclass(slots=True)
-class _Held:
-    """A request this engine pulled and has not finished."""
+class RedisEngine(EngineBroker):
+    """One engine's side of the Redis broker, for `model`; `engine_id` names its consumer
+    (a stable one picks up its own pending work after a restart)."""
 
-    entry_id: str
-    n: int
-    request: GenerateRequest
-    done: set[int]
-    replay: Replay | None = None
-    results: str = ""  # its gateway's results stream ("": none, every step goes to its history)
-    start: str = "0-0"  # the results stream holds its events from this id on
-    unflushed: list[TokenEvent] = field(default_factory=list)  # not yet in its history stream
-    flushed_at: float = 0.0
-    dropped: bool = False  # not ours any more (lost lease, handed back): publish nothing
-    aborted: bool = False  # the worker was told to abort it
-
-
-class EngineSide(Registry):
-    def __init__(self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str) -> None:
-        self.r: Any = r  # redis-py's reply types are too loose to be useful here
-        self.keys = keys
-        self.cfg = cfg
-        self.queue = keys.queue(model)
+    def __init__(
+        self, url: str, *, model: str, cfg: RedisConfig | None = None, engine_id: str | None = None
+    ) -> None:
+        self.cfg = cfg = cfg or RedisConfig()
+        self.keys = keys = Keys(cfg.redis_prefix)
+        # Blocking reads wait at most _BLOCK_SLICE_S at a time.
+        self.r: Any = sync_client(url, cfg, wait_s=_BLOCK_SLICE_S)  # redis-py's replies are loose
         self.model = model
-        self.consumer = consumer
+        self.queue = keys.queue(model)
+        self.consumer = consumer = engine_id or cfg.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.closed = threading.Event()
-        self._held: dict[str, _Held] = {}
-        self._lock = threading.Lock()  # _held is touched by pull/publish/heartbeat (one thread) and release
-        self._started = False
+        self.held = HeldRequests()
         self._aborts_cursor: str | None = None
         self._aborts_key = keys.aborts(model)  # this model's engines' abort stream
-        self._local_aborts: list[str] = []  # requests to stop that no gateway asked for
         self._next_reclaim = 0.0
-        self._next_refresh = 0.0
         self._aborts_fresh = False  # pull read the abort stream since the last aborts()
         self._down = False  # Redis was unreachable at the last try
-        self._refresh = r.register_script(REFRESH)
-        self._expire = r.register_script(EXPIRE)
-        self.taker = Taker(r, self.queue, GROUP, consumer, cfg.steal_after_s)
+        self._expire = self.r.register_script(EXPIRE)
+        self.taker = Taker(self.r, self.queue, GROUP, consumer, cfg.steal_after_s)
         self._next_expiry = 0.0
         self._maybe_waiting = True  # the last read filled its count: entries may wait
-        self._results_ttl: dict[str, float] = {}  # results stream -> when its TTL was last set
-        self._next_registry = 0.0
         # The failure event of an expired request, around its JSON-quoted id.
         before, after = encode([TokenEvent.failure("\0", ERR_QUEUE_TIMEOUT, _EXPIRED_MSG, 0)]).split(
             b'"\\u0000"'
         )
         self._expired_event = (before, after)
-        self.dead = DeadLetters(r, keys, cfg, model, self.queue)
-        self.recovery = Recovery(r, keys, cfg, model, consumer)
+        self.dead = DeadLetters(self.r, keys, cfg, model, self.queue)
+        self.recovery = Recovery(self.r, keys, cfg, model, consumer)
+        self.registration = Registry(self.r, keys, cfg, model, consumer, self.held)
+        self.publisher = Publisher(self.r, keys, cfg, model, consumer, self.held, self.closed)
+        self._prefix = _PrefixSummary()
 
     # -- pull ------------------------------------------------------------------------
 
-    def pull(self, max_n: int, timeout: float) -> list[GenerateRequest]:
+    def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
+        # a stream is read in order: `rank` (the memory broker's) is not used
         if self.closed.is_set():
             return []
         self._expire_waiting(max_n)  # also when this engine is full: that is when requests wait
         self.taker.tick()
-        if max_n <= 0 and not self._started:
+        if max_n <= 0 and not self.held.started:
             return []
         try:
-            if self._started and not (max_n > 0 and timeout > 0):
+            if self.held.started and not (max_n > 0 and timeout > 0):
                 self._poll()  # an idle engine reads both while it waits (_read_new)
             if max_n <= 0:
                 return []
-            out = self._start(max_n) if not self._started else []
+            out = self._start(max_n) if not self.held.started else []
             if len(out) < max_n and time.monotonic() >= self._next_reclaim:
                 self._next_reclaim = time.monotonic() + reclaim_interval_s(self.cfg.lease_s)
-                out += self._apply(self.recovery.reclaim(max_n - len(out), self.held_entry_ids()))
+                out += self._apply(self.recovery.reclaim(max_n - len(out), self.held.entry_ids()))
             if len(out) < max_n:
                 out += self._read_new(max_n - len(out), 0.0 if out else timeout)
             if self._down:
@@ -180,7 +169,7 @@ class EngineSide(Registry):
         # More than it has room for stay pending; they are reclaimed after the lease.
         resp = self.r.xreadgroup(GROUP, self.consumer, {self.queue: "0"}, count=max_n)
         entries = resp[0][1] if resp else []
-        self._started = True
+        self.held.started = True
         if entries:
             log.info("%s: picking up %d of its own pending requests", self.consumer, len(entries))
         return self._apply(self.recovery.decide([(i.decode(), f) for i, f in entries if f]))
@@ -236,8 +225,8 @@ class EngineSide(Registry):
             else:
                 rid = d.request.request_id if d.request is not None else ""
                 if d.final is not None:
-                    self.final(rid, d.fields, d.final)
-                self.ack([(d.entry_id, rid)])
+                    self.publisher.final(rid, d.fields, d.final)
+                self.publisher.ack([(d.entry_id, rid)])
         return out
 
     def hold(
@@ -248,29 +237,10 @@ class EngineSide(Registry):
         fields: dict[bytes, bytes] | None = None,
     ) -> bool:
         results, start = results_of(fields or {}, entry_id, self.keys.model_tag(self.model))
-        with self._lock:
-            if req.request_id in self._held:  # delivered twice (a hand-back raced): run it once
-                log.warning("%s: %s is already running here", self.consumer, req.request_id)
-                return False
-            held = _Held(entry_id, req.params.n, req, set(), replay, results, start)
-            held.flushed_at = time.monotonic()
-            self._held[req.request_id] = held
+        if not self.held.hold(entry_id, req, replay, results, start):  # delivered twice: run it once
+            log.warning("%s: %s is already running here", self.consumer, req.request_id)
+            return False
         return True
-
-    def final(self, rid: str, fields: dict[bytes, bytes], ev: TokenEvent) -> None:
-        """A request's last event, from recovery: to its history and its gateway."""
-        results, _ = results_of(fields, "", self.keys.model_tag(self.model))
-        data = encode([ev])
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
-        if results:
-            pipe.xadd(results, {"e": data})
-            pipe.pexpire(results, self.cfg.results_ttl_ms)
-        pipe.execute()
-
-    def held_entry_ids(self) -> set[str]:
-        with self._lock:
-            return {h.entry_id for h in self._held.values()}
 
     # -- aborts ----------------------------------------------------------------------
 
@@ -279,11 +249,10 @@ class EngineSide(Registry):
         iteration, so an abort that raced a pull still lands."""
         if self._aborts_fresh:  # read by this iteration's pull, just before this call
             self._aborts_fresh = False
-        elif self._started and not self.closed.is_set():
+        elif self.held.started and not self.closed.is_set():
             with contextlib.suppress(*UNAVAILABLE):
                 self._take_aborts(self.r.xread({self._aborts_key: self._aborts_cursor or "0-0"}, count=10000))
-        out, self._local_aborts = self._local_aborts, []
-        return list(dict.fromkeys(out))
+        return self.held.take_aborts()
 
     def _poll(self, block_ms: int | None = None) -> None:
         """One XREAD of the abort stream and the queue's wake-up stream (waiting up to
@@ -315,142 +284,74 @@ class EngineSide(Registry):
         entries = resp[0][1]
         self._aborts_cursor = entries[-1][0].decode()
         bad = []
-        with self._lock:
+        with self.held.lock:
             for entry_id, f in entries:
                 rid = abort_target(f)
                 if rid is None:
                     bad.append((entry_id.decode(), f))
                     continue
-                held = self._held.get(rid)
+                held = self.held.by_id.get(rid)
                 if held is not None and not held.aborted:
                     held.aborted = True
-                    self._local_aborts.append(rid)
+                    self.held.abort(rid)
         for entry_id, f in bad:
             self.dead.abort_entry(entry_id, f)
 
-    # -- publish ---------------------------------------------------------------------
+    # -- publish, registry, leases ----------------------------------------------------
 
     def publish(self, events: list[TokenEvent]) -> None:
-        by_request: dict[str, list[TokenEvent]] = {}
-        for ev in events:
-            by_request.setdefault(ev.request_id, []).append(ev)
-        live: dict[str, list[TokenEvent]] = {}  # results stream -> this step's events for it
-        history: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
-        ended: list[tuple[str, str]] = []
-        now = time.monotonic()
-        with self._lock:
-            for rid, evs in by_request.items():
-                held = self._held.get(rid)
-                if held is None:  # not running here: its history gets it, nothing else knows where
-                    history.append((rid, encode(evs)))
-                    continue
-                evs = self._filter(held, evs)
-                done = self._ended(held, evs)
-                if done:
-                    del self._held[rid]
-                    if not held.dropped:
-                        ended.append((held.entry_id, rid))
-                if held.dropped:
-                    continue
-                if evs and held.results:
-                    live.setdefault(held.results, []).extend(evs)
-                held.unflushed.extend(evs)
-                # The history gets a copy now and then; an ended request's last events stay
-                # in the results stream for the retention (RedisConfig.results_tail_s).
-                if held.unflushed and (not held.results or now - held.flushed_at >= self.cfg.history_flush_s):
-                    history.append((rid, encode(held.unflushed)))
-                    held.unflushed, held.flushed_at = [], now
-        if not live and not history and not ended:
-            return
-        self._write(live, history, ended)
+        if events and not self.closed.is_set():
+            self.publisher.publish(events)
 
-    def _write(
-        self,
-        live: dict[str, list[TokenEvent]],
-        history: list[tuple[str, bytes]],
-        ended: list[tuple[str, str]],
+    def heartbeat(self, info: EngineInfo) -> None:
+        self.registration.heartbeat(info)
+
+    def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:
+        if model != self.model:
+            raise ValueError(f"this engine side serves {self.model!r}, not {model!r}")
+        self.registration.publish_tokenizer(files)
+
+    def deregister(self, engine_id: str) -> None:
+        self.registration.deregister(engine_id)
+
+    def release(self, request_ids: list[str]) -> list[str]:
+        return self.registration.release(request_ids)
+
+    def dead_letter(self, item: object, reason: str) -> None:
+        self.dead.item(item, reason)
+
+    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:
+        """Which prefix blocks this engine caches, for prefix-aware routing (the worker
+        calls it when the broker has it)."""
+        if self.cfg.routing == "prefix" and not self.closed.is_set():
+            self._prefix.send(self.r, self.queue, self.consumer, self.cfg.engine_ttl_s, block_size, keys)
+
+    def close(self) -> None:
+        if not self.closed.is_set():
+            self.closed.set()
+            self.r.close()
+
+
+class _PrefixSummary:
+    """What this engine last told of its cached prefix blocks: the same summary is sent
+    again only when its TTL draws near."""
+
+    def __init__(self) -> None:
+        self._versions_ttl_at = 0.0  # when the prefix versions hash needs its TTL again
+        self._sent: tuple[int, int, float] = (0, 0, 0.0)  # (block size, keys hash, when)
+
+    def send(
+        self, r: Any, queue: str, consumer: str, ttl_s: float, block_size: int, keys: list[bytes]
     ) -> None:
-        tail_s = self.cfg.results_tail_s
-        min_id = f"{max(0, int((time.time() - tail_s) * 1000))}-0"
         now = time.monotonic()
-        expire = [k for k in live if now - self._results_ttl.get(k, -tail_s) >= tail_s / 4]
-        live_data = [(key, encode(evs)) for key, evs in live.items()]
-
-        def build(pipe: Any) -> None:
-            for rid, data in history:
-                pipe.xadd(self.keys.out(self.model, rid), {"e": data}, nomkstream=True)
-            for key, data in live_data:
-                pipe.xadd(key, {"e": data}, minid=min_id, approximate=True)
-            for key in expire:  # the stream of a gateway gone for good goes away
-                pipe.pexpire(key, self.cfg.results_ttl_ms)
-            self._add_acks(pipe, ended)
-
-        # One pipeline, no MULTI: each gateway's read wakes once anyway (one entry per step).
-        results = self._execute(build)
-        if results is None:
-            return
-        for key in expire:
-            self._results_ttl[key] = now
-        if len(self._results_ttl) > 4 * max(1, len(live)) + 64:  # forget streams not written lately
-            self._results_ttl = {k: t for k, t in self._results_ttl.items() if now - t < tail_s}
-        for (rid, _), res in zip(history, results, strict=False):
-            if res is None:  # its history stream is gone (expired, or Redis lost it): stop it
-                self._drop(rid)
-
-    def _filter(self, held: _Held, evs: list[TokenEvent]) -> list[TokenEvent]:
-        if held.dropped or held.replay is None:
-            return evs
-        out = held.replay.filter(evs)
-        if held.replay.failed:
-            self._local_aborts.append(held.request.request_id)
-        return out
-
-    @staticmethod
-    def _ended(held: _Held, evs: list[TokenEvent]) -> bool:
-        for ev in evs:
-            if ev.ends_request:
-                return True
-            if ev.finish_reason is not None:
-                held.done.add(ev.index)
-        return len(held.done) >= held.n or (held.replay is not None and held.replay.failed)
-
-    def _drop(self, rid: str) -> None:
-        with self._lock:
-            held = self._held.get(rid)
-            if held is not None and not held.dropped:
-                held.dropped = True
-                self._local_aborts.append(rid)
-
-    def _add_acks(self, pipe: Any, ended: list[tuple[str, str]]) -> None:
-        retention = int(self.cfg.stream_retention_s * 1000)
-        if ended:  # one XACK and one XDEL for the step, whatever ended in it
-            ids = [entry_id for entry_id, _ in ended]
-            pipe.xack(self.queue, GROUP, *ids)
-            pipe.xdel(self.queue, *ids)
-        for _, rid in ended:
-            if rid:
-                pipe.pexpire(self.keys.out(self.model, rid), retention)
-        rids = [rid for _, rid in ended if rid]
-        if rids:  # one command for the step: the take's record of where they were
-            pipe.hdel(taken_key(self.queue), *rids)
-
-    def ack(self, ended: list[tuple[str, str]]) -> None:
-        self._execute(lambda pipe: self._add_acks(pipe, ended))
-
-    def _execute(self, build: Callable[[Any], None], transaction: bool = False) -> list[Any] | None:
-        """Build and run a pipeline, again while Redis is down (a pipeline is emptied
-        by a failed run); None when the broker closed. A retry may repeat an XADD that
-        went through: gateways drop duplicates by seq."""
-        while True:
-            pipe = self.r.pipeline(transaction=transaction)
-            build(pipe)
-            try:
-                return list(pipe.execute(raise_on_error=False))
-            except UNAVAILABLE as e:
-                if self.closed.is_set():
-                    log.warning("redis unavailable and the broker closed; dropping a batch")
-                    return None
-                if not self._down:
-                    self._down = True
-                    log.warning("%s: redis unavailable (%s); the step waits for it", self.consumer, e)
-                self.closed.wait(_RETRY_S)
+        sent = (block_size, hash(tuple(keys)), now)
+        if sent[:2] == self._sent[:2] and now - self._sent[2] < ttl_s / 4:
+            return  # the same summary, and its TTL is far off: nothing to tell
+        try:
+            refresh = now >= self._versions_ttl_at
+            prefix_routing.publish(r, queue, consumer, block_size, keys, int(ttl_s * 1000), refresh)
+            self._sent = sent
+            if refresh:
+                self._versions_ttl_at = now + ttl_s / 4
+        except UNAVAILABLE as e:
+            log.debug("redis unavailable for the prefix summary (%s)", e)

@@ -1,5 +1,5 @@
 """What a gateway keeps per followed request, and the checks on each event it reads
-from the request's result stream (`redis_gateway.GatewaySide`'s reader): duplicates
+from the request's result stream (`redis_gateway.RedisGateway`'s reader): duplicates
 (a retried publish) are dropped and a gap ends the request with `worker_lost`.
 
 A follow is replaced, not updated, when its request is followed again (a resume on

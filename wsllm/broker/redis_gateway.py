@@ -1,4 +1,6 @@
-"""The gateway side of the Redis broker: redis.asyncio on the app's event loop.
+"""The gateway side of the Redis broker (`RedisGateway`, the `GatewayBroker` contract):
+redis.asyncio on the app's event loop. The registry of engines it reads through
+`redis_registry.RegistryReader`.
 
 The reader (`events()`) runs one `redis_reader.ModelReader` per model: the gateway's
 own results stream of the model carries every step's events of all its requests; a
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -27,46 +28,56 @@ import orjson
 import redis.exceptions
 
 from wsllm.broker import redis_queue
-from wsllm.broker.base import BrokerClosed, BrokerUnavailable, QueueFull, Resumable
+from wsllm.broker.base import BrokerClosed, BrokerUnavailable, GatewayBroker, QueueFull, Resumable
 from wsllm.broker.fair_queue import tenant_cap
+from wsllm.broker.limits import Limiter
 from wsllm.broker.prefix_routing import PrefixRouter
-from wsllm.broker.redis_conn import async_client, eval_script
+from wsllm.broker.redis_conn import async_client, eval_script, sync_client
 from wsllm.broker.redis_follow import Follow, Read
-from wsllm.broker.redis_keys import ENGINES, UNAVAILABLE, Keys
+from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.broker.redis_limits import RedisLimiter
+from wsllm.broker.redis_queue import Positions
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
-from wsllm.config import RedisConfig
+from wsllm.broker.redis_registry import RegistryReader
+from wsllm.broker.redis_responses import RedisResponseStore
+from wsllm.broker.redis_scripts import ABORT, SUBMIT
+from wsllm.broker.response_store import ResponseStore
+from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
-_ENGINES_CACHE_S = 1.0  # the registry is read at most this often (new engines of this process at once)
 _MODEL_CACHE = 10000  # request id -> model, learned by lookups
 
 
-#: waiting requests whose positions a gateway reads every `queue_poll_s / 2`; more stretch the interval
-POSITIONS_PER_POLL = 256
+class RedisGateway(GatewayBroker):
+    """A gateway's side of the Redis broker. `model` is its default model (requests that
+    name none); `max_queue_depth` and `max_queue_share` bound the waiting requests."""
 
+    resumable = True
 
-class GatewaySide:
     def __init__(
         self,
         url: str,
-        keys: Keys,
-        cfg: RedisConfig,
+        *,
         model: str,
-        max_queue_depth: int,
+        cfg: RedisConfig | None = None,
+        max_queue_depth: int = 256,
         max_queue_share: float = 1.0,
     ) -> None:
         self.url = url
-        self.keys = keys
-        self.cfg = cfg
+        self.cfg = cfg = cfg or RedisConfig()
+        self.keys = Keys(cfg.redis_prefix)
+        self.engine_ttl_s = cfg.engine_ttl_s
+        self.queue_poll_s = cfg.queue_poll_s
+        self.resume_grace_s = cfg.resume_grace_s
         self.model = model
         self.max_queue_depth = max_queue_depth
         self.tenant_cap = tenant_cap(max_queue_depth, max_queue_share)
         self.router = PrefixRouter() if cfg.routing == "prefix" else None
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        self.closed = False
+        self.closing = False
         # One client per event loop: tests run several loops, and a client is bound to one.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
         self._results_ttl_ms = cfg.results_ttl_ms
@@ -75,15 +86,8 @@ class GatewaySide:
         self._out: asyncio.Queue[list[Read]] | None = None  # the readers' batches
         self._readers: dict[str, tuple[ModelReader, asyncio.Task[None]]] = {}
         self._follows: dict[str, Follow] = {}
-        # request id -> (its waiting set, its header there), until its first event
-        self._queued: dict[str, tuple[str, str]] = {}
-        self._positions: dict[str, int] = {}
-        self._positions_at = 0.0
-        self._engines: tuple[float, list[EngineInfo]] = (0.0, [])
-        # The registry read in flight, per event loop: callers share it (one read at a time).
-        self._engines_reads: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, asyncio.Task[list[EngineInfo]]
-        ] = weakref.WeakKeyDictionary()
+        self.positions = Positions(cfg.queue_poll_s)  # of its requests waiting in a queue
+        self.registry = RegistryReader(self.client, self.keys, cfg, self._unavailable)
 
     def client(self) -> Any:  # redis-py's reply types are too loose to be useful here
         loop = asyncio.get_running_loop()
@@ -92,10 +96,7 @@ class GatewaySide:
             r = self._clients[loop] = async_client(self.url, self.cfg)
         return r
 
-    def wake_keys(self) -> list[str]:
-        return [self.keys.wake(m, self.gateway_id) for m in sorted(self._models)]
-
-    def _unavailable(self, e: Exception) -> BrokerUnavailable:
+    def _unavailable(self, e: BaseException) -> BrokerUnavailable:
         """The error for an unreachable Redis; the cached registry goes too (/ready must not
         report engines it cannot see now)."""
         self.invalidate_engines()
@@ -110,19 +111,16 @@ class GatewaySide:
     # -- submit and abort ----------------------------------------------------------------
 
     async def submit(
-        self,
-        request: GenerateRequest,
-        context: dict[str, Any] | None,
-        target: str = "",
+        self, request: GenerateRequest, *, context: dict[str, Any] | None = None, target: str = ""
     ) -> None:
         """Queue `request` (for engine `target` first, when routed: `redis_queue.py`)."""
-        if self.closed:
+        if self.closing:
             raise BrokerClosed("the broker is closed")
         rid = request.request_id
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(model, rid)]
-        if not target and self.router is not None and self._routable(model):
+        if not target and self.router is not None and self.registry.routable(model, self.model):
             try:
                 target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
             except UNAVAILABLE as e:
@@ -140,7 +138,7 @@ class GatewaySide:
                 self.max_queue_depth, self.tenant_cap, encode(request), meta, ttl_ms, rid,
                 request.queue_deadline, request.priority, request.tenant, target, results,
             )  # fmt: skip
-            ok, value, where = await self._call(redis_queue.SUBMIT, keys, args)
+            ok, value, where = await self._call(SUBMIT, keys, args)
         except BaseException:
             self._follows.pop(rid, None)
             raise
@@ -151,9 +149,18 @@ class GatewaySide:
                     f"{value} requests of this tenant are already waiting (its share of the queue)"
                 )
             raise QueueFull(f"{value} requests are already waiting for an engine")
-        self._queued[rid] = (value.decode(), where.decode())
+        self.positions.waits(rid, model, value.decode(), where.decode())
 
-    async def abort(self, request_id: str, attach: int | None = None, keep: bool = True) -> bool:
+    async def abort(self, request_id: str) -> None:
+        await self._abort(request_id)
+
+    async def abort_lost(self, request_id: str) -> None:
+        await self._abort(request_id, keep=False)
+
+    async def abort_unless_resumed(self, request_id: str, attach: int) -> bool:
+        return await self._abort(request_id, attach=attach)
+
+    async def _abort(self, request_id: str, attach: int | None = None, keep: bool = True) -> bool:
         """Abort; with `attach`, only if no client resumed the request since then. With
         `keep` False its result stream goes at once (its resume token then names nothing)
         instead of staying resumable for the retention time."""
@@ -170,7 +177,7 @@ class GatewaySide:
         retention = int(self.cfg.stream_retention_s * 1000) if keep else 0  # PEXPIRE 0 deletes
         attached = "" if attach is None else str(attach)
         args = [request_id, retention, marker, attached, self._results_ttl_ms, self.cfg.aborts_maxlen]
-        return bool(await self._call(redis_queue.ABORT, keys, args) == 1)
+        return bool(await self._call(ABORT, keys, args) == 1)
 
     async def model_of(self, request_id: str) -> str | None:
         """The model whose slot holds the request's result stream: known for a request
@@ -199,7 +206,7 @@ class GatewaySide:
                 return m
         return None
 
-    async def ping(self, timeout: float) -> bool:
+    async def reachable(self, timeout: float) -> bool:
         """Whether Redis answers a PING within `timeout` seconds."""
         try:
             async with asyncio.timeout(timeout):
@@ -267,7 +274,7 @@ class GatewaySide:
 
     def started(self, request_id: str) -> None:
         """The request has events: it no longer waits in the queue."""
-        self._queued.pop(request_id, None)
+        self.positions.left(request_id)
 
     def forget(self, request_id: str) -> None:
         """Stop following the request (its client left, or it was aborted): events read
@@ -279,8 +286,7 @@ class GatewaySide:
     def ended(self, request_id: str) -> Follow | None:
         """The reader handed on the request's last event: stop following it."""
         f = self._follows.pop(request_id, None)
-        self._queued.pop(request_id, None)
-        self._positions.pop(request_id, None)
+        self.positions.left(request_id)
         self._model_of.pop(request_id, None)
         return f
 
@@ -292,7 +298,7 @@ class GatewaySide:
         for m in list(self._models):
             self._start_reader(m)
         try:
-            while not self.closed:
+            while not self.closing:
                 with contextlib.suppress(TimeoutError):
                     reads = await asyncio.wait_for(out.get(), READ_BLOCK_MS / 1000)
                     # Checked now, as the batch is routed: a resume may have replaced a
@@ -337,67 +343,13 @@ class GatewaySide:
     # -- registry and queue ----------------------------------------------------------------
 
     async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
-        try:
-            got = await self.client().hgetall(self.keys.tokenizer(model))
-        except UNAVAILABLE as e:
-            raise self._unavailable(e) from None
-        if not got:
-            return None
-        return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
+        return await self.registry.tokenizer_files(model)
 
     async def engines(self) -> list[EngineInfo]:
-        """The live engines, from a copy cached for `_ENGINES_CACHE_S`. Past that, one read
-        at a time: the callers that find one in flight wait for it instead of starting
-        their own (on a slow Redis, every request admitted meanwhile would add a read of
-        a GET and a PTTL per engine, slowing it further)."""
-        at, cached = self._engines
-        if time.monotonic() - at < _ENGINES_CACHE_S:
-            return cached
-        loop = asyncio.get_running_loop()
-        task = self._engines_reads.get(loop)
-        if task is None:
-            task = self._engines_reads[loop] = loop.create_task(self._read_engines())
-            task.add_done_callback(self._engines_read_done)
-        # shield: a caller that is cancelled must not cancel the read the others wait for
-        return await asyncio.shield(task)
-
-    def _engines_read_done(self, task: asyncio.Task[list[EngineInfo]]) -> None:
-        loop = task.get_loop()
-        if self._engines_reads.get(loop) is task:
-            del self._engines_reads[loop]
-        if not task.cancelled():
-            task.exception()  # retrieved: its waiters may all have been cancelled
-
-    async def _read_engines(self) -> list[EngineInfo]:
-        try:
-            flat = await eval_script(self.client(), ENGINES, [self.keys.engines], [self.keys.engine("")])
-        except UNAVAILABLE as e:
-            raise self._unavailable(e) from None
-        now = time.time()
-        ttl_ms = self.cfg.engine_ttl_s * 1000
-        infos = []
-        for raw, pttl in zip(flat[::2], flat[1::2], strict=True):
-            try:
-                info = EngineInfo.from_dict(orjson.loads(raw))
-            except (orjson.JSONDecodeError, TypeError, ValueError):
-                log.warning("an engine heartbeat this gateway cannot read: %r", raw[:200])
-                continue
-            info.last_seen = now - max(0.0, ttl_ms - int(pttl)) / 1000  # Redis's clock, not the engine's
-            infos.append(info)
-        self._engines = (time.monotonic(), infos)
-        return infos
-
-    def _routable(self, model: str) -> bool:
-        """Whether routing `model`'s request can choose: false only while this gateway's
-        copy of the registry is fresh and holds fewer than two engines of it (a routing
-        read per submit would then be a command per request for nothing)."""
-        at, cached = self._engines
-        if time.monotonic() - at >= _ENGINES_CACHE_S:
-            return True
-        return sum(1 for e in cached if (e.model or self.model) == model) >= 2
+        return self._alive(await self.registry.engines())
 
     def invalidate_engines(self) -> None:
-        self._engines = (0.0, [])
+        self.registry.invalidate()
 
     async def pending(self) -> int:
         """Waiting requests of the model: its queue's counters (hand-backs included)."""
@@ -408,31 +360,29 @@ class GatewaySide:
         return max(0, int(n or 0) + int(h or 0))
 
     async def position(self, request_id: str) -> int | None:
-        if request_id not in self._queued:
+        if request_id not in self.positions:
             return 0 if request_id in self._follows else None
-        # The script's cost grows with the waiting requests: past POSITIONS_PER_POLL of them
-        # it runs less often, so that a long queue does not make Redis slower to drain it.
-        every = self.cfg.queue_poll_s / 2 * max(1.0, len(self._queued) / POSITIONS_PER_POLL)
-        if time.monotonic() - self._positions_at >= every:
-            self._positions_at = time.monotonic()
-            by_model: dict[str, list[tuple[str, tuple[str, str]]]] = {}
-            for rid, where in self._queued.items():
-                f = self._follows.get(rid)
-                by_model.setdefault(f.model if f is not None else self.model, []).append((rid, where))
-            positions: dict[str, int] = {}
-            for model, queued in by_model.items():  # one script per model: each queue is in its own slot
-                flat = [part for _, where in queued for part in where]
-                try:
-                    places = await eval_script(
-                        self.client(), redis_queue.POSITIONS, [self.keys.queue(model)], flat
-                    )
-                except UNAVAILABLE:
-                    return None
-                positions |= {rid: int(p) for (rid, _), p in zip(queued, places, strict=True)}
-            self._positions = positions
-        return self._positions.get(request_id)
+        try:
+            return await self.positions.place(self.client(), self.keys.queue, request_id)
+        except UNAVAILABLE:
+            return None
 
-    async def aclose(self) -> None:
-        r = self._clients.pop(asyncio.get_running_loop(), None)
-        if r is not None:
-            await r.aclose()
+    def limiter(self) -> Limiter:
+        return RedisLimiter(self.client, self.keys, self.cfg.limit_lease_s)
+
+    def response_store(self) -> ResponseStore:
+        return RedisResponseStore(self.client, self.keys)
+
+    def close(self) -> None:
+        """events() ends now: its readers are woken (not left to their next timeout)."""
+        if self.closing:
+            return
+        self.closing = True
+        try:
+            r = sync_client(self.url, self.cfg)
+            for key in [self.keys.wake(m, self.gateway_id) for m in sorted(self._models)]:
+                r.xadd(key, {"x": "1"}, maxlen=1, approximate=False)
+                r.expire(key, 60)
+            r.close()
+        except UNAVAILABLE:
+            pass

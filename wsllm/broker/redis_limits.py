@@ -1,6 +1,5 @@
 """The rate limits of `limits.py` kept in Redis, so that every gateway of a deployment
-shares them. Each check-and-take is one Lua script (`LIMIT_ACQUIRE` in
-`redis_keys.py`), so two gateways can never both take the last token.
+shares them. Each check-and-take is one Lua script (`lua/limit_acquire.lua`), so two gateways can never both take the last token.
 
 `max_concurrent` is a sorted set of leases per tenant (request id scored by its
 expiry), not a counter: a gateway that crashes leaves leases that expire after
@@ -20,15 +19,8 @@ from typing import Any
 from wsllm.broker.base import BrokerUnavailable
 from wsllm.broker.limits import WINDOW_S, Decision, Limiter, Limits, refill_time_s
 from wsllm.broker.redis_conn import eval_script
-from wsllm.broker.redis_keys import (
-    LIMIT_ACQUIRE,
-    LIMIT_ADJUST,
-    LIMIT_REFRESH,
-    LIMIT_RELEASE,
-    LIMIT_USAGE,
-    UNAVAILABLE,
-    Keys,
-)
+from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.broker.redis_scripts import LIMIT_ACQUIRE, LIMIT_ADJUST, LIMIT_REFRESH, LIMIT_RELEASE, LIMIT_USAGE
 
 log = logging.getLogger(__name__)
 

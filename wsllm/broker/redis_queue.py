@@ -1,7 +1,9 @@
 """The Redis queue of one model: priority levels, fair share by tenant, per-tenant
-depth, and the target engine of a routed request (the rules are in `fair_queue.py`;
-this module keeps them in Lua so that every gateway and engine applies them
-atomically).
+depth, and the target engine of a routed request (the rules are in `fair_queue.py`).
+Every gateway and engine applies them atomically, in Lua: the scripts are
+`lua/queue_*.lua` (submit, take, the deadline sweep, positions, abort; `queue_lib.lua`
+their shared counters); this module is the Python around them (the engine's `Taker`,
+the submit's arguments) and says the layout they share.
 
 A waiting request is one member of a sorted set, and its place in the queue is the
 member's own bytes: every member has the score 0, so the set orders them by a fixed
@@ -21,7 +23,7 @@ its Redis Cluster hash slot):
     {queue}:z               sorted set of the waiting requests any engine may take
     {queue}:z:{engine}      those routed to `engine` (prefix routing): it takes them
                             first, any engine once they waited `steal_after_s` and it
-                            is busy (see TAKE)
+                            is busy (see lua/queue_take.lua)
     {queue}:ze              set of the engines with routed requests waiting
     {queue}:n               hash of counters: n (waiting), h (hand-backs not yet
                             delivered), rt (routed), s (submit order), and per tenant
@@ -40,7 +42,7 @@ its Redis Cluster hash slot):
                             by itself
     {queue}:tk              hash: request id -> its entry in the request stream, from the
                             take until the engine acks it (an abort deletes the entry
-                            there once it left the waiting set: `ABORT`)
+                            there once it left the waiting set: lua/queue_abort.lua)
 
 A member is `HEADER` (54 bytes: 7 digits of 1,000,000 - priority, 15 of virtual time,
 12 of submit order, 20 of queue deadline) followed by the MessagePack of (request id,
@@ -55,355 +57,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from wsllm.broker.redis_conn import eval_script
+from wsllm.broker.redis_scripts import POSITIONS, TAKE
+
 log = logging.getLogger(__name__)
 
 #: entries of a busy peer's routed set an engine looks through for ones it may steal
 SCAN = 16
 #: a take is due at least this often while an engine has room, wake-up or not
 _TAKE_EVERY_S = 5.0
-
-# Helpers of every queue script. `forget` updates the counters for members that left
-# the waiting sets (taken, aborted, expired); each is {priority, tenant, engine, tag}
-# (tag: the virtual time of a taken one, which moves its level's clock on; nil else).
-_LIB = """
-local H = 54
-local function hprio(m) return 1000000 - tonumber(string.sub(m, 1, 7)) end
-local function htag(m) return tonumber(string.sub(m, 8, 22)) end
-local function hdeadline(m) return tonumber(string.sub(m, 35, 54)) end
--- request id, results stream, tenant, engine, submit time (ms), request
-local function body(m) return cmsgpack.unpack(string.sub(m, H + 1)) end
-local function forget(q, gone, known)
-  if #gone == 0 then return end
-  local cnt = q .. ':n'
-  if known then  -- {n, rt, h} as read in this script: when nothing is left, skip the read
-    local routed = 0
-    for _, g in ipairs(gone) do if g[3] ~= '' then routed = routed + 1 end end
-    if known[1] - #gone <= 0 and known[2] - routed <= 0 and known[3] <= 0 then
-      redis.call('DEL', cnt, q .. ':ze')
-      return
-    end
-  end
-  local names, at = {'n', 'rt', 'h'}, {n = 1, rt = 2, h = 3}
-  local function want(f) if not at[f] then names[#names + 1] = f; at[f] = #names end end
-  for _, g in ipairs(gone) do
-    want('t:' .. g[2]); want('k:' .. g[1] .. ':' .. g[2]); want('l:' .. g[1]); want('c:' .. g[1])
-    if g[3] ~= '' then want('e:' .. g[3]) end
-  end
-  local got = redis.call('HMGET', cnt, unpack(names))
-  local v = {}
-  for i, f in ipairs(names) do v[f] = tonumber(got[i]) or 0 end
-  for _, g in ipairs(gone) do
-    local p, t, e = g[1], g[2], g[3]
-    v.n = v.n - 1
-    v['t:' .. t] = v['t:' .. t] - 1
-    v['k:' .. p .. ':' .. t] = v['k:' .. p .. ':' .. t] - 1
-    v['l:' .. p] = v['l:' .. p] - 1
-    if g[4] and g[4] > v['c:' .. p] then v['c:' .. p] = g[4] end
-    if e ~= '' then v.rt = v.rt - 1; v['e:' .. e] = v['e:' .. e] - 1 end
-  end
-  local set, del, idle = {}, {}, {}
-  for _, f in ipairs(names) do
-    local kind, rest = string.match(f, '^(%a+):?(.*)$')
-    local x = v[f]
-    if kind == 'c' then x = (v['l:' .. rest] > 0) and x or 0 end  -- an empty level's clock goes
-    if x > 0 or (kind == 'c' and v['l:' .. rest] > 0) then
-      set[#set + 1] = f; set[#set + 1] = x
-    else
-      del[#del + 1] = f
-      if kind == 'k' then del[#del + 1] = 'v:' .. rest end  -- the tenant left the level
-      if kind == 'e' then idle[#idle + 1] = rest end
-    end
-  end
-  if v.n <= 0 and v.h <= 0 and v.rt <= 0 then  -- nothing waits: the counters go
-    redis.call('DEL', cnt, q .. ':ze')
-    return
-  end
-  del[#del + 1] = 'w'  -- engines took (or the queue changed) since the last wake-up
-  if #set > 0 then redis.call('HSET', cnt, unpack(set)) end
-  redis.call('HDEL', cnt, unpack(del))
-  if #idle > 0 then redis.call('SREM', q .. ':ze', unpack(idle)) end
-end
-"""
-
-# Admission and submit in one step: refuse past the depth (waiting + hand-backs) or the
-# tenant's share, else give the request its place (see the module doc), open its
-# history stream with the meta entry (`q`/`qe`: the set it waits in and its header,
-# so an abort finds it there, or, once taken, in the request stream `rq` through
-# `{queue}:tk`; `s` the gateway's results stream), and wake the engines. The gateway
-# reads its results stream all the time: it needs no wake-up.
-# KEYS: queue, out   ARGV: depth, tenant cap, request, meta, ttl_ms, request id,
-#                          deadline, priority, tenant, target engine ('' none), results
-#   -> {1, waiting set, header} or {0, count, 'depth' | 'tenant'}
-SUBMIT = (
-    _LIB
-    + """
-local q, out = KEYS[1], KEYS[2]
-local cnt = q .. ':n'
-local prio, tenant, eng = tonumber(ARGV[8]), ARGV[9], ARGV[10]
-local pt = prio .. ':' .. tenant
-local got = redis.call('HMGET', cnt, 'n', 'h', 't:' .. tenant, 'k:' .. pt, 'v:' .. pt, 'c:' .. prio,
-  'l:' .. prio, 's', 'rt', 'e:' .. eng, 'w')
-local v = {}
-for i = 1, 11 do v[i] = tonumber(got[i]) or 0 end
-local n, h, mine, k, last, clock, l, s, rt, e, woken = unpack(v)
-if n + h >= tonumber(ARGV[1]) then return {0, n + h, 'depth'} end
-if mine >= tonumber(ARGV[2]) then return {0, mine, 'tenant'} end
-local tag = clock
-if k > 0 then tag = last + 1 end
-local set = q .. ':z'
-if eng ~= '' then set = set .. ':' .. eng end
-local deadline = math.min(math.max(tonumber(ARGV[7]) or 0, 0), 1e12)
-local hdr = string.format('%07d%015d%012d%020.6f', 1000000 - prio, tag, s + 1, deadline)
-local id = redis.call('XADD', out, '*', 'm', ARGV[4], 'q', set, 'qe', hdr, 's', ARGV[11], 'rq', q)
-redis.call('PEXPIRE', out, ARGV[5])
-local at = tonumber(string.match(id, '^(%d+)'))
-redis.call('ZADD', set, 0, hdr .. cmsgpack.pack(ARGV[6], ARGV[11], tenant, eng, at, ARGV[3]))
-local upd = {'n', n + 1, 't:' .. tenant, mine + 1, 'k:' .. pt, k + 1, 'v:' .. pt, tag, 'l:' .. prio, l + 1,
-  's', s + 1}
-if eng ~= '' then
-  upd[#upd + 1] = 'rt'; upd[#upd + 1] = rt + 1; upd[#upd + 1] = 'e:' .. eng; upd[#upd + 1] = e + 1
-  if e == 0 then redis.call('SADD', q .. ':ze', eng) end
-end
-if woken == 0 then  -- no wake-up since the last take: send one (every take clears `w`)
-  upd[#upd + 1] = 'w'; upd[#upd + 1] = 1
-  redis.call('XADD', q .. ':nt', 'MAXLEN', '1', '*', 'x', '1')
-end
-redis.call('HSET', cnt, unpack(upd))
-return {1, set, hdr}
-"""
-)
-
-# An engine's take: the best ARGV[3] members (less the hand-backs waiting in the request
-# stream, which go first) among its own routed set, the shared set and the stealable
-# ones of its peers' routed sets, moved into the request stream in queue order; then
-# one XREADGROUP delivers them (and the hand-backs) to the engine. A peer's routed
-# request is stealable once it has waited ARGV[5] ms and its engine is busy: its last
-# take filled its room, or the request has waited twice that engine's usual interval
-# between iterations (the submit woke it: it would have taken the request by then
-# unless it is full, mid-step or gone). `{queue}:seen` keeps, per engine, that interval
-# (ms, measured by the engine itself) and whether its last take filled its room.
-# Every call is a command counted against each generated token: the engine calls it
-# only when a take may find something (see Taker), and the script asks Redis's clock
-# only when there is a peer's request to judge.
-# A take also clears the counters' `w` (a wake-up was sent and no engine has taken
-# since): a submit sends a wake-up only when none is pending.
-# KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, interval (ms;
-#                     '': unchanged since the engine last said), '1': read the request
-#                     stream even if nothing moved, what the last take said of `full`
-#   -> {ms until routed requests of a peer may be stealable (-1: none), XREADGROUP reply}
-TAKE = (
-    _LIB
-    + """
-local q, n, me = KEYS[1], tonumber(ARGV[3]), ARGV[4]
-local steal, scan = tonumber(ARGV[5]), tonumber(ARGV[6])
-local cnt, seen = q .. ':n', q .. ':seen'
-local c = redis.call('HMGET', cnt, 'n', 'rt', 'h', 'e:' .. me, 'w')
-local waiting, routed, handed, mine = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]) or 0,
-  tonumber(c[4]) or 0
-local want = n - handed
-local retry = -1
-local function later(ms) if retry < 0 or ms < retry then retry = ms end end
-local taken = 0
-if waiting > 0 and want > 0 then
-  local cands = {}
-  local function add(set, members)
-    for _, m in ipairs(members) do cands[#cands + 1] = {string.sub(m, 1, 34), set, m} end
-  end
-  if mine > 0 then
-    local own = q .. ':z:' .. me
-    add(own, redis.call('ZRANGE', own, 0, want - 1))
-  end
-  if waiting - routed > 0 then add(q .. ':z', redis.call('ZRANGE', q .. ':z', 0, want - 1)) end
-  if routed - mine > 0 then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    for _, e in ipairs(redis.call('SMEMBERS', q .. ':ze')) do
-      if e ~= me then
-        local v = redis.call('HMGET', seen, e .. ':p', e .. ':f')
-        local wait = steal  -- a peer never seen, or full: busy
-        if v[1] and v[2] ~= '1' then wait = math.max(steal, 2 * tonumber(v[1])) end
-        local set = q .. ':z:' .. e
-        for _, m in ipairs(redis.call('ZRANGE', set, 0, scan - 1)) do
-          local _, _, _, _, at = body(m)
-          if now - at >= wait then add(set, {m}) else later(wait - (now - at)) end
-        end
-      end
-    end
-  end
-  table.sort(cands, function(a, b) return a[1] < b[1] end)
-  local tk, gone, bySet = {}, {}, {}
-  for i = 1, math.min(want, #cands) do
-    local set, m = cands[i][2], cands[i][3]
-    local rid, res, tenant, eng, _, r = body(m)
-    local id = redis.call('XADD', q, '*', 'r', r, 'i', rid, 'd', string.sub(m, 35, 54), 's', res)
-    tk[#tk + 1] = rid; tk[#tk + 1] = id
-    gone[#gone + 1] = {hprio(m), tenant, eng, htag(m)}
-    bySet[set] = bySet[set] or {}
-    table.insert(bySet[set], m)
-  end
-  for set, ms in pairs(bySet) do redis.call('ZREM', set, unpack(ms)) end
-  if #tk > 0 then redis.call('HSET', q .. ':tk', unpack(tk)) end
-  forget(q, gone, {waiting, routed, handed})
-  taken = #gone
-end
-if taken == 0 and c[5] then redis.call('HDEL', cnt, 'w') end  -- this take saw the wake-up
-local full = taken + handed >= n and '1' or '0'
-if ARGV[7] ~= '' or full ~= ARGV[9] then  -- what peers know of this engine changed
-  local f = {me .. ':f', full}
-  if ARGV[7] ~= '' then f[3] = me .. ':p'; f[4] = ARGV[7] end
-  if redis.call('HSET', seen, unpack(f)) > 0 then
-    redis.call('PEXPIRE', seen, 3600000)  -- new fields: a new engine, or a new hash
-  end
-end
-local got = false
-if taken > 0 or handed > 0 or ARGV[8] == '1' then
-  local args = {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', q, '>'}
-  local ok
-  ok, got = pcall(redis.call, unpack(args))
-  if not ok then  -- no group (a new model, or Redis restarted): make it and read again
-    redis.call('XGROUP', 'CREATE', q, ARGV[1], '0', 'MKSTREAM')
-    got = redis.call(unpack(args))
-  end
-end
-if handed > 0 and got then  -- hand-backs delivered: no longer waiting
-  local back = 0
-  for _, entry in ipairs(got[1][2]) do
-    for j = 1, #entry[2], 2 do if entry[2][j] == 'h' then back = back + 1 end end
-  end
-  if back > 0 then
-    if redis.call('HINCRBY', cnt, 'h', -back) <= 0 then
-      redis.call('HDEL', cnt, 'h')
-      if waiting - taken <= 0 then redis.call('DEL', cnt, q .. ':ze') end
-    end
-  end
-end
-return {retry, got}
-"""
-)
-
-# The waiting sets of a model: the shared one and the routed ones. KEYS[1] is the queue.
-_SETS = """
-local function sets(q)
-  local out = {q .. ':z'}
-  for _, e in ipairs(redis.call('SMEMBERS', q .. ':ze')) do out[#out + 1] = q .. ':z:' .. e end
-  return out
-end
-"""
-
-# Queue deadlines over the waiting sets: members whose deadline passed leave, and the
-# history stream of each (if its client still has one) and its gateway's results
-# stream get the failure event, built around the JSON-quoted request id.
-# KEYS: queue   ARGV: scan_limit, now, out key prefix, retention_ms, event before the
-#                     id, event after the id, the model's key tag + ':'
-#                     -> expired request ids
-EXPIRE = (
-    _LIB
-    + _SETS
-    + """
-local q, budget, now = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
-local expired, gone = {}, {}
-if not redis.call('HGET', q .. ':n', 'n') then return expired end
-for _, set in ipairs(sets(q)) do
-  if budget <= 0 then break end
-  local members = redis.call('ZRANGE', set, 0, budget - 1)
-  budget = budget - #members
-  local drop = {}
-  for _, m in ipairs(members) do
-    local d = hdeadline(m)
-    if d > 0 and d <= now then
-      local rid, res, tenant, eng = body(m)
-      drop[#drop + 1] = m
-      gone[#gone + 1] = {hprio(m), tenant, eng}
-      local out = ARGV[3] .. rid
-      if redis.call('EXISTS', out) == 1 then
-        local ev = ARGV[5] .. cjson.encode(rid) .. ARGV[6]
-        redis.call('XADD', out, '*', 'e', ev)
-        redis.call('PEXPIRE', out, ARGV[4])
-        -- only a stream of this model's slot (the script's keys are all in it)
-        if res ~= '' and string.sub(res, 1, #ARGV[7]) == ARGV[7] then
-          redis.call('XADD', res, '*', 'e', ev)
-          if redis.call('PTTL', res) == -1 then redis.call('PEXPIRE', res, ARGV[4]) end
-        end
-      end
-      expired[#expired + 1] = rid
-    end
-  end
-  for i = 1, #drop, 1000 do redis.call('ZREM', set, unpack(drop, i, math.min(i + 999, #drop))) end
-end
-forget(q, gone)
-return expired
-"""
-)
-
-# Best-effort places of waiting requests: 1 + the members ahead of it (in queue order)
-# in every waiting set; 0 once taken (or gone).
-# KEYS: queue   ARGV: (waiting set, header) pairs   -> places
-POSITIONS = (
-    _SETS
-    + """
-local q = KEYS[1]
-local all = sets(q)
-local out = {}
-for i = 1, #ARGV, 2 do
-  local set, hdr = ARGV[i], ARGV[i + 1]
-  if redis.call('ZLEXCOUNT', set, '[' .. hdr, '(' .. hdr .. '\\255') == 0 then
-    out[#out + 1] = 0
-  else
-    local ahead = 0
-    for _, s in ipairs(all) do ahead = ahead + redis.call('ZLEXCOUNT', s, '-', '(' .. hdr) end
-    out[#out + 1] = ahead + 1
-  end
-end
-return out
-"""
-)
-
-# Abort from any gateway, the request's part (its model's slot): drop the request where
-# it waits (its meta entry names the set and the header), or in the request stream once
-# taken (so that a request whose engine is gone leaves nothing behind), and end the
-# history stream and its gateway's results stream with a whole-request abort marker (a
-# resumed client sees the end). A grace abort passes ARGV[4], the attach count its
-# client had: it does nothing when a client resumed the request since (the count moved
-# on). Then it tells the model's engines (its abort stream).
-# KEYS: out, attached, aborts   ARGV: rid, retention_ms, marker, attach ('' = always),
-#                               results ttl_ms, aborts maxlen
-ABORT = (
-    _LIB
-    + """
-if ARGV[4] ~= '' and (redis.call('GET', KEYS[2]) or '0') ~= ARGV[4] then return 0 end
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if #first == 0 then return -1 end
-local f = first[1][2]
-local set, hdr, s, rq
-for i = 1, #f, 2 do
-  if f[i] == 'q' then set = f[i + 1] elseif f[i] == 'qe' then hdr = f[i + 1] elseif f[i] == 's' then s = f[i + 1]
-  elseif f[i] == 'rq' then rq = f[i + 1] end
-end
-if set and hdr and rq then
-  local m = redis.call('ZRANGEBYLEX', set, '[' .. hdr, '(' .. hdr .. '\\255', 'LIMIT', 0, 1)[1]
-  if m then
-    redis.call('ZREM', set, m)
-    local _, _, tenant, eng = body(m)
-    forget(rq, {{hprio(m), tenant, eng}})
-  else
-    -- taken: the take moved it into the request stream `rq` under a new id (TAKE)
-    local te = redis.call('HGET', rq .. ':tk', ARGV[1])
-    if te then
-      redis.call('XDEL', rq, te)
-      redis.call('HDEL', rq .. ':tk', ARGV[1])
-    end
-  end
-end
-redis.call('XADD', KEYS[1], '*', 'e', ARGV[3])
-if s then
-  redis.call('XADD', s, '*', 'e', ARGV[3])
-  if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'r', ARGV[1])
-return 1
-"""
-)
+#: waiting requests whose positions a gateway reads every `queue_poll_s / 2`; more stretch the interval
+POSITIONS_PER_POLL = 256
 
 
 def taken_key(queue: str) -> str:
@@ -542,5 +206,46 @@ def submit_args(
     target: str,
     results: str,
 ) -> list[Any]:
-    """ARGV of SUBMIT, in order."""
+    """ARGV of SUBMIT (lua/queue_submit.lua), in order."""
     return [depth, cap, request, meta, ttl_ms, request_id, repr(deadline), priority, tenant, target, results]
+
+
+class Positions:
+    """A gateway's view of where its waiting requests stand (WebSocket `queued`): the
+    set and header of each, from its submit until its first event, and their places,
+    read for all of them at once (one POSITIONS script per model) at most every
+    `poll_s / 2`; past `POSITIONS_PER_POLL` waiting requests, less often, so that a long
+    queue does not make Redis slower to drain it."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self._waiting: dict[str, tuple[str, str, str]] = {}  # request id -> (model, set, header)
+        self._places: dict[str, int] = {}
+        self._read_at = 0.0
+
+    def waits(self, request_id: str, model: str, waiting_set: str, header: str) -> None:
+        self._waiting[request_id] = (model, waiting_set, header)
+
+    def left(self, request_id: str) -> None:
+        """The request has events, or ended: it waits no more."""
+        self._waiting.pop(request_id, None)
+        self._places.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    async def place(self, client: Any, queue_of: Callable[[str], str], request_id: str) -> int | None:
+        """1-based place of a waiting request (0: taken); raises what the client raises."""
+        every = self.poll_s / 2 * max(1.0, len(self._waiting) / POSITIONS_PER_POLL)
+        if time.monotonic() - self._read_at >= every:
+            self._read_at = time.monotonic()
+            by_model: dict[str, list[tuple[str, str, str]]] = {}
+            for rid, (model, waiting_set, header) in self._waiting.items():
+                by_model.setdefault(model, []).append((rid, waiting_set, header))
+            places: dict[str, int] = {}
+            for model, waiting in by_model.items():  # one script per model: each queue is in its own slot
+                flat = [part for _, waiting_set, header in waiting for part in (waiting_set, header)]
+                got = await eval_script(client, POSITIONS, [queue_of(model)], flat)
+                places |= {rid: int(p) for (rid, _, _), p in zip(waiting, got, strict=True)}
+            self._places = places
+        return self._places.get(request_id)

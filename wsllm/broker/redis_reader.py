@@ -1,4 +1,4 @@
-"""The gateway's reader of one model's results (`redis_gateway.GatewaySide.events`
+"""The gateway's reader of one model's results (`redis_gateway.RedisGateway.events`
 runs one per model: a model's keys share one cluster slot, and a blocking read over
 several keys must stay inside one).
 
@@ -69,7 +69,7 @@ class _Round:
 
 
 class ModelReader:
-    def __init__(self, gw: Any, model: str) -> None:  # a redis_gateway.GatewaySide (it imports this module)
+    def __init__(self, gw: Any, model: str) -> None:  # a redis_gateway.RedisGateway (it imports this module)
         self.gw = gw
         self.model = model
         self.own = gw.keys.results(model, gw.gateway_id)
@@ -93,7 +93,7 @@ class ModelReader:
         wake_id = "$"
         broken = False
         try:
-            while not self.gw.closed:
+            while not self.gw.closing:
                 if reader is None:
                     try:
                         reader = await reader_client(self.gw.url, self.gw.cfg, self.own, READ_BLOCK_MS / 1000)

@@ -11,7 +11,7 @@ interval, not once per engine (64 engines scanning a few hundred pending entries
 2 s took a third of a Redis core's budget in `bench/broker_scale.py`), and a scan visits
 at most `RECLAIM_PAGE` x 10 entries (XAUTOCLAIM's own bound), going round by its cursor.
 
-`Recovery` only reads Redis and decides; the engine side (`redis_engine.EngineSide`)
+`Recovery` only reads Redis and decides; the engine side (`redis_engine.RedisEngine`)
 applies each `Decision` (hold the request, ack it, send its last event, dead-letter
 it), so the two never reach into each other.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from wsllm.broker.redis_keys import GROUP, Keys
 from wsllm.broker.replay import History, Plan, Replay, error_event, plan
-from wsllm.config import RedisConfig
+from wsllm.config_redis import RedisConfig
 from wsllm.types import GenerateRequest, TokenEvent, WireError
 from wsllm.wire import decode_events, decode_request
 
@@ -147,7 +147,6 @@ class Recovery:
         log.info("%s: request %s (delivery %d, %d events sent): %s", self.consumer, rid, deliveries,
                  history.num_events, what.value)  # fmt: skip
         if what is Plan.REPLAY:
-            req.skip_tokens = max((len(t) for t in history.sent.values()), default=0)
             return Decision(entry_id, fields, what, req, replay=Replay(rid, history))
         if what is Plan.DEAD:
             msg = f"the request failed on {deliveries - 1} engines and was moved to the dead-letter stream"

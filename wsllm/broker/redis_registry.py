@@ -1,54 +1,58 @@
-"""The engine side's registry and lease calls (`redis_engine.EngineSide` inherits them):
-the heartbeat (the engine's registry key, and a few times per lease the refresh of the
-entries it holds), the published tokenizer, deregistering, and handing requests back to
-the queue on shutdown."""
+"""The engine registry: written by each engine's side (`Registry`, which
+`redis_engine.RedisEngine` hands its calls on to), read by gateways (`RegistryReader`).
+
+The engine side: the heartbeat (the engine's registry key, and a few times per lease the refresh of
+the entries it holds), the published tokenizer, deregistering, and handing requests
+back to the queue on shutdown. It reads and drops from the engine's table of held
+requests (`redis_held.py`), which it is given."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import redis.exceptions
 
+from wsllm.broker.redis_conn import eval_script
+from wsllm.broker.redis_held import HeldRequests
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import counters_key, wake_key
-from wsllm.config import RedisConfig
+from wsllm.broker.redis_scripts import ENGINES, REFRESH
+from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo
 from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
 
+#: a gateway reads the registry at most this often (seconds)
+ENGINES_CACHE_S = 1.0
 # A model's published tokenizer outlives its last engine by this much (milliseconds).
 _TOKENIZER_TTL_MS = 24 * 3600 * 1000
 
 
 class Registry:
-    r: Any
-    keys: Keys
-    cfg: RedisConfig
-    model: str
-    queue: str
-    consumer: str
-    _lock: threading.Lock
-    _held: dict[str, Any]  # redis_engine._Held (not imported: redis_engine imports this module)
-    _started: bool
-    _next_refresh: float
-    _next_registry: float
-    _refresh: Any
-
-    def _drop(self, rid: str) -> None:
-        raise NotImplementedError
+    def __init__(
+        self, r: Any, keys: Keys, cfg: RedisConfig, model: str, consumer: str, held: HeldRequests
+    ) -> None:
+        self.r: Any = r  # redis-py's reply types are too loose to be useful here
+        self.keys, self.cfg, self.model, self.consumer = keys, cfg, model, consumer
+        self.queue = keys.queue(model)
+        self.held = held
+        self._refresh = r.register_script(REFRESH)
+        self._next_refresh = 0.0
+        self._next_registry = 0.0
 
     # -- registry and leases -----------------------------------------------------------
 
     def heartbeat(self, info: EngineInfo) -> None:
         d = info.to_dict() | {"last_seen": time.time()}
         ttl_ms = int(self.cfg.engine_ttl_s * 1000)
-        with self._lock:
-            owned = {h.entry_id: rid for rid, h in self._held.items() if not h.dropped}
+        owned = self.held.owned()
         try:
             pipe = self.r.pipeline(transaction=False)
             pipe.set(self.keys.engine(info.engine_id), orjson.dumps(d), px=ttl_ms)
@@ -58,21 +62,21 @@ class Registry:
                 pipe.pexpire(self.keys.tokenizer(self.model), _TOKENIZER_TTL_MS)
             pipe.execute()
             # Refreshing the leases a few times per lease is enough (and cheap).
-            if owned and self._started and time.monotonic() >= self._next_refresh:
+            if owned and self.held.started and time.monotonic() >= self._next_refresh:
                 self._next_refresh = time.monotonic() + self.cfg.lease_s / 4
                 args = [GROUP, self.consumer, 2 * len(owned) + 1000, *owned]
                 lost = self._refresh(keys=[self.queue], args=args)
                 for entry_id in lost or []:
                     rid = owned[entry_id.decode() if isinstance(entry_id, bytes) else entry_id]
                     log.warning("%s: lost its lease on %s; stopping it here", self.consumer, rid)
-                    self._drop(rid)
+                    self.held.drop(rid)
         except UNAVAILABLE as e:
             log.debug("redis unavailable for the heartbeat (%s)", e)
         except redis.exceptions.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             for rid in owned.values():  # the group (and our entries) are gone: Redis restarted
-                self._drop(rid)
+                self.held.drop(rid)
 
     def publish_tokenizer(self, files: dict[str, bytes]) -> None:
         """Store this model's tokenizer files for the gateways (kept while any engine of
@@ -92,7 +96,7 @@ class Registry:
             pipe.delete(self.keys.engine(engine_id))
             pipe.srem(self.keys.engines, engine_id)
             pipe.execute()
-            if self._started and not self._held:
+            if self.held.started and not self.held.by_id:
                 pending = self.r.xpending_range(self.queue, GROUP, "-", "+", 1, consumername=self.consumer)
                 if not pending:
                     self.r.xgroup_delconsumer(self.queue, GROUP, self.consumer)
@@ -107,8 +111,7 @@ class Registry:
         the old entries, atomically per request; then wake the model's engines."""
         left = []
         for rid in request_ids:
-            with self._lock:
-                held = self._held.get(rid)
+            held = self.held.get(rid)
             if held is None or held.dropped:
                 left.append(rid)
                 continue
@@ -127,3 +130,87 @@ class Registry:
             held.dropped = True
             log.info("%s: handed %s back to the queue", self.consumer, rid)
         return left
+
+
+class RegistryReader:
+    """The registry as a gateway reads it (redis.asyncio, `client()` gives the loop's
+    client): the live engines, from a copy cached for `ENGINES_CACHE_S`, and a model's
+    published tokenizer. `unavailable(e)` is the gateway's error for an unreachable
+    Redis (it also drops this cache: /ready must not report engines it cannot see)."""
+
+    def __init__(
+        self,
+        client: Callable[[], Any],
+        keys: Keys,
+        cfg: RedisConfig,
+        unavailable: Callable[[BaseException], Exception],
+    ) -> None:
+        self.client, self.keys, self.cfg, self.unavailable = client, keys, cfg, unavailable
+        self._engines: tuple[float, list[EngineInfo]] = (0.0, [])
+        # The read in flight, per event loop: callers share it (one read at a time).
+        self._reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[list[EngineInfo]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
+        try:
+            got = await self.client().hgetall(self.keys.tokenizer(model))
+        except UNAVAILABLE as e:
+            raise self.unavailable(e) from None
+        if not got:
+            return None
+        return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
+
+    async def engines(self) -> list[EngineInfo]:
+        """The registered engines, from the cached copy while it is fresh. Past that, one
+        read at a time: the callers that find one in flight wait for it instead of
+        starting their own (on a slow Redis, every request admitted meanwhile would add a
+        read of a GET and a PTTL per engine, slowing it further)."""
+        at, cached = self._engines
+        if time.monotonic() - at < ENGINES_CACHE_S:
+            return cached
+        loop = asyncio.get_running_loop()
+        task = self._reads.get(loop)
+        if task is None:
+            task = self._reads[loop] = loop.create_task(self._read())
+            task.add_done_callback(self._read_done)
+        # shield: a caller that is cancelled must not cancel the read the others wait for
+        return await asyncio.shield(task)
+
+    def _read_done(self, task: asyncio.Task[list[EngineInfo]]) -> None:
+        loop = task.get_loop()
+        if self._reads.get(loop) is task:
+            del self._reads[loop]
+        if not task.cancelled():
+            task.exception()  # retrieved: its waiters may all have been cancelled
+
+    async def _read(self) -> list[EngineInfo]:
+        try:
+            flat = await eval_script(self.client(), ENGINES, [self.keys.engines], [self.keys.engine("")])
+        except UNAVAILABLE as e:
+            raise self.unavailable(e) from None
+        now = time.time()
+        ttl_ms = self.cfg.engine_ttl_s * 1000
+        infos = []
+        for raw, pttl in zip(flat[::2], flat[1::2], strict=True):
+            try:
+                info = EngineInfo.from_dict(orjson.loads(raw))
+            except (orjson.JSONDecodeError, TypeError, ValueError):
+                log.warning("an engine heartbeat this gateway cannot read: %r", raw[:200])
+                continue
+            info.last_seen = now - max(0.0, ttl_ms - int(pttl)) / 1000  # Redis's clock, not the engine's
+            infos.append(info)
+        self._engines = (time.monotonic(), infos)
+        return infos
+
+    def routable(self, model: str, default_model: str) -> bool:
+        """Whether routing `model`'s request can choose: false only while the cached copy
+        is fresh and holds fewer than two engines of it (a routing read per submit would
+        then be a command per request for nothing)."""
+        at, cached = self._engines
+        if time.monotonic() - at >= ENGINES_CACHE_S:
+            return True
+        return sum(1 for e in cached if (e.model or default_model) == model) >= 2
+
+    def invalidate(self) -> None:
+        self._engines = (0.0, [])

@@ -11,15 +11,8 @@ from typing import Any
 from wsllm.broker.base import BrokerUnavailable
 from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.broker.redis_scripts import RESPONSE_DELETE
 from wsllm.broker.response_store import ResponseStore
-
-# KEYS: the response's hash   ARGV: tenant. 1 when it was the tenant's and is gone.
-_DELETE_OWNED = """
-if redis.call('HGET', KEYS[1], 'tenant') == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 class RedisResponseStore(ResponseStore):
@@ -48,7 +41,9 @@ class RedisResponseStore(ResponseStore):
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         try:
-            n = await eval_script(self._client(), _DELETE_OWNED, [self.keys.response(response_id)], [tenant])
+            n = await eval_script(
+                self._client(), RESPONSE_DELETE, [self.keys.response(response_id)], [tenant]
+            )
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
         return bool(n)

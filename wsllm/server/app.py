@@ -1,39 +1,39 @@
 """The gateway app: `create_app(cfg, broker, tokenizer_dir)`.
 
-The lifespan owns the one reader task that routes TokenEvents to requests (it
-restarts itself when reading fails; `/health` is 503 while it is down). The
-gateway process needs only a tokenizer directory and a broker: no torch, no engine."""
+The routes are the gateway's own (status.py), one wing per API (`WINGS`: each a
+folder of `api/`, mounted by one line here) and the WebSocket, which answers the
+wings' message kinds too. The lifespan owns the one reader task that routes
+TokenEvents to requests (it restarts itself when reading fails; `/health` is 503 while
+it is down). The gateway process needs only a tokenizer directory and the gateway side
+of a broker: no torch, no engine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from wsllm.broker.base import Broker, BrokerError
-from wsllm.config import GatewayConfig
-from wsllm.server import (
-    embeddings_api,
-    messages_api,
-    openai_api,
-    responses_api,
-    textwork,
-    tokenize_api,
-    usage_api,
-)
+from wsllm.broker.base import BrokerError, GatewayBroker
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server import status, textwork
+from wsllm.server.api.embeddings import routes as embeddings
+from wsllm.server.api.messages import routes as messages
+from wsllm.server.api.openai import routes as openai
+from wsllm.server.api.responses import routes as responses
+from wsllm.server.api.tokenize import routes as tokenize
 from wsllm.server.errors import ANTHROPIC_PREFIX, APIError, anthropic_response, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.metrics import Metrics
@@ -42,62 +42,27 @@ from wsllm.server.middleware import (
     HostMiddleware,
     JsonBodyMiddleware,
     SecurityHeadersMiddleware,
-    request_tenant,
 )
 from wsllm.server.tenants import Tenants, anonymous_tenant
 from wsllm.server.text import TextCodec
+from wsllm.server.wing import Wing
 from wsllm.server.ws import ws_endpoint
 
 log = logging.getLogger(__name__)
 
-_HEALTH_PING_S = 1.0  # /health's wait for the broker's store
+#: one per API: a new API is a folder of api/ and a line here
+WINGS: tuple[Callable[[Gateway], Wing], ...] = (
+    openai.mount,
+    responses.mount,
+    messages.mount,
+    embeddings.mount,
+    tokenize.mount,
+)
 
 
 def _gateway(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway
     return gw
-
-
-def _reader_running(request: Request) -> bool:
-    task: asyncio.Task[None] | None = getattr(request.app.state, "router_task", None)
-    return task is not None and not task.done() and _gateway(request).router.up
-
-
-async def health(request: Request) -> Response:
-    """Liveness: the process runs, its event reader reads (a gateway whose reader
-    is down would leave every request hanging) and its broker answers (a Redis that
-    does not would fail every submit)."""
-    why = None
-    if not _reader_running(request):
-        why = "the event reader is not running (it restarts by itself)"
-    elif not await _gateway(request).broker.reachable(_HEALTH_PING_S):
-        why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
-    if why is not None:
-        return JSONResponse({"status": "unhealthy", "reason": why}, 503, {"retry-after": "1"})
-    return JSONResponse({"status": "ok"})
-
-
-async def ready(request: Request) -> Response:
-    gw = _gateway(request)
-    running = _reader_running(request)
-    # the registry is cached for a second: a Redis that stopped meanwhile must not read as ready
-    reachable = running and await gw.broker.reachable(_HEALTH_PING_S)
-    engines = await gw.models.engines() if reachable else []
-    if not running or not engines:
-        why = "the event reader is not running" if not running else "no engine is serving yet"
-        if running and not reachable:
-            why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
-        return JSONResponse({"status": "not_ready", "reason": why}, 503, {"retry-after": "1"})
-    return JSONResponse({"status": "ready", "model": gw.model_name, "engines": len(engines)})
-
-
-async def metrics(request: Request) -> Response:
-    gw = _gateway(request)
-    await gw.models.refresh_gauges()
-    gw.metrics.buffered_events.set(gw.router.buffered_events())
-    gw.metrics.reader_restarts.set(gw.router.restarts)
-    page = gw.metrics.render(tenants=request_tenant(request.state).operator)  # names: operators only
-    return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -141,9 +106,25 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(gw: Gateway, app: Starlette) -> AsyncIterator[None]:
+    """The app's life: the heap frozen, the one event reader running, until it stops."""
+    freeze_startup_heap()
+    task = asyncio.create_task(gw.router.run(), name="wsllm-event-router")
+    app.state.router_task = task
+    try:
+        yield
+    finally:
+        await gw.aclose()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gc.unfreeze()  # an app made and shut down in a longer-lived process (tests): collectable again
+
+
 def create_app(
     cfg: GatewayConfig,
-    broker: Broker,
+    broker: GatewayBroker,
     tokenizer_dir: str | Path,
     model_name: str | None = None,
     frontend_dir: str | Path | None = None,
@@ -165,41 +146,9 @@ def create_app(
         tokenizer_dirs=dict(tokenizer_dirs or {}),
     )
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        freeze_startup_heap()
-        task = asyncio.create_task(gw.router.run(), name="wsllm-event-router")
-        app.state.router_task = task
-        try:
-            yield
-        finally:
-            await gw.aclose()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            gc.unfreeze()  # an app made and shut down in a longer-lived process (tests): collectable again
-
-    routes: list[BaseRoute] = [
-        Route("/health", health),
-        Route("/ready", ready),
-        Route("/metrics", metrics),
-        Route("/v1/models", openai_api.models),
-        Route("/v1/usage", usage_api.usage),
-        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai_api.completions, methods=["POST"]),
-        Route("/v1/streams/{request_id}", openai_api.resume_stream),
-        Route("/v1/messages", messages_api.messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
-        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", responses_api.list_input_items),
-        Route("/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]),
-        Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
-        Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
-        Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
-        WebSocketRoute("/v1/ws", ws_endpoint),
-    ]
+    wings = [mount(gw) for mount in WINGS]
+    routes: list[BaseRoute] = [*status.routes(), *(r for w in wings for r in w.routes)]
+    routes.append(WebSocketRoute("/v1/ws", ws_endpoint))
     static = Path(frontend_dir) if frontend_dir is not None else default_frontend_dir()
     if cfg.frontend and (static / "index.html").is_file():
         routes.append(Mount("/", StaticFiles(directory=static, html=True), name="frontend"))
@@ -217,9 +166,10 @@ def create_app(
             HTTPException: _http_error,
             Exception: _internal_error,
         },
-        lifespan=lifespan,
+        lifespan=functools.partial(_lifespan, gw),
     )
     app.state.gateway = gw
+    app.state.ws_kinds = {kind: k for w in wings for kind, k in w.ws.items()}
     return app
 
 

@@ -1,7 +1,7 @@
 """What a request asks to constrain its output with: OpenAI's `response_format`, vLLM's
 `structured_outputs` and OpenAI's `logit_bias`, turned into SamplingParams' `structured`
 and `logit_bias` while the request is validated (a bad one is a 400 naming its field).
-Whether a schema, regex or grammar compiles is checked later (tools.checked)."""
+Whether a schema, regex or grammar compiles is checked after admission (prepare.checked)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from wsllm.bounds import MAX_TOKEN_ID
 from wsllm.server.fields import Strict, invalid, wire_check
-from wsllm.types import MAX_TOKEN_ID
 
 
 class JsonSchemaFormat(Strict):

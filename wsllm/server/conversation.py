@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag
 
+from wsllm.bounds import MAX_ID_CHARS
 from wsllm.server.fields import Inert, Strict, invalid
-from wsllm.types import MAX_ID_CHARS
 
 # Tools in one request, and tool calls in one message.
 MAX_TOOLS = 128
@@ -119,6 +119,20 @@ class ChatMessage(Strict):
             raise invalid(f"{at}.tool_call_id", "required for a tool message (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
             raise invalid(f"{at}.tool_call_id", "only a tool message has tool_call_id")
+
+
+def chat_message(
+    role: str,
+    content: str | None,
+    *,
+    name: str | None = None,
+    tool_calls: list[ToolCallIn] | None = None,
+    tool_call_id: str | None = None,
+) -> ChatMessage:
+    """A message another API's request translates into (Messages, Responses): checked
+    as a client's would be."""
+    fields = {"role": role, "content": content, "name": name, "tool_calls": tool_calls}
+    return ChatMessage.model_validate(fields | {"tool_call_id": tool_call_id})
 
 
 def _template_call(c: ToolCallIn) -> dict[str, Any]:

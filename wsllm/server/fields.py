@@ -9,8 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wsllm.bounds import SAMPLING_BOUNDS, Bound
 from wsllm.server.errors import APIError
-from wsllm.types import SAMPLING_BOUNDS, Bound
 
 
 class Strict(BaseModel):

@@ -1,16 +1,17 @@
-"""The gateway's core, shared by the OpenAI routes and the WebSocket: one request's
-start (resolve -> admit -> prepare -> submit), resume and grace aborts. The served
-models are `models.py`, preparation (everything that needs the tokenizer)
-`prepare.py`, the reader task that fans events out `router.py`, one request's text
-work `generation.py`.
+"""The gateway's core, shared by every API and the WebSocket: a call's admission
+(`admitted`: resolve its model, then take its tenant's rpm, concurrency and coarse token
+charge, before any work for it), the chat path (`start`: admitted -> prepare ->
+submit), resume and grace aborts. The served models are `models.py`, admission's
+tickets `admission.py` and `quota.py`, preparation (everything that needs the
+tokenizer) `prepare.py`, the reader task that fans events out `router.py`, one
+request's text work `generation.py`.
 
-Admission comes before preparation: tokenizing a prompt and compiling a grammar are
-the gateway's costliest work, and a tenant could multiply them with requests that are
-then refused (a 429 must cost the gateway nothing). So rpm, the concurrency lease and
-a coarse token charge (the prompt's size estimated from its text) are taken first;
-after preparation the charge is set to the exact one and the difference taken or
-given back (`quota.py`). A request refused with a 400 by preparation gets its tokens
-back and keeps its rpm spent.
+Admission comes before preparation: tokenizing a prompt, rendering a template,
+compiling a grammar and loading a conversation are the gateway's costliest work, and a
+tenant could multiply them with requests that are then refused (a 429 must cost the
+gateway nothing). After preparation the charge is set to the exact one and the
+difference taken or given back. A request refused with a 400 by preparation gets its
+tokens back and keeps its rpm spent.
 
 Ownership: every request gets an unguessable resume token when it starts, told only to
 its client; resuming, reading or cancelling it from another connection, on any gateway,
@@ -18,39 +19,38 @@ needs that token (the broker stores only its hash). Ids that clients pick (WebSo
 `id`) never leave their connection.
 
 With a resumable broker (Redis) a request outlives its connection: a client that leaves
-detaches (`Generation.leave`), the request runs on for `resume_grace_s`, and
-`Gateway.resume` rebuilds its Generation on any gateway by replaying its events from the
-first; the same events give the same deltas, so a client that says how many it has gets
-exactly the rest."""
+detaches (`Generation.leave`), the request runs on for `resume_grace_s`, and `resume`
+rebuilds its Generation on any gateway by replaying its events from the first; the same
+events give the same deltas, so a client that says how many it has gets exactly the rest."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from wsllm.broker.base import Broker, BrokerError, BrokerUnavailable
+from wsllm.broker.base import BrokerError, BrokerUnavailable, GatewayBroker
 from wsllm.broker.limits import Limiter
-from wsllm.broker.response_store import ResponseStore
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server.admission import Admission
 from wsllm.server.errors import from_broker
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
 from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import (
-    Coarse,
+    Charge,
+    Ticket,
     admit,
     check_priority,
     coarse_charge,
-    compile_charge,
     counted,
-    exact_charge,
-    kept_charge,
     meter_call,
     take_lease,
 )
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Gateway:
     cfg: GatewayConfig
-    broker: Broker
+    broker: GatewayBroker
     #: the default model's tokenizer
     codec: TextCodec
     #: the default model: requests that name none go to it
@@ -79,96 +79,58 @@ class Gateway:
     models: ServedModels = field(init=False)
     #: per-tenant limits, shared by every gateway when the broker is (Redis)
     limiter: Limiter = field(init=False)
-    #: stored Responses answers, shared by every gateway when the broker is (Redis)
-    responses: ResponseStore = field(init=False)
-    _later: set[asyncio.Task[None]] = field(init=False, default_factory=set)
-    #: background /v1/responses answers running here, by response id (responses_api.py)
-    background: dict[str, tuple[Generation, asyncio.Task[None]]] = field(init=False, default_factory=dict)
+    _tasks: set[asyncio.Task[Any]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.router = Router(self.broker, self.cfg.max_buffered_events, self.cfg.orphan_timeout_s)
         default = ServedModel(self.model_name, self.codec, self._services(self.codec, self.metrics))
         self.models = ServedModels(self.broker, default, self._services, self.tokenizer_dirs)
         self.limiter = self.broker.limiter()
-        self.responses = self.broker.response_store()
 
     def _services(self, codec: TextCodec, metrics: Metrics) -> Services:
         return Services(codec, metrics, self.broker, self.router, self.abort_later)
 
-    @property
-    def svc(self) -> Services:
-        """The default model's services."""
-        return self.models.default.svc
+    @contextlib.asynccontextmanager
+    async def admitted(self, tenant: Tenant, api: Api, charge: Charge) -> AsyncIterator[Admission]:
+        """Admit a call of `tenant` (whom its API key names) through `api`: resolve its
+        model (404, 503), check its priority (400), then take each coarse charge of
+        `charge` (429 past the tenant's limits), all before any work for it. What the
+        call neither submits nor settles is given back when it leaves this block."""
+        model, max_len = await self.models.resolve(charge.model, tenant)
+        check_priority(charge.priority, tenant, self.cfg.max_priority)
+        tickets: list[Ticket] = []
+        adm = Admission(
+            model,
+            max_len,
+            tenant,
+            api,
+            charge.priority,
+            tickets,
+            self._submit,
+            self.cfg.spec_compile_tokens_per_s,
+        )
+        try:
+            with counted(model.svc.metrics, tenant):
+                for c in charge.coarse:
+                    rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
+                    tickets.append(await admit(self.limiter, tenant, rid, c.estimate, c.least))
+            yield adm
+        finally:
+            await adm.release_rest()
 
     async def start(
         self, req: ChatRequest | CompletionRequest, api: Api, tenant: Tenant = ANONYMOUS
     ) -> Generation:
-        """Resolve, admit, prepare and submit a checked request of `tenant` (whom its API key
-        names). Raises APIError (429 past the tenant's limits, before any tokenizing)."""
-        model, max_len = await self.models.resolve(req.model, tenant)
-        check_priority(req.priority, tenant, self.cfg.max_priority)
-        charge = coarse_charge(req, self.cfg.default_max_tokens)
-        return await self._run(
-            model, api, tenant, req.priority, charge, lambda: prepare(req, api, model, max_len, self.cfg)
-        )
-
-    async def start_prepared(
-        self, model: ServedModel, prep: Prepared, api: Api, tenant: Tenant, priority: int = 0
-    ) -> Generation:
-        """Admit and submit a request its route prepared for `model` (/v1/embeddings
-        tokenizes its inputs itself, so its exact charge is known at admission)."""
-        exact = exact_charge(len(prep.prompt_ids), prep.params)
-        return await self._run(
-            model, api, tenant, priority, Coarse(exact, exact), lambda: asyncio.sleep(0, prep)
-        )
-
-    async def _run(
-        self, model: ServedModel, api: Api, tenant: Tenant, priority: int, charge: Coarse,
-        prepared: Callable[[], Awaitable[Prepared]],
-    ) -> Generation:  # fmt: skip
-        """Admit with `charge`, then prepare (not on a refusal), refine the charge, submit."""
-        rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        metrics = model.svc.metrics
-        with counted(metrics, tenant):  # a 429 here or after tokenizing (larger than its tpm)
-            ticket = await admit(self.limiter, tenant, rid, charge.estimate, charge.least)
-            try:
-                prep = await prepared()
-                spec = compile_charge(prep.compile_s, self.cfg.spec_compile_tokens_per_s)
-                await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params, spec))
-                ticket.kept = kept_charge(len(prep.prompt_ids), prep.params, spec)
-                gen = await self._submit(model, prep, rid, priority, tenant.name)
-            except BaseException:
-                await ticket.release(0)  # never queued: nothing used
-                raise
-
-        async def release(used: int | None) -> None:
-            metrics.tenant_completion(tenant.name, gen.usage.completion_tokens)
-            await ticket.release(used)
-
-        gen.on_release = release
-        gen.on_hand_over = ticket.hand_over
-        gen.ratelimit_headers = ticket.headers
-        metrics.prompt_tokens.inc(len(prep.prompt_ids))
-        metrics.tenant_admitted(tenant.name, len(prep.prompt_ids))
-        return gen
+        """Admit, prepare and submit a checked chat or completion request (of one prompt)."""
+        charge = Charge(req.model, [coarse_charge(req, self.cfg.default_max_tokens)], req.priority)
+        async with self.admitted(tenant, api, charge) as adm:
+            return await adm.submit(0, await prepare(req, api, adm.model, adm.max_len, self.cfg))
 
     async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
-        """One request of `tenant`'s rpm for a call that generates nothing (`/tokenize`,
-        `/detokenize`, a resume), taken before its work; its x-ratelimit-* headers. A
-        refusal (429 APIError) counts in `metrics` (the default model's when None)."""
+        """One request of `tenant`'s rpm for a resume, taken before its replay; its
+        x-ratelimit-* headers. A refusal (429 APIError) counts in `metrics`."""
         with counted(metrics or self.metrics, tenant):
             return await meter_call(self.limiter, tenant)
-
-    async def charge_work(self, tenant: Tenant, tokens: int) -> None:
-        """Take `tokens` from `tenant`'s tokens bucket for work already done that
-        generates nothing (`/tokenize`'s and `/detokenize`'s token counts): never refused
-        (the rpm was taken before the work, by `meter`), but the tenant's next requests
-        wait for the bucket to fill again. Nothing without a tpm."""
-        if tokens > 0 and tenant.limits.tpm:
-            try:
-                await self.limiter.adjust(tenant.name, tenant.limits, tokens)
-            except BrokerError:  # the answer is computed: a broker fault does not withhold it
-                log.warning("could not charge %d tokens to tenant %s", tokens, tenant.name)
 
     async def _submit(
         self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: str
@@ -250,13 +212,19 @@ class Gateway:
                 if after is not None:
                     await after(aborted)
 
-        task = asyncio.get_running_loop().create_task(later())
-        self._later.add(task)
-        task.add_done_callback(self._later.discard)
+        self.spawn(later())
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `work` in the background (a grace abort, a background response); it is
+        cancelled when the app stops."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def aclose(self) -> None:
-        """Cancel pending grace-time aborts (the app is stopping)."""
-        for t in [*self._later, *(task for _, task in self.background.values())]:
+        """Cancel the background work (the app is stopping)."""
+        for t in list(self._tasks):
             t.cancel()
         await self.limiter.aclose()
         self.models.close()

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wsllm.broker.base import Broker
+from wsllm.broker.base import GatewayBroker
 from wsllm.server.chat.output import ChoiceOutput, OutputOptions
 from wsllm.server.chat.reasoning import prompt_opens_think
+from wsllm.server.delta import Delta, TokenLogprob, merge
 from wsllm.server.metrics import Metrics
 from wsllm.server.resume import ResumeContext
 from wsllm.server.router import Router
@@ -44,31 +45,11 @@ class Services:
 
     codec: TextCodec
     metrics: Metrics
-    broker: Broker
+    broker: GatewayBroker
     router: Router
     #: abort_later(request_id, attach, after): abort a detached request after the grace
     #: time, then `after(aborted)` (the tenant's lease: dropped, or handed to the resumer)
     abort_later: Callable[[str, int, Callable[[bool], Awaitable[None]] | None], None]
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token: str
-    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
-    top: list[tuple[str, float]]
-
-
-@dataclass(slots=True)
-class Delta:
-    """New text for one choice. `finish_reason` is set on the choice's last delta."""
-
-    index: int
-    text: str  # the answer's content
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    num_tokens: int = 0
-    reasoning: str = ""  # chat: text of the <think> block
-    tool_calls: list[dict[str, Any]] | None = None  # chat: OpenAI-shaped tool_calls deltas
 
 
 class GenerationError(Exception):
@@ -172,6 +153,22 @@ class Generation:
     def usage(self) -> Usage:
         return Usage(self.prompt_len, sum(c.num_tokens for c in self.choices), self.cached_tokens)
 
+    @property
+    def replayable(self) -> bool:
+        """Its deltas are numbered for a replay (a resumable broker): one per engine event,
+        so a resume on any gateway numbers them the same; a transport sends each alone."""
+        return self.svc.broker.resumable
+
+    def queue_poll_s(self) -> float | None:
+        """How often its client may be told its place in the queue (`position`) while it
+        waits; None once it started, or where the broker cannot tell."""
+        waiting = self.svc.broker.resumable and not self.started and not self.finished
+        return self.svc.broker.queue_poll_s if waiting else None
+
+    async def position(self) -> int | None:
+        """Its 1-based place in its queue (0: an engine took it; None: unknown)."""
+        return await self.svc.broker.position(self.request_id)
+
     async def next(self, timeout: float | None = None) -> list[Delta]:
         """The next deltas ([] when `timeout` passed first, or when finished).
         Raises GenerationError when the request failed."""
@@ -201,9 +198,7 @@ class Generation:
                 await self._end()
         deltas.extend(self._final)
         self._final = []
-        # Resumable: one delta per event, so that a replay on any gateway numbers them
-        # the same way (the transports then send one message per delta).
-        return deltas if self.svc.broker.resumable else _merge(deltas)
+        return deltas if self.replayable else merge(deltas)
 
     async def cancel(self) -> None:
         """The client asked to stop (or went away, and the request cannot outlive its
@@ -361,20 +356,6 @@ class Generation:
             t.queue_time = ev.queue_time
             self.svc.metrics.queue.observe(ev.queue_time)
 
-    def prompt_token_logprobs(self) -> list[TokenLogprob] | None:
-        """The prompt's logprobs as tokens' text (for `echo`); a table of prompt tokens x
-        (top N + 1) entries: call it off the event loop."""
-        entries = self.prompt_logprobs_raw
-        if entries is None:
-            return None
-        text = self.svc.codec.token_text
-        return [
-            TokenLogprob(text(tid), None, [])
-            if e is None
-            else TokenLogprob(text(tid), float(e[0]), [(text(int(t)), float(tlp)) for t, tlp in e[1]])
-            for tid, e in zip(self.prompt_ids_for_logprobs, entries, strict=False)
-        ]
-
     def _logprobs(self, ev: TokenEvent) -> list[TokenLogprob] | None:
         if not self.want_logprobs or not ev.logprobs:
             return None
@@ -383,23 +364,3 @@ class Generation:
             TokenLogprob(text(tid), float(lp), [(text(int(t)), float(tlp)) for t, tlp in top])
             for tid, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)
         ]
-
-
-def _merge(deltas: list[Delta]) -> list[Delta]:
-    """One delta per choice: events that queued up while the client was slow go out
-    together (clients expect a choice at most once per chunk)."""
-    by_index: dict[int, Delta] = {}
-    for d in deltas:
-        m = by_index.get(d.index)
-        if m is None:
-            by_index[d.index] = d
-            continue
-        m.text += d.text
-        m.reasoning += d.reasoning
-        m.num_tokens += d.num_tokens
-        if d.tool_calls:
-            m.tool_calls = (m.tool_calls or []) + d.tool_calls
-        m.finish_reason = d.finish_reason or m.finish_reason
-        if d.logprobs:
-            m.logprobs = (m.logprobs or []) + d.logprobs
-    return list(by_index.values())

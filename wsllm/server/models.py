@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsllm.broker.base import TOKENIZER_FILES, Broker, BrokerUnavailable, EngineInfo
+from wsllm.broker.base import TOKENIZER_FILES, BrokerUnavailable, EngineInfo, GatewayBroker
 from wsllm.server.errors import APIError
 from wsllm.server.generation import Services
 from wsllm.server.metrics import Metrics
@@ -44,7 +44,7 @@ def _by_alias(live: dict[str, list[EngineInfo]], alias: str) -> str | None:
 
 @dataclass
 class ServedModels:
-    broker: Broker
+    broker: GatewayBroker
     #: the default model: requests that name none go to it
     default: ServedModel
     #: the services of a model's Generations, given its tokenizer and metrics

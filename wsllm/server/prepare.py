@@ -1,11 +1,21 @@
-"""Preparation: a checked request and the model it goes to become what the engine and
-the gateway's text work need (`Prepared`): the prompt's token ids, the engine's
-SamplingParams, how the answer is read (the chat output plan) and the request's
-ResumeContext. The one stage that needs the model's tokenizer, so the 400s that need
-it come from here: the chat template's, token ids outside the vocabulary, a tool or
-response format that does not compile, a `suffix` for a model without fill-in-the-middle
-tokens, and a prompt too long for the context.
-`/tokenize` and `/detokenize` use the same steps."""
+"""Preparation: a checked, admitted request and the model it goes to become what the
+engine and the gateway's text work need (`Prepared`): the prompt's token ids, the
+engine's SamplingParams, how the answer is read (the chat output plan) and the
+request's ResumeContext. A chat or completion request (`prepare`) and each input of an
+embeddings call (`embeddings`); `/tokenize` and `/detokenize` use the same steps.
+
+It runs only after admission (gateway.py), and it is the one stage that needs the
+model's tokenizer (or compiles), so the 400s that need them come from here and nowhere
+else; every other 400 of a request is its validation's (schemas.py, the wings' request
+modules). They are:
+- a text whose characters alone are more than the context can hold (before it is
+  tokenized: no token is longer than the vocabulary's longest string);
+- a prompt (with `max_tokens`) longer than the context, an empty embeddings input;
+- token ids outside the vocabulary (prompt, stop_token_ids, logit_bias keys);
+- the chat template's refusal, or its deadline;
+- a tool call or response format whose grammar does not compile, or not in time;
+- a `suffix` for a model without fill-in-the-middle tokens;
+- a prompt-logprobs table over --max-prompt-logprobs entries."""
 
 from __future__ import annotations
 
@@ -14,16 +24,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from wsllm.config import GatewayConfig
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.chat.output import OutputOptions
-from wsllm.server.chat.plan import checked, plan_chat, wanted_constraint
+from wsllm.server.chat.plan import plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.fim import fim_prompt
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
-from wsllm.server.schemas import ChatRequest, CompletionRequest, Detokenize, TokenizeChat, TokenizeCompletion
+from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TemplateError, TextCodec, run_with_deadline
+from wsllm.structured import check_spec_within
 from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
@@ -64,6 +75,7 @@ async def prepare(
     live engines allow `max_len` tokens of context. Raises APIError (400)."""
     codec = model.codec
     _check_vocab(codec, req)
+    _fits(codec, _prompt_chars(req), max_len, "messages" if isinstance(req, ChatRequest) else "prompt")
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
     structured, compile_s = (
@@ -77,27 +89,81 @@ async def prepare(
     return Prepared(prompt_ids, params, ctx, compile_s)
 
 
-async def tokenize(
-    req: TokenizeCompletion | TokenizeChat, model: ServedModel, cfg: GatewayConfig
-) -> list[int]:
-    """vLLM's /tokenize: the token ids of a prompt, or of a chat's messages through the
-    template as a chat request would have them."""
+async def chat_prompt(req: ChatRequest, model: ServedModel, cfg: GatewayConfig, **template: Any) -> list[int]:
+    """A chat's prompt token ids (its template, tools and system), and nothing more of
+    its preparation (no constraint compiled): what `count_tokens` and `/tokenize` report.
+    `template`: more of the template's arguments (add_generation_prompt, ...)."""
+    plan = plan_chat(req, model.codec, model.name, cfg.tool_parser)
+    return await _prompt_ids(req, model.codec, plan.template | template, cfg.template_timeout_s)
+
+
+async def text_tokens(model: ServedModel, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text's token ids, as a completion prompt is tokenized (`/tokenize`)."""
+    encode = functools.partial(model.codec.encode, add_special_tokens=add_special_tokens)
+    return await _run_text(encode, text, len(text))
+
+
+async def detokenize(codec: TextCodec, ids: list[int], param: str = "tokens") -> str:
+    """The text of token ids, special tokens kept (`/detokenize`); a 400 naming `param`
+    for an id outside the vocabulary."""
+    _vocab(codec, ids, param)
+    return await _run_text(codec.decode, ids, 4 * len(ids))
+
+
+async def embeddings(model: ServedModel, inputs: list[str | list[int]], max_len: int) -> list[Prepared]:
+    """Each input of an embeddings call as a request: a text tokenized as a completion
+    prompt is (all of them off the event loop when they are long), token ids checked
+    against the vocabulary; each within the model's context. Its charge at admission was
+    its prompt plus one."""
     codec = model.codec
-    if isinstance(req, TokenizeChat):
-        chat = req.as_chat()
-        template = plan_chat(chat, codec, model.name, cfg.tool_parser).template | {
-            "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message,
-        }
-        return await _prompt_ids(chat, codec, template, cfg.template_timeout_s)
-    encode = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
-    return await _run_text(encode, req.prompt, len(req.prompt))
+    where = ["input" if len(inputs) == 1 else f"input.{i}" for i in range(len(inputs))]
+    texts = [x for x in inputs if isinstance(x, str)]
+    for x, at in zip(inputs, where, strict=True):
+        if isinstance(x, str):
+            _fits(codec, len(x), max_len, at)
+    encoded = iter(await _run_text(lambda ts: [codec.encode(t) for t in ts], texts, sum(map(len, texts))))
+    out = []
+    for x, at in zip(inputs, where, strict=True):
+        ids = next(encoded) if isinstance(x, str) else x
+        if not ids:
+            raise APIError(400, "invalid_request", f"{at}: must not be empty (it has no tokens)", param=at)
+        if len(ids) > max_len:
+            msg = f"{at}: has {len(ids)} tokens, beyond the model's context of {max_len}"
+            raise APIError(400, "context_length_exceeded", msg, param=at)
+        _vocab(codec, ids, at)
+        params = SamplingParams(max_tokens=1, pooling="auto")  # the engine never samples it
+        out.append(Prepared(ids, params, ResumeContext.start(Api.EMBEDDINGS, model.name, ids, params, [])))
+    return out
 
 
-async def detokenize(req: Detokenize, codec: TextCodec) -> str:
-    """vLLM's /detokenize: the text of token ids, special tokens kept."""
-    _vocab(codec, req.tokens, "tokens")
-    return await _run_text(codec.decode, req.tokens, 4 * len(req.tokens))
+async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
+    """`spec` and the seconds its check took, compiled once with llguidance off the event
+    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
+    try:
+        took = await check_spec_within(spec, limit_s)
+    except ValueError as e:
+        raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
+    return spec, took
+
+
+def _prompt_chars(req: ChatRequest | CompletionRequest) -> int:
+    """The characters of a request's prompt text (0 for token ids)."""
+    if isinstance(req, ChatRequest):
+        return sum(len(m.text) for m in req.messages)
+    p = req.single
+    return (len(p) if isinstance(p, str) else 0) + len(req.suffix or "")
+
+
+def _fits(codec: TextCodec, chars: int, max_len: int, param: str) -> None:
+    """A 400 for a text that even the vocabulary's longest tokens could not fit in the
+    context, before it is tokenized (a megabyte would take the gateway a second)."""
+    if chars > max_len * codec.max_token_chars:
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"{param}: {chars} characters are more than this model's context of {max_len} tokens can hold",
+            param=param,
+        )
 
 
 def _check_vocab(codec: TextCodec, req: ChatRequest | CompletionRequest) -> None:

@@ -14,8 +14,10 @@ When the request ends in this gateway (finished, failed, cancelled) the unused p
 the charge minus the prompt and completion tokens it really used, goes back with the
 lease. A request whose client left while it runs on for a resume (Redis) keeps its
 lease until its grace abort, and is not refunded: its tokens are still being made.
-`/tokenize`, `/detokenize` and resumes take one request from rpm (`meter_call`). The
-rules of the buckets are in `wsllm/broker/limits.py`."""
+A call that generates nothing (`/tokenize`, `count_tokens`) is admitted the same way,
+with its prompt's coarse charge, and settles at its exact token count (`Ticket.settle`).
+Resumes take one request from rpm (`meter_call`) and the lease again. The rules of the
+buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
@@ -57,18 +59,30 @@ class Coarse:
     least: int  # what the exact charge cannot be below: over the tpm, it can never pass
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a call asks of its tenant before any work is done for it: the model it
+    names, its priority, and a coarse token charge per engine request it makes (one,
+    or one per prompt of a list, per embeddings input; one for a call that generates
+    nothing). Each is admitted (rpm, a lease, the tokens) before the call's work."""
+
+    model: str | None
+    coarse: list[Coarse]
+    priority: int = 0
+
+
 def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> Coarse:
     """A request's token charge before tokenizing: its prompt's size in tokens,
-    estimated from the text (exact for token ids), plus `width x max_tokens` (the
-    client's, or the default; the context may lower it, which the exact charge tells)."""
+    estimated from the text (exact for token ids; a fill-in-the-middle `suffix` counts
+    too), plus `width x max_tokens` (the client's, or the default; the context may lower
+    it, which the exact charge tells)."""
     if isinstance(req, CompletionRequest):
         p = req.single
         known = len(p) if isinstance(p, list) else 0
-        prompt = _text_tokens(p) if isinstance(p, str) else known
+        prompt = text_tokens(p) if isinstance(p, str) else known
+        prompt += text_tokens(req.suffix) if req.suffix is not None else 0
     else:
-        known = 0
-        prompt = sum(_text_tokens(m.text) + _MESSAGE_OVERHEAD_TOKENS for m in req.messages)
-        prompt += sum(_text_tokens(t.model_dump_json()) for t in req.tools or [])
+        known, prompt = 0, chat_prompt_tokens(req)
     max_tokens = req.requested_max_tokens
     width = req.n or 1
     if isinstance(req, CompletionRequest) and req.use_beam_search:
@@ -77,8 +91,21 @@ def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int)
     return Coarse(estimate, known + width * (max_tokens or 1))
 
 
-def _text_tokens(text: str) -> int:
+def chat_prompt_tokens(req: ChatRequest) -> int:
+    """A chat prompt's tokens, estimated from its messages' and tools' text."""
+    prompt = sum(text_tokens(m.text) + _MESSAGE_OVERHEAD_TOKENS for m in req.messages)
+    return prompt + sum(text_tokens(t.model_dump_json()) for t in req.tools or [])
+
+
+def text_tokens(text: str) -> int:
+    """A text's tokens, estimated from its bytes."""
     return -(-len(text.encode("utf-8", "surrogatepass")) // _BYTES_PER_TOKEN)
+
+
+def prompt_charge(tokens: int, exact: bool = False) -> Coarse:
+    """The charge of a call that generates nothing and reads a prompt of about `tokens`
+    (`exact`: token ids, whose number is known)."""
+    return Coarse(tokens, tokens if exact else 0)
 
 
 def exact_charge(prompt_tokens: int, params: SamplingParams, compile_tokens: int = 0) -> int:
@@ -179,12 +206,12 @@ class Ticket:
     def __post_init__(self) -> None:
         self.charged = self.decision.charged
 
-    async def refine(self, tokens: int) -> None:
+    async def refine(self, tokens: int, refuse: bool = True) -> None:
         """Set the charge to `tokens`, the exact one now that the prompt is tokenized:
         take the difference, or give it back. Raises the 429 of a charge larger than
         the tenant's tpm (the ticket is then released, nothing refunded but the
-        generation part)."""
-        err = too_large(self.tenant, tokens)
+        generation part), unless not `refuse` (the work is done: it is taken, a debt)."""
+        err = too_large(self.tenant, tokens) if refuse else None
         if err is not None:
             raise err
         tpm = self.tenant.limits.tpm
@@ -203,6 +230,16 @@ class Ticket:
         if not self.released and self.limiter is not None:
             self.limiter.hand_over(self.tenant.name, self.request_id)
         self.released = True
+
+    async def settle(self, tokens: int) -> None:
+        """A call that generates nothing is done, its exact charge `tokens`: taken (even
+        below zero: the work is done, the tenant's next calls wait for the bucket), and
+        its lease released."""
+        try:
+            await self.refine(tokens, refuse=False)
+        except BrokerError:  # the answer is computed: a broker fault does not withhold it
+            log.warning("could not charge %d tokens to tenant %s", tokens, self.tenant.name)
+        await self.release(tokens)
 
     async def release(self, used_tokens: int | None) -> None:
         """The request ended here. `used_tokens` (prompt + completion) sets the refund;
@@ -254,8 +291,8 @@ def counted(metrics: Metrics, tenant: Tenant) -> Iterator[None]:
 
 
 async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:
-    """Take one request from the tenant's rpm for a call that is not a generation
-    (`/tokenize`, a resume's replay), or raise a 429 APIError. Its x-ratelimit-* headers."""
+    """Take one request from the tenant's rpm for a resume's replay, or raise a 429
+    APIError. Its x-ratelimit-* headers."""
     if tenant.limits.rpm is None:
         return {}
     ticket = await _take(limiter, tenant, Limits(rpm=tenant.limits.rpm), "", 0)

@@ -44,6 +44,7 @@ class Api(enum.StrEnum):
     MESSAGES = "messages"  # Anthropic's /v1/messages: a chat answer in its own shapes
     RESPONSES = "responses"  # OpenAI's /v1/responses
     EMBEDDINGS = "embeddings"  # /v1/embeddings: one request per input, no text out
+    TOKENIZE = "tokenize"  # /tokenize, /detokenize: admitted, nothing queued
 
     @property
     def is_chat(self) -> bool:
@@ -60,6 +61,8 @@ class Api(enum.StrEnum):
             return "resp"
         if self is Api.EMBEDDINGS:
             return "embd"
+        if self is Api.TOKENIZE:
+            return "tok"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 

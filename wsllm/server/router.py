@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 
-from wsllm.broker.base import Broker
+from wsllm.broker.base import GatewayBroker
 from wsllm.types import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,9 @@ class Inbox:
 
 
 class Router:
-    def __init__(self, broker: Broker, max_buffered_events: int, orphan_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, broker: GatewayBroker, max_buffered_events: int, orphan_timeout_s: float = 30.0
+    ) -> None:
         self.broker = broker
         self.max_buffered_events = max_buffered_events
         self.orphan_timeout_s = orphan_timeout_s

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
-from wsllm.config import GatewayConfig
+from wsllm.bounds import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
 from wsllm.server.conversation import (
     MAX_TOOLS,
@@ -29,7 +30,6 @@ from wsllm.server.conversation import (
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged, wire_check
-from wsllm.types import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 M = TypeVar("M", bound=BaseModel)
@@ -152,6 +152,8 @@ class ChatRequest(SamplingFields):
     def check_chat(self) -> None:
         """What the schema cannot say about the messages, tools and tool_choice."""
         check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs)
+        if self.structured is not None and self.forced_tool is not None:
+            raise invalid("tool_choice", "a forced call cannot be combined with response_format")
 
 
 class CompletionRequest(SamplingFields):
@@ -199,55 +201,6 @@ class CompletionRequest(SamplingFields):
     def one(self, prompt: str | list[int]) -> CompletionRequest:
         """This request for one prompt of its batch."""
         return self.model_copy(update={"prompt": prompt})
-
-
-# -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------
-
-
-class TokenizeCompletion(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChat(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # The template writes the special tokens; true is refused (it would add a second BOS).
-    add_special_tokens: Literal[False] = False
-    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-    def as_chat(self) -> ChatRequest:
-        """The chat request whose prompt this is (for the template and its checks)."""
-        req = ChatRequest.model_construct(
-            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
-        )
-        req.check_chat()
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt")
-        return req
-
-
-class Detokenize(Strict):
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
-
-
-def validate_tokenize(raw: bytes, cfg: GatewayConfig) -> TokenizeCompletion | TokenizeChat:
-    """A /tokenize body: `prompt` (text) or `messages` (a chat), as vLLM takes them."""
-    obj = _body(raw, cfg)
-    if "messages" in obj:
-        return _validated(TokenizeChat, obj)
-    return _validated(TokenizeCompletion, obj)
-
-
-def validate_detokenize(raw: bytes, cfg: GatewayConfig) -> Detokenize:
-    return _validated(Detokenize, _body(raw, cfg))
 
 
 # -- WebSocket messages (docs/protocol.md) ------------------------------------------------
@@ -299,12 +252,12 @@ def parse_json(raw: bytes | str) -> Any:
 
 def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
     """Parse and check a /v1/chat/completions or /v1/completions body."""
-    req = _validated(model, _body(raw, cfg))
-    _check_limits(req, cfg)
+    req = validated(model, body_object(raw, cfg))
+    check_limits(req, cfg)
     return req
 
 
-def _body(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
+def body_object(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
     """An HTTP body: a JSON object, its message count checked before its schema."""
     obj = parse_json(raw)
     if not isinstance(obj, dict):
@@ -313,7 +266,7 @@ def _body(raw: bytes, cfg: GatewayConfig) -> dict[str, Any]:
     return obj
 
 
-def _validated(model: type[M], obj: dict[str, Any]) -> M:
+def validated(model: type[M], obj: dict[str, Any]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -332,7 +285,7 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
         tagged = obj.get("type") in ("chat", "completion", "cancel", "resume", "ping")
         raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
-        _check_limits(msg, cfg)
+        check_limits(msg, cfg)
     return msg
 
 
@@ -341,56 +294,49 @@ def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:
     template time per message, so their number is capped first."""
     messages = obj.get("messages")
     if isinstance(messages, list) and len(messages) > cfg.max_messages:
-        raise APIError(
-            400,
-            "invalid_request",
-            f"messages: at most {cfg.max_messages} messages (got {len(messages)})",
-            param="messages",
-        )
+        raise invalid("messages", f"at most {cfg.max_messages} messages (got {len(messages)})")
 
 
-def _check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
+def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> None:
     """The operator's limits (GatewayConfig), beyond what the schema says; then, for a
     chat, what the schema cannot say about its conversation."""
-
-    def bad(param: str, message: str) -> APIError:
-        return APIError(400, "invalid_request", f"{param}: {message}", param=param)
-
     if req.n is not None and req.n > cfg.max_n:
-        raise bad("n", f"at most {cfg.max_n} (got {req.n})")
+        raise invalid("n", f"at most {cfg.max_n} (got {req.n})")
     mt = req.requested_max_tokens
     if mt is not None and mt > cfg.max_tokens_limit:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        raise bad(name, f"at most {cfg.max_tokens_limit} (got {mt})")
+        raise invalid(name, f"at most {cfg.max_tokens_limit} (got {mt})")
     stops = req.stops
     if len(stops) > cfg.max_stop:
-        raise bad("stop", f"at most {cfg.max_stop} stop strings (got {len(stops)})")
+        raise invalid("stop", f"at most {cfg.max_stop} stop strings (got {len(stops)})")
     for s in stops:
         if not s or len(s) > cfg.max_stop_len:
-            raise bad("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
+            raise invalid("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
     plp = getattr(req, "prompt_logprobs", None)
     if plp is not None and plp > cfg.max_top_logprobs:
-        raise bad("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
+        raise invalid("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
     top = req.num_top_logprobs
     if top is not None and top > cfg.max_top_logprobs:
         param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
-        raise bad(param, f"at most {cfg.max_top_logprobs} (got {top})")
+        raise invalid(param, f"at most {cfg.max_top_logprobs} (got {top})")
     width = getattr(req, "beam_width", None)
     if width is not None and width > cfg.max_n:
-        raise bad("beam_width", f"at most {cfg.max_n} (got {width})")
+        raise invalid("beam_width", f"at most {cfg.max_n} (got {width})")
     if getattr(req, "use_beam_search", None):
         if req.n is not None and req.n > (width or cfg.max_n):
-            raise bad("n", "must not exceed beam_width with use_beam_search")
+            raise invalid("n", "must not exceed beam_width with use_beam_search")
         if width is None:
             wire_check("beam_width", req.n or 1)  # the width it gets is at least n
     if req.min_tokens is not None and mt is not None and req.min_tokens > mt:
-        raise bad("min_tokens", f"must not exceed max_tokens ({mt})")
+        raise invalid("min_tokens", f"must not exceed max_tokens ({mt})")
     batch = req.prompts if isinstance(req, CompletionRequest) else None
     if batch is not None:
         if isinstance(req, WsCompletion):
-            raise bad("prompt", "a list of prompts is for /v1/completions; send a request per prompt here")
+            raise invalid(
+                "prompt", "a list of prompts is for /v1/completions; send a request per prompt here"
+            )
         if not 1 <= len(batch) <= cfg.max_prompts:
-            raise bad("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
+            raise invalid("prompt", f"a list of 1 to {cfg.max_prompts} prompts (got {len(batch)})")
     if isinstance(req, CompletionRequest) and req.suffix is not None:
         _check_suffix(req)
     if isinstance(req, ChatRequest):

@@ -127,6 +127,9 @@ class TextCodec:
             raise ValueError(f"{tokenizer_dir}: a fast tokenizer (tokenizer.json) is needed for streaming")
         self.backend: Tokenizer = backend
         self.vocab_size: int = len(self.hf)
+        #: the longest token's string, in characters: no text of more than n times this
+        #: many is n tokens or fewer (byte-level strings are no shorter than their text)
+        self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
         self.eos_token_id: int | None = self.hf.eos_token_id
         self._token_text: dict[int, str] = {}
         self._vocab_strs: list[str | None] | None = None  # id -> its vocabulary string (token_strs)

@@ -1,18 +1,23 @@
 """The WebSocket API, `/v1/ws`: many requests on one socket (docs/protocol.md).
 
 One task reads client messages in order, one task writes (so that sends never
-interleave), and one task per live request turns its deltas into messages. The
-session ends when either the reader or the writer stops (the client closed, a send
-failed, or the client took no data for `--send-timeout-s`); then every live request
-leaves (`Generation.leave`: cancelled, or detached with a resumable broker so that
-its owner can `resume` it on a new socket, on any gateway, with its resume token).
-While a request waits for an engine, its task sends `queued` with its place."""
+interleave), and one task per live request sends its messages. Chat and completion
+requests (and their resumes) are the socket's own (ws_chat.py: deltas numbered by
+`seq`, `done`, `queued`); every other kind of request is a wing's (`wing.WsKind`:
+`responses`, `embeddings`), run after the same admission as its HTTP route. The socket
+caps its live requests of every kind together (--max-requests-per-socket). The session
+ends when either the reader or the writer stops (the client closed, a send failed, or
+the client took no data for `--send-timeout-s`); then every live request leaves (a chat
+request detaches where the broker keeps it, so that its owner can `resume` it on a new
+socket, on any gateway, with its resume token; the rest are cancelled)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,17 +26,18 @@ from starlette.datastructures import Headers
 from starlette.websockets import WebSocket
 
 from wsllm.broker.base import BrokerError
-from wsllm.config import GatewayConfig
-from wsllm.server import embeddings_api, textwork
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server import textwork
 from wsllm.server.errors import APIError, from_broker, from_generation
 from wsllm.server.fields import bounds_table
 from wsllm.server.gateway import Gateway
-from wsllm.server.generation import Delta, Generation, GenerationError
+from wsllm.server.generation import GenerationError
+from wsllm.server.http import VALIDATE_INLINE_BYTES
 from wsllm.server.middleware import request_tenant
-from wsllm.server.responses_api import ResponseRun, start_response
-from wsllm.server.responses_schema import responses_request
 from wsllm.server.resume import Api
 from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
+from wsllm.server.wing import WsKind
+from wsllm.server.ws_chat import chat_messages
 from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
@@ -61,24 +67,36 @@ async def ws_endpoint(websocket: WebSocket) -> None:
         await websocket.close(CLOSE_POLICY)  # before accept: the handshake gets 403
         return
     await websocket.accept()
-    await WsSession(websocket, gw).run()
+    await WsSession(websocket, gw, websocket.app.state.ws_kinds).run()
 
 
 class SendTimeout(Exception):
     """The client took no data for --send-timeout-s."""
 
 
+@dataclass(slots=True)
+class _Live:
+    """A request running on the socket, of any kind: how a `cancel` stops it, and how it
+    leaves when the socket closes (a chat request detaches for a resume where the broker
+    keeps it; the others are cancelled)."""
+
+    cancel: Callable[[], Awaitable[None]]
+    leave: Callable[[], Awaitable[None]]
+    task: asyncio.Task[None] | None = None
+
+
 class WsSession:
-    def __init__(self, ws: WebSocket, gw: Gateway) -> None:
+    def __init__(self, ws: WebSocket, gw: Gateway, kinds: dict[str, WsKind[Any]]) -> None:
         self.ws = ws
         self.gw = gw
         self.cfg = gw.cfg
+        self.kinds = kinds  # the wings' message types (wing.py), by `type`
         # Bounded: a client that stops reading slows its own requests, nobody else's,
         # and is dropped after --send-timeout-s.
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(maxsize=gw.cfg.ws_outbox_messages)
-        self.gens: dict[str, Generation] = {}
+        #: every request running on this socket, by the client's id: the cap counts them all
+        self.live: dict[str, _Live] = {}
         self.tenant = request_tenant(ws.state)  # set by the API key middleware, from the key
-        self.tasks: dict[str, asyncio.Task[None]] = {}
 
     async def run(self) -> None:
         reader = asyncio.create_task(self._read())
@@ -86,12 +104,12 @@ class WsSession:
         try:
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for gen in list(self.gens.values()):
+            for msg_id, live in list(self.live.items()):
                 try:
-                    await gen.leave()  # cancelled, or detached for a resume
+                    await live.leave()  # cancelled, or detached for a resume
                 except Exception:
-                    log.exception("request %s could not leave cleanly", gen.request_id)
-            tasks = [*self.tasks.values(), reader, writer]
+                    log.exception("request %s could not leave cleanly", msg_id)
+            tasks = [*(live.task for live in self.live.values() if live.task is not None), reader, writer]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -120,7 +138,7 @@ class WsSession:
                 return
 
     async def _read(self) -> None:
-        # `bounds`: every sampling parameter's range, as declared once (types.SAMPLING_BOUNDS);
+        # `bounds`: every sampling parameter's range, as declared once (bounds.SAMPLING_BOUNDS);
         # `limits`: the operator's, tighter (the UI takes both from here)
         limits = await self._limits()
         await self.send(
@@ -144,13 +162,11 @@ class WsSession:
             obj = parse_json(raw)
             if isinstance(obj, dict) and isinstance(obj.get("id"), str):
                 msg_id = obj["id"]
-            if isinstance(obj, dict) and obj.get("type") == "responses":
-                await self._start_response(obj, len(raw))
+            kind = self.kinds.get(str(obj.get("type"))) if isinstance(obj, dict) else None
+            if kind is not None:
+                await self._start_kind(kind, obj, len(raw))
                 return
-            if isinstance(obj, dict) and obj.get("type") == "embeddings":
-                await self._start_embeddings(obj)
-                return
-            if len(raw) <= 64 * 1024:
+            if len(raw) <= VALIDATE_INLINE_BYTES:
                 msg = validate_ws(obj, self.cfg)
             else:  # a large message must not hold up the other streams
                 msg = await textwork.run(validate_ws, obj, self.cfg)
@@ -165,8 +181,7 @@ class WsSession:
         except APIError as e:
             await self.api_error(msg_id, e)
         except BrokerError as e:  # e.g. Redis down during a cancel: this message fails, not the socket
-            err = from_broker(e)
-            await self.error(msg_id, err.code, err.message)
+            await self.api_error(msg_id, from_broker(e))
         except Exception:
             log.exception("a WebSocket message failed")
             await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
@@ -189,10 +204,11 @@ class WsSession:
         await self.send(msg | (extra or {}))
 
     def _admit(self, msg_id: str) -> None:
-        """Refuse a new live request on this socket (started or resumed) past the cap."""
-        if msg_id in self.gens:
+        """Refuse a new request on this socket (of any kind, started or resumed) past the
+        cap, or under an id that runs already."""
+        if msg_id in self.live:
             raise APIError(400, "duplicate_id", f"id {msg_id!r} is already running on this socket", "id")
-        if len(self.gens) >= self.cfg.max_requests_per_socket:
+        if len(self.live) >= self.cfg.max_requests_per_socket:
             raise APIError(
                 429,
                 "too_many_requests",
@@ -203,65 +219,27 @@ class WsSession:
         self._admit(msg.id)
         api = Api.WS_CHAT if isinstance(msg, WsChat) else Api.WS_COMPLETION
         gen = await self.gw.start(msg, api, self.tenant)
-        self.gens[msg.id] = gen
         started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
         await self.send(started | {"resume_token": gen.resume_token})
-        self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen))
+        self._run(msg.id, _Live(gen.cancel, gen.leave), chat_messages(msg.id, gen))
 
-    async def _start_response(self, obj: dict[str, Any], size: int) -> None:
-        """A `responses` message: OpenAI's Responses body (responses_api.py), always
-        streamed, its typed events each in a `response_event`; not resumable."""
+    async def _start_kind(self, kind: WsKind[Any], obj: dict[str, Any], size: int) -> None:
+        """A message of a wing's kind: the same validation, admission and work as its
+        HTTP route; its messages go out with its `id`."""
         msg_id = obj.get("id")
         if not isinstance(msg_id, str) or not 1 <= len(msg_id) <= 128:
             raise APIError(400, "invalid_request", "id: a string of 1 to 128 characters", "id")
         self._admit(msg_id)
-        body = {k: v for k, v in obj.items() if k not in ("type", "id", "stream")}
-        if body.get("background"):
-            raise APIError(400, "invalid_request", "background: use POST /v1/responses", "background")
-        if size <= 64 * 1024:
-            req = responses_request(body, self.cfg)
+        fields = {k: v for k, v in obj.items() if k not in ("type", "id")}
+        if size <= VALIDATE_INLINE_BYTES:
+            req = kind.validate(fields, self.cfg)
         else:  # a large message must not hold up the other streams
-            req = await textwork.run(responses_request, body, self.cfg)
-        run = await start_response(self.gw, req, self.tenant)
-        self.gens[msg_id] = run.gen
-        ids = {"request_id": run.gen.request_id, "response_id": run.builder.id}
-        await self.send({"type": "started", "id": msg_id} | ids)
-        self.tasks[msg_id] = asyncio.create_task(self._stream_response(msg_id, run))
-
-    async def _start_embeddings(self, obj: dict[str, Any]) -> None:
-        """An `embeddings` message: /v1/embeddings' body (embeddings_api.py), answered by
-        one `embeddings` message or an `error`; the socket's close cancels it."""
-        msg_id, req = embeddings_api.ws_request(obj, self.cfg.max_embedding_inputs)
-        self._admit(msg_id)
-        if msg_id in self.tasks:
-            raise APIError(400, "duplicate_id", f"id {msg_id!r} is already running on this socket", "id")
-
-        async def answer() -> None:
-            try:
-                await self.send(await embeddings_api.ws_answer(self.gw, msg_id, req, self.tenant))
-            except APIError as e:
-                await self.api_error(msg_id, e)
-            except BrokerError as e:
-                await self.api_error(msg_id, from_broker(e))
-            except Exception:
-                log.exception("an embeddings message failed")
-                await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
-            finally:
-                self.tasks.pop(msg_id, None)
-
-        self.tasks[msg_id] = asyncio.create_task(answer())
-
-    async def _stream_response(self, msg_id: str, run: ResponseRun) -> None:
-        try:
-            async for batch in run.batches(None):
-                for ev in batch:
-                    await self.send({"type": "response_event", "id": msg_id, "event": ev})
-        finally:
-            if self.gens.get(msg_id) is run.gen:
-                self.gens.pop(msg_id, None)
-                self.tasks.pop(msg_id, None)
-            with contextlib.suppress(Exception):
-                await run.gen.cancel()  # nothing when it finished
+            req = await textwork.run(kind.validate, fields, self.cfg)
+        async with self.gw.admitted(self.tenant, kind.api, kind.charge(req, self.cfg)) as adm:
+            run = await kind.run(adm, req)
+        if run.started is not None:
+            await self.send({"type": "started", "id": msg_id} | run.started)
+        self._run(msg_id, _Live(run.stop, run.stop), _with_id(msg_id, run.messages))
 
     async def _resume(self, msg: WsResume) -> None:
         """Continue a request cut by a disconnect: replay it and send the deltas after
@@ -276,93 +254,37 @@ class WsSession:
                 "no request to resume with this token (it ended with its socket, expired, or is not yours)",
                 "resume_token",
             )
-        self.gens[msg.id] = gen
-        self.tasks[msg.id] = asyncio.create_task(self._stream(msg.id, gen, after_seq=msg.after_seq))
+        self._run(msg.id, _Live(gen.cancel, gen.leave), chat_messages(msg.id, gen, msg.after_seq))
 
     async def _cancel(self, msg_id: str) -> None:
-        gen = self.gens.get(msg_id)
-        if gen is None:
+        live = self.live.get(msg_id)
+        if live is None:
             raise APIError(400, "unknown_id", f"no request {msg_id!r} runs on this socket", "id")
-        await gen.cancel()  # its task sends `done` with finish_reason "abort"
+        await live.cancel()  # a chat's stream then sends `done` with finish_reason "abort"
 
-    async def _stream(self, msg_id: str, gen: Generation, after_seq: int = -1) -> None:
-        """Send a request's deltas (those numbered after `after_seq`) and dones."""
-        seq = 0
-        open_choices = len(gen.choices)
-        queued = QueuedNotice(self, msg_id, gen)
+    def _run(self, msg_id: str, live: _Live, messages: AsyncIterator[dict[str, Any]]) -> None:
+        self.live[msg_id] = live
+        live.task = asyncio.create_task(self._pump(msg_id, live, messages))
+
+    async def _pump(self, msg_id: str, live: _Live, messages: AsyncIterator[dict[str, Any]]) -> None:
+        """Send a request's messages until it ends; a failure is its `error` message."""
         try:
-            while open_choices:
-                deltas = await gen.next(timeout=queued.wait_s())
-                if not deltas:
-                    await queued.tell()
-                    continue
-                for d in deltas:
-                    for msg in self._messages(msg_id, d):
-                        if seq > after_seq:
-                            await self.send(msg | {"seq": seq})
-                        seq += 1
-                    if d.finish_reason is not None:
-                        open_choices -= 1
-                        await self.send(self._done(msg_id, gen, d, last=open_choices == 0))
+            async for msg in messages:
+                await self.send(msg)
         except GenerationError as e:
             await self.api_error(msg_id, from_generation(e.code, e.message))
+        except APIError as e:
+            await self.api_error(msg_id, e)
+        except BrokerError as e:
+            await self.api_error(msg_id, from_broker(e))
         except Exception:  # whatever failed (the broker, a bug): the request still ends with an error
-            log.exception("request %s: its stream failed", gen.request_id)
+            log.exception("request %s on a WebSocket: its stream failed", msg_id)
             await self.error(msg_id, ERR_INTERNAL, "internal error; see the server log")
         finally:
-            if self.gens.get(msg_id) is gen:
-                self.gens.pop(msg_id, None)
-                self.tasks.pop(msg_id, None)
+            if self.live.get(msg_id) is live:
+                del self.live[msg_id]
             with contextlib.suppress(Exception):
-                await gen.leave()  # nothing when it finished
-
-    @classmethod
-    def _messages(cls, msg_id: str, d: Delta) -> list[dict[str, Any]]:
-        """A delta's messages (their `seq` still to set): its reasoning, then its text
-        and tool calls."""
-        out = (
-            [{"type": "reasoning", "id": msg_id, "index": d.index, "text": d.reasoning}]
-            if d.reasoning
-            else []
-        )
-        if d.text or d.tool_calls:
-            out.append(cls._delta(msg_id, d))
-        return out
-
-    @staticmethod
-    def _delta(msg_id: str, d: Delta) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": "delta", "id": msg_id, "index": d.index, "text": d.text}
-        if d.tool_calls:
-            out["tool_calls"] = d.tool_calls
-        if d.logprobs is not None:
-            out["logprobs"] = [
-                {
-                    "token": t.token,
-                    "logprob": t.logprob,
-                    "top_logprobs": [{"token": x, "logprob": y} for x, y in t.top],
-                }
-                for t in d.logprobs
-            ]
-        return out
-
-    @staticmethod
-    def _done(msg_id: str, gen: Generation, d: Delta, last: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "type": "done",
-            "id": msg_id,
-            "index": d.index,
-            "finish_reason": d.finish_reason,
-            "request_id": gen.request_id,
-        }
-        if last:
-            u = gen.usage
-            out["usage"] = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.completion_tokens,
-                "total_tokens": u.total_tokens,
-                "cached_tokens": u.cached_tokens,
-            }
-        return out
+                await live.leave()  # nothing when it finished
 
     async def _limits(self) -> dict[str, Any]:
         c = self.cfg
@@ -377,30 +299,6 @@ class WsSession:
         }
 
 
-class QueuedNotice:
-    """`queued` messages for a request that waits for an engine: its place in the
-    queue, sent when it changes, every `queue_poll_s` (brokers that can tell)."""
-
-    def __init__(self, session: WsSession, msg_id: str, gen: Generation) -> None:
-        self.session = session
-        self.msg_id = msg_id
-        self.gen = gen
-        self.broker = session.gw.broker
-        self.last: int | None = None
-
-    def wait_s(self) -> float | None:
-        """How long the next read may wait: the poll interval until the request starts."""
-        waiting = self.broker.resumable and not self.gen.started and not self.gen.finished
-        return self.broker.queue_poll_s if waiting else None
-
-    async def tell(self) -> None:
-        if self.gen.started or self.gen.finished:
-            return
-        try:
-            place = await self.broker.position(self.gen.request_id)
-        except Exception:  # a position is a courtesy: never fail the request over it
-            log.debug("no queue position for %s", self.gen.request_id, exc_info=True)
-            return
-        if place and place != self.last:
-            self.last = place
-            await self.session.send({"type": "queued", "id": self.msg_id, "position": place})
+async def _with_id(msg_id: str, messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    async for msg in messages:
+        yield {"type": msg["type"], "id": msg_id} | msg

@@ -11,10 +11,8 @@ from typing import Any
 
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.registry import choose_style
-from wsllm.server.errors import APIError
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.text import TextCodec
-from wsllm.structured import check_spec_within
 
 
 @dataclass(slots=True)
@@ -53,26 +51,9 @@ def wanted_constraint(
 ) -> tuple[dict[str, Any], str] | None:
     """The one structured-output constraint a checked request asks for, with the field
     that asked: its `response_format` / `structured_outputs`, or the call a forcing
-    `tool_choice` needs (not both); None for free text. Cheap."""
+    `tool_choice` needs (validation refused both at once); None for free text. Cheap."""
     asked = req.structured
     forced = plan.sampling.get("structured") if plan is not None else None
-    if asked is not None and forced is not None:
-        raise APIError(
-            400,
-            "invalid_request",
-            "tool_choice: a forced call cannot be combined with response_format",
-            "tool_choice",
-        )
     if asked is not None:
         return asked
     return None if forced is None else (forced, "tool_choice")
-
-
-async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
-    """`spec` and the seconds its check took, compiled once with llguidance off the event
-    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
-    try:
-        took = await check_spec_within(spec, limit_s)
-    except ValueError as e:
-        raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
-    return spec, took

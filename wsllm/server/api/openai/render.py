@@ -1,20 +1,22 @@
 """OpenAI's shapes of one request's answer: stream chunks and whole responses of
 /v1/chat/completions and /v1/completions, with their logprobs (OpenAI's, and vLLM's
 `prompt_logprobs`), usage, `echo`, and a batch of prompts answered as one. The routes
-that send them are openai_api.py."""
+that send them are routes.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from wsllm.server import textwork
 from wsllm.server.chat.output import assemble_tool_calls
-from wsllm.server.generation import Delta, Generation, TokenLogprob
+from wsllm.server.delta import Delta, TokenLogprob
+from wsllm.server.generation import Generation
 from wsllm.server.schemas import CompletionRequest
 from wsllm.types import Usage
 
@@ -46,19 +48,39 @@ def _chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     }
 
 
-def _completion_logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+def _completion_logprobs(
+    lps: list[TokenLogprob] | None, offset: int, head: EchoTable | None = None
+) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs of `lps`, their text starting at `offset`; `head`:
+    the echoed prompt's, rendered once, before them."""
     if lps is None:
         return None
-    offsets = []
-    for t in lps:
-        offsets.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in lps],
-        "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [None if t.logprob is None else dict(t.top) for t in lps],
-        "text_offset": offsets,
-    }
+    out = EchoTable.of(lps, offset + (head.chars if head is not None else 0)).lists
+    return out if head is None else {k: head.lists[k] + v for k, v in out.items()}
+
+
+@dataclass(slots=True)
+class EchoTable:
+    """A run of tokens in OpenAI's completion logprobs, rendered: the echoed prompt's
+    is made once, off the event loop, and heads each choice's first logprobs."""
+
+    lists: dict[str, list[Any]]
+    chars: int  # the characters of its tokens (text_offset goes on from there)
+
+    @classmethod
+    def of(cls, lps: list[TokenLogprob], offset: int = 0) -> EchoTable:
+        offsets: list[int] = []
+        start = offset
+        for t in lps:
+            offsets.append(offset)
+            offset += len(t.token)
+        lists: dict[str, list[Any]] = {
+            "tokens": [t.token for t in lps],
+            "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [None if t.logprob is None else dict(t.top) for t in lps],
+            "text_offset": offsets,
+        }
+        return cls(lists, offset - start)
 
 
 def _vllm_prompt_logprobs(gen: Generation) -> orjson.Fragment | None:
@@ -84,6 +106,21 @@ def _vllm_prompt_logprobs(gen: Generation) -> orjson.Fragment | None:
     return orjson.Fragment(orjson.dumps(out))
 
 
+def prompt_token_logprobs(gen: Generation) -> list[TokenLogprob] | None:
+    """The prompt's logprobs as tokens' text (for `echo`); a table of prompt tokens x
+    (top N + 1) entries: call it off the event loop."""
+    entries = gen.prompt_logprobs_raw
+    if entries is None:
+        return None
+    text = gen.svc.codec.token_text
+    return [
+        TokenLogprob(text(tid), None, [])
+        if e is None
+        else TokenLogprob(text(tid), float(e[0]), [(text(int(t)), float(tlp)) for t, tlp in e[1]])
+        for tid, e in zip(gen.prompt_ids_for_logprobs, entries, strict=False)
+    ]
+
+
 class _PromptTables:
     """One prompt's logprob tables, each rendered once (off the loop: `build`) when the
     engine's first event brings them, then reused by every chunk and choice."""
@@ -92,7 +129,7 @@ class _PromptTables:
 
     def __init__(self) -> None:
         self.vllm: orjson.Fragment | None = None  # vLLM's `prompt_logprobs`
-        self.echo: list[TokenLogprob] | None = None  # OpenAI's, before an echoed answer
+        self.echo: EchoTable | None = None  # OpenAI's, before an echoed answer
 
     def ready(self, gen: Generation) -> bool:
         return gen.prompt_logprobs_raw is None or self.vllm is not None
@@ -100,7 +137,8 @@ class _PromptTables:
     def build(self, gen: Generation, vllm: bool, echo: bool) -> None:
         if gen.prompt_logprobs_raw is None or self.vllm is not None:
             return
-        self.echo = gen.prompt_token_logprobs() if echo else None
+        lps = prompt_token_logprobs(gen) if echo else None
+        self.echo = EchoTable.of(lps) if lps is not None else None
         self.vllm = _vllm_prompt_logprobs(gen) if vllm else orjson.Fragment(b"null")
 
 
@@ -129,6 +167,11 @@ class AnswerView:
     @property
     def finished(self) -> bool:
         return self.gen.finished
+
+    @property
+    def replayable(self) -> bool:
+        """Each delta is an event of its own (numbered the same on any gateway)."""
+        return self.gen.replayable
 
     @property
     def usage(self) -> Usage:
@@ -167,14 +210,14 @@ class AnswerView:
             delta |= chat_extras(d.reasoning, d.tool_calls)
             out = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs)}
         else:
-            text, lps = d.text, d.logprobs
+            text, head = d.text, None
             if d.index not in self.started:
                 self.started.add(d.index)
-                text, lps = self.echoed(text, lps)
+                text, head = self.echoed(text, d.logprobs)
             out = {
                 "index": d.index,
                 "text": text,
-                "logprobs": _completion_logprobs(lps, self.offsets[d.index]),
+                "logprobs": _completion_logprobs(d.logprobs, self.offsets[d.index], head),
             }
             if self.vllm_prompt_logprobs and d.index == 0 and not self.table_sent:
                 self.build_tables()  # a no-op when render() built them
@@ -188,14 +231,14 @@ class AnswerView:
         out["finish_reason"] = d.finish_reason
         return out
 
-    def echoed(self, text: str, lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
-        """A choice's first text (and logprobs) with the prompt's before it, for `echo`."""
+    def echoed(self, text: str, lps: list[TokenLogprob] | None) -> tuple[str, EchoTable | None]:
+        """A choice's first text with the prompt's before it, for `echo`, and the prompt's
+        logprobs (rendered once) to head its own when it has them."""
         if self.echo is None:
-            return text, lps
+            return text, None
         if lps is not None:
             self.build_tables()  # a no-op when render() built them
-            lps = list(self.tables.echo or []) + lps
-        return self.echo + text, lps
+        return self.echo + text, self.tables.echo if lps is not None else None
 
 
 def _total(gens: list[Generation]) -> Usage:
@@ -222,6 +265,8 @@ class BatchView:
     @property
     def finished(self) -> bool:
         return all(a.gen.finished for a in self.apis)
+
+    replayable = False  # a list of prompts is not resumable
 
     @property
     def usage(self) -> Usage:
@@ -272,11 +317,11 @@ def _choices(api: AnswerView, per_choice: list[list[Delta]]) -> list[dict[str, A
                 }
             )
         else:
-            text, lps = api.echoed(text, lps)
+            text, head = api.echoed(text, lps)
             choice = {
                 "index": api.first_index + i,
                 "text": text,
-                "logprobs": _completion_logprobs(lps, 0),
+                "logprobs": _completion_logprobs(lps, 0, head),
                 "finish_reason": finish,
             }
             if api.vllm_prompt_logprobs:  # the prompt's table: built once, on its first choice

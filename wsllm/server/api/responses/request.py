@@ -1,31 +1,23 @@
-"""The body of `POST /v1/responses` (OpenAI's Responses API) and its translation into
-the chat request that every other route prepares (`to_chat`): `instructions` become
-a system message, input items become messages (a `function_call` joins the assistant
-turn before it, a `function_call_output` is a tool message), function tools and
-`tool_choice` take chat's shapes, and `text.format` becomes `response_format`.
-
-Items are kept between turns in one plain shape (`Turn`: a dict per message, call or
-call output; reasoning is not shown to the model again, as with chat's
-`reasoning_content`), which is also what a stored response keeps for
-`previous_response_id`. Every 400 that the Responses shape can name is raised here,
-with its Responses field path; what only the tokenizer can tell comes from
-preparation and is renamed by `renamed`."""
+"""The body of `POST /v1/responses` (OpenAI's Responses API) and of the WebSocket's
+`responses` message: its shapes and every 400 they can name, with their Responses
+field paths, at validation (before admission): the operator's limits, tools and
+tool_choice, images and files, a `function_call_output` that answers no call of the
+request (when it continues none). What a stored conversation decides (a call answered
+by an earlier response) is told after admission, when it is loaded (translate.py);
+what only the tokenizer can tell comes from preparation and is renamed there."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from wsllm.config import GatewayConfig
+from wsllm.bounds import MAX_ID_CHARS, REQUEST_BOUNDS
+from wsllm.config_gateway import GatewayConfig
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
-from wsllm.server.schemas import ChatRequest, parse_json, validate_http
-from wsllm.types import MAX_ID_CHARS, REQUEST_BOUNDS
+from wsllm.server.schemas import parse_json
 
-#: an item of a conversation in its kept shape (see the module's docstring)
-Turn = dict[str, Any]
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 _ID = Field(max_length=MAX_ID_CHARS)
 
@@ -202,7 +194,7 @@ class ResponsesRequest(Strict):
         return tc.model_dump() if isinstance(tc, NamedFunction) else (tc or "auto")
 
 
-_items: TypeAdapter[list[Any]] = TypeAdapter(list[Item])
+ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[Item])
 
 
 def validate_responses(raw: bytes, cfg: GatewayConfig) -> ResponsesRequest:
@@ -239,140 +231,35 @@ def responses_request(obj: dict[str, Any], cfg: GatewayConfig) -> ResponsesReque
         raise invalid("tool_choice", "needs `tools` (there is no function to call)")
     if isinstance(tc, NamedFunction) and tc.name not in names:
         raise invalid("tool_choice.name", f"{tc.name!r} is not one of the declared tools")
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+        raise invalid("text.format.schema", 'required with "type": "json_schema"')
+    if fmt is not None and fmt.type != "text" and tc not in (None, "none", "auto"):
+        raise invalid("tool_choice", "a forced call cannot be combined with text.format")
+    _check_items(req)
     return req
 
 
-def turns(req: ResponsesRequest) -> list[Turn]:
-    """The request's input in the kept shape; images and files are a 400 naming them."""
+def _check_items(req: ResponsesRequest) -> None:
+    """What the items' schema cannot say: images and files are refused by name, and,
+    in a request that continues no stored one, each call output answers a call before it."""
     if isinstance(req.input, str):
-        return [{"type": "message", "role": "user", "content": req.input}]
-    out: list[Turn] = []
+        return
+    calls: set[str] = set()
     for i, item in enumerate(req.input):
-        if isinstance(item, MessageItem):
-            out.append({"type": "message", "role": item.role, "content": _text(item.content, f"input.{i}")})
+        if isinstance(item, MessageItem) and not isinstance(item.content, str):
+            for j, p in enumerate(item.content):
+                if isinstance(p, OtherPart):
+                    raise invalid(
+                        f"input.{i}.content.{j}", f"{p.type} is not supported by this server: send text"
+                    )
         elif isinstance(item, CallItem):
-            out.append(item.model_dump(include={"type", "call_id", "name", "arguments"}))
-        elif isinstance(item, CallOutputItem):
-            text = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            out.append({"type": "function_call_output", "call_id": item.call_id, "output": text})
-    return out
-
-
-def _text(content: str | list[Any], at: str) -> str:
-    if isinstance(content, str):
-        return content
-    for j, p in enumerate(content):
-        if isinstance(p, OtherPart):
-            raise invalid(f"{at}.content.{j}", f"{p.type} is not supported by this server: send text")
-    return "".join(p.text for p in content)
-
-
-def stored_turns(raw: Any) -> list[Turn]:
-    """Turns read back from a stored response (written by `turns` and the renderer's
-    `output_turns`); ValueError when they are not."""
-    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
-        raise ValueError("a stored conversation must be a list of objects")
-    _items.validate_python(raw)
-    return raw
-
-
-def chat_messages(items: list[Turn], instructions: str | None, first_new: int) -> list[dict[str, Any]]:
-    """Chat messages of a conversation; `first_new` is the index of the request's own
-    first item (those before came from `previous_response_id`), for 400s that name it."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    names: dict[str, str] = {}  # call id -> function name
-    for i, t in enumerate(items):
-        kind = t["type"]
-        if kind == "message":
-            messages.append({"role": t["role"], "content": t["content"]})
-        elif kind == "function_call":
-            call = {"id": t["call_id"], "type": "function"}
-            call["function"] = {"name": t["name"], "arguments": t["arguments"]}
-            names[t["call_id"]] = t["name"]
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # the same turn's calls
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            name = names.get(t["call_id"])
-            if name is None:
-                at = f"input.{i - first_new}.call_id" if i >= first_new else "previous_response_id"
-                raise invalid(at, f"no function_call with call_id {t['call_id']!r} before this output")
-            messages.append(
-                {"role": "tool", "tool_call_id": t["call_id"], "name": name, "content": t["output"]}
+            calls.add(item.call_id)
+        elif (
+            isinstance(item, CallOutputItem)
+            and item.call_id not in calls
+            and req.previous_response_id is None
+        ):
+            raise invalid(
+                f"input.{i}.call_id", f"no function_call with call_id {item.call_id!r} before this output"
             )
-    return messages
-
-
-def to_chat(
-    req: ResponsesRequest, conversation: list[Turn], first_new: int, cfg: GatewayConfig
-) -> ChatRequest:
-    """The chat request that answers `req`, whose `conversation` is the turns of the
-    responses it continues and then, from `first_new` on, its own input (`turns`)."""
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": chat_messages(conversation, req.instructions, first_new),
-        "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "seed": req.seed,
-        "priority": req.priority,
-        "stream": req.stream,
-        "parallel_tool_calls": req.parallel_tool_calls,
-    }
-    if req.top_logprobs is not None:
-        body |= {"logprobs": True, "top_logprobs": req.top_logprobs}
-    if req.tools:
-        body["tools"] = [
-            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-            for t in req.tools
-        ]
-        tc = req.tool_choice
-        if isinstance(tc, NamedFunction):
-            body["tool_choice"] = {"type": "function", "function": {"name": tc.name}}
-        else:
-            body["tool_choice"] = tc
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        rf: dict[str, Any] = {"type": fmt.type}
-        if fmt.type == "json_schema":
-            if fmt.schema_ is None:
-                raise invalid("text.format.schema", 'required with "type": "json_schema"')
-            rf["json_schema"] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
-        body["response_format"] = rf
-    clean = {k: v for k, v in body.items() if v is not None}
-    try:
-        return validate_http(ChatRequest, orjson.dumps(clean), cfg)  # type: ignore[no-any-return]
-    except APIError as e:
-        raise renamed(e) from None
-
-
-# Chat's field names as the Responses API names them, for 400s raised past translation;
-# chat's `messages.N` is not the input's item N, so those name the `input` as a whole.
-_RENAMES = (
-    ("response_format.json_schema.schema", "text.format.schema"),
-    ("response_format", "text.format"),
-    ("max_completion_tokens", "max_output_tokens"),
-    ("max_tokens", "max_output_tokens"),
-    ("tool_choice.function.name", "tool_choice.name"),
-)
-
-
-def renamed(e: APIError) -> APIError:
-    """`e` with a chat field in its `param` (and message) given its Responses name."""
-    p = e.param
-    if p is not None and (p == "messages" or p.startswith("messages.")):
-        e.param, e.message = "input", e.message.replace(p, "input", 1)
-        return e
-    for chat, ours in _RENAMES:
-        if p is not None and (p == chat or p.startswith(chat + ".")):
-            e.param = ours + p[len(chat) :]
-            e.message = e.message.replace(chat, ours, 1)
-            break
-    return e

@@ -21,9 +21,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from wsllm.server.api.responses.request import ResponsesRequest
+from wsllm.server.api.responses.translate import Turn
 from wsllm.server.chat.output import FINISH_TOOL_CALLS
-from wsllm.server.generation import Delta, TokenLogprob
-from wsllm.server.responses_schema import ResponsesRequest, Turn
+from wsllm.server.delta import Delta, TokenLogprob
 from wsllm.types import ERR_INVALID_REQUEST, ERR_RATE_LIMITED, FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Usage
 
 Event = dict[str, Any]

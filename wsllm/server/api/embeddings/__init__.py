@@ -1,0 +1,1 @@
+"""OpenAI's embeddings: request.py, render.py, routes.py."""

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: request.py, translate.py, render.py, routes.py."""

@@ -1,0 +1,1 @@
+"""OpenAI's chat completions, completions and models, with the stream resume (routes.py, render.py)."""
