@@ -130,6 +130,7 @@ class Generation:
         self.ratelimit_headers: dict[str, str] = {}
         self.attach = 0  # how many resumes came before this one (the broker counts)
         self.cached_tokens = 0
+        self.drafted = (0, 0)  # speculative decoding: (draft tokens verified, accepted), the latest
         self.finished = False
         self._final: list[Delta] = []  # deltas produced by cancel(), handed out by next()
         self._timing = _Timing(time.monotonic())
@@ -151,7 +152,8 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, sum(c.num_tokens for c in self.choices), self.cached_tokens)
+        num = sum(c.num_tokens for c in self.choices)
+        return Usage(self.prompt_len, num, self.cached_tokens, *self.drafted)
 
     @property
     def replayable(self) -> bool:
@@ -274,6 +276,7 @@ class Generation:
         c = self.choices[ev.index]
         if ev.usage is not None:
             self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
+            self.drafted = max(self.drafted, (ev.usage.drafted_tokens, ev.usage.accepted_tokens))
         if ev.embedding is not None:
             self.embedding = ev.embedding
         if c.finish_reason is not None:  # ended by a stop string; the engine hasn't heard yet

@@ -33,6 +33,14 @@ _LATENCY_BUCKETS = (
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+# (EngineStats field, metric name after wsllm_spec_, help)
+SPEC_GAUGES = (
+    ("spec_draft_tokens", "draft_tokens", "Draft tokens the engines verified since they started"),
+    ("spec_accepted_tokens", "accepted_tokens", "Draft tokens the engines accepted since they started"),
+    ("spec_verifications", "verifications", "Rows of drafts the engines verified since they started"),
+)
+
+
 class _Families:
     """The metric families of one gateway, in its own registry; `Metrics` binds them to
     one model. Label values come only from the models engines register and the tenants
@@ -75,6 +83,11 @@ class _Families:
         self.engine_aborts = Gauge(
             "wsllm_engine_aborted_requests", "Requests the engines aborted since they started", m, registry=r
         )
+        # Speculative decoding (--speculative): the engines' counters since they started, by their
+        # EngineStats field (mean accepted length = 1 + accepted / verifications)
+        self.spec = {
+            field: Gauge(f"wsllm_spec_{name}", text, m, registry=r) for field, name, text in SPEC_GAUGES
+        }
         # Slow clients cut off, the event reader's restarts, what is buffered.
         self.send_timeouts = Counter(
             "wsllm_send_timeouts",
@@ -140,6 +153,7 @@ class Metrics:
         self.prefix_hit_rate = f.prefix_hit_rate.labels(model_name)
         self.engine_preemptions = f.engine_preemptions.labels(model_name)
         self.engine_aborts = f.engine_aborts.labels(model_name)
+        self.spec = {field: gauge.labels(model_name) for field, gauge in f.spec.items()}
         self.reader_restarts = f.reader_restarts.labels(model_name)
         self.buffered_events = f.buffered_events.labels(model_name)
 
@@ -189,6 +203,8 @@ class Metrics:
         self.prefix_hit_rate.set(hits / queried if queried else 0.0)
         self.engine_preemptions.set(sum(s.get("num_preemptions", 0) for s in stats))
         self.engine_aborts.set(sum(s.get("num_aborted_total", 0) for s in stats))
+        for field, gauge in self.spec.items():
+            gauge.set(sum(s.get(field, 0) for s in stats))
 
     def render(self, tenants: bool = False) -> bytes:
         """The Prometheus page; with the per-tenant families when `tenants` (an operator)."""

@@ -91,4 +91,7 @@ def _done(msg_id: str, gen: Generation, d: Delta, last: bool) -> dict[str, Any]:
             "total_tokens": u.total_tokens,
             "cached_tokens": u.cached_tokens,
         }
+        if u.drafted_tokens:  # speculative decoding's drafts, as the HTTP usage names them
+            out["usage"] |= {"accepted_prediction_tokens": u.accepted_tokens,
+                             "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens}  # fmt: skip
     return out

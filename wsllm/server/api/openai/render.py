@@ -22,12 +22,25 @@ from wsllm.types import Usage
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
-    return {
+    out = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    return out | speculation_json(u)
+
+
+def speculation_json(u: Usage) -> dict[str, Any]:
+    """What speculative decoding did for the request, in OpenAI's names (its Predicted
+    Outputs): drafted tokens accepted and rejected; nothing when none was drafted."""
+    if not u.drafted_tokens:
+        return {}
+    details = {
+        "accepted_prediction_tokens": u.accepted_tokens,
+        "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+    }
+    return {"completion_tokens_details": details}
 
 
 def chat_extras(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -247,6 +260,8 @@ def _total(gens: list[Generation]) -> Usage:
         sum(u.prompt_tokens for u in us),
         sum(u.completion_tokens for u in us),
         sum(u.cached_tokens for u in us),
+        sum(u.drafted_tokens for u in us),
+        sum(u.accepted_tokens for u in us),
     )
 
 
