@@ -326,13 +326,8 @@ class EngineWorker:
                 ev.queue_time = out.queue_time
             if c.finish_reason is not None:
                 live.finished.add(c.index)
-                ev.usage = Usage(
-                    out.num_prompt_tokens,
-                    c.num_tokens,
-                    out.num_cached_tokens,
-                    out.num_drafted,
-                    out.num_accepted,
-                )
+                ev.usage = Usage(out.num_prompt_tokens, c.num_tokens, out.num_cached_tokens)
+                ev.usage.drafted_tokens, ev.usage.accepted_tokens = out.num_drafted, out.num_accepted
                 ev.embedding = out.embedding  # an embedding request's vector, on its one event
             events.append(ev)
         if out.prompt_logprobs is not None and events:  # once per request, on its first event here
