@@ -1,7 +1,11 @@
 """The prefix cache's hash chain, shared by the engine's block manager (which keys its
 cached KV blocks by it) and the broker's prefix-aware routing (which computes a
 prompt's keys to find the engine holding the longest cached prefix). One function,
-so that the two can never disagree. No torch."""
+so that the two can never disagree. No torch.
+
+A chain starts from a root: `cache_root(namespace)` for a request that must not share
+cached blocks with others (another tenant's salt, another LoRA adapter: the same tokens
+under another namespace are other KV), or the common root (None) for everyone else."""
 
 from __future__ import annotations
 
@@ -20,11 +24,20 @@ def block_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def cache_root(*namespace: str) -> bytes | None:
+    """The root of the chains of a cache namespace (its parts: a tenant's salt, an adapter's
+    name; empty parts are left out); None, the common root, when every part is empty."""
+    parts = [p for p in namespace if p]
+    if not parts:
+        return None
+    return hashlib.sha256(b"namespace|" + "|".join(parts).encode()).digest()
+
+
+def prompt_keys(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:
     """The chain keys of the prompt's blocks an engine could take from its cache: the
     full blocks, leaving at least one token to compute (as `BlockManager` matches)."""
     keys: list[bytes] = []
-    parent: bytes | None = None
+    parent = root
     for i in range((len(token_ids) - 1) // block_size):
         parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
         keys.append(parent)

@@ -43,6 +43,9 @@ class BlockManager:
         # Per table: how many leading blocks are hashed, and the chain key of the last of
         # them (None when it has to be rebuilt), so a newly full block costs one hash.
         self._hashed: dict[int, tuple[int, bytes | None]] = {}
+        # Per table: the root its chain starts from (prefix_hash.cache_root: a namespace of its
+        # own, such as a tenant's salt; absent: the common root)
+        self._roots: dict[int, bytes] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.num_cow = 0
@@ -82,15 +85,15 @@ class BlockManager:
                 self._free.append(b)
 
     # -- prefix cache -------------------------------------------------------
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], bytes | None]:
-        """Cached blocks that hold a prefix of `token_ids`, and the chain key of the
-        last of them. At least one token is left to compute so the model produces
-        logits for the last one."""
+    def _match_prefix(self, token_ids: Sequence[int], root: bytes | None) -> tuple[list[int], bytes | None]:
+        """Cached blocks that hold a prefix of `token_ids` in the chain from `root`, and the
+        chain key of the last of them (`root` when none). At least one token is left to
+        compute so the model produces logits for the last one."""
         if not self.enable_prefix_caching:
-            return [], None
+            return [], root
         bs = self.block_size
         max_full = (len(token_ids) - 1) // bs
-        parent: bytes | None = None
+        parent = root
         hits: list[int] = []
         for i in range(max_full):
             key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
@@ -111,7 +114,8 @@ class BlockManager:
         full = min(num_computed // bs, len(table))
         if full <= done:
             return
-        if done and parent is None:  # rebuild the chain: a block may hold no key of its own
+        if parent is None:  # (re)build the chain from its root: a block may hold no key of its own
+            parent = self._roots.get(seq_id)
             for i in range(done):
                 parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
         for i in range(done, full):
@@ -125,32 +129,43 @@ class BlockManager:
 
     # -- sequences ---------------------------------------------------------
     def can_allocate(
-        self, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int | None = None,
+        use_cache: bool = True,
+        root: bytes | None = None,
     ) -> bool:
         """Can a new sequence get blocks for its first `num_tokens` tokens (default all)?
         Keeps the watermark free for running decodes."""
         n = len(token_ids) if num_tokens is None else num_tokens
-        hits, _ = self._match_prefix(token_ids) if use_cache else ([], None)
+        hits, _ = self._match_prefix(token_ids, root) if use_cache else ([], None)
         needed = self.blocks_for(max(n, len(hits) * self.block_size + 1)) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         return self.num_free_blocks - revived - needed >= self.watermark_blocks
 
     def allocate(
-        self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_tokens: int | None = None,
+        use_cache: bool = True,
+        root: bytes | None = None,
     ) -> int:
-        """Create the block table of a new sequence. Returns how many leading tokens
-        are already in the cache (prefix hits), which the engine need not compute.
-        `use_cache=False`: no hits, every token is computed (its blocks are still
-        offered to the cache once full)."""
+        """Create the block table of a new sequence, its chain from `root` (None: the common
+        one). Returns how many leading tokens are already in the cache (prefix hits), which
+        the engine need not compute. `use_cache=False`: no hits, every token is computed
+        (its blocks are still offered to the cache once full)."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hits, last_key = self._match_prefix(token_ids) if use_cache else ([], None)
+        hits, last_key = self._match_prefix(token_ids, root) if use_cache else ([], root)
         for b in hits:
             if self.ref_counts[b] == 0:
                 self._evictable.pop(b)
             self.ref_counts[b] += 1
         self.block_tables[seq_id] = list(hits)
         self._hashed[seq_id] = (len(hits), last_key)
+        if root is not None:
+            self._roots[seq_id] = root
         cached = len(hits) * self.block_size
         if use_cache:  # the hit rate is over the prompts that looked
             self.queried_tokens += len(token_ids)
@@ -210,10 +225,13 @@ class BlockManager:
             self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
         self._hashed[child_id] = self._hashed.get(parent_id, (0, None))
+        if parent_id in self._roots:
+            self._roots[child_id] = self._roots[parent_id]
 
     def free(self, seq_id: int) -> None:
         table = self.block_tables.pop(seq_id, None)
         self._hashed.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         if table is None:
             return
         # Release tail first so the LRU evicts a chain's leaves before its root.
@@ -226,9 +244,12 @@ class BlockManager:
             raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         return [self._take() for _ in range(n)]
 
-    def set_table(self, seq_id: int, table: list[int]) -> None:
+    def set_table(self, seq_id: int, table: list[int], root: bytes | None = None) -> None:
+        """The table of a sequence swapped back in (its chain from `root`)."""
         self.block_tables[seq_id] = table
-        self._hashed[seq_id] = (0, None)
+        self._hashed[seq_id] = (0, root)
+        if root is not None:
+            self._roots[seq_id] = root
 
     def check_invariants(self) -> None:
         """Reference counts equal the number of tables holding each block; every

@@ -72,21 +72,7 @@ class LLMEngine:
         num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device, static.reserved_bytes if static else 0)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
-        swapper = None
-        if num_cpu:
-            from wsllm.engine.swap import CpuSwapSpace
-
-            swapper = CpuSwapSpace(num_cpu)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.preemption_mode,
-            swapper,
-            config.prompt_logprob_cost,
-            config.prefill_tokens_while_decoding,
-            config.prefill_ms_while_decoding,
-        )
+        self.scheduler = Scheduler.from_config(self.block_manager, config, num_cpu)
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
         self.spec = build_speculator(
             config, self.sampler, eos_token_ids, self.max_model_len, draft, num_blocks * bs
@@ -115,10 +101,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "",
+        cache_root: bytes | None = None,
     ) -> None:
         """Queue a request. Raises ValueError, leaving the engine as it was, on bad input.
         A higher `priority` is admitted first; within a priority, `tenant`s share the
-        batch by tokens served (see Scheduler)."""
+        batch by tokens served (see Scheduler). `cache_root`: the prefix cache namespace
+        its blocks are shared in (prefix_hash.cache_root; None: the common one)."""
         if params.pooling == "auto":  # an embedding request: this model's pooling
             params = dataclasses.replace(params, pooling=self.pooling)
         check_request(
@@ -127,6 +115,8 @@ class LLMEngine:
         )  # fmt: skip
         now = arrival_time if arrival_time is not None else time.time()
         req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
+        for seq in req.seqs:
+            seq.cache_root = cache_root
         self._requests[request_id] = req
         if params.structured is not None:  # compiled off this thread; step() schedules it when done
             self.compiling.add(request_id, self.matchers.start(params.structured))

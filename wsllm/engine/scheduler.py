@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from wsllm.config import EngineConfig
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.pacing import StepPacer
 from wsllm.engine.sequence import SeqStatus, Sequence
@@ -108,6 +109,18 @@ class Scheduler:
         self.num_swaps = 0
         #: tenant -> tokens computed for it (its virtual counter)
         self.served: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, bm: BlockManager, config: EngineConfig, num_cpu_blocks: int) -> Scheduler:
+        """An engine's scheduler, as its config says, with CPU swap space when it has blocks."""
+        swapper = None
+        if num_cpu_blocks:
+            from wsllm.engine.swap import CpuSwapSpace
+
+            swapper = CpuSwapSpace(num_cpu_blocks)
+        c = config
+        return cls(bm, c.max_num_seqs, c.max_num_batched_tokens, c.preemption_mode, swapper,
+                   c.prompt_logprob_cost, c.prefill_tokens_while_decoding, c.prefill_ms_while_decoding)  # fmt: skip
 
     # -- queues -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -326,9 +339,9 @@ class Scheduler:
             tokens = seq.token_ids
             first = self._fit(seq, budget)[0]  # no cache hit: the most it computes now
             use_cache = not seq.params.needs_every_position  # prompt logprobs, mean pooling
-            if first == 0 or not self.bm.can_allocate(tokens, first, use_cache):
+            if first == 0 or not self.bm.can_allocate(tokens, first, use_cache, seq.cache_root):
                 break
-            cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache)
+            cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache, seq.cache_root)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached

@@ -69,6 +69,9 @@ class Sequence:
     new_logprobs: list[Any] = field(default_factory=list)
     priority: int = 0  # higher is admitted first (and preempted last)
     tenant: str = ""  # who asked: the batch is shared fairly between tenants
+    # The prefix cache's namespace: its chains start here (prefix_hash.cache_root; None: the
+    # common root). Sequences of different roots never share a cached block.
+    cache_root: bytes | None = None
     # Structured output: an llguidance LLMatcher that has consumed exactly output_token_ids
     # (it survives a preemption with them, so nothing is replayed), None otherwise and
     # once the sequence has finished.

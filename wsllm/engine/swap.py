@@ -36,7 +36,7 @@ class CpuSwapSpace:
     def swap_in(self, seq: Sequence, bm: BlockManager) -> list[tuple[int, int]]:
         cpu = self._tables.pop(seq.seq_id)
         dev = bm.take_blocks(len(cpu))
-        bm.set_table(seq.seq_id, dev)
+        bm.set_table(seq.seq_id, dev, seq.cache_root)
         self._free.extend(reversed(cpu))
         return list(zip(dev, cpu, strict=True))
 
