@@ -20,6 +20,10 @@ MAX_TOP_K = 1 << 20  # -1 (off) or 1..MAX_TOP_K; the engine clamps it to its voc
 MAX_TOKEN_ID = 2**31 - 1  # token ids are in [0, MAX_TOKEN_ID]; the vocabulary is checked later
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_CHARS = 256  # request ids, model and tenant names
+#: a request's `cache_salt` (vLLM's) and an operator's per-tenant salt, each
+MAX_CACHE_SALT_CHARS = 256
+#: GenerateRequest.cache_salt: the gateway's namespace, "<tenant's>\x1f<request's>"
+MAX_WIRE_SALT_CHARS = 2 * MAX_CACHE_SALT_CHARS + 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
 LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as OpenAI's
 #: the kinds of `structured` output, each the one key of its dict (see wsllm/structured.py)

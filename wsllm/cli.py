@@ -33,7 +33,7 @@ from wsllm import loadgen
 from wsllm.config import EngineConfig, add_arguments, from_args
 from wsllm.config_gateway import GatewayConfig
 from wsllm.config_process import LogConfig, ModelRefConfig
-from wsllm.config_redis import RedisConfig
+from wsllm.config_redis import RedisConfig, redacted
 
 log = logging.getLogger("wsllm")
 
@@ -43,6 +43,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from wsllm.broker.memory import MemoryBroker
     from wsllm.engine.engine import LLMEngine
+    from wsllm.engine.watchdog import EXIT_STALLED, Watchdog
     from wsllm.engine.worker import EngineWorker
     from wsllm.models.loader import model_name_for, release_freed_heap
     from wsllm.server.app import create_app, uvicorn_config
@@ -57,6 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     broker = MemoryBroker(max_queue_depth=gcfg.max_queue_depth, max_queue_share=gcfg.max_queue_share)
     models = mcfg.model or [None]
     workers: list[EngineWorker] = []
+    stalled: list[Any] = []  # the server, then why an engine stalled: it stops, exiting EXIT_STALLED
+    on_stall = lambda why: (stalled.append(why), setattr(stalled[0], "should_exit", True))  # noqa: E731
     try:
         for m in models:  # one engine per model, each on its own thread
             name = mcfg.served_name or model_name_for(m)
@@ -76,15 +79,19 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(gcfg, broker, engines[0].model_dir, engines[0].model_name, tokenizer_dirs=dirs)
         release_freed_heap()  # the tokenizers' load temporaries: ~30 MB resident otherwise
         server = uvicorn.Server(uvicorn_config(app, gcfg, log_level=lcfg.log_level))
+        stalled.append(server)
+        for w in workers:
+            Watchdog(w, ecfg.stall_timeout_s, on_stall).start()
         host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
         print(f"wsllm: serving {', '.join(dirs)} at http://{host}:{gcfg.port}/", flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
             server.run()
     finally:
         for w in workers:
-            w.stop()
+            if not w.stalled:  # a stuck one never stops: the process exits around it
+                w.stop()
         broker.close()
-    return 0
+    return EXIT_STALLED if len(stalled) > 1 else 0
 
 
 def _configs(args: argparse.Namespace, *classes: type) -> tuple[Any, ...]:
@@ -169,6 +176,7 @@ def gateway(args: argparse.Namespace) -> int:
 def engine(args: argparse.Namespace) -> int:
     from wsllm.broker.base import read_tokenizer_files
     from wsllm.broker.redis_engine import RedisEngine
+    from wsllm.engine.watchdog import Watchdog
     from wsllm.engine.worker import EngineWorker
 
     ecfg, rcfg, mcfg = _configs(args, EngineConfig, RedisConfig, ModelRefConfig)
@@ -198,12 +206,27 @@ def engine(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"wsllm: engine {engine_id} serving {llm.model_name} from {_redacted(url)}", flush=True)
+    print(f"wsllm: engine {engine_id} serving {llm.model_name} from {redacted(url)}", flush=True)
+    Watchdog(worker, ecfg.stall_timeout_s, _exit_stalled(broker, engine_id)).start()
     try:
         worker.run()
     finally:
         broker.close()
     return 0
+
+
+def _exit_stalled(broker: Any, engine_id: str) -> Callable[[str], None]:
+    """Once the watchdog handed a stuck engine's requests back: leave the registry and
+    exit now, for the supervisor to start a fresh one (a stuck thread cannot be stopped)."""
+    from wsllm.engine.watchdog import EXIT_STALLED
+
+    def exit_now(reason: str) -> None:
+        broker.deregister(engine_id)
+        print(f"wsllm: exiting: {reason}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
+
+    return exit_now
 
 
 def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
@@ -225,11 +248,6 @@ def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
         llm.model_name = mcfg.served_name
     llm.matchers.warm()  # structured output's index, off the engine thread
     return llm
-
-
-def _redacted(url: str) -> str:
-    head, at, tail = url.rpartition("@")
-    return f"{head.split('://')[0]}://***@{tail}" if at else url
 
 
 def _serve_redis(

@@ -103,6 +103,14 @@ class EngineConfig:
             "help": "longest a request waits for its structured-output spec to compile: an error past it"
         },
     )
+    stall_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "an engine with work that completes no step for this long is stuck: its requests go back to "
+            "the queue (Redis) or fail with engine_stalled, and the process exits (code 3) for its supervisor "
+            "to restart (docs/reliability.md)"
+        },
+    )
     structured_index_at_start: bool = field(
         default=False,
         metadata={
@@ -198,7 +206,7 @@ class EngineConfig:
             raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
-        for name in ("structured_compile_timeout_s", "fake_step_ms"):
+        for name in ("structured_compile_timeout_s", "fake_step_ms", "stall_timeout_s"):
             if (value := getattr(self, name)) is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0.0 <= self.watermark < 1.0:

@@ -5,12 +5,15 @@ so that the two can never disagree. No torch.
 
 A chain starts from a root: `cache_root(namespace)` for a request that must not share
 cached blocks with others (another tenant's salt, another LoRA adapter: the same tokens
-under another namespace are other KV), or the common root (None) for everyone else."""
+under another namespace are other KV), or the common root (None) for everyone else. A
+request's root is `request_root(request)`, for the engine worker and for routing alike."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+
+from wsllm.types import GenerateRequest
 
 #: bytes of a block key an engine publishes for routing (a 1 in 2^64 clash costs one miss)
 SUMMARY_BYTES = 8
@@ -31,6 +34,13 @@ def cache_root(*namespace: str) -> bytes | None:
     if not parts:
         return None
     return hashlib.sha256(b"namespace|" + "|".join(parts).encode()).digest()
+
+
+def request_root(request: GenerateRequest) -> bytes | None:
+    """The root of a request's chains: its namespace's (`GenerateRequest.cache_salt`: its
+    tenant's salt and its own). The engine worker files its blocks under it and prefix
+    routing looks them up under it: one function, so that the two agree."""
+    return cache_root(request.cache_salt)
 
 
 def prompt_keys(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:

@@ -21,6 +21,7 @@ from wsllm.bounds import (
     MAX_ID_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_TOKEN_ID,
+    MAX_WIRE_SALT_CHARS,
     REQUEST_BOUNDS,
     SAMPLING_BOUNDS,
     check,
@@ -48,6 +49,7 @@ ERR_SLOW_CONSUMER = "slow_consumer"  # the client fell too far behind its own st
 ERR_RESUMED_ELSEWHERE = "resumed_elsewhere"  # its owner resumed it on another connection
 ERR_QUEUE_TIMEOUT = "queue_timeout"  # it waited for an engine past its queue deadline
 ERR_RATE_LIMITED = "rate_limited"  # refused at admission: the tenant is over a limit (gateway only)
+ERR_ENGINE_STALLED = "engine_stalled"  # its engine made no progress for --stall-timeout-s (a retry may pass)
 
 #: TokenEvent.index of an event about the whole request, not one choice of it
 WHOLE_REQUEST = -1
@@ -166,16 +168,25 @@ class GenerateRequest:
     queue_deadline: float = 0.0
     priority: int = 0  # higher is admitted first; the gateway caps it per tenant
     tenant: str = ""  # who asked (set by the gateway from the API key): fair sharing
+    #: the prefix cache namespace its blocks are shared in (set by the gateway: its
+    #: tenant's salt, narrowed by the request's own `cache_salt`); "" the common one.
+    #: The engine and prefix routing read it through `prefix_hash.request_root`.
+    cache_salt: str = ""
 
     def expired(self, now: float) -> bool:
         """Past its queue deadline at `now` (time.time()): it must not start."""
         return 0.0 < self.queue_deadline <= now
 
     def __post_init__(self) -> None:
-        for name, least in (("request_id", 1), ("model", 0), ("tenant", 0)):
+        for name, least, most in (
+            ("request_id", 1, MAX_ID_CHARS),
+            ("model", 0, MAX_ID_CHARS),
+            ("tenant", 0, MAX_ID_CHARS),
+            ("cache_salt", 0, MAX_WIRE_SALT_CHARS),
+        ):
             v = getattr(self, name)
-            ok = isinstance(v, str) and least <= len(v) <= MAX_ID_CHARS
-            check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
+            ok = isinstance(v, str) and least <= len(v) <= most
+            check(ok, name, f"a string of {least} to {most} characters", v)
         check(
             token_ids_ok(self.prompt_token_ids, MAX_PROMPT_TOKENS, min_len=1),
             "prompt_token_ids",

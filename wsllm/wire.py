@@ -65,6 +65,8 @@ def _event_dict(e: TokenEvent) -> dict[str, Any]:
 
 def _request_dict(r: GenerateRequest) -> dict[str, Any]:
     d = asdict(r)
+    if not d["cache_salt"]:
+        del d["cache_salt"]
     for name in ("prompt_logprobs", "structured", "logit_bias", "pooling"):
         if d["params"][name] is None:
             del d["params"][name]

@@ -1,11 +1,13 @@
 """Prefix-aware routing on Redis, with two real (tiny, random) engines stepped by hand:
 a conversation that resends its history lands on the engine that holds its prefix
-(and hits its cache there), the other engine leaves it alone, and a request routed
-to a busy engine is taken by an idle one after the steal delay."""
+(and hits its cache there), the other engine leaves it alone, routing reads the keys
+of the request's own namespace (its tenant's salt) as the engine files them, and a
+request routed to a busy engine is taken by an idle one after the steal delay."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,9 +55,10 @@ def rig(
         b.close()
 
 
-def ask(gw: RedisBroker, rid: str, prompt: list[int]) -> None:
+def ask(gw: RedisBroker, rid: str, prompt: list[int], salt: str = "") -> None:
     p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    asyncio.run(gw.submit(GenerateRequest(rid, prompt, p, model="m", arrival_time=time.time())))
+    request = GenerateRequest(rid, prompt, p, model="m", arrival_time=time.time(), cache_salt=salt)
+    asyncio.run(gw.submit(request))
 
 
 def serve(worker: EngineWorker, events: list[TokenEvent], rid: str) -> list[int]:
@@ -81,6 +84,26 @@ def test_a_resent_conversation_lands_on_the_engine_holding_its_prefix(rig: Any) 
     assert not any(e.request_id == "turn2" for e in events)
     serve(w0, events, "turn2")
     assert w0.engine.block_manager.hit_tokens - hits_before >= 64  # the history came from its cache
+
+
+def test_routing_and_the_cache_use_the_requests_namespace(rig: Any) -> None:
+    """A tenant's blocks are filed under its salt: its next turn is routed to them and
+    hits them; the same tokens under another tenant's salt are nobody's prefix."""
+    gw, (w0, w1), events = rig
+    chat = random.Random().sample(range(1000, 20000), 80)  # new to the engines (each param's run)
+    ask(gw, "a1", chat, salt="tenant:a")
+    reply = serve(w0, events, "a1")
+    ask(gw, "b1", chat + reply, salt="tenant:b")  # another tenant's right guess
+    b_hits = w1.engine.block_manager.hit_tokens
+    assert serve(w1, events, "b1")  # nobody holds its prefix: the idle engine takes it
+    assert w1.engine.block_manager.hit_tokens == b_hits
+    ask(gw, "a2", chat + reply + [7], salt="tenant:a")
+    for _ in range(5):
+        w1.run_once()  # e1 holds b's blocks of the same tokens, not a's: it waits for e0
+    assert not any(e.request_id == "a2" for e in events)
+    hits = w0.engine.block_manager.hit_tokens
+    serve(w0, events, "a2")
+    assert w0.engine.block_manager.hit_tokens - hits >= 64
 
 
 def test_a_request_for_a_busy_engine_is_taken_by_an_idle_one(any_redis: Any) -> None:

@@ -90,9 +90,11 @@ class FakeEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "",
+        cache_root: bytes | None = None,
     ) -> None:
         """Queue a request; ValueError on what LLMEngine would refuse too, EngineBusy
-        when full. Priority and tenant were used by the broker's ranking already."""
+        when full. Priority and tenant were used by the broker's ranking already; a fake
+        engine caches no prefix (`cache_root` is ignored)."""
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if self.vocab_size and any(t >= self.vocab_size for t in prompt_token_ids):

@@ -21,12 +21,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from typing import Any, Protocol
 
+from wsllm.engine.live import LiveRequests
 from wsllm.engine.outputs import EngineStats
+from wsllm.prefix_hash import request_root
 from wsllm.types import (
     ERR_ENGINE_BUSY,
+    ERR_ENGINE_STALLED,
     ERR_INTERNAL,
     ERR_INVALID_REQUEST,
     ERR_QUEUE_TIMEOUT,
@@ -36,7 +39,6 @@ from wsllm.types import (
     GenerateRequest,
     SamplingParams,
     TokenEvent,
-    Usage,
     WireError,
 )
 from wsllm.wire import check_request
@@ -58,6 +60,7 @@ class Engine(Protocol):
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "",
+        cache_root: bytes | None = None,
     ) -> None: ...
     def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
     def abort(self, request_id: str) -> bool: ...
@@ -84,14 +87,6 @@ class BrokerSide(Protocol):
     def release(self, request_ids: list[str]) -> list[str]: ...
 
 
-@dataclass(slots=True)
-class _Live:
-    """What the worker remembers of a request the engine holds."""
-
-    next_seq: dict[int, int] = field(default_factory=dict)  # choice index -> seq of its next event
-    finished: set[int] = field(default_factory=set)  # choice indexes already ended
-
-
 class EngineWorker:
     def __init__(
         self,
@@ -110,13 +105,17 @@ class EngineWorker:
         self.idle_wait_s = idle_wait_s
         self.heartbeat_s = heartbeat_s
         self.steps = 0  # engine steps taken; tests wait on it instead of sleeping
-        self._live: dict[str, _Live] = {}
+        self._live = LiveRequests()
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread: threading.Thread | None = None
         self._stepped = threading.Condition()
         self._last_heartbeat = 0.0
+        self._last_info: EngineInfo | None = None
+        self._step_since: float | None = None  # time.monotonic() the step in progress began
+        self._gate = threading.Lock()  # a step's publish, or a watchdog's give_up: one at a time
+        self.stalled: str | None = None  # why the watchdog gave up on this engine
         self._prefix_at = 0.0  # when the cached prefix blocks were last published
         self._prefix_sig: tuple[int, bytes, bytes] = (0, b"", b"")
         #: called with each published batch (tests, metrics); runs on the worker thread
@@ -247,7 +246,7 @@ class EngineWorker:
                 continue
             error = self._add(r)
             if error is None:
-                self._live[r.request_id] = _Live()
+                self._live.add(r.request_id)
             else:
                 errors.append(error)
         return errors
@@ -261,8 +260,9 @@ class EngineWorker:
         try:
             # The gateway's arrival time: queue time then counts the broker's queue too.
             self.engine.add_request(
-                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant
-            )
+                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant,
+                cache_root=request_root(r),
+            )  # fmt: skip
         except EngineBusy as e:
             return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
         except ValueError as e:
@@ -287,61 +287,34 @@ class EngineWorker:
                 log.exception("aborting %s failed", rid)
 
     def _step(self) -> list[TokenEvent]:
+        self._step_since = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception:  # keep serving: fail what the engine held, not the process
             log.exception("engine step failed; failing %d requests", len(self._live))
             return self._fail_all(ERR_INTERNAL, "the engine failed while serving this request")
+        finally:
+            self._step_since = None
+        with self._gate:
+            if self.stalled is not None:  # given up on meanwhile: its requests are elsewhere now
+                for rid in self._live.ids():
+                    self.engine.abort(rid)
+                    self._live.drop(rid)
+                self._stop.set()
+                return []
         with self._stepped:
             self.steps += 1
             self._stepped.notify_all()
         events: list[TokenEvent] = []
         for out in outputs:
-            events.extend(self._events_of(out))
-        return events
-
-    def _events_of(self, out: Any) -> list[TokenEvent]:
-        live = self._live.get(out.request_id)
-        if live is None:  # not ours (added before this worker ran): nothing to route
-            return []
-        if out.error_code is not None:  # the engine could not serve it: one error event
-            del self._live[out.request_id]
-            seq = min((live.next_seq.get(c.index, 0) for c in out.outputs), default=0)
-            return [_error_event(out.request_id, out.error_code, out.error or "", seq=seq)]
-        events = []
-        for c in out.outputs:
-            if c.index in live.finished or (not c.new_token_ids and c.finish_reason is None):
-                continue
-            seq = live.next_seq.get(c.index, 0)
-            live.next_seq[c.index] = seq + 1
-            ev = TokenEvent(
-                request_id=out.request_id,
-                seq=seq,
-                token_ids=list(c.new_token_ids),
-                index=c.index,
-                finish_reason=c.finish_reason,
-                logprobs=c.new_logprobs,
-            )
-            if seq == 0:
-                ev.queue_time = out.queue_time
-            if c.finish_reason is not None:
-                live.finished.add(c.index)
-                ev.usage = Usage(out.num_prompt_tokens, c.num_tokens, out.num_cached_tokens)
-                ev.usage.drafted_tokens, ev.usage.accepted_tokens = out.num_drafted, out.num_accepted
-                ev.embedding = out.embedding  # an embedding request's vector, on its one event
-            events.append(ev)
-        if out.prompt_logprobs is not None and events:  # once per request, on its first event here
-            events[0].prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            del self._live[out.request_id]
+            events.extend(self._live.events_of(out))
         return events
 
     def _fail_all(self, code: str, message: str) -> list[TokenEvent]:
         events = []
-        for rid, live in self._live.items():
+        for rid in self._live.ids():
             self.engine.abort(rid)
-            events.append(_error_event(rid, code, message, seq=live.next_seq.get(0, 0)))
-        self._live.clear()
+            events.append(self._live.failure(rid, code, message))
         return events
 
     def drain(self) -> None:
@@ -349,10 +322,10 @@ class EngineWorker:
         worker_lost when the broker cannot take it), then step until the engine holds
         nothing (blocks freed)."""
         if self._live:
-            kept = set(self.broker.release(list(self._live)))
+            kept = set(self.broker.release(self._live.ids()))
             for rid in [r for r in self._live if r not in kept]:
                 self.engine.abort(rid)
-                del self._live[rid]
+                self._live.drop(rid)
         events = self._fail_all(ERR_WORKER_LOST, "the engine worker stopped")
         for _ in range(1000):
             if not self.engine.has_unfinished():
@@ -366,7 +339,34 @@ class EngineWorker:
         if now - self._last_heartbeat < self.heartbeat_s:
             return
         self._last_heartbeat = now
-        self.broker.heartbeat(self.info())
+        self._last_info = self.info()
+        self.broker.heartbeat(self._last_info)
+
+    # -- the watchdog (watchdog.py), from its own thread ---------------------------------
+
+    def step_started(self) -> float | None:
+        """When the step in progress began (time.monotonic()); None between steps."""
+        return self._step_since
+
+    def give_up(self, reason: str) -> None:
+        """The engine is stuck in a step: hand its requests back to the broker (another
+        engine takes them), end those it cannot take back with `engine_stalled`, and
+        heartbeat once more with `stats["stalled"]` (the gateway's /health reads it).
+        Called from the watchdog's thread while this worker's is stuck in the engine;
+        if the step ever returns, its results are dropped and the loop ends."""
+        with self._gate:
+            self.stalled = reason
+            ids = self._live.ids()
+            kept = set(self.broker.release(ids)) if ids else set()
+            message = f"the engine stopped making progress: {reason}"
+            events = [self._live.failure(rid, ERR_ENGINE_STALLED, message) for rid in ids if rid not in kept]
+            if events:
+                self.broker.publish(events)
+            last = self._last_info or EngineInfo(
+                self.engine_id, self.engine.model_name, self.engine.max_model_len
+            )
+            self.broker.heartbeat(replace(last, stats=last.stats | {"stalled": reason}))
+            log.critical("%s: %d requests handed back, %d ended", reason, len(kept), len(events))
 
     def _maybe_publish_prefix(self, finished: bool) -> None:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
