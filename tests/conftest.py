@@ -3,6 +3,7 @@ random-weight models built from configs in the test, sharing SmolLM2's tokenizer
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -141,10 +142,27 @@ TINY_GGUF_FORMATS = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn
                      "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}  # fmt: skip
 
 
-def make_tiny_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
+@functools.cache
+def _tokenizer_fields(tokenizer_gguf: str) -> dict[str, Any]:
+    """A GGUF's tokenizer metadata, read once (gguf's reader takes seconds over 49k tokens)."""
+    import gguf
+
+    f = gguf.GGUFReader(tokenizer_gguf).fields
+    names = ("model", "pre", "tokens", "token_type", "merges")
+    return {n: f[f"tokenizer.ggml.{n}"].contents() for n in names} | {
+        "chat_template": f["tokenizer.chat_template"].contents()
+    }
+
+
+def make_tiny_gguf(
+    path: Path, hf_dir: Path, tokenizer_gguf: Path, change: Any = None, quantized: bool = True
+) -> Path:
     """Write the Llama in `hf_dir` as llama.cpp writes a GGUF: its names, Q and K rows
     permuted for llama.cpp's rotary, linear weights quantized (TINY_GGUF_FORMATS), norms
-    F32, and the tokenizer metadata copied from `tokenizer_gguf` (the same vocabulary)."""
+    F32, and the tokenizer metadata copied from `tokenizer_gguf` (the same vocabulary).
+    `change(gguf name, fp32 array)`, when given, returns what to write instead, or None
+    to leave the tensor out (a file that disagrees with its config, for the checks);
+    `quantized` False writes every tensor F32 (seconds faster)."""
     import json
 
     import gguf
@@ -165,17 +183,16 @@ def make_tiny_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     w.add_vocab_size(cfg["vocab_size"])
-    src = gguf.GGUFReader(str(tokenizer_gguf))
-    f = src.fields
-    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    f = _tokenizer_fields(str(tokenizer_gguf))
+    w.add_tokenizer_model(f["model"])
+    w.add_tokenizer_pre(f["pre"])
+    w.add_token_list(f["tokens"])
+    w.add_token_types(f["token_type"])
+    w.add_token_merges(f["merges"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(f["tokenizer.chat_template"].contents())
+    w.add_chat_template(f["chat_template"])
 
     def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
@@ -194,7 +211,9 @@ def make_tiny_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
             gname = f"{short}.weight"
         if short in ("attn_q", "attn_k"):
             x = permute(x, heads if short == "attn_q" else kv_heads)
-        qtype = TINY_GGUF_FORMATS.get(short)
+        if change is not None and (x := change(gname, x)) is None:
+            continue  # left out of the file
+        qtype = TINY_GGUF_FORMATS.get(short) if quantized else None
         if qtype is None:
             w.add_tensor(gname, x)
         else:
@@ -207,14 +226,28 @@ def make_tiny_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+def tiny_gguf_source(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The HF directory `tiny_gguf_path` is written from (make_tiny_gguf's `hf_dir`)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-for-gguf"), smollm_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_like(tiny_gguf_source: Path) -> Any:
+    """`like(path, change)`: the tiny GGUF written to `path` with make_tiny_gguf's `change`
+    (its tensors F32: what is checked is their shapes)."""
+    from wsllm.models.loader import default_gguf_path
+
+    return lambda path, change: make_tiny_gguf(path, tiny_gguf_source, default_gguf_path(), change, False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, tiny_gguf_source: Path) -> Path:
     """The tiny Llama (tiny_model_dir's weights) as a quantized GGUF, served in its blocks
     by default. Converted in a cache of its own, so every session reads it afresh."""
     from wsllm.models.loader import default_gguf_path
 
-    hf = make_tiny_model(tmp_path_factory.mktemp("tiny-llama-for-gguf"), smollm_dir, "llama")
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_0.gguf"
-    return make_tiny_gguf(path, hf, default_gguf_path())
+    return make_tiny_gguf(path, tiny_gguf_source, default_gguf_path())
 
 
 def make_word_tokenizer(path: Path, n_words: int = 509, specials: tuple[str, ...] = ()) -> Path:

@@ -1,17 +1,21 @@
 """The GGUF repack (wsllm/models/gguf_weights.py) streams: a long tensor is packed in
 chunks of rows, fused parts (q/k/v, gate/up) are joined chunk by chunk, and what it
 caches is the same whatever the chunk; the cache is read as a map of its file, not a
-copy onto the heap."""
+copy onto the heap. A file whose tensors disagree with its config (a short embedding
+table, a missing or truncated tensor) does not load, and the error names the file and
+the tensor (gguf_checks.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from wsllm.kernels import quant_formats
 
 from wsllm.models import gguf_weights
+from wsllm.models.gguf_checks import GGUFError, check_tensors, expected_shape, required
 from wsllm.models.llama import ModelConfig
 from wsllm.models.loader import convert_gguf, read_hf_config, shared_gguf_readers
 
@@ -63,3 +67,49 @@ def test_the_cached_weights_are_a_map_of_the_file_not_a_copy(tiny_gguf_path: Pat
     assert ranges and weights
     for w in weights:
         assert any(lo <= w.data_ptr() < hi for lo, hi in ranges)
+
+
+def _refused(tmp_path: Path, like: Any, cfg: ModelConfig, name: str, change: Any) -> GGUFError:
+    """Write the tiny GGUF with `change`, load it for `cfg`, and return the error it raises."""
+    path = like(tmp_path / f"{name}.Q4_0.gguf", change)
+    with pytest.raises(GGUFError) as e:
+        gguf_weights.load_gguf_weights(path, tmp_path / f"{name}-cache", cfg)
+    assert str(path) in str(e.value)
+    return e.value
+
+
+def test_a_gguf_whose_tensors_disagree_with_its_config_does_not_load(
+    tiny_gguf_source: Path, tiny_gguf_like: Any, tiny_gguf_path: Path, tmp_path: Path
+) -> None:
+    """An embedding table 32 rows short of the vocabulary loaded, and a token id in the
+    gap then failed a whole engine step; now the file is refused, naming the tensor."""
+    cfg = ModelConfig.from_hf(read_hf_config(tiny_gguf_source))  # what the file's metadata says
+    v = cfg.vocab_size
+    short = _refused(
+        tmp_path, tiny_gguf_like, cfg, "short", lambda n, x: x[:-32] if n == "token_embd.weight" else x
+    )
+    assert short.tensor == "token_embd.weight" and f"[{v - 32}, " in str(short) and f"[{v}, " in str(short)
+    # a truncated file: its last tensor is short ("cannot reshape array of size 2040 ..." named nothing)
+    cut = tmp_path / "cut.Q4_0.gguf"
+    cut.write_bytes(tiny_gguf_path.read_bytes()[:-5000])
+    with pytest.raises(GGUFError) as e:
+        gguf_weights.load_gguf_weights(cut, tmp_path / "cut-cache", cfg)
+    assert (
+        str(cut) in str(e.value)
+        and e.value.tensor.startswith(("blk.", "output"))
+        and "truncated" in str(e.value)
+    )
+    # what a well-formed file of this config holds, and three ways to break it
+    tensors = [(n, expected_shape(n, cfg) or (1,), 64, 64) for n in required(cfg)]
+    check_tensors("tiny.gguf", tensors, cfg)
+    for broken, names in (
+        ([t for t in tensors if t[0] != "blk.1.ffn_up.weight"], ("blk.1.ffn_up.weight", "missing")),
+        (
+            [t if t[0] != "output_norm.weight" else (*t[:2], 0, t[3]) for t in tensors],
+            ("output_norm.weight", "truncated"),
+        ),
+        ([*tensors, ("blk.99.attn_q.weight", (64, 64), 1, 1)], ("blk.99.attn_q.weight", "layer 99")),
+    ):
+        with pytest.raises(GGUFError) as e:
+            check_tensors("tiny.gguf", broken, cfg)
+        assert e.value.tensor == names[0] and names[1] in str(e.value) and "tiny.gguf" in str(e.value)

@@ -13,7 +13,8 @@ tensors (`weights.bin`, each 64-byte aligned) and `index.json` saying where each
 The repack streams: one module at a time (a long tensor in chunks of rows) from the GGUF's
 memory map to the file, so that an 8B model is repacked in a few hundred MB, never held
 whole. Loading maps the file: the weights are resident as the OS pages them in (as
-llama.cpp's mmap), not copied onto the heap.
+llama.cpp's mmap), not copied onto the heap. Shapes are checked against the config
+first (`gguf_checks.py`); every failure is a GGUFError naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import numpy as np
 import torch
 
 from wsllm.kernels import quant, quant_formats
+from wsllm.models import gguf_checks
+from wsllm.models.gguf_checks import GGUFError, check_tensors, open_reader
 from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -123,6 +126,7 @@ class _Source:
     tensor: Any  # gguf's ReaderTensor: a view of the memory-mapped file
     shape: tuple[int, int]  # [rows, in_features]
     n_head: int | None  # un-permute Q/K rows over this many heads
+    name: str = ""  # its name in the file, for an error
 
     def rows(self) -> np.ndarray:
         """[rows, bytes] of blocks (a view of the map unless un-permuted) or fp32 [rows, cols]."""
@@ -143,7 +147,22 @@ class _Plan:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def _plan(reader: Any, cfg: ModelConfig) -> _Plan:
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+
+
+def _plan(path: Path, reader: Any, cfg: ModelConfig) -> _Plan:
+    """What `path` holds, its shapes checked against `cfg` first; GGUFError naming the tensor."""
+    check_tensors(
+        path, ((t.name, _shape(t), int(t.data.nbytes), int(t.n_bytes)) for t in reader.tensors), cfg
+    )
+    try:
+        return _plan_checked(reader, cfg)
+    except Exception as e:
+        raise GGUFError(path, getattr(e, "tensor", "?"), str(e)) from e
+
+
+def _plan_checked(reader: Any, cfg: ModelConfig) -> _Plan:
     arch_field = reader.fields.get("general.architecture")
     permuted = arch_field is not None and arch_field.contents() == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
@@ -154,11 +173,11 @@ def _plan(reader: Any, cfg: ModelConfig) -> _Plan:
         if target is None:
             continue
         mod, idx, kind = target
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        shape = _shape(t)
         what = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         n_head = heads.get(what) if permuted else None
         if kind == "norm" or kind == "bias":
-            v = _as_float(t, shape)
+            v = _read(t, lambda t=t, shape=shape: _as_float(t, shape))
             v = v if n_head is None else _unpermute_rows(v, n_head)
             if kind == "norm":
                 plan.floats[mod] = torch.from_numpy(v.copy())
@@ -170,7 +189,7 @@ def _plan(reader: Any, cfg: ModelConfig) -> _Plan:
             plan.counts[qtype] = plan.counts.get(qtype, 0) + 1
         else:  # a float tensor, or a format without a kernel: fp32
             qtype = "F32"
-        plan.linears.setdefault(mod, {})[idx] = _Source(qtype, t, (shape[0], shape[1]), n_head)
+        plan.linears.setdefault(mod, {})[idx] = _Source(qtype, t, (shape[0], shape[1]), n_head, t.name)
     for mod, bs in biases.items():
         plan.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
     return plan
@@ -243,6 +262,22 @@ def _write_run(blob: _Blob, run: list[_Source]) -> dict[str, Any]:
     return {"qtype": qtype, "shape": [n, cols], "offset": offset, "layout": layout}
 
 
+def _read(t: Any, read: Any) -> Any:
+    try:  # an error tagged with the tensor's name, for the GGUFError
+        return read()
+    except Exception as e:
+        e.tensor = t.name  # type: ignore[attr-defined]
+        raise
+
+
+def _read_run(path: Path, blob: _Blob, run: list[_Source]) -> dict[str, Any]:
+    """`_write_run`, a failure (a truncated file's short tensor) a GGUFError naming it."""
+    try:
+        return _write_run(blob, run)
+    except Exception as e:
+        raise GGUFError(path, " + ".join(s.name for s in run), str(e)) from e
+
+
 def _drop_pages(reader: Any) -> None:
     """Let go of the GGUF pages read so far: they stay in the page cache, but no longer
     count as this process's resident memory (the repack would otherwise grow to the
@@ -255,11 +290,10 @@ def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
     """Repack `path`'s weights into the cache directory `out` (atomically: all of it or
     nothing), one module at a time: linear weights of the kernels' formats in the
     kernels' layout, the rest fp32, Q/K rows un-permuted for a llama-architecture file."""
-    from gguf import GGUFReader
     from tqdm import tqdm
 
-    reader = GGUFReader(str(path))
-    plan = _plan(reader, cfg)
+    reader = open_reader(path)
+    plan = _plan(path, reader, cfg)
     index: dict[str, Any] = {"version": CACHE_VERSION, "layout": _layout_tag(), "source": str(path),
                              "tied": "lm_head" not in plan.linears, "counts": plan.counts,
                              "floats": {}, "linears": {}}  # fmt: skip
@@ -273,7 +307,7 @@ def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
                 blob.write(v.float().contiguous())
             for mod, parts in tqdm(plan.linears.items(), desc=f"repacking {path.name}", unit="module"):
                 runs = _runs([parts[i] for i in sorted(parts)])
-                index["linears"][mod] = [_write_run(blob, run) for run in runs]
+                index["linears"][mod] = [_read_run(path, blob, run) for run in runs]
                 _drop_pages(reader)
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
         try:
@@ -291,7 +325,7 @@ def _layout_tag() -> str:
     kernels/quant_formats.py defines (one layout for every ISA path), and how this
     module names, fuses and un-permutes."""
     h = hashlib.sha256()
-    for f in (quant_formats.__file__, __file__):
+    for f in (quant_formats.__file__, __file__, gguf_checks.__file__):
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 

@@ -1,0 +1,164 @@
+"""A GGUF file's tensors checked against the model's config before any weight is read
+(`check_tensors`), and the one error every GGUF load failure is (`GGUFError`: it names
+the file and the tensor), and `open_reader`, which finds a truncated file's first short
+tensor before gguf's reader fails on it.
+
+Without the check a file whose shapes disagree with its own metadata loads: an
+embedding table smaller than the vocabulary is a gap of token ids that a request can
+name, and one such id fails a whole engine step (every request in it); a truncated file
+fails deep in a reshape ("cannot reshape array of size 0 into shape (32,68)") that names
+neither the file nor the tensor. Every tensor the model reads must be there, of the
+shape its config says, in a layer the config has."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wsllm.models.llama import ModelConfig
+
+
+class GGUFError(ValueError):
+    """A GGUF the model cannot load; the message names the file and the tensor."""
+
+    def __init__(self, path: str | Path, tensor: str, problem: str) -> None:
+        super().__init__(f"{path}: tensor {tensor}: {problem}")
+        self.path, self.tensor = str(path), tensor
+
+
+_LAYER_TENSORS = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each layer tensor's shape in row order ([out_features, in_features] for a weight)."""
+    h, q, kv, ff = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    return {
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn_q.weight": (q, h),
+        "attn_k.weight": (kv, h),
+        "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q),
+        "ffn_gate.weight": (ff, h),
+        "ffn_up.weight": (ff, h),
+        "ffn_down.weight": (h, ff),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_q_norm.weight": (cfg.head_dim,),
+        "attn_k_norm.weight": (cfg.head_dim,),
+    }
+
+
+def expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The shape (row order) the config gives tensor `name`; None for a tensor the model
+    does not read (rope_freqs). KeyError for a name it does not know."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    glob = {"token_embd.weight": (v, h), "output.weight": (v, h), "output_norm.weight": (h,)}
+    if name in glob:
+        return glob[name]
+    if name.startswith("rope_freqs"):
+        return None
+    parts = name.split(".", 2)
+    if parts[0] != "blk" or len(parts) < 3 or not parts[1].isdigit():
+        raise KeyError("not a tensor of this model")
+    if int(parts[1]) >= cfg.num_layers:
+        raise KeyError(f"layer {parts[1]} of a model of {cfg.num_layers} layers")
+    shape = _layer_shapes(cfg).get(parts[2])
+    if shape is None:
+        raise KeyError("not a tensor of this model")
+    return shape
+
+
+def required(cfg: ModelConfig) -> list[str]:
+    """The tensors a model of `cfg` cannot do without (`output` may be tied to
+    `token_embd`)."""
+    names = ["token_embd.weight", "output_norm.weight"]
+    extra = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if cfg.qkv_bias else []
+    extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm else []
+    for i in range(cfg.num_layers):
+        names += [f"blk.{i}.{t}.weight" for t in _LAYER_TENSORS] + [f"blk.{i}.{t}" for t in extra]
+    return names
+
+
+def check_tensors(
+    path: str | Path, tensors: Iterable[tuple[str, tuple[int, ...], int, int]], cfg: ModelConfig
+) -> None:
+    """Each (name, shape in row order, bytes in the file, bytes its shape needs) against
+    `cfg`; GGUFError naming the file and the first tensor that is unknown, of another
+    shape, shorter than its shape needs (a truncated file), or missing."""
+    seen = set()
+    for name, shape, have, need in tensors:
+        try:
+            want = expected_shape(name, cfg)
+        except KeyError as e:
+            raise GGUFError(path, name, str(e).strip("'\"")) from None
+        if want is not None and tuple(shape) != want:
+            raise GGUFError(path, name, f"shape {list(shape)}, but the model's config says {list(want)}")
+        if have < need:
+            raise GGUFError(
+                path, name, f"{have} bytes of the {need} its shape {list(shape)} needs (a truncated file?)"
+            )
+        seen.add(name)
+    missing = [n for n in required(cfg) if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise GGUFError(path, missing[0], f"missing from the file{more}")
+
+
+def open_reader(path: str | Path) -> Any:
+    """A gguf.GGUFReader of `path`. A tensor whose data lies past the file's end (a
+    truncated file) is a GGUFError naming it: gguf's own reader fails on a reshape that
+    names neither the file nor the tensor ("cannot reshape array of size 0 ...")."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.gguf_reader import GGUFReader  # the class (loader.shared_gguf_readers swaps the package's)
+
+    class _Reader(GGUFReader):  # type: ignore[misc]
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, raw_name, _, dims, raw_type, offset = field.parts
+                name = bytes(raw_name).decode("utf-8", "replace")
+                try:
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    raise GGUFError(
+                        path, name, f"a tensor type this loader does not know ({int(raw_type[0])})"
+                    ) from None
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise GGUFError(
+                        path, name, f"its data ends at byte {end}, past the file's {size} (a truncated file?)"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    import gguf
+
+    if gguf.GGUFReader is not GGUFReader:  # loader.shared_gguf_readers: its one parse, if it reads
+        with contextlib.suppress(Exception):
+            return gguf.GGUFReader(str(path))
+    try:
+        return _Reader(str(path))
+    except (GGUFError, OSError):
+        raise
+    except Exception as e:  # its header or metadata: no tensor of it is known yet
+        raise GGUFError(path, "(the header)", str(e)) from e
