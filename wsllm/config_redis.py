@@ -117,7 +117,7 @@ class RedisConfig:
             raise ValueError("request_ttl_s must be >= stream_retention_s")
         if self.broker != "memory" and not self.uses_redis:
             raise ValueError(
-                f"broker must be memory or a redis://, rediss://, unix:// or redis+cluster:// URL, got {self.broker!r}"
+                f"broker must be memory or a redis://, rediss://, unix:// or redis+cluster:// URL, got {redacted(self.broker)!r}"
             )
         if not (0 < self.redis_socket_timeout_s <= 600 and 0 < self.redis_connect_timeout_s <= 600):
             raise ValueError("redis_socket_timeout_s and redis_connect_timeout_s must be in (0, 600] seconds")
@@ -151,3 +151,21 @@ class RedisConfig:
         """The Redis URL: --broker when it names Redis, else localhost (for `gateway`
         and `engine`, which always use Redis)."""
         return self.broker if self.uses_redis else "redis://localhost:6379/0"
+
+
+_SECRET_QUERY = ("password", "ssl_password")  # query options whose values are secrets
+
+
+def redacted(url: str) -> str:
+    """`url` as it may be printed or logged: its credentials (`user:password@`) and any
+    password among its query options replaced by `***`."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, rest = "", url
+    where, q, query = rest.partition("?")
+    userinfo, at, hosts = where.rpartition("@")
+    shown = f"{head}{sep}{'***@' if at else ''}{hosts}"
+    if q:
+        parts = [p.partition("=") for p in query.split("&")]
+        shown += "?" + "&".join(f"{k}{eq}{'***' if k in _SECRET_QUERY and eq else v}" for k, eq, v in parts)
+    return shown

@@ -160,6 +160,9 @@ def test_stack_shape() -> None:
         "--appendonly" in redis["command"]
         and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
     )
+    # Redis's memory is bounded, and full it refuses writes instead of evicting a stream
+    argv = redis["command"]
+    assert argv[argv.index("--maxmemory") + 1] and argv[argv.index("--maxmemory-policy") + 1] == "noeviction"
     for name, svc in services.items():
         assert svc.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     for name in WSLLM_SERVICES:

@@ -68,6 +68,7 @@ def test_queue_positions_429_and_the_registry(
         ]
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "queue_full"
+        assert not any(c.isdigit() for c in full.json()["error"]["message"]), full.text  # no depth
         assert sorted((m["id"], m["position"]) for m in moved) == [("w1", 1), ("w2", 2)]
         # The socket closed: after the grace time its waiting requests leave the queue.
         deadline = time.monotonic() + 10

@@ -1,7 +1,8 @@
 """Tenants on Redis: two gateways (in this process) on one Redis with an engine worker
 on the tiny model share every tenant's counters. A tenant that spends its tpm through
 gateway 1 is refused by gateway 2; another tenant is served by both. A crashed
-gateway's concurrency lease expires by itself, and every limit key has a TTL. A
+gateway's concurrency lease expires by itself, and every limit key has a TTL (a debt's
+lasts until it is repaid). A
 request whose client left keeps its lease while it runs on for a resume; the resume
 takes the lease again (its own does not count against it) and one request of rpm."""
 
@@ -134,6 +135,28 @@ def test_a_crashed_gateways_lease_expires(gateways: tuple[str, str], redis_serve
         crashed.close()
         alive.close()
     assert not blocked and freed and waited > 1.0
+
+
+def test_a_debt_outlives_the_window_until_it_is_repaid(redis_server: Any) -> None:
+    """A bucket key expired 61 s after its last change, and a debt with it: a tenant in
+    debt got a full bucket a minute later. It now lives until it would be full again."""
+    broker = RedisBroker(redis_server.url, model="x", cfg=RedisConfig())
+    limits = Limits(tpm=1000)
+
+    async def go() -> float:
+        lim = broker.limiter()
+        level = await lim.adjust("fay", limits, 6000)  # 1,000 in the bucket, 6,000 taken
+        await lim.aclose()
+        return level
+
+    try:
+        assert asyncio.run(go()) == -5000
+        r = redis_server.client()
+        (key,) = list(r.scan_iter(match="wsllm:{t:fay}:tpm*"))
+        # 6,000 tokens to refill at 1,000 a minute: 6 minutes (and a second)
+        assert 6 * 60_000 - 5_000 < r.pttl(key) <= 6 * 60_000 + 1_000
+    finally:
+        broker.close()
 
 
 def test_a_live_lease_is_refreshed(redis_server: Any) -> None:

@@ -12,7 +12,7 @@ from wsllm.server.errors import from_broker
 @pytest.mark.parametrize(
     ("error", "status", "code", "says"),
     [
-        (QueueFull("64 waiting"), 429, "queue_full", "the server is busy: 64 waiting"),
+        (QueueFull("the queue is full"), 429, "queue_full", "the server is busy: the queue is full"),
         (BrokerClosed(), 503, "model_not_ready", "shutting down"),
         (BrokerUnavailable("connection refused"), 503, "model_not_ready", "unreachable"),
         (BrokerError("X cannot resume requests"), 503, "model_not_ready", "cannot resume"),

@@ -1,7 +1,9 @@
 """What the Redis broker does beyond the shared contract, on a real redis-server and
 without a model: leases and crash recovery (XAUTOCLAIM, replay without duplicates,
 worker_lost, dead letters), hand-back, aborts from another gateway, resume on another
-gateway, queue positions, and that a finished request leaves nothing but expiring keys.
+gateway, queue positions, that a finished request leaves nothing but expiring keys, that
+a published tokenizer is read within its cap, and that Redis URLs are parsed whole and
+printed without their credentials.
 
 Engines here are broker objects driven by hand: `pull` and `publish` stand for the
 worker, and an engine "dies" by no longer calling `heartbeat`."""
@@ -24,7 +26,7 @@ from wsllm.broker.redis_conn import cluster_settings
 from wsllm.broker.redis_keys import Keys
 from wsllm.broker.redis_queue import counters_key, waiting_key
 from wsllm.broker.replay import History, Replay
-from wsllm.config_redis import RedisConfig
+from wsllm.config_redis import RedisConfig, redacted
 from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
 from wsllm.wire import encode
 
@@ -425,7 +427,21 @@ def test_a_models_keys_share_one_cluster_slot_and_tenants_and_the_registry_their
     assert len(slots) == 1
     assert len({key_slot(k.tenant("acme", w).encode()) for w in ("rpm", "tpm", "live")}) == 1
     assert len({key_slot(x.encode()) for x in (k.engines, k.engine("e1"))}) == 1
+    stored = [k.response("acme", "resp_1"), k.response("acme", "resp_2"), k.responses("acme", "resps")]
+    assert len({key_slot(x.encode()) for x in [*stored, k.responses("acme", "rsizes")]}) == 1
     assert key_slot(k.queue("m").encode()) != key_slot(k.queue("other").encode())  # models spread
+
+
+def test_a_published_tokenizer_over_the_cap_is_not_read(brokers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway read whatever sat in a model's tokenizer hash, whatever its size."""
+    from wsllm.broker import redis_registry
+
+    monkeypatch.setattr(redis_registry, "MAX_TOKENIZER_BYTES", 1000)
+    engine, gateway = brokers("e1"), brokers()
+    engine.publish_tokenizer("m", {"tokenizer.json": b"{" + bytes(500) + b"}", "notes.txt": b"x"})
+    assert asyncio.run(gateway.tokenizer_files("m")) == {"tokenizer.json": b"{" + bytes(500) + b"}"}
+    engine.publish_tokenizer("m", {"tokenizer.json": bytes(2000)})
+    assert asyncio.run(gateway.tokenizer_files("m")) is None
 
 
 def test_a_cluster_url_names_its_nodes_and_credentials() -> None:
@@ -436,6 +452,39 @@ def test_a_cluster_url_names_its_nodes_and_credentials() -> None:
         cluster_settings("redis+cluster://h:7000/2")
     with pytest.raises(ValueError, match="host:port"):
         cluster_settings("redis+cluster://h")
+
+
+def test_a_cluster_urls_options_are_used_or_refused_never_dropped() -> None:
+    """`?ssl_ca_certs=` was ignored: the cluster client dropped options it did not know."""
+    url = "rediss+cluster://h:7000?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required&ssl_check_hostname=false"
+    nodes, opts = cluster_settings(url)
+    assert nodes == [("h", 7000)]
+    assert opts == {
+        "ssl": True,
+        "ssl_ca_certs": "/etc/ca.pem",
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": False,
+    }
+    with pytest.raises(ValueError, match="'max_connections' is not one"):
+        cluster_settings("redis+cluster://h:7000?max_connections=3")
+    with pytest.raises(ValueError, match="needs TLS"):
+        cluster_settings("redis+cluster://h:7000?ssl_ca_certs=/etc/ca.pem")
+    with pytest.raises(ValueError, match="ssl_cert_reqs: one of none, optional, required"):
+        cluster_settings("rediss+cluster://h:7000?ssl_cert_reqs=maybe")
+
+
+def test_no_message_names_the_redis_password() -> None:
+    secret = "hunter2"
+    for bad in (f"redis+cluster://u:{secret}@h", f"rediss+cluster://{secret}@h:7000?bogus=1"):
+        with pytest.raises(ValueError) as e:
+            cluster_settings(bad)
+        assert secret not in str(e.value), e.value
+    with pytest.raises(ValueError) as e:
+        RedisConfig(broker=f"redis//u:{secret}@h:6379")  # a typo: not a Redis URL
+    assert secret not in str(e.value)
+    url = f"rediss://u:{secret}@h:6379/0?password={secret}&ssl_ca_certs=/ca.pem"
+    assert redacted(url) == "rediss://***@h:6379/0?password=***&ssl_ca_certs=/ca.pem"
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
 
 
 def command_stats(r: Any) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """The Responses store (wsllm/broker/response_store.py), in memory and in Redis: a
 record is its tenant's alone (another tenant reads and deletes nothing, as for an id
-that does not exist), expires after its TTL, and the in-process store keeps within
-its byte budget by dropping the oldest records."""
+that does not exist), expires after its TTL, a tenant over its own budget loses its own
+oldest records and nobody else's, a delete leaves a tombstone that no later put passes,
+and the in-process store keeps within its byte budget by dropping the oldest records."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from wsllm.broker.memory import MemoryBroker
-from wsllm.broker.response_store import MemoryResponseStore, ResponseStore
+from wsllm.broker.response_store import Budget, MemoryResponseStore, ResponseStore
 
 
 @contextlib.contextmanager
@@ -88,3 +89,38 @@ def test_the_memory_store_drops_the_oldest_past_its_budget() -> None:
         assert await store.get("huge", "alice") is None and len(store) == 3
 
     asyncio.run(run())
+
+
+def test_a_tenant_over_its_budget_loses_its_own_oldest_only(make_store: Any) -> None:
+    """One key's 64 records of 1 MiB evicted everyone else's: a budget per tenant."""
+    budget = Budget(max_bytes=100, max_records=3)
+
+    async def run(store: ResponseStore) -> None:
+        assert await store.put("bob-1", "bob", bytes(50), 60, budget)
+        for i in range(5):  # 5 records of 20 bytes: past 3 records
+            assert await store.put(f"al-{i}", "alice", bytes(20), 60, budget)
+        kept = [await store.get(f"al-{i}", "alice") is not None for i in range(5)]
+        assert kept == [False, False, True, True, True]
+        assert await store.put("al-big", "alice", bytes(70), 60, budget)  # past 100 bytes: two more go
+        assert [await store.get(f"al-{i}", "alice") is not None for i in (3, 4)] == [False, True]
+        assert not await store.put("al-huge", "alice", bytes(101), 60, budget)  # larger than the budget
+        assert await store.get("bob-1", "bob") == bytes(50)  # bob's record never paid for alice's
+
+    with make_store() as store:
+        asyncio.run(run(store))
+
+
+def test_a_deleted_record_stays_deleted(make_store: Any) -> None:
+    """A background response deleted while it runs stored itself again when it ended
+    (DELETE answered 200, GET 404, then GET 200 `incomplete`): a tombstone stops it."""
+
+    async def run(store: ResponseStore) -> None:
+        await store.put("resp_bg", "alice", b"in progress", 60)
+        assert not await store.delete("resp_bg", "bob", 60)
+        assert await store.delete("resp_bg", "alice", 60)
+        assert not await store.put("resp_bg", "alice", b"incomplete", 60)  # the run's late end
+        assert await store.get("resp_bg", "alice") is None
+        assert not await store.delete("resp_bg", "alice", 60)  # gone, as for an unknown id
+
+    with make_store() as store:
+        asyncio.run(run(store))

@@ -29,6 +29,12 @@ from wsllm.types import GenerateRequest
 Rank = Callable[[GenerateRequest], Any]
 
 
+# QueueFull's messages: which bound refused, never how deep the queue is (a client
+# could read another tenant's load from the depth).
+QUEUE_FULL = "the queue of requests waiting for an engine is full"
+TENANT_SHARE_FULL = "this tenant's share of the queue is full"
+
+
 def tenant_cap(max_queue_depth: int, max_queue_share: float) -> int:
     """The most waiting requests one tenant may hold: its share of the depth, at
     least one."""
@@ -104,12 +110,9 @@ class FairQueue:
     def refusal(self, request: GenerateRequest) -> str | None:
         """Why `request` cannot queue now (the QueueFull message), or None."""
         if len(self._by_id) >= self.max_queue_depth:
-            return f"{len(self._by_id)} requests are already waiting for an engine"
-        mine = self._per_tenant.get(request.tenant, 0)
-        if mine >= self.tenant_cap:
-            return (
-                f"{mine} requests of this tenant are already waiting for an engine (its share of the queue)"
-            )
+            return QUEUE_FULL
+        if self._per_tenant.get(request.tenant, 0) >= self.tenant_cap:
+            return TENANT_SHARE_FULL
         return None
 
     def push(self, request: GenerateRequest) -> None:

@@ -14,7 +14,8 @@ The gateway refuses a token charge larger than the whole bucket before asking th
 limiter (`quota.py`: it could never pass). A charge is taken before the gateway knows
 the prompt's length (a coarse one) and set right after tokenizing with `adjust`, which
 may leave the bucket below zero: that debt is the estimate's error on a request already
-prepared, and the tenant's next requests wait for it to refill. `release` hands back
+prepared, and the tenant's next requests wait for it to refill (a debt is never
+forgotten: on Redis a bucket expires only once it would be full). `release` hands back
 the unused part of the charge (`refund`) and the lease.
 
 The Redis implementation (`redis_limits.py`) does the same in one Lua script per

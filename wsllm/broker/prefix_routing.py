@@ -85,9 +85,12 @@ class PrefixRouter:
     def __init__(self) -> None:
         self._cache: dict[str, dict[str, _Summary]] = {}  # queue -> engine -> its summary
 
-    async def target(self, client: Any, queue: str, token_ids: Sequence[int]) -> str:
-        """The engine holding the longest cached prefix of `token_ids`; '' when none
-        holds any (any engine may take the request)."""
+    async def target(
+        self, client: Any, queue: str, token_ids: Sequence[int], root: bytes | None = None
+    ) -> str:
+        """The engine holding the longest cached prefix of `token_ids` in the namespace
+        whose chains start at `root` (`prefix_hash.request_root`: the engine files the
+        request's blocks under the same); '' when none holds any (any engine may take it)."""
         engines = await self._summaries(client, queue)
         if len(engines) < 2:
             return ""
@@ -97,7 +100,9 @@ class PrefixRouter:
             block_size, held = summary.block_size, summary.held
             keys = by_size.get(block_size)
             if keys is None:
-                keys = by_size[block_size] = [k[:SUMMARY_BYTES] for k in prompt_keys(token_ids, block_size)]
+                keys = by_size[block_size] = [
+                    k[:SUMMARY_BYTES] for k in prompt_keys(token_ids, block_size, root)
+                ]
             n = 0
             while n < len(keys) and keys[n] in held:
                 n += 1

@@ -4,11 +4,14 @@ says so.
     redis://host:6379/0                          one instance (also rediss://, unix://)
     redis+cluster://host:7000,host:7001,host:7002 a cluster: any reachable nodes of it,
     rediss+cluster://user:password@host:7000     the rest are discovered (TLS: rediss)
+    rediss+cluster://h:7000?ssl_ca_certs=/ca.pem  with TLS options (CLUSTER_OPTIONS)
 
 A cluster client (`redis.cluster.RedisCluster`, `redis.asyncio.cluster.RedisCluster`)
 sends each command to the shard that holds its keys' slot; the key layout
 (`redis_keys.py`) keeps what one command, script or MULTI touches in one slot. A
-cluster has no databases: a `/db` in the URL is refused rather than ignored.
+cluster has no databases: a `/db` in the URL is refused rather than ignored, and so is
+a query option the cluster client would drop (redis-py's silently drops the ones it
+does not know). No message names the URL with its credentials (`config_redis.redacted`).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 import redis
 
 from wsllm.broker.redis_keys import client_options
-from wsllm.config_redis import RedisConfig
+from wsllm.config_redis import RedisConfig, redacted
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +51,56 @@ def is_cluster(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
 
 
+#: the query options a cluster URL may carry (both redis-py cluster clients take them),
+#: each with its parser; TLS ones need rediss+cluster://
+CLUSTER_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "ssl_ca_certs": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": lambda v: _choice(v, ("none", "optional", "required")),
+    "ssl_check_hostname": lambda v: _choice(v.lower(), ("true", "false", "1", "0")) in ("true", "1"),
+    "client_name": str,
+}
+
+
+def _choice(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _query_options(scheme: str, query: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        parse = CLUSTER_OPTIONS.get(name)
+        if parse is None:
+            raise ValueError(
+                f"a Redis Cluster URL takes the options {', '.join(CLUSTER_OPTIONS)}; {name!r} is not one"
+            )
+        if name.startswith("ssl_") and not scheme.startswith("rediss"):
+            raise ValueError(f"the option {name} needs TLS: a rediss+cluster:// URL")
+        try:
+            opts[name] = parse(value)
+        except ValueError as e:
+            raise ValueError(f"the Redis Cluster URL option {name}: {e}") from None
+    return opts
+
+
 def cluster_settings(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """The startup nodes of a `redis+cluster://` URL and the client settings it names
-    (username, password, ssl)."""
+    (username, password, ssl and the CLUSTER_OPTIONS of its query). ValueError, never
+    naming the credentials, for what it cannot serve."""
     scheme, rest = url.split("://", 1)
     userinfo, _, where = rest.rpartition("@")
-    hosts, _, path = where.split("?", 1)[0].partition("/")
+    where, _, query = where.partition("?")
+    hosts, _, path = where.partition("/")
     if path.strip("/") not in ("", "0"):
         raise ValueError(f"a Redis Cluster has only database 0, the URL names {path!r}")
     nodes = []
     for part in hosts.split(","):
         host, sep, port = part.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ValueError(f"a cluster node must be host:port, got {part!r} in {url!r}")
+            raise ValueError(f"a cluster node must be host:port, got {part!r} in {redacted(url)!r}")
         nodes.append((host.strip("[]"), int(port)))
     opts: dict[str, Any] = {}
     if userinfo:
@@ -72,7 +113,7 @@ def cluster_settings(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
             opts["password"] = unquote(user)
     if scheme.startswith("rediss"):
         opts["ssl"] = True
-    return nodes, opts
+    return nodes, opts | _query_options(scheme, query)
 
 
 def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:

@@ -29,7 +29,7 @@ import redis.exceptions
 
 from wsllm.broker import redis_queue
 from wsllm.broker.base import BrokerClosed, BrokerUnavailable, GatewayBroker, QueueFull, Resumable
-from wsllm.broker.fair_queue import tenant_cap
+from wsllm.broker.fair_queue import QUEUE_FULL, TENANT_SHARE_FULL, tenant_cap
 from wsllm.broker.limits import Limiter
 from wsllm.broker.prefix_routing import PrefixRouter
 from wsllm.broker.redis_conn import async_client, eval_script, sync_client
@@ -43,6 +43,7 @@ from wsllm.broker.redis_responses import RedisResponseStore
 from wsllm.broker.redis_scripts import ABORT, SUBMIT
 from wsllm.broker.response_store import ResponseStore
 from wsllm.config_redis import RedisConfig
+from wsllm.prefix_hash import request_root
 from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 
@@ -122,7 +123,9 @@ class RedisGateway(GatewayBroker):
         keys = [self.keys.queue(model), self.keys.out(model, rid)]
         if not target and self.router is not None and self.registry.routable(model, self.model):
             try:
-                target = await self.router.target(self.client(), keys[0], request.prompt_token_ids)
+                target = await self.router.target(
+                    self.client(), keys[0], request.prompt_token_ids, request_root(request)
+                )
             except UNAVAILABLE as e:
                 raise self._unavailable(e) from None
         results = self.keys.results(model, self.gateway_id)
@@ -144,11 +147,7 @@ class RedisGateway(GatewayBroker):
             raise
         if not ok:
             self._follows.pop(rid, None)
-            if where == b"tenant":
-                raise QueueFull(
-                    f"{value} requests of this tenant are already waiting (its share of the queue)"
-                )
-            raise QueueFull(f"{value} requests are already waiting for an engine")
+            raise QueueFull(TENANT_SHARE_FULL if where == b"tenant" else QUEUE_FULL)
         self.positions.waits(rid, model, value.decode(), where.decode())
 
     async def abort(self, request_id: str) -> None:

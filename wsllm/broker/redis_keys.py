@@ -31,7 +31,9 @@ or script touches:
     {p}:{t:tenant}:tpm      full again; its tokens bucket the same (`limits.py`)
     {p}:{t:tenant}:live     the tenant's in-flight requests: sorted set of request ids scored by
                             their lease's expiry, refreshed while they run
-    {p}:resp:{id}           a stored Responses answer (hash: tenant, record), with its TTL
+    {p}:{r:tenant}:resp:{id} a tenant's stored Responses answer (hash: record, or a tombstone),
+                            with its TTL; {p}:{r:tenant}:resps and :rsizes its index and sizes,
+                            for the tenant's budget (`redis_responses.py`)
 
 Slots. A model's keys share the slot of `{model}`: the submit, take, abort and sweep
 scripts, the gateway's blocking XREAD over its requests' result streams and its
@@ -39,8 +41,9 @@ wake-up stream and the engines' reads all stay inside it, so models spread over 
 shards of a cluster. The abort stream is the model's too (every engine reads it
 each loop: a deployment-wide one made one shard hot, docs/scaling.md), so the abort
 script ends the request and tells its engines in one step. The engine registry shares
-the slot of `{prefix}`, and each tenant's limit keys the slot of `{t:tenant}` (every
-lua/limit_*.lua script touches one tenant's keys only). Moving a malformed abort entry to the
+the slot of `{prefix}`, each tenant's limit keys the slot of `{t:tenant}` (every
+lua/limit_*.lua script touches one tenant's keys only), and its stored responses the
+slot of `{r:tenant}` (lua/response_*.lua). Moving a malformed abort entry to the
 model's dead-letter stream is two commands: the XDEL that removes it decides which
 engine moves it, once.
 
@@ -139,6 +142,10 @@ class Keys:
         """A tenant's limit key: `rpm`, `tpm` (buckets) or `live` (in-flight leases)."""
         return f"{self.prefix}:{{t:{tenant}}}:{what}"
 
-    def response(self, response_id: str) -> str:
-        """A stored Responses answer (`redis_responses.py`)."""
-        return f"{self.prefix}:resp:{response_id}"
+    def response(self, tenant: str, response_id: str) -> str:
+        """A tenant's stored Responses answer (`redis_responses.py`)."""
+        return f"{self.prefix}:{{r:{tenant}}}:resp:{response_id}"
+
+    def responses(self, tenant: str, what: str) -> str:
+        """A tenant's index of its stored answers: `resps` (by expiry), `rsizes` (bytes)."""
+        return f"{self.prefix}:{{r:{tenant}}}:{what}"

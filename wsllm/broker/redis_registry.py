@@ -18,11 +18,12 @@ from typing import Any
 import orjson
 import redis.exceptions
 
+from wsllm.broker.base import MAX_TOKENIZER_BYTES, TOKENIZER_FILES
 from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_held import HeldRequests
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import counters_key, wake_key
-from wsllm.broker.redis_scripts import ENGINES, REFRESH
+from wsllm.broker.redis_scripts import ENGINES, REFRESH, TOKENIZER_READ
 from wsllm.config_redis import RedisConfig
 from wsllm.types import EngineInfo
 from wsllm.wire import encode
@@ -153,13 +154,25 @@ class RegistryReader:
         )
 
     async def tokenizer_files(self, model: str) -> dict[str, bytes] | None:
+        """The files an engine of `model` published; None when none did, or when they
+        are over MAX_TOKENIZER_BYTES (never read whole: the size is checked in Redis)."""
         try:
-            got = await self.client().hgetall(self.keys.tokenizer(model))
+            got = await eval_script(
+                self.client(), TOKENIZER_READ, [self.keys.tokenizer(model)], [MAX_TOKENIZER_BYTES]
+            )
         except UNAVAILABLE as e:
             raise self.unavailable(e) from None
-        if not got:
+        if not int(got[0]):
+            log.error(
+                "the tokenizer published for %s is %s bytes, over %d: not read",
+                model,
+                got[1],
+                MAX_TOKENIZER_BYTES,
+            )
             return None
-        return {(k.decode() if isinstance(k, bytes) else str(k)): bytes(v) for k, v in got.items()}
+        flat = got[1:]
+        names = [k.decode() if isinstance(k, bytes) else str(k) for k in flat[::2]]
+        return {n: bytes(v) for n, v in zip(names, flat[1::2], strict=True) if n in TOKENIZER_FILES} or None
 
     async def engines(self) -> list[EngineInfo]:
         """The registered engines, from the cached copy while it is fresh. Past that, one

@@ -1,7 +1,15 @@
 """The Responses store of `response_store.py` in Redis, shared by every gateway of a
-deployment: one hash per response (`{p}:resp:{id}`: `tenant`, `record`) with the
-record's TTL. Ownership is checked in the reads, and a delete is one script (check
-and delete together), so no key can drop another tenant's response."""
+deployment. A tenant's keys share the slot of `{r:tenant}`:
+
+    {p}:{r:tenant}:resp:{id}   one response (hash: `record`, or `tomb` once deleted), with
+                               the record's TTL
+    {p}:{r:tenant}:resps       the tenant's records (sorted set: id -> expiry), oldest first
+    {p}:{r:tenant}:rsizes      their sizes (hash: id -> bytes), for its budget
+
+A record's key is named by its tenant, so another tenant's key reads and deletes
+another (empty) hash: ownership needs no check. A put and a delete are one script
+each (`lua/response_put.lua`: the tenant's budget, its oldest first; `response_delete.lua`:
+the tombstone)."""
 
 from __future__ import annotations
 
@@ -11,8 +19,8 @@ from typing import Any
 from wsllm.broker.base import BrokerUnavailable
 from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys
-from wsllm.broker.redis_scripts import RESPONSE_DELETE
-from wsllm.broker.response_store import ResponseStore
+from wsllm.broker.redis_scripts import RESPONSE_DELETE, RESPONSE_PUT
+from wsllm.broker.response_store import UNBOUNDED, Budget, ResponseStore
 
 
 class RedisResponseStore(ResponseStore):
@@ -20,30 +28,39 @@ class RedisResponseStore(ResponseStore):
         self._client = client  # the gateway side's redis.asyncio client (one per loop)
         self.keys = keys
 
-    async def put(self, response_id: str, tenant: str, record: bytes, ttl_s: float) -> None:
-        key = self.keys.response(response_id)
+    def _keys(self, tenant: str, response_id: str) -> list[str]:
+        k = self.keys
+        return [k.response(tenant, response_id), k.responses(tenant, "resps"), k.responses(tenant, "rsizes")]
+
+    async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
         try:
-            async with self._client().pipeline(transaction=True) as p:
-                p.hset(key, mapping={"tenant": tenant, "record": record})
-                p.pexpire(key, max(1, int(ttl_s * 1000)))
-                await p.execute()
+            return await eval_script(self._client(), script, keys, args)
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+
+    async def put(
+        self, response_id: str, tenant: str, record: bytes, ttl_s: float, budget: Budget = UNBOUNDED
+    ) -> bool:
+        if len(record) > budget.max_bytes:
+            return False
+        ttl_ms = max(1, int(ttl_s * 1000))
+        args = [
+            response_id,
+            record,
+            ttl_ms,
+            budget.max_bytes,
+            budget.max_records,
+            self.keys.response(tenant, ""),
+        ]
+        return bool(await self._eval(RESPONSE_PUT, self._keys(tenant, response_id), args))
 
     async def get(self, response_id: str, tenant: str) -> bytes | None:
         try:
-            owner, record = await self._client().hmget(self.keys.response(response_id), ["tenant", "record"])
+            record = await self._client().hget(self.keys.response(tenant, response_id), "record")
         except UNAVAILABLE as e:
             raise BrokerUnavailable(f"redis is unreachable: {e}") from None
-        if owner is None or owner.decode() != tenant:
-            return None
-        return bytes(record)
+        return None if record is None else bytes(record)
 
-    async def delete(self, response_id: str, tenant: str) -> bool:
-        try:
-            n = await eval_script(
-                self._client(), RESPONSE_DELETE, [self.keys.response(response_id)], [tenant]
-            )
-        except UNAVAILABLE as e:
-            raise BrokerUnavailable(f"redis is unreachable: {e}") from None
-        return bool(n)
+    async def delete(self, response_id: str, tenant: str, tombstone_s: float = 3600.0) -> bool:
+        args = [response_id, max(1, int(tombstone_s * 1000))]
+        return bool(await self._eval(RESPONSE_DELETE, self._keys(tenant, response_id), args))

@@ -25,11 +25,15 @@ ABORT = lua("queue_lib", "queue_abort")
 # The engine registry and an engine's leases on the entries it holds.
 ENGINES = lua("engines")
 REFRESH = lua("lease_refresh")
+# A model's published tokenizer, read only when it is within the gateway's cap.
+TOKENIZER_READ = lua("tokenizer_read")
 # A tenant's rate limits (limits.py has the rules; redis_limits.py calls these).
 LIMIT_ACQUIRE = lua("bucket_lib", "limit_acquire")
 LIMIT_RELEASE = lua("bucket_lib", "limit_release")
 LIMIT_ADJUST = lua("bucket_lib", "limit_adjust")
 LIMIT_USAGE = lua("bucket_lib", "limit_usage")
 LIMIT_REFRESH = lua("limit_refresh")
-# A stored Responses answer, deleted only by its tenant (redis_responses.py).
+# A tenant's stored Responses answers, within its budget; a delete leaves a tombstone
+# (redis_responses.py).
+RESPONSE_PUT = lua("response_put")
 RESPONSE_DELETE = lua("response_delete")

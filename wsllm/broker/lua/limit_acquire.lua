@@ -18,8 +18,8 @@ elseif reason == '' and tpm > 0 and k < charge then
   reason, wait = 'tokens', (charge - k) * window / tpm
 end
 if reason == '' then
-  if rpm > 0 then r = r - 1; store(KEYS[1], r, window) end
-  if tpm > 0 then k = k - charge; store(KEYS[2], k, window) end
+  if rpm > 0 then r = r - 1; store(KEYS[1], r, rpm, window) end
+  if tpm > 0 then k = k - charge; store(KEYS[2], k, tpm, window) end
   if conc > 0 then
     redis.call('ZADD', KEYS[3], now + lease, ARGV[5])
     redis.call('PEXPIRE', KEYS[3], lease)

@@ -4,5 +4,5 @@
 -- (run after bucket_lib.lua, whose functions it calls)
 local tpm, tokens, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local k = math.min(tpm, level(KEYS[1], tpm, window) - tokens)
-store(KEYS[1], k, window)
+store(KEYS[1], k, tpm, window)
 return tostring(k)
