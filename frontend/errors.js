@@ -42,6 +42,8 @@ export function describeError(code, message, param, extra = {}) {
       return "This answer is now shown in another tab or window.";
     case "worker_lost":
       return `The engine serving this answer went away.${detail}`;
+    case "engine_stalled":
+      return `The engine serving this answer stopped making progress and is restarting. Try again ${retry}.${detail}`;
     case "too_large":
       return `This conversation is too long to send (${message}). Start a new chat or shorten it.`;
     case "internal_error":

@@ -55,6 +55,20 @@ class GatewayConfig:
     text_work_nice: int = field(
         default=10, metadata={"help": "how far below the server's CPU priority heavy text work runs (Linux)"}
     )
+    template_threads: int = field(
+        default=2,
+        metadata={
+            "help": "threads that render chat templates (below the server's priority by --text-work-nice, "
+            "taking tenants in turn): more wait"
+        },
+    )
+    spec_check_workers: int = field(
+        default=1,
+        metadata={
+            "help": "processes that check structured-output specs (niced, taking tenants in turn); one past its "
+            "deadline is killed and replaced"
+        },
+    )
     template_timeout_s: float = field(
         default=5.0,
         metadata={"help": "longest a chat template may render (and tokenize) one request: 400 past it"},
@@ -132,6 +146,16 @@ class GatewayConfig:
             "help": "how long a stored /v1/responses answer stays readable (previous_response_id, GET)"
         },
     )
+    response_tenant_max_bytes: int = field(
+        default=16 << 20,
+        metadata={
+            "help": "bytes of stored /v1/responses answers one tenant keeps at once: past it its own oldest go"
+        },
+    )
+    response_tenant_max_records: int = field(
+        default=1000,
+        metadata={"help": "stored /v1/responses answers one tenant keeps at once: past it its own oldest go"},
+    )
     max_embedding_inputs: int = field(
         default=64,
         metadata={"help": "most inputs in one /v1/embeddings call (each a request of its own in the queue)"},
@@ -153,6 +177,10 @@ class GatewayConfig:
             "max_buffered_events",
             "ws_outbox_messages",
             "max_embedding_inputs",
+            "response_tenant_max_bytes",
+            "response_tenant_max_records",
+            "template_threads",
+            "spec_check_workers",
         )
         for name in positive:
             if getattr(self, name) < 1:

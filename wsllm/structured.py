@@ -9,15 +9,14 @@ Shared by the gateway and the engine, and torch-free (llguidance's core is Rust)
   tokenizer (about a second, and 100+ MB resident for the rest of the process) once,
   when the first structured request arrives (or at start, with `index_at_start`), and
   keeps the last compiled specs so that a repeated schema costs a copy, not a compile;
-- `check_spec_within(spec, limit_s)`: the gateway's check, off the event loop on a
-  thread of its own, with a deadline.
+- the gateway runs `check_spec` in a process of its check pool, with a deadline
+  (wsllm/server/programs.py).
 
 What a spec accepts is in docs/protocol.md ("Structured output").
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -75,26 +74,6 @@ def check_spec(spec: Any) -> None:
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(f"structured.{next(iter(spec))}: {_cut(messages[0])}")
-
-
-_checks: ThreadPoolExecutor | None = None  # the gateway's checks: a thread of their own
-
-
-async def check_spec_within(spec: Any, limit_s: float) -> float:
-    """`check_spec` off the event loop, on one thread kept for it (a flood of unique
-    schemas queues there, not in front of the gateway's tokenization), within `limit_s`
-    seconds of waiting and compiling: ValueError past it, as for a spec that does not
-    compile. Returns the seconds it took, for the tenant's charge."""
-    global _checks
-    if _checks is None:
-        _checks = ThreadPoolExecutor(1, thread_name_prefix="wsllm-spec-check")
-    t0 = time.monotonic()
-    pending = asyncio.get_running_loop().run_in_executor(_checks, check_spec, spec)
-    try:
-        await asyncio.wait_for(pending, limit_s)  # one not begun yet is dropped
-    except TimeoutError:
-        raise ValueError(f"structured.{next(iter(spec))}: did not compile within {limit_s:g}s") from None
-    return time.monotonic() - t0
 
 
 def _canonical(spec: Any) -> bytes:
@@ -253,4 +232,4 @@ class PendingCompiles:
         return ready, failed
 
 
-__all__ = ["JSON_DEFAULTS", "Matchers", "PendingCompiles", "check_spec", "check_spec_within", "grammar_for"]
+__all__ = ["JSON_DEFAULTS", "Matchers", "PendingCompiles", "check_spec", "grammar_for"]

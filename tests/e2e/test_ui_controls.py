@@ -255,7 +255,7 @@ def test_error_sentences_for_the_other_codes(ui) -> None:
     said = page.evaluate("""async () => {
       const { describeError, retryWhen } = await import('/errors.js');
       const codes = ['queue_full', 'engine_busy', 'model_not_ready', 'context_length_exceeded',
-                     'slow_consumer', 'resumed_elsewhere', 'worker_lost', 'internal_error'];
+                     'slow_consumer', 'resumed_elsewhere', 'worker_lost', 'engine_stalled', 'internal_error'];
       return {codes: Object.fromEntries(codes.map((c) => [c, describeError(c, 'detail')])),
               later: retryWhen(150, Date.UTC(2026, 0, 1, 12, 0, 0)),
               unknown: describeError('brand_new', 'what the server said')};

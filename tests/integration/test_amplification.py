@@ -69,6 +69,8 @@ def test_every_answer_forbids_framing_and_sniffing(srv: Any, path: str) -> None:
     r = httpx.get(f"{srv.base_url}{path}", timeout=30)
     csp = r.headers.get("content-security-policy", "")
     assert "frame-ancestors 'none'" in csp and "default-src 'self'" in csp, r.headers
+    # the page talks to its own host only (its WebSocket included): no `ws:`/`wss:` to any host
+    assert "connect-src 'self';" in csp and " ws:" not in csp and " wss:" not in csp, csp
     assert r.headers.get("x-content-type-options") == "nosniff"
 
 

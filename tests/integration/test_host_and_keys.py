@@ -1,6 +1,6 @@
 """Who may talk to the gateway, with a real uvicorn and no engine behind it (a heartbeat
 makes the gateway think one serves): the Host allow-list against DNS rebinding, the API
-key guarding the API under a root_path, and the key kept out of the access log."""
+key guarding the API under a root_path, and the key and resume tokens kept out of the access log."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_the_api_key_guards_the_api_under_a_root_path(tiny_model_dir: Path, uvic
     broker.close()
 
 
-def test_the_websocket_key_stays_out_of_the_access_log(
+def test_keys_and_resume_tokens_stay_out_of_the_access_log(
     tiny_model_dir: Path, uvicorn_thread: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = registered(MemoryBroker(), "tiny")
@@ -95,7 +95,17 @@ def test_the_websocket_key_stays_out_of_the_access_log(
         assert asyncio.run(ws_status(ws)) == 101
         assert asyncio.run(ws_status(base.replace("http", "ws") + "/v1/ws?api_key=wrong")) == 403
         httpx.get(f"{base}/v1/models?api_key={KEY}")
+        # a resume token in the query reaches the route (a 404: this broker resumes
+        # nothing; without a token it is a 400) but not the log
+        auth = {"authorization": f"Bearer {KEY}"}
+        resumed = httpx.get(
+            f"{base}/v1/streams/cmpl-1?resume_token=cmpl-1.s3cret&last_event_id=2", headers=auth
+        )
+        assert resumed.status_code == 404 and resumed.json()["error"]["code"] == "unknown_id", resumed.text
+        assert httpx.get(f"{base}/v1/streams/cmpl-1?last_event_id=2", headers=auth).status_code == 400
     logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("uvicorn"))
-    assert "/v1/ws" in logged and "x=1" in logged  # the access log is on...
-    assert KEY not in logged and "wrong" not in logged  # ...and has no key in it
+    assert "/v1/ws" in logged and "x=1" in logged and "last_event_id=2" in logged  # the access log is on...
+    assert (
+        KEY not in logged and "wrong" not in logged and "s3cret" not in logged
+    )  # ...and has no secret in it
     broker.close()

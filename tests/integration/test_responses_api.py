@@ -3,8 +3,9 @@ random model, memory broker): answers streamed and not agree, the SDK's own stre
 helper assembles the typed events into the same response, a required tool call round
 trips (by `previous_response_id` and by sending the output back), a `text.format`
 json_schema answer is valid (the constraint, not the model, makes it so), a stored
-response continues a conversation and is another key's 404, and a closed stream
-frees its engine request."""
+response continues a conversation and is another key's 404, a closed stream frees its
+engine request, a deleted background response stops and stays deleted, and calls on
+stored responses take from the tenant's rpm."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ keys = ["sk-alice"]
 
 [tenants.bob]
 keys = ["sk-bob"]
+
+[tenants.carl]
+keys = ["sk-carl"]
+rpm = 3
 """
 WEATHER = {
     "type": "function",
@@ -278,3 +283,32 @@ def test_a_background_response_runs_without_its_client_and_can_be_cancelled(srv:
         alice.responses.cancel(
             short.id if not short.background else alice.responses.create(**kw(srv, input="x")).id
         )
+
+
+def test_deleting_a_background_response_stops_it_and_it_stays_deleted(srv: Any) -> None:
+    alice = client(srv)
+    r = alice.responses.create(
+        **kw(srv, input="Go on and on.", background=True, max_output_tokens=2000, temperature=1)
+    )
+    assert alice.responses.retrieve(r.id).status == "in_progress"
+    with pytest.raises(openai.NotFoundError):
+        client(srv, "sk-bob").responses.delete(r.id)
+    alice.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(r.id)
+    srv.assert_engine_forgot("resp-" + r.id.removeprefix("resp_"))  # the run stopped
+    srv.assert_no_blocks_held()
+    with pytest.raises(openai.NotFoundError):  # and its end did not store it again
+        alice.responses.retrieve(r.id)
+
+
+def test_calls_on_stored_responses_take_from_the_rpm(srv: Any) -> None:
+    """GET, cancel and DELETE of a stored response were free: a key could read one a
+    thousand times a second."""
+    carl = client(srv, "sk-carl")
+    r = carl.responses.create(**kw(srv, input="Hi", max_output_tokens=2))  # 1 of 3
+    carl.responses.retrieve(r.id)  # 2
+    carl.responses.input_items.list(r.id)  # 3
+    for call in (carl.responses.retrieve, carl.responses.delete, carl.responses.cancel):
+        with pytest.raises(openai.RateLimitError):
+            call(r.id)

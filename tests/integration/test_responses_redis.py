@@ -2,7 +2,8 @@
 this process) and one engine on the session's redis-server. A response stored through
 one gateway is read, continued and deleted through the other, by its tenant's keys
 only; a background response running on one gateway is cancelled through the other
-(an abort through the broker, the end stored by the gateway that ran it)."""
+(an abort through the broker, the end stored by the gateway that ran it), or deleted
+there: it stops, and stays deleted."""
 
 from __future__ import annotations
 
@@ -107,3 +108,22 @@ def test_a_background_response_is_cancelled_through_another_gateway(gateways: tu
     cancelled = client(b).responses.cancel(r.id)
     assert cancelled.status == "cancelled", cancelled.status
     assert client(a).responses.retrieve(r.id).status == "cancelled"
+
+
+def test_a_background_response_deleted_through_another_gateway_stops_and_stays_deleted(
+    gateways: tuple[str, str], tiny_engine: Any
+) -> None:
+    a, b = gateways
+    r = client(a).responses.create(input="Go on and on.", background=True, max_output_tokens=2000)
+    engine_request = "resp-" + r.id.removeprefix("resp_")
+    client(b).responses.delete(r.id)
+    for base in (a, b):
+        with pytest.raises(openai.NotFoundError):
+            client(base).responses.retrieve(r.id)
+    deadline = time.monotonic() + 10
+    while tiny_engine.is_known(engine_request):
+        assert time.monotonic() < deadline, "the deleted background response still runs"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the run's end reached gateway a and was not stored
+    with pytest.raises(openai.NotFoundError):
+        client(a).responses.retrieve(r.id)

@@ -2,7 +2,10 @@
 gets 429 `rate_limited` with Retry-After and OpenAI's x-ratelimit-* headers while
 another tenant goes on; a max_concurrent lease ends when its client disconnects or
 cancels; on the WebSocket a refused request gets an `error` with `retry_after_s` and
-the socket goes on; a tenant limited to other models gets 404."""
+the socket goes on; a tenant limited to other models gets 404, and sees none of the
+model's figures on /metrics; the prefix cache is sealed per tenant (`cached_tokens`
+never counts another tenant's blocks), narrowed by a request's `cache_salt`, shared
+between tenants the keys file gives one salt."""
 
 from __future__ import annotations
 
@@ -39,6 +42,14 @@ max_concurrent = 1
 [tenants.eve]
 keys = ["sk-eve"]
 models = ["other-*"]
+
+[tenants.gina]
+keys = ["sk-gina"]
+cache_salt = "team"
+
+[tenants.hank]
+keys = ["sk-hank"]
+cache_salt = "team"
 """
 
 HEADERS = ("limit", "remaining", "reset")
@@ -200,3 +211,42 @@ def test_priority_is_capped_per_key_and_the_engine_accounts_tokens_to_the_tenant
     assert post(srv, "sk-admin", priority=1).status_code == 400
     served = srv.engine.scheduler.served  # the engine shares its batch by these names
     assert served.get("bob", 0) > 0 and served.get("default", 0) > 0
+
+
+def test_metrics_show_a_key_only_the_models_it_may_use(srv: Any) -> None:
+    """/metrics told any key every model's traffic and cache hit rate; a key sees the
+    models it may use, an operator every model and the tenants."""
+    assert post(srv, "sk-bob").status_code == 200  # traffic on the model
+
+    def page(key: str) -> str:
+        r = httpx.get(f"{srv.base_url}/metrics", headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+        return r.text
+
+    served = f'model="{srv.gateway.model_name}"'
+    assert served in page("sk-bob") and served in page("sk-admin")
+    eve = page("sk-eve")  # may use other-* only
+    assert "# TYPE wsllm_prompt_tokens_total counter" in eve and served not in eve, eve
+    assert 'tenant="' not in eve and 'tenant="' not in page("sk-bob") and 'tenant="bob"' in page("sk-admin")
+
+
+def test_cached_tokens_never_count_another_tenants_blocks(srv: Any) -> None:
+    """The probe: a key that guessed another tenant's prompt got `cached_tokens` 32 for
+    the right guess and 0 for a wrong one. A tenant's chain starts from its own salt."""
+    prompt = list(range(400, 480))  # five blocks of 16
+
+    def cached(key: str, **body: Any) -> int:  # (2 tokens: a request ended by its prefill caches nothing)
+        r = post(srv, key, prompt=prompt, max_tokens=2, **body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("sk-bob") == 0
+    assert cached("sk-bob") >= 64  # its own prompt again: a hit
+    assert cached("sk-admin") == 0  # the right guess of another tenant: nothing
+    assert cached("sk-admin") >= 64  # ...that now caches it for itself
+    assert cached("sk-bob", cache_salt="s1") == 0  # a request's salt narrows its tenant's
+    assert cached("sk-bob", cache_salt="s1") >= 64
+    assert cached("sk-gina") == 0  # an operator's salt, shared on purpose
+    assert cached("sk-hank") >= 64
+    too_long = post(srv, "sk-bob", cache_salt="x" * 257)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "cache_salt"

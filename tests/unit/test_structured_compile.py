@@ -3,7 +3,8 @@
 steps every stream of the engine, with no limit (and 64 cached specs: unique schemas
 always miss). Now the request waits outside the scheduler while the matchers' thread
 compiles it, and one that does not compile in time ends with invalid_request (a 400);
-the gateway's check has a deadline of its own."""
+the gateway's check has a deadline of its own, and one past it no longer holds the
+check pool's worker (its process is killed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
-from wsllm.structured import check_spec_within
+from wsllm.server import programs
+from wsllm.server.programs import ProcessPool
 from wsllm.types import SamplingParams
 
 PROMPT = [1, 504, 3456, 77, 9012]
@@ -99,11 +101,37 @@ def test_aborting_a_request_whose_spec_compiles_forgets_it(engine: LLMEngine) ->
     assert len(engine.compiling) == 0 and not engine.has_unfinished()
 
 
-def test_the_gateway_check_has_a_deadline() -> None:
+def test_a_check_past_its_deadline_frees_its_worker() -> None:
+    """A compile is Rust code that nothing interrupts: a job past its deadline has its
+    process killed, and the next job runs in a fresh one at once instead of waiting for
+    it. (A job that would hold the pool's one worker for a minute stands for the compile.)"""
+    pool = ProcessPool(1, 0, time.sleep, "test-slow-check")
+
+    async def go() -> float:
+        await pool.run(0, 30.0, "warm")  # the process started
+        first = pool.pids[0]
+        with pytest.raises(TimeoutError):
+            await pool.run(60, 0.3, "mallory")
+        for _ in range(100):  # its slot notices within a poll (50 ms), and starts the next
+            if pool.pids[0] not in (None, first):
+                break
+            await asyncio.sleep(0.02)
+        assert first is not None and pool.killed == 1 and pool.pids[0] not in (None, first)
+        assert not Path(f"/proc/{first}").exists(), "the process past its deadline still runs"
+        t = time.monotonic()
+        await pool.run(0, 30.0, "alice")
+        return time.monotonic() - t
+
+    assert asyncio.run(go()) < 5.0
+
+
+def test_the_gateways_check_runs_in_its_pool_with_a_deadline() -> None:
     async def go() -> None:
-        assert await check_spec_within({"regex": "[a-z]+"}, 5.0) < 5.0
+        assert await programs.check({"regex": "[a-z]+"}, 30.0, "t") < 30.0
+        with pytest.raises(ValueError, match="regex"):  # the check's own error comes back
+            await programs.check({"regex": "(unclosed"}, 30.0, "t")
         with pytest.raises(ValueError, match=r"structured\.regex: did not compile within 0\.001s"):
-            await check_spec_within(heavy_spec(), 0.001)
+            await programs.check(heavy_spec(), 0.001, "t")
 
     asyncio.run(go())
 

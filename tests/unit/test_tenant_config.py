@@ -1,7 +1,8 @@
 """Tenants and the in-memory limiter, without a server: the keys file is checked at
 start with a message that names the tenant and the field; the token buckets refill
 continuously, refuse atomically and refund; a charge is set right after tokenizing
-(taken, given back, or a debt) and one over the whole bucket is a 429; leases end with
+(taken, given back, or a debt), an estimate over the bucket takes the whole bucket (so
+concurrent ones cannot each leave a debt), and one over the whole bucket is a 429; leases end with
 `release`, and a request's own lease does not count against its resume."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ models = ["tiny-*"]
 [tenants.ops]
 keys = ["sk-ops"]
 roles = ["metrics"]
+cache_salt = "team"
 """
 
 
@@ -54,6 +56,9 @@ def test_a_keys_file_names_tenants_by_key(tmp_path: Path) -> None:
     assert tenants.authenticate("sk-alice") is None and tenants.authenticate("") is None
     ops = tenants.authenticate("sk-ops")
     assert ops is not None and ops.operator and not alice.operator and not bob.operator
+    # each tenant's prefix cache is its own; the file may give tenants one salt on purpose
+    spaces = {alice.cache_namespace(), bob.cache_namespace(), ops.cache_namespace(), bob.cache_namespace("x")}
+    assert len(spaces) == 4 and ops.cache_namespace() == "salt:team"
 
 
 def test_api_key_alone_is_one_unlimited_tenant_and_no_key_is_none(tmp_path: Path) -> None:
@@ -88,6 +93,8 @@ def test_the_anonymous_tenant_is_limited_by_default_and_settable() -> None:
         ('[tenants.alice]\nkeys = ["a"]\nrmp = 3\n', "tenant 'alice': unknown field(s) ['rmp']"),
         ('[tenants.alice]\nkeys = ["a"]\nmodels = []\n', "tenant 'alice': models:"),
         ('[tenants.alice]\nkeys = ["a"]\nroles = ["admin"]\n', "tenant 'alice': roles: a list of 'metrics'"),
+        ('[tenants.alice]\nkeys = ["a"]\ncache_salt = ""\n', "tenant 'alice': cache_salt: 1 to 256"),
+        ('[tenants.alice]\nkeys = ["a"]\ncache_salt = "a\\u001fb"\n', "tenant 'alice': cache_salt:"),
         ('[tenants.a]\nkeys = ["x"]\n[tenants.b]\nkeys = ["x"]\n', "tenant 'b': a key of its keys is also"),
         ('[tenants."a b"]\nkeys = ["x"]\n', "tenant 'a b': a name is"),
         ("[tenants]\n", "no tenants"),
@@ -173,12 +180,35 @@ def test_a_charge_is_refined_after_tokenizing_and_one_over_the_bucket_is_refused
         # An estimate over the bucket is not "never": only what the charge is at least.
         with pytest.raises(APIError, match="never pass"):
             await admit(lim, tenant, "r4", 1200, least=101)
-        guess = await admit(lim, tenant, "r4", 1200, least=10)  # takes the 10 for now
-        assert await left() == 90
+        guess = await admit(lim, tenant, "r4", 1200, least=10)  # takes the whole bucket for now
+        assert await left() == 0
         await guess.refine(63)  # the prompt was a run of "=": few tokens for its bytes
         assert await left() == 37
 
     asyncio.run(go())
+
+
+def test_estimates_over_the_tpm_cannot_drive_the_bucket_into_debt_once_per_request() -> None:
+    """tpm 1,000, 8 requests at once whose estimate is over it and whose least is 1
+    (no max_tokens): each came in on 1 token, and their exact charges (832 each) left the
+    bucket at -5,656. The first takes the whole bucket; the others wait for it."""
+    lim = MemoryLimiter(Clock())
+    tenant = Tenant("t", Limits(tpm=1000))
+
+    async def go() -> list[int]:
+        admitted, refused = [], 0
+        for i in range(8):
+            try:
+                admitted.append(await admit(lim, tenant, f"r{i}", 1500, least=1))
+            except APIError as e:
+                assert e.status == 429 and e.code == "rate_limited"
+                refused += 1
+        for ticket in admitted:
+            await ticket.refine(832)
+        level = (await lim.usage("t", tenant.limits)).remaining_tokens
+        return [len(admitted), refused, level or 0]
+
+    assert asyncio.run(go()) == [1, 7, 1000 - 832]
 
 
 def test_a_requests_own_lease_does_not_count_against_its_resume() -> None:

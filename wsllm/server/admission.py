@@ -22,8 +22,8 @@ from wsllm.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-#: Gateway._submit: (model, prepared, request id, priority, tenant name) -> its Generation
-Submit = Callable[[ServedModel, Prepared, str, int, str], Awaitable[Generation]]
+#: Gateway._submit: (model, prepared, request id, priority, tenant) -> its Generation
+Submit = Callable[[ServedModel, Prepared, str, int, Tenant], Awaitable[Generation]]
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ class Admission:
         with counted(metrics, self.tenant):  # a 429 after tokenizing: larger than its tpm
             await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params, spec))
         ticket.kept = kept_charge(len(prep.prompt_ids), prep.params, spec)
-        gen = await self.submit_to(self.model, prep, ticket.request_id, self.priority, self.tenant.name)
+        gen = await self.submit_to(self.model, prep, ticket.request_id, self.priority, self.tenant)
         self._done.add(i)
         tenant = self.tenant.name
 

@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 
 from wsllm.broker.base import BrokerError, GatewayBroker
 from wsllm.config_gateway import GatewayConfig
-from wsllm.server import status, textwork
+from wsllm.server import programs, status, textwork
 from wsllm.server.api.embeddings import routes as embeddings
 from wsllm.server.api.messages import routes as messages
 from wsllm.server.api.openai import routes as openai
@@ -135,6 +135,7 @@ def create_app(
     models' tokenizers (the rest come from what their engines publish)."""
     name = model_name or Path(tokenizer_dir).name
     textwork.configure(cfg.text_work_threads, cfg.text_work_nice)
+    programs.configure(cfg.template_threads, cfg.spec_check_workers, cfg.text_work_nice)
     tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
     anonymous = anonymous_tenant(cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent)
     gw = Gateway(

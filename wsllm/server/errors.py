@@ -12,7 +12,13 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from wsllm.broker.base import BrokerClosed, BrokerError, BrokerUnavailable, QueueFull
-from wsllm.types import ERR_ENGINE_BUSY, ERR_INVALID_REQUEST, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST
+from wsllm.types import (
+    ERR_ENGINE_BUSY,
+    ERR_ENGINE_STALLED,
+    ERR_INVALID_REQUEST,
+    ERR_QUEUE_TIMEOUT,
+    ERR_WORKER_LOST,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -67,7 +73,7 @@ class APIError(Exception):
 
 # A request the engine side could not serve for now (full, late or lost): 503 and
 # Retry-After on HTTP, `retry_after_s` on the WebSocket.
-_RETRY_LATER = frozenset({ERR_ENGINE_BUSY, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST})
+_RETRY_LATER = frozenset({ERR_ENGINE_BUSY, ERR_QUEUE_TIMEOUT, ERR_WORKER_LOST, ERR_ENGINE_STALLED})
 
 
 def from_generation(code: str, message: str) -> APIError:

@@ -124,7 +124,7 @@ class Gateway:
         """Admit, prepare and submit a checked chat or completion request (of one prompt)."""
         charge = Charge(req.model, [coarse_charge(req, self.cfg.default_max_tokens)], req.priority)
         async with self.admitted(tenant, api, charge) as adm:
-            return await adm.submit(0, await prepare(req, api, adm.model, adm.max_len, self.cfg))
+            return await adm.submit(0, await prepare(req, api, adm.model, adm.max_len, self.cfg, tenant.name))
 
     async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
         """One request of `tenant`'s rpm for a resume, taken before its replay; its
@@ -133,7 +133,7 @@ class Gateway:
             return await meter_call(self.limiter, tenant)
 
     async def _submit(
-        self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: str
+        self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: Tenant
     ) -> Generation:
         gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
         gen.resume_token, prep.context.token_sha256 = new_token(rid)
@@ -141,7 +141,8 @@ class Gateway:
         deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(
             rid, prep.prompt_ids, prep.params, model=model.name, arrival_time=now,
-            queue_deadline=deadline, priority=priority, tenant=tenant,
+            queue_deadline=deadline, priority=priority, tenant=tenant.name,
+            cache_salt=tenant.cache_namespace(prep.cache_salt),  # its KV is its tenant's alone
         )  # fmt: skip
         try:
             await self.broker.submit(

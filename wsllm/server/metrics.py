@@ -1,5 +1,6 @@
 """Prometheus metrics of one gateway (its own registry, so that several apps can live
-in one process, as they do in tests).
+in one process, as they do in tests). A key sees the samples of the models it may use
+only (`render`); an operator's key (the `metrics` role) sees every model's.
 
 The per-tenant families live in a registry of their own, which /metrics adds only for
 an operator's key (the `metrics` role): tenant names and their usage are not for
@@ -7,10 +8,12 @@ every key. A tenant sees its own figures through `GET /v1/usage` (`tenant_usage`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -206,7 +209,25 @@ class Metrics:
         for field, gauge in self.spec.items():
             gauge.set(sum(s.get(field, 0) for s in stats))
 
-    def render(self, tenants: bool = False) -> bytes:
-        """The Prometheus page; with the per-tenant families when `tenants` (an operator)."""
-        page = generate_latest(self.registry)
+    def render(self, models: Callable[[str], bool] | None = None, tenants: bool = False) -> bytes:
+        """The Prometheus page: the samples of the models `models` accepts (None: every
+        model's, for an operator), with the per-tenant families when `tenants` (an operator).
+        A key learns nothing of the traffic of models it may not use."""
+        page = generate_latest(self.registry if models is None else _Only(self.registry, models))  # type: ignore[arg-type]
         return page + generate_latest(self.families.tenant_registry) if tenants else page
+
+
+class _Only:
+    """A registry's families with only the samples of the models `keep` accepts (a
+    sample with no model label is the gateway's own: kept)."""
+
+    def __init__(self, registry: CollectorRegistry, keep: Callable[[str], bool]) -> None:
+        self.registry, self.keep = registry, keep
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [
+                s for s in family.samples if "model" not in s.labels or self.keep(s.labels["model"])
+            ]
+            yield kept

@@ -127,18 +127,30 @@ def request_tenant(state: Any) -> Tenant:
     return tenant if isinstance(tenant, Tenant) else ANONYMOUS
 
 
+#: a resume token given in the query string (`GET /v1/streams/{id}?resume_token=`, for
+#: clients that cannot set headers) travels on as this header, out of the query
+RESUME_TOKEN_HEADER = b"x-resume-token"
+_SECRETS = ("api_key", "resume_token")  # query parameters no log may see
+
+
 def _drop_key_from_query(scope: Scope) -> None:
+    """Take the secrets out of the query string, which uvicorn's access log prints: the
+    API key (read already), and a resume token, handed to the route as its header."""
     raw: bytes = scope.get("query_string", b"")
-    if b"api_key" not in raw:
+    if not any(name.encode() in raw for name in _SECRETS):
         return
     query = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
-    scope["query_string"] = urlencode([(k, v) for k, v in query if k != "api_key"]).encode("latin-1")
+    token = next((v for k, v in query if k == "resume_token"), None)
+    headers = list(scope.get("headers", []))
+    if token is not None and not any(k.lower() == RESUME_TOKEN_HEADER for k, _ in headers):
+        scope["headers"] = [*headers, (RESUME_TOKEN_HEADER, token.encode("latin-1"))]
+    scope["query_string"] = urlencode([(k, v) for k, v in query if k not in _SECRETS]).encode("latin-1")
 
 
 # The UI's policy, sent as headers: a <meta> tag cannot carry `frame-ancestors` (so a
 # page could frame the UI and click through it), and it covers only HTML pages.
 CONTENT_SECURITY_POLICY = (
-    "default-src 'self'; script-src 'self'; img-src 'self' data:; connect-src 'self' ws: wss:; "
+    "default-src 'self'; script-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "style-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 SECURITY_HEADERS = (

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wsllm.config_gateway import GatewayConfig
-from wsllm.server import textwork
+from wsllm.server import programs, textwork
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
@@ -33,8 +33,7 @@ from wsllm.server.fim import fim_prompt
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest
-from wsllm.server.text import TemplateError, TextCodec, run_with_deadline
-from wsllm.structured import check_spec_within
+from wsllm.server.text import TemplateError, TextCodec
 from wsllm.types import GREEDY_BELOW, SamplingParams
 
 # Prompts longer than this (characters, counting each message's overhead) are
@@ -54,6 +53,8 @@ class Prepared:
     context: ResumeContext
     #: seconds the gateway spent checking its structured-output spec (0: none), for the charge
     compile_s: float = 0.0
+    #: the request's own `cache_salt` (vLLM's; "": none), narrowing its tenant's prefix cache
+    cache_salt: str = ""
 
     @property
     def prompt_logprobs_entries(self) -> int:
@@ -69,32 +70,40 @@ def prompt_logprobs_entries(params: SamplingParams, prompt_len: int) -> int:
 
 
 async def prepare(
-    req: ChatRequest | CompletionRequest, api: Api, model: ServedModel, max_len: int, cfg: GatewayConfig
+    req: ChatRequest | CompletionRequest,
+    api: Api,
+    model: ServedModel,
+    max_len: int,
+    cfg: GatewayConfig,
+    tenant: str = "",
 ) -> Prepared:
     """`req` (checked against its schema and the operator's limits) for `model`, whose
-    live engines allow `max_len` tokens of context. Raises APIError (400)."""
+    live engines allow `max_len` tokens of context. Raises APIError (400). `tenant`: whose
+    turn its template and spec check take on the programs' pools (programs.py)."""
     codec = model.codec
     _check_vocab(codec, req)
     _fits(codec, _prompt_chars(req), max_len, "messages" if isinstance(req, ChatRequest) else "prompt")
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
     structured, compile_s = (
-        (None, 0.0) if wanted is None else await checked(*wanted, cfg.spec_check_timeout_s)
+        (None, 0.0) if wanted is None else await checked(*wanted, cfg.spec_check_timeout_s, tenant)
     )
-    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s)
+    prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s, tenant)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
-    return Prepared(prompt_ids, params, ctx, compile_s)
+    return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "")
 
 
-async def chat_prompt(req: ChatRequest, model: ServedModel, cfg: GatewayConfig, **template: Any) -> list[int]:
+async def chat_prompt(
+    req: ChatRequest, model: ServedModel, cfg: GatewayConfig, *, tenant: str = "", **template: Any
+) -> list[int]:
     """A chat's prompt token ids (its template, tools and system), and nothing more of
     its preparation (no constraint compiled): what `count_tokens` and `/tokenize` report.
     `template`: more of the template's arguments (add_generation_prompt, ...)."""
     plan = plan_chat(req, model.codec, model.name, cfg.tool_parser)
-    return await _prompt_ids(req, model.codec, plan.template | template, cfg.template_timeout_s)
+    return await _prompt_ids(req, model.codec, plan.template | template, cfg.template_timeout_s, tenant)
 
 
 async def text_tokens(model: ServedModel, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -136,11 +145,14 @@ async def embeddings(model: ServedModel, inputs: list[str | list[int]], max_len:
     return out
 
 
-async def checked(spec: dict[str, Any], param: str, limit_s: float) -> tuple[dict[str, Any], float]:
-    """`spec` and the seconds its check took, compiled once with llguidance off the event
-    loop: one that does not compile, or not within `limit_s`, is a 400 naming `param`."""
+async def checked(
+    spec: dict[str, Any], param: str, limit_s: float, tenant: str = ""
+) -> tuple[dict[str, Any], float]:
+    """`spec` and the seconds its check took, compiled once with llguidance in the check
+    pool (in `tenant`'s turn): one that does not compile, or not within `limit_s`, is a
+    400 naming `param`."""
     try:
-        took = await check_spec_within(spec, limit_s)
+        took = await programs.check(spec, limit_s, tenant)
     except ValueError as e:
         raise APIError(400, "invalid_request", f"{param}: {e}", param=param) from None
     return spec, took
@@ -191,6 +203,7 @@ async def _prompt_ids(
     codec: TextCodec,
     template: dict[str, Any],
     template_timeout_s: float,
+    tenant: str,
 ) -> list[int]:
     if isinstance(req, CompletionRequest):
         prompt = req.single
@@ -201,8 +214,11 @@ async def _prompt_ids(
         return await _run_text(codec.encode, prompt, len(prompt))
     messages = [m.as_template_input() for m in req.messages]
     encode = functools.partial(codec.encode_chat, messages, **template)
-    try:  # a template is a program: always off the loop, always with a deadline
-        return await run_with_deadline(encode, template_timeout_s, "chat-template")
+    try:  # a template is a program: always off the loop, on its pool, with a deadline
+        return await programs.render(encode, template_timeout_s, tenant)
+    except TimeoutError:
+        why = f"messages: the chat template took longer than {template_timeout_s:g}s on these messages"
+        raise APIError(400, "invalid_request", why, param="messages") from None
     except TemplateError as e:
         raise APIError(400, "invalid_request", f"messages: {e}", param="messages") from None
 

@@ -260,14 +260,16 @@ async def admit(
 ) -> Ticket:
     """Take the request's share of the tenant's limits, or raise a 429 APIError. A
     charge that is an estimate (`least`: what the exact one cannot be below) is refused
-    as too large only when `least` is; an estimate over the whole bucket takes `least`
-    for now (the prompt is often fewer tokens than its bytes tell), and
-    `Ticket.refine` decides."""
+    as too large only when `least` is; an estimate over the whole bucket takes the whole
+    bucket, `min(estimate, tpm)`, for now (the prompt is often fewer tokens than its
+    bytes tell), and `Ticket.refine` decides. Taking less would let every concurrent
+    request of the tenant in on almost nothing and drive the bucket into a debt once
+    per request when their exact charges come (tpm 1,000, 8 at once: -5,656)."""
     err = too_large(tenant, tokens if least is None else least)
     if err is not None:
         raise err
     tpm = tenant.limits.tpm
-    take = least if least is not None and tpm is not None and tokens > tpm else tokens
+    take = min(tokens, tpm) if tpm is not None else tokens
     return await _take(limiter, tenant, tenant.limits, request_id, take)
 
 

@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
-from wsllm.bounds import BEAM_ALONE, MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID, REQUEST_BOUNDS
+from wsllm.bounds import (
+    BEAM_ALONE,
+    MAX_CACHE_SALT_CHARS,
+    MAX_ID_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKEN_ID,
+    REQUEST_BOUNDS,
+)
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
 from wsllm.server.conversation import (
@@ -69,6 +76,9 @@ class SamplingFields(Strict):
     service_tier: Inert  # "auto" / "default" / "flex": one tier here
     safety_identifier: Inert  # the newer name of `user`
     prompt_cache_key: Inert  # prefix caching is automatic here
+    # vLLM's: the request shares cached prefix blocks only with requests of its tenant that
+    # give the same salt (a tenant's requests share them among themselves without one)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's extension; higher is admitted first. The gateway caps it per key.
     priority: int = ranged("priority", REQUEST_BOUNDS, 0)
     stream: bool | None = None

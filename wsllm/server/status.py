@@ -1,5 +1,6 @@
 """The gateway's own read-only routes: `/health` (liveness), `/ready` (an engine serves),
-`/metrics` (Prometheus; the per-tenant families for operators only) and `GET /v1/usage`
+`/metrics` (Prometheus: the models the key may use; every model and the per-tenant
+families for operators only) and `GET /v1/usage`
 (what the calling key's tenant may still do and what it used, for that tenant alone).
 
 `/v1/usage`: `limits` are the keys file's (null: unlimited); `remaining` the tenant's
@@ -35,13 +36,19 @@ def _reader_running(request: Request) -> bool:
 
 async def health(request: Request) -> Response:
     """Liveness: the process runs, its event reader reads (a gateway whose reader
-    is down would leave every request hanging) and its broker answers (a Redis that
-    does not would fail every submit)."""
+    is down would leave every request hanging), its broker answers (a Redis that
+    does not would fail every submit), and no engine it sees is stuck in a step (the
+    watchdog's reason, from that engine's last heartbeat: in-process, the engine is
+    this process, which exits for its supervisor to restart it)."""
     why = None
+    gw = _gateway(request)
     if not _reader_running(request):
         why = "the event reader is not running (it restarts by itself)"
-    elif not await _gateway(request).broker.reachable(_HEALTH_PING_S):
+    elif not await gw.broker.reachable(_HEALTH_PING_S):
         why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
+    else:
+        stalled = [str(e.stats["stalled"]) for e in await gw.models.engines() if e.stats.get("stalled")]
+        why = stalled[0] if stalled else None
     if why is not None:
         return JSONResponse({"status": "unhealthy", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ok"})
@@ -66,7 +73,9 @@ async def metrics(request: Request) -> Response:
     await gw.models.refresh_gauges()
     gw.metrics.buffered_events.set(gw.router.buffered_events())
     gw.metrics.reader_restarts.set(gw.router.restarts)
-    page = gw.metrics.render(tenants=request_tenant(request.state).operator)  # names: operators only
+    tenant = request_tenant(request.state)
+    # the models a key may use only; tenant names and every model: operators only
+    page = gw.metrics.render(None if tenant.operator else tenant.may_use, tenants=tenant.operator)
     return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -10,13 +10,20 @@
     max_priority = 10         # the highest priority its requests may ask for
     models = ["*"]            # names or globs of the models it may use (absent: all)
     roles = ["metrics"]       # "metrics": /metrics shows every tenant's usage (an operator)
+    cache_salt = "team-a"     # share cached prompt prefixes with the tenants of this salt
 
 `--api-key K` alone is one unlimited tenant, `default`, the operator's own key (it has
 the `metrics` role); with a keys file too, it is added as that tenant. No key at all:
 every client is the tenant `anonymous`, limited by `--anonymous-rpm`, `--anonymous-tpm`
 and `--anonymous-max-concurrent` (`anonymous_tenant`), and alone on /metrics.
 The file is read once, at start; a bad file stops the start with a message that names
-the file, the tenant and the field."""
+the file, the tenant and the field.
+
+The prefix cache is sealed per tenant: a request's KV blocks are shared only within its
+tenant's namespace (`Tenant.cache_namespace`: the tenant's name, or the `cache_salt`
+the operator gives several tenants on purpose), narrowed by the request's own
+`cache_salt`. Another tenant's prompt is never a hit, so `cached_tokens` tells a key
+nothing of what others sent."""
 
 from __future__ import annotations
 
@@ -29,13 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wsllm.bounds import MAX_CACHE_SALT_CHARS
 from wsllm.broker.limits import Limits
 
 DEFAULT_TENANT = "default"  # the tenant of --api-key
 ANONYMOUS_TENANT = "anonymous"  # everyone, when no key is required
 # Tenant names go into Redis keys and (later) metric labels.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_FIELDS = {"keys", "rpm", "tpm", "max_concurrent", "max_priority", "models", "roles"}
+_FIELDS = {"keys", "rpm", "tpm", "max_concurrent", "max_priority", "models", "roles", "cache_salt"}
+#: between a namespace's tenant part and a request's salt (no tenant name or salt has it)
+SALT_SEPARATOR = "\x1f"
 ROLE_METRICS = "metrics"  # sees every tenant's figures on /metrics
 ROLES = (ROLE_METRICS,)
 
@@ -47,9 +57,16 @@ class Tenant:
     max_priority: int | None = None  # the highest `priority` its requests may ask for (None: --max-priority)
     models: tuple[str, ...] = ("*",)  # fnmatch globs, case-sensitive
     roles: frozenset[str] = frozenset()  # ROLES it has
+    cache_salt: str = ""  # the keys file's: tenants of one salt share cached prefixes ("": its own)
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+    def cache_namespace(self, request_salt: str = "") -> str:
+        """The prefix cache namespace of this tenant's request (GenerateRequest.cache_salt):
+        the tenant's own, or its operator-given salt's, narrowed by `request_salt`."""
+        base = f"salt:{self.cache_salt}" if self.cache_salt else f"tenant:{self.name}"
+        return f"{base}{SALT_SEPARATOR}{request_salt}" if request_salt else base
 
     @property
     def operator(self) -> bool:
@@ -166,6 +183,10 @@ def _tenant(where: str, name: str, table: Any) -> tuple[Tenant, list[str]]:
     roles = table.get("roles", [])
     if not isinstance(roles, list) or not all(isinstance(r, str) and r in ROLES for r in roles):
         raise ValueError(f"{at}: roles: a list of {', '.join(repr(r) for r in ROLES)}, got {roles!r}")
+    salt = table.get("cache_salt", "")
+    ok = isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS and salt.isprintable()
+    if "cache_salt" in table and not ok:
+        raise ValueError(f"{at}: cache_salt: 1 to {MAX_CACHE_SALT_CHARS} printable characters, got {salt!r}")
     limits = Limits(table.get("rpm"), table.get("tpm"), table.get("max_concurrent"))
-    tenant = Tenant(name, limits, table.get("max_priority"), tuple(models), frozenset(roles))
+    tenant = Tenant(name, limits, table.get("max_priority"), tuple(models), frozenset(roles), salt)
     return tenant, list(keys)

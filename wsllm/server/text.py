@@ -10,13 +10,9 @@ because the window starts inside the prompt.
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
 import logging
 import re
-import threading
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -34,76 +30,8 @@ _STRS_ONE_BY_ONE = 4096
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
-T = TypeVar("T")
-
-
 class TemplateError(ValueError):
     """The chat template refused the messages (e.g. roles that must alternate)."""
-
-
-class TemplateTimeout(TemplateError):
-    """The chat template (with the tokenization after it) ran past its time limit."""
-
-
-async def run_with_deadline(fn: Callable[[], T], limit_s: float, what: str) -> T:
-    """`fn()` on a thread of its own, off the event loop; TemplateTimeout after
-    `limit_s`, and the thread is interrupted. A chat template is a program (jinja2 in a
-    sandbox, but loops are allowed): one that loops must cost neither the loop nor, for
-    ever, a core. The interrupt is an exception raised in that thread at its next Python
-    bytecode (CPython's PyThreadState_SetAsyncExc), which jinja2's compiled loops reach
-    at every iteration; a C call already running finishes first."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-    lock = threading.Lock()
-    state = {"finished": False}
-
-    def settle(ok: bool, value: Any) -> None:
-        if done.done():
-            return
-        if ok:
-            done.set_result(value)
-        else:
-            done.set_exception(value)
-
-    def run() -> None:
-        try:
-            try:
-                result: Any = fn()
-                ok = True
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-                result, ok = e, False
-            with lock:
-                state["finished"] = True
-            loop.call_soon_threadsafe(settle, ok, result)
-        except BaseException:  # noqa: BLE001, S110 - an interrupt that came as it finished
-            pass
-
-    def stop() -> None:
-        with lock:
-            if not state["finished"] and worker.ident is not None:
-                _interrupt(worker.ident)
-
-    # Whoever gives up on it, nobody reads its late outcome: do not log it as lost.
-    done.add_done_callback(lambda f: f.cancelled() or f.exception())
-    worker = threading.Thread(target=run, name=f"wsllm-{what}", daemon=True)
-    worker.start()
-    try:
-        return await asyncio.wait_for(asyncio.shield(done), limit_s)
-    except TimeoutError:
-        stop()
-        log.warning("%s ran past its limit of %.1fs and was interrupted", what, limit_s)
-        raise TemplateTimeout(f"the chat template took longer than {limit_s:g}s on these messages") from None
-    except asyncio.CancelledError:  # the client left: its work stops too
-        stop()
-        raise
-
-
-class _Interrupted(BaseException):
-    """Raised in a thread that ran past its deadline (never caught by `except Exception`)."""
-
-
-def _interrupt(thread_id: int) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(_Interrupted))
 
 
 class ToolPrompt(Protocol):

@@ -38,7 +38,9 @@ def _count_tokens(raw: bytes, cfg: GatewayConfig) -> ChatRequest:
 
 def mount(gw: Gateway) -> Wing:
     async def run(adm: Admission, req: ChatRequest) -> Answer:
-        gen = await adm.submit(0, await prepare.prepare(req, Api.MESSAGES, adm.model, adm.max_len, gw.cfg))
+        gen = await adm.submit(
+            0, await prepare.prepare(req, Api.MESSAGES, adm.model, adm.max_len, gw.cfg, adm.tenant.name)
+        )
         model = gen.context.model
         if req.stream:  # nothing can resume it: its close frees the engine request
             frames = render.events(gen, model, gw.cfg.heartbeat_s, gw.metrics)
@@ -48,7 +50,7 @@ def mount(gw: Gateway) -> Wing:
     async def count(adm: Admission, req: ChatRequest) -> Answer:
         """`{"input_tokens": N}`: the prompt tokens a Messages request with these fields
         would report (the same template, tools and system)."""
-        ids = await prepare.chat_prompt(req, adm.model, gw.cfg)
+        ids = await prepare.chat_prompt(req, adm.model, gw.cfg, tenant=adm.tenant.name)
         return Answer.ready({"input_tokens": len(ids)}, await adm.settle(0, len(ids)))
 
     def charge(req: ChatRequest, cfg: GatewayConfig) -> Charge:

@@ -138,7 +138,10 @@ class OpenAI:
             for i, one in enumerate(reqs):
                 try:
                     gens.append(
-                        await adm.submit(i, await prepare(one, adm.api, adm.model, adm.max_len, self.gw.cfg))
+                        await adm.submit(
+                            i,
+                            await prepare(one, adm.api, adm.model, adm.max_len, self.gw.cfg, adm.tenant.name),
+                        )
                     )
                 except APIError as e:
                     if batch is not None and e.param == "prompt":  # name the prompt of the batch
@@ -176,7 +179,9 @@ class OpenAI:
             raise APIError(
                 400, "invalid_request", "Last-Event-ID must be a non-negative integer", "Last-Event-ID"
             )
-        token = request.headers.get(RESUME_TOKEN_HEADER) or request.query_params.get("resume_token")
+        # `?resume_token=` comes as the header too: the key middleware moves it out of the
+        # query string, which the access log prints
+        token = request.headers.get(RESUME_TOKEN_HEADER)
         if not token:
             raise APIError(
                 400,

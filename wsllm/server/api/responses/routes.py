@@ -9,8 +9,9 @@ submitted (run.py); its answer is rendered by render.py. Cancellation: a streame
 whole answer runs while its client waits for it; closing the stream (or the
 connection) cancels it and frees its engine request, as on the chat route. A
 `background` answer runs on the gateway that took it; `cancel` stops it there, or
-through the broker from another gateway. A response is not resumable (no
-`starting_after`)."""
+through the broker from another gateway, and so does `DELETE`, which leaves a tombstone
+that the stopped run cannot store itself over. GET, cancel, DELETE and input_items each
+take one request of the tenant's rpm. A response is not resumable (no `starting_after`)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from wsllm.broker.base import BrokerError
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
 from wsllm.server.api.responses.render import Event, input_item
 from wsllm.server.api.responses.request import ResponsesRequest, responses_request, validate_responses
 from wsllm.server.api.responses.run import ResponseRun, Responses, charge, not_found
-from wsllm.server.errors import APIError
+from wsllm.server.errors import APIError, from_broker
 from wsllm.server.gateway import Gateway
 from wsllm.server.http import Answer, Endpoint, route
 from wsllm.server.middleware import request_tenant
@@ -36,8 +38,10 @@ from wsllm.server.resume import Api
 from wsllm.server.sse import KEEPALIVE
 from wsllm.server.wing import Wing, WsKind, WsRun
 
-# How long a cancel waits for the cancelled response's end to be stored.
+# How long a cancel waits for the cancelled response's end to be stored, and its first
+# and longest pause between reads of the record (each read doubles the pause).
 _CANCEL_WAIT_S = 5.0
+_FIRST_READ_S, _LONGEST_READ_S = 0.05, 0.5
 
 
 def _sse(ev: Event) -> bytes:
@@ -52,8 +56,13 @@ async def _frames(batches: AsyncIterator[list[Event]]) -> AsyncIterator[bytes]:
             yield _sse(ev)
 
 
-def _json(obj: Any) -> Response:
-    return Response(orjson.dumps(obj), media_type="application/json")
+def _json(obj: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), media_type="application/json", headers=headers)
+
+
+def _engine_request(response_id: str) -> str:
+    """The id of the engine request that makes a response."""
+    return "resp-" + response_id.removeprefix("resp_")
 
 
 def _ws_fields(obj: dict[str, Any], cfg: GatewayConfig) -> ResponsesRequest:
@@ -129,35 +138,52 @@ class ResponsesWing:
         rid = request.path_params["response_id"]
         return await self.state.stored(rid, request_tenant(request.state).name)
 
+    async def _meter(self, request: Request) -> dict[str, str]:
+        """One request of the tenant's rpm for a call on a stored response (a 429 past
+        it); its x-ratelimit-* headers."""
+        return await self.gw.meter(request_tenant(request.state))
+
+    async def _stop(self, rid: str) -> bool:
+        """Stop a background response: here, or through the broker where another gateway
+        runs it. True when it ran here (its end is stored by now, or within the wait)."""
+        local = self.state.background.get(rid)
+        if local is not None:
+            gen, task = local
+            await gen.cancel()
+            await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
+            return True
+        try:
+            await self.gw.broker.abort(_engine_request(rid))
+        except BrokerError as e:
+            raise from_broker(e) from None
+        return False
+
     async def cancel(self, request: Request) -> Response:
         """`POST /v1/responses/{id}/cancel`: stop a background response of this key's
         tenant and answer it as stored (`cancelled`; unchanged when it had ended). It runs
         on this gateway (cancelled here) or on another of the deployment (aborted through
-        the broker; that gateway stores the end)."""
+        the broker; that gateway stores the end, read here with growing pauses)."""
+        headers = await self._meter(request)
         rid = request.path_params["response_id"]
         record = await self._stored(request)
         if not record["response"].get("background"):
             raise APIError(
                 400, "invalid_request", "only a background response can be cancelled", "response_id"
             )
-        local = self.state.background.get(rid)
-        if local is not None:
-            gen, task = local
-            await gen.cancel()
-            await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
-        elif record["response"]["status"] == "in_progress":
-            await self.gw.broker.abort("resp-" + rid.removeprefix("resp_"))  # the engine request's id
+        if rid not in self.state.background and record["response"]["status"] != "in_progress":
+            return _json(record["response"], headers)
+        if not await self._stop(rid):
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + _CANCEL_WAIT_S
+            deadline, pause = loop.time() + _CANCEL_WAIT_S, _FIRST_READ_S
             while record["response"]["status"] == "in_progress" and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _LONGEST_READ_S)
                 record = await self._stored(request)
-        else:
-            return _json(record["response"])
-        return _json((await self._stored(request))["response"])
+        return _json((await self._stored(request))["response"], headers)
 
     async def get(self, request: Request) -> Response:
         """A stored response, for a key of the tenant that made it."""
+        headers = await self._meter(request)
         if request.query_params.get("stream", "false").lower() == "true":
             raise APIError(
                 400,
@@ -165,12 +191,13 @@ class ResponsesWing:
                 "stream: only background responses stream again; none run here",
                 "stream",
             )
-        return _json((await self._stored(request))["response"])
+        return _json((await self._stored(request))["response"], headers)
 
     async def input_items(self, request: Request) -> Response:
         """`GET /v1/responses/{id}/input_items`: the conversation the response answered
         (the turns of the responses it continued, then its own input), with `order`
         (`desc` by default), `limit` (1 to 100, 20) and `after` (an item id), as OpenAI's."""
+        headers = await self._meter(request)
         record = await self._stored(request)
         q = request.query_params
         order, limit = q.get("order", "desc"), q.get("limit", "20")
@@ -200,13 +227,20 @@ class ResponsesWing:
             "last_id": last,
             "has_more": len(items) > len(page),
         }
-        return _json(body)
+        return _json(body, headers)
 
     async def delete(self, request: Request) -> Response:
-        rid = request.path_params["response_id"]
-        if not await self.state.store.delete(rid, request_tenant(request.state).name):
+        """`DELETE /v1/responses/{id}`: the record goes, a tombstone stays (a run still
+        going cannot store it again), and a background response still running stops."""
+        headers = await self._meter(request)
+        rid, tenant = request.path_params["response_id"], request_tenant(request.state).name
+        record = await self.state.stored(rid, tenant)  # 404 for an unknown id or another key's
+        if not await self.state.store.delete(rid, tenant, self.gw.cfg.response_ttl_s):
             raise not_found(rid, "response_id")
-        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        running = rid in self.state.background or record["response"]["status"] == "in_progress"
+        if record["response"].get("background") and running:
+            await self._stop(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True}, headers=headers)
 
 
 def mount(gw: Gateway) -> Wing:

@@ -4,7 +4,8 @@ engine request submitted; then its events (`ResponseRun`), and its end stored.
 
 A response with `store` (the default) is kept by the broker's response store for
 --response-ttl-s, readable only with a key of the tenant that made it (another key gets
-404, as for an unknown id): the response itself, and its conversation (input and
+404, as for an unknown id), within that tenant's budget (--response-tenant-max-bytes and
+-records: its own oldest go first): the response itself, and its conversation (input and
 output, in the kept shape) for a next turn's `previous_response_id`. It is stored
 before its last event is sent, so a client can continue the moment it has read
 `response.completed`. A `background` response runs on the gateway that took it
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 
 from wsllm.broker.base import BrokerError
-from wsllm.broker.response_store import ResponseStore
+from wsllm.broker.response_store import Budget, ResponseStore
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
 from wsllm.server.api.responses.render import Event, ResponseBuilder, output_turns, settings
@@ -58,17 +59,20 @@ def charge(req: ResponsesRequest, cfg: GatewayConfig) -> Charge:
     return Charge(req.model, [Coarse(prompt + (out or cfg.default_max_tokens), out or 1)], req.priority)
 
 
-class Keeper:
-    """Stores a finished response with its conversation, when the request asked."""
+def budget(cfg: GatewayConfig) -> Budget:
+    """What one tenant may keep in the response store at once."""
+    return Budget(cfg.response_tenant_max_bytes, cfg.response_tenant_max_records)
 
-    def __init__(self, store: ResponseStore, tenant: str, conversation: list[Turn], keep: bool, ttl_s: float):
-        self.store, self.tenant, self.conversation, self.keep_it, self.ttl_s = (
-            store,
-            tenant,
-            conversation,
-            keep,
-            ttl_s,
-        )
+
+class Keeper:
+    """Stores a finished response with its conversation, when the request asked, within
+    its tenant's budget; a response deleted meanwhile stays deleted."""
+
+    def __init__(
+        self, store: ResponseStore, tenant: str, conversation: list[Turn], keep: bool, cfg: GatewayConfig
+    ):
+        self.store, self.tenant, self.conversation, self.keep_it = store, tenant, conversation, keep
+        self.ttl_s, self.budget = cfg.response_ttl_s, budget(cfg)
 
     async def keep(self, b: ResponseBuilder) -> None:
         if not self.keep_it:
@@ -79,7 +83,8 @@ class Keeper:
             "inputs": len(self.conversation),  # the turns before this response's output
         }
         try:
-            await self.store.put(b.id, self.tenant, orjson.dumps(record), self.ttl_s)
+            if not await self.store.put(b.id, self.tenant, orjson.dumps(record), self.ttl_s, self.budget):
+                log.info("response %s not stored: deleted, or larger than its tenant's budget", b.id)
         except BrokerError:  # the answer is still the client's; only a next turn will miss it
             log.exception("response %s could not be stored", b.id)
 
@@ -155,11 +160,13 @@ class Responses:
         conversation = history + turns(req)
         try:
             chat = to_chat(req, conversation, len(history), self.cfg)
-            gen = await adm.submit(0, await prepare(chat, adm.api, adm.model, adm.max_len, self.cfg))
+            gen = await adm.submit(
+                0, await prepare(chat, adm.api, adm.model, adm.max_len, self.cfg, adm.tenant.name)
+            )
         except APIError as e:
             raise renamed(e) from None
         response_id = "resp_" + gen.request_id.partition("-")[2]
-        keeper = Keeper(self.store, adm.tenant.name, conversation, req.store, self.cfg.response_ttl_s)
+        keeper = Keeper(self.store, adm.tenant.name, conversation, req.store, self.cfg)
         builder = ResponseBuilder(response_id, settings(req, gen.context.model), gen.context.created)
         return ResponseRun(gen, builder, keeper, self.metrics)
 

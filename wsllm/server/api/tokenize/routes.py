@@ -37,7 +37,7 @@ def mount(gw: Gateway) -> Wing:
         if isinstance(req, TokenizeChat):
             flags = {"add_generation_prompt": req.add_generation_prompt}
             flags["continue_final_message"] = req.continue_final_message
-            ids = await prepare.chat_prompt(req.as_chat(), model, gw.cfg, **flags)
+            ids = await prepare.chat_prompt(req.as_chat(), model, gw.cfg, tenant=adm.tenant.name, **flags)
         else:
             ids = await prepare.text_tokens(model, req.prompt, req.add_special_tokens)
         headers = await adm.settle(0, len(ids))
