@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -254,14 +255,20 @@ def test_the_engines_process_hands_the_gil_over_within_its_setting() -> None:
         EngineConfig(gil_switch_ms=-1)
 
 
-def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[int]]:
+def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[int], list[float]]:
     """A stream decodes, then a 200-token prompt arrives: (the prompt's chunk each step it
-    ran, the stream's new tokens in those steps)."""
+    ran, the stream's new tokens in those steps, and the prompt units the pacer's measured
+    times allowed for each of them: max(floor, a decode-only step's ms / a unit's ms))."""
     engine = make_engine(path, kv_cache_gb=0.05, max_num_batched_tokens=512, **kw)
     scheduled: list[dict[str, int]] = []
-    schedule = engine.scheduler.schedule
+    allowed: list[float] = []
+    schedule, pacer = engine.scheduler.schedule, engine.scheduler.pacer
 
     def watched() -> object:
+        if pacer.ms_per_unit and pacer.target_ms > 0:  # the bound, from the times it measured
+            allowed.append(max(MIN_UNITS, max(pacer.target_ms, pacer.decode_ms or 0.0) / pacer.ms_per_unit))
+        else:
+            allowed.append(math.inf)
         out = schedule()
         scheduled.append({s.request_id: n for s, n in out.scheduled})
         return out
@@ -273,10 +280,11 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
         engine.step()
     engine.add_request("long", prompts_of([200], seed=3)[0], SamplingParams(max_tokens=1, ignore_eos=True))
     scheduled.clear()
+    allowed.clear()
     while any(o.request_id != "long" or not o.finished for o in engine.step()):
         pass
-    steps = [s for s in scheduled if "long" in s]
-    return [s["long"] for s in steps], [s.get("stream", 0) for s in steps]
+    steps = [(s, a) for s, a in zip(scheduled, allowed, strict=True) if "long" in s]
+    return [s["long"] for s, _ in steps], [s.get("stream", 0) for s, _ in steps], [a for _, a in steps]
 
 
 def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_gguf_path: Path) -> None:
@@ -284,9 +292,16 @@ def test_a_prompt_beside_a_stream_is_paced_by_the_steps_measured_times(tiny_gguf
     # a target no prompt token meets: the prompt work beside the stream is what fits in a
     # decode-only step's measured time (the pacer's other bound), never under the floor, so the
     # prompt comes in several chunks, the stream decoding in each (the floor alone: test_scheduler)
-    chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=1e-6)
+    chunks, stream, allowed = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=1e-6)
     assert len(chunks) > 1 and min(chunks[:-1]) >= MIN_UNITS and sum(chunks) == 200, chunks
     assert stream == [1] * len(chunks)
+    # each chunk is the measured bound (or the rest of the prompt): a pacer that kept to its
+    # floor, or ignored its measurements, cuts other chunks
+    left = 200
+    for chunk, units in zip(chunks, allowed, strict=True):
+        assert chunk == min(left, 256, int(units)), (chunks, allowed)
+        left -= chunk
+    assert max(allowed) > MIN_UNITS + 1, f"the measured bound never passed the floor: {allowed}"
     # the time bound off: the token cap (256) alone, the prompt computed in one step
-    chunks, stream = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=0)
+    chunks, stream, _ = _chunks_beside_a_stream(tiny_gguf_path, prefill_ms_while_decoding=0)
     assert chunks == [200] and stream == [1]

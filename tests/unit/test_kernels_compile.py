@@ -6,6 +6,8 @@ type mismatch between loop iterations, too much shared memory). This test runs
 the kernels' host code in a subprocess where each launch is replaced by
 `triton.compile(..., target=sm_90)`, through ptxas, which the triton wheel ships.
 The first run compiles a dozen kernels (~45 s on 2 cores); later runs hit triton's cache.
+Every kernel of the package (a `*_kernel` @triton.jit function) must compile at least
+once: a launch that compiled nothing, or skipped a kernel, fails.
 
 Run by hand for another architecture: `python tests/unit/test_kernels_compile.py 80`.
 """
@@ -103,11 +105,27 @@ def _launch_everything() -> None:
     kv_store.store_kv_triton(qkv[:, 8:12], qkv[:, 12:], cache, cache.clone(), torch.arange(3))
 
 
+def _every_kernel() -> set[str]:
+    """Every Triton kernel of wsllm.kernels: a @triton.jit function named `*_kernel` (the
+    others are device functions the kernels call)."""
+    from triton.runtime.jit import JITFunction
+    from wsllm.kernels import _triton_common, elementwise, paged_decode, paged_prefill
+
+    modules = (_triton_common, elementwise, paged_decode, paged_prefill)
+    return {
+        n for m in modules for n, f in vars(m).items() if isinstance(f, JITFunction) and n.endswith("_kernel")
+    }
+
+
 def main(arch: int) -> None:
     log = _compile_instead_of_launch(arch)
     _launch_everything()
     print("\n".join(log))
     print(f"compiled {len(log)} kernels for sm_{arch}")
+    missing = sorted(_every_kernel() - {line.split(":")[0] for line in log})
+    if missing or not log:  # a launch that compiled nothing passes no judgement
+        print(f"never compiled: {missing or 'anything'}")
+        sys.exit(1)
 
 
 # ------------------------------------------------------------------ the test
@@ -131,7 +149,9 @@ def test_kernels_compile_for_sm90() -> None:
         [sys.executable, __file__, "90"], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "compiled" in proc.stdout
+    # every kernel of the package compiled, at least once each (not "compiled 0 kernels")
+    count = int(proc.stdout.rsplit("compiled ", 1)[1].split()[0])
+    assert count >= 7 and "never compiled" not in proc.stdout, proc.stdout[-2000:]
 
 
 if __name__ == "__main__":

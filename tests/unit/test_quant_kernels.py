@@ -1,5 +1,6 @@
 """The quantized CPU kernels (kernels/cpu/) against their torch reference, and the GGUF formats
-against the gguf package: dequantization bit for bit, quantization byte for byte."""
+against the gguf package: dequantization bit for bit, quantization byte for byte; unforced,
+the kernels take the best path this CPU has (as /proc/cpuinfo tells it, not the build)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,29 @@ def test_qlinear_equals_reference(qtype: str, isa_path: str) -> None:
                 ref = quant.qlinear_reference(x.to(dtype), w, b)
                 assert y.shape == (m, n) and y.dtype == dtype
                 assert rel_err(y, ref) <= 1e-5, (qtype, isa_path, m, dtype)
+
+
+# each path and the CPU flags it needs (Linux's names in /proc/cpuinfo)
+NEEDS = {
+    "avx512_vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "scalar": set(),
+}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's flags are read from /proc/cpuinfo")
+def test_unforced_the_kernels_take_the_best_path_the_cpu_has() -> None:
+    """A detection bug that fell back to the scalar path (50x slower) passed every other
+    test: they compare answers, and every path answers the same."""
+    if not quant.native_status()[0]:
+        pytest.skip("no native build: the torch path runs (see `make install`)")
+    with open("/proc/cpuinfo") as f:
+        line = next(x for x in f if x.startswith("flags"))
+    flags = set(line.split(":", 1)[1].split())
+    can = [isa for isa in quant.ISAS if NEEDS[isa] <= flags]
+    assert [isa for isa in quant.ISAS if quant._cpu_has(isa)] == can
+    quant.force_isa(None)
+    assert quant.kernel_path() == can[0] and quant.ISAS[quant.isa_index()] == can[0]
 
 
 def test_other_dtypes_and_strided_x() -> None:
