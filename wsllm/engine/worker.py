@@ -357,16 +357,16 @@ class EngineWorker:
         with self._gate:
             self.stalled = reason
             ids = self._live.ids()
-            kept = set(self.broker.release(ids)) if ids else set()
+            stays = set(self.broker.release(ids)) if ids else set()  # what could not go back
             message = f"the engine stopped making progress: {reason}"
-            events = [self._live.failure(rid, ERR_ENGINE_STALLED, message) for rid in ids if rid not in kept]
+            events = [self._live.failure(rid, ERR_ENGINE_STALLED, message) for rid in ids if rid in stays]
             if events:
                 self.broker.publish(events)
             last = self._last_info or EngineInfo(
                 self.engine_id, self.engine.model_name, self.engine.max_model_len
             )
             self.broker.heartbeat(replace(last, stats=last.stats | {"stalled": reason}))
-            log.critical("%s: %d requests handed back, %d ended", reason, len(kept), len(events))
+            log.critical("%s: %d requests handed back, %d ended", reason, len(ids) - len(events), len(events))
 
     def _maybe_publish_prefix(self, finished: bool) -> None:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
