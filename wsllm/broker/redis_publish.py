@@ -145,8 +145,9 @@ class Publisher:
             pipe.xack(self.queue, GROUP, *ids)
             pipe.xdel(self.queue, *ids)
         for _, rid in ended:
-            if rid:
+            if rid:  # its keys shrink to the retention: its history, and its resume count if any
                 pipe.pexpire(self.keys.out(self.model, rid), retention)
+                pipe.pexpire(self.keys.attached(self.model, rid), retention)
         rids = [rid for _, rid in ended if rid]
         if rids:  # one command for the step: the take's record of where they were
             pipe.hdel(taken_key(self.queue), *rids)

@@ -38,5 +38,6 @@ if s then
   if redis.call('PTTL', s) == -1 then redis.call('PEXPIRE', s, ARGV[5]) end
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])  -- its resume count, kept as long as its history
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'r', ARGV[1])
 return 1
