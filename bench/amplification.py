@@ -191,6 +191,7 @@ def serve(
     batched_tokens: int,
     trace: str | None,
     switch_interval_ms: float | None = None,
+    prefill_ms: float | None = None,
 ) -> None:
     import uvicorn
 
@@ -212,6 +213,7 @@ def serve(
                 max_num_batched_tokens=batched_tokens,
                 # how long a GIL-holding gateway thread may keep a step waiting (the engine's setting)
                 **({} if switch_interval_ms is None else {"gil_switch_ms": switch_interval_ms}),
+                **({} if prefill_ms is None else {"prefill_ms_while_decoding": prefill_ms}),
             )  # fmt: skip
         ),
         broker,
@@ -256,6 +258,7 @@ def start(args: argparse.Namespace) -> tuple[int, list[subprocess.Popen[bytes]]]
         cmd += ["--batched-tokens", str(args.batched_tokens)]
         cmd += ["--trace", args.trace] if args.trace else []
         cmd += ["--switch-interval-ms", str(args.switch_interval_ms)] if args.switch_interval_ms else []
+        cmd += ["--prefill-ms", str(args.prefill_ms)] if args.prefill_ms is not None else []
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
@@ -428,11 +431,12 @@ async def run_phase(port: int, args: argparse.Namespace, eos: int, attacked: boo
         await asyncio.sleep(args.lead_s)  # the bystanders are streaming before the attack starts
         go.set()
         await asyncio.gather(*by)
+        # the bystanders' own streaming time: the attacker's tail after their end is not theirs
+        out.seconds = time.perf_counter() - t0
         if proc is not None:
             counts, out.attack_bytes = await asyncio.to_thread(results.get)
             out.attacks.update(counts)
             proc.join()
-        out.seconds = time.perf_counter() - t0
     return out
 
 
@@ -548,6 +552,12 @@ def main() -> None:
         help="the engine's gil_switch_ms (default 0.5; Python's own is 5 ms), to compare GIL hand-over",
     )
     p.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=None,
+        help="the engine's prefill_ms_while_decoding (default: the engine's own), to compare pacing",
+    )
+    p.add_argument(
         "--redis",
         action="store_true",
         help="serve as `wsllm serve --broker redis://` does (a redis-server, the engine in a child process)",
@@ -557,8 +567,9 @@ def main() -> None:
     args = p.parse_args()
     if args.serve:
         return serve(
-            args.port, args.model, args.threads, args.batched_tokens, args.trace, args.switch_interval_ms
-        )
+            args.port, args.model, args.threads, args.batched_tokens, args.trace, args.switch_interval_ms,
+            args.prefill_ms,
+        )  # fmt: skip
     if args.smoke:
         args.streams, args.tokens, args.attacks, args.concurrency, args.repeat = 2, 24, 8, 2, 1
         args.tokenize_chars, args.lead_s = 20_000, 0.5
