@@ -160,7 +160,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted() + self._admit_compiled()
         started = time.perf_counter()
-        self.spec.propose(self.scheduler.running)
+        self.spec.propose(self.scheduler.running, bool(self.scheduler.waiting or self.scheduler.swapped))
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
