@@ -6,8 +6,9 @@
         y[rows_g, off_p : off_p + n_p] += t @ BT_p   # expand: BT_p = B_p.T * scaling, [r, n_p]
 
 `y` is the base projection's output, computed once for the whole batch; an adapter that
-no row uses is not in the groups and costs nothing. Pieces are float32 (`LoraPiece`), `x`
-and `y` the activations' dtype (float32 or bfloat16; float16 on CUDA); the sums run in
+no row uses is not in the groups and costs nothing. Pieces are float32, or bfloat16 under a
+bfloat16 model (`LoraPiece`: half the bytes, which a decode step of one row is bound by),
+`x` and `y` the activations' dtype (float32 or bfloat16; float16 on CUDA); the sums run in
 float32 and `y` is rounded once, when the delta is added.
 
 Three versions with one signature:
@@ -39,8 +40,8 @@ MAX_NATIVE_RANK = 256
 class LoraPiece:
     """One adapted module of a projection (q_proj of the fused qkv, gate_proj of gate_up)."""
 
-    a: torch.Tensor  # [r, K] float32, contiguous: lora_A
-    bt: torch.Tensor  # [r, n] float32, contiguous: lora_B transposed, times the scaling
+    a: torch.Tensor  # [r, K] float32 (or bfloat16 under a bfloat16 model), contiguous: lora_A
+    bt: torch.Tensor  # [r, n] the same type, contiguous: lora_B transposed, times the scaling
     offset: int  # its first column in the projection's output
 
     @property
@@ -60,7 +61,7 @@ def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, groups: list[Group]) -> Non
         xs = (x if rows is None else x.index_select(0, rows)).float()  # [m, K]
         for p in pieces:
             n = p.bt.shape[1]
-            delta = (xs @ p.a.t()) @ p.bt  # [m, n] float32
+            delta = (xs @ p.a.float().t()) @ p.bt.float()  # [m, n] float32
             out = y[:, p.offset : p.offset + n]
             if rows is None:
                 out.copy_((out.float() + delta).to(y.dtype))

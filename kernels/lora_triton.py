@@ -29,6 +29,7 @@ def _shrink_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * s_x + k, mask=k < K, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & (k < K)[None, :], other=0.0)
+        a = a.to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
     tl.store(t_ptr + i * s_t + r, acc, mask=r < R)
 
@@ -45,6 +46,7 @@ def _expand_kernel(
     c = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.load(t_ptr + i * s_t + r, mask=r < R, other=0.0)
     bt = tl.load(bt_ptr + r[:, None] * N + c[None, :], mask=(r < R)[:, None] & (c < N)[None, :], other=0.0)
+    bt = bt.to(tl.float32)
     delta = tl.sum(t[:, None] * bt, axis=0)
     out = y_ptr + row * s_y + offset + c
     y = tl.load(out, mask=c < N, other=0.0).to(tl.float32)

@@ -75,6 +75,6 @@ struct FV {
 DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
 SiluFn silu_mul_avx2(bool bf16) { return fvec256::silu_rows(bf16); }
 NormFn norm_rows_avx2(bool bf16) { return fvec256::norm_rows(bf16); }
-LoraRowFn lora_row_avx2(bool bf16) { return fvec256::lora_row(bf16); }
+LoraTileFn lora_tile_avx2(bool x_bf16, bool w_bf16, int rows) { return fvec256::lora_tile(x_bf16, w_bf16, rows); }
 
 }  // namespace wsq

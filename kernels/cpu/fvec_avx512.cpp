@@ -71,6 +71,6 @@ struct FV {
 DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
 SiluFn silu_mul_avx512(bool bf16) { return fvec512::silu_rows(bf16); }
 NormFn norm_rows_avx512(bool bf16) { return fvec512::norm_rows(bf16); }
-LoraRowFn lora_row_avx512(bool bf16) { return fvec512::lora_row(bf16); }
+LoraTileFn lora_tile_avx512(bool x_bf16, bool w_bf16, int rows) { return fvec512::lora_tile(x_bf16, w_bf16, rows); }
 
 }  // namespace wsq

@@ -1,7 +1,7 @@
-// The grouped LoRA pass on the CPU (kernels/lora.py: lora_apply_cpu): checks, the rows of every
-// group flattened into one threaded loop (each row through its adapter's pieces: rows of one
-// group next to each other, so A and B stay in cache between them), and the run-time choice of
-// ISA; the scalar row is here, the vector rows in lora_simd.h.
+// The grouped LoRA pass on the CPU (kernels/lora.py: lora_apply_cpu): checks, every group's rows
+// cut into tiles of up to kLoraTile rows and the tiles run in one threaded loop (each tile through
+// its adapter's pieces, reading A and B once for its rows), and the run-time choice of ISA; the
+// scalar tile is here, the vector tiles in lora_simd.h.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,27 +15,54 @@ namespace wsq {
 
 namespace {
 
-template <class T>
-void lora_row_scalar_t(const LoraPiece& p, const void* xv, void* yv, int64_t N, int64_t m) {
-  const T* x = static_cast<const T*>(xv) + m * p.K;
-  T* y = static_cast<T*>(yv) + m * N + p.offset;
+// the scalar tile: each row alone, in plain order (other bits than a vector path's: each path
+// equals the reference within its tolerance, and each is the same for a row whatever its batch)
+template <class T, class W>
+void lora_tile_scalar_t(const LoraPiece& p, const void* xv, void* yv, int64_t N, const int64_t* rows, int mt) {
+  const W* A = static_cast<const W*>(p.a);
+  const W* B = static_cast<const W*>(p.bt);
   float t[kMaxLoraRank];
-  for (int j = 0; j < p.r; ++j) {
-    const float* a = p.a + int64_t(j) * p.K;
-    float s = 0.0f;
-    for (int k = 0; k < p.K; ++k) s = std::fmaf(widen(x[k]), a[k], s);
-    t[j] = s;
+  for (int i = 0; i < mt; ++i) {
+    const T* x = static_cast<const T*>(xv) + rows[i] * p.K;
+    T* y = static_cast<T*>(yv) + rows[i] * N + p.offset;
+    for (int j = 0; j < p.r; ++j) {
+      float s = 0.0f;
+      for (int k = 0; k < p.K; ++k) s = std::fmaf(widen(x[k]), widen(A[int64_t(j) * p.K + k]), s);
+      t[j] = s;
+    }
+    for (int c = 0; c < p.n; ++c) {
+      float u = 0.0f;
+      for (int q = 0; q < p.r; ++q) u = std::fmaf(t[q], widen(B[int64_t(q) * p.n + c]), u);
+      y[c] = narrow<T>(widen(y[c]) + u);
+    }
   }
-  for (int c = 0; c < p.n; ++c) {
-    float u = 0.0f;
-    for (int i = 0; i < p.r; ++i) u = std::fmaf(t[i], p.bt[int64_t(i) * p.n + c], u);
-    y[c] = narrow<T>(widen(y[c]) + u);
+}
+
+template <class T, class W, int MT>
+void lora_tile_scalar_n(const LoraPiece& p, const void* x, void* y, int64_t N, const int64_t* rows) {
+  lora_tile_scalar_t<T, W>(p, x, y, N, rows, MT);
+}
+
+template <class T, class W>
+LoraTileFn scalar_of(int rows) {
+  switch (rows) {
+    case 1:
+      return lora_tile_scalar_n<T, W, 1>;
+    case 2:
+      return lora_tile_scalar_n<T, W, 2>;
+    case 3:
+      return lora_tile_scalar_n<T, W, 3>;
+    default:
+      return lora_tile_scalar_n<T, W, 4>;
   }
 }
 
 }  // namespace
 
-LoraRowFn lora_row_scalar(bool bf16) { return bf16 ? lora_row_scalar_t<uint16_t> : lora_row_scalar_t<float>; }
+LoraTileFn lora_tile_scalar(bool x_bf16, bool w_bf16, int rows) {
+  if (x_bf16) return w_bf16 ? scalar_of<uint16_t, uint16_t>(rows) : scalar_of<uint16_t, float>(rows);
+  return w_bf16 ? scalar_of<float, uint16_t>(rows) : scalar_of<float, float>(rows);
+}
 
 LoraWeights::LoraWeights(std::vector<int64_t> keys, std::vector<torch::Tensor> a, std::vector<torch::Tensor> bt,
                          std::vector<int64_t> offsets) {
@@ -44,32 +71,35 @@ LoraWeights::LoraWeights(std::vector<int64_t> keys, std::vector<torch::Tensor> a
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& ai = a[i];
     const auto& bi = bt[i];
+    const auto dt = ai.scalar_type();
     TORCH_CHECK(keys[i] >= 0, "LoraWeights: a key is layer * 4 + slot");
-    TORCH_CHECK(ai.dim() == 2 && bi.dim() == 2 && ai.scalar_type() == torch::kFloat32 &&
-                    bi.scalar_type() == torch::kFloat32 && ai.is_contiguous() && bi.is_contiguous() && ai.is_cpu() &&
+    TORCH_CHECK(ai.dim() == 2 && bi.dim() == 2 && (dt == torch::kFloat32 || dt == torch::kBFloat16) &&
+                    bi.scalar_type() == dt && ai.is_contiguous() && bi.is_contiguous() && ai.is_cpu() &&
                     bi.is_cpu() && ai.size(0) == bi.size(0),
-                "LoraWeights: A [r, K] and B^T [r, n], contiguous float32 CPU tensors of one rank");
+                "LoraWeights: A [r, K] and B^T [r, n], contiguous float32 or bfloat16 CPU tensors of one type and rank");
     TORCH_CHECK(ai.size(0) >= 1 && ai.size(0) <= kMaxLoraRank, "LoraWeights: rank within 1 and ", kMaxLoraRank);
     TORCH_CHECK(offsets[i] >= 0, "LoraWeights: offsets are >= 0");
     held_.push_back(ai);
     held_.push_back(bi);
     if (keys[i] >= int64_t(by_key_.size())) by_key_.resize(keys[i] + 1);
-    by_key_[keys[i]].push_back(LoraPiece{ai.data_ptr<float>(), bi.data_ptr<float>(), int(ai.size(0)),
+    by_key_[keys[i]].push_back(LoraPiece{ai.data_ptr(), bi.data_ptr(), dt == torch::kBFloat16, int(ai.size(0)),
                                          int(ai.size(1)), int(bi.size(1)), offsets[i]});
   }
 }
 
-void lora_apply(torch::Tensor y, const torch::Tensor& x, int64_t key, const LoraList& adapters,
-                const std::vector<torch::Tensor>& rows, int64_t isa) {
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_cpu() && y.is_cpu() &&
-                  x.is_contiguous() && y.is_contiguous() && y.scalar_type() == x.scalar_type() &&
-                  (bf16 || x.scalar_type() == torch::kFloat32),
-              "lora_apply: x [M, K] and y [M, N], contiguous float32 or bfloat16 CPU matrices of one type");
-  TORCH_CHECK(rows.size() == adapters.size(), "lora_apply: one row list per adapter");
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
-  std::vector<std::pair<int32_t, int64_t>> work;  // (group, row), a group's rows together
-  int64_t cost = 0;                              // multiply-adds of the whole pass
+namespace {
+
+struct Tile {
+  int32_t group;
+  int32_t count;  // rows in it, 1 .. kLoraTile
+  int64_t first;  // its first row's place in the flat row list
+};
+
+// The tiles of every group that has pieces of projection `key`, a group's rows kLoraTile at a time
+// (flat: every group's rows one after another); the pass's multiply-adds go to `cost`.
+std::vector<Tile> tiles_of(const LoraList& adapters, const std::vector<torch::Tensor>& rows, int64_t key, int64_t M,
+                           int64_t K, int64_t N, std::vector<int64_t>& flat, int64_t& cost) {
+  std::vector<Tile> tiles;
   for (size_t g = 0; g < adapters.size(); ++g) {
     TORCH_CHECK(adapters[g] != nullptr, "lora_apply: an adapter is None");
     const auto& pieces = adapters[g]->at(key);
@@ -80,31 +110,50 @@ void lora_apply(torch::Tensor y, const torch::Tensor& x, int64_t key, const Lora
       per_row += int64_t(p.r) * (p.K + p.n);
     }
     const auto& r = rows[g];
+    const int64_t first = int64_t(flat.size());
     if (r.numel() == 0) {
-      for (int64_t m = 0; m < M; ++m) work.emplace_back(int32_t(g), m);
-      cost += per_row * M;
-      continue;
+      for (int64_t m = 0; m < M; ++m) flat.push_back(m);
+    } else {
+      TORCH_CHECK(r.dim() == 1 && r.scalar_type() == torch::kInt64 && r.is_contiguous() && r.is_cpu(),
+                  "lora_apply: rows are int64 [m] CPU vectors");
+      const int64_t* rp = r.data_ptr<int64_t>();
+      for (int64_t i = 0; i < r.numel(); ++i) {
+        TORCH_CHECK_INDEX(rp[i] >= 0 && rp[i] < M, "lora_apply: row ", rp[i], " out of range [0, ", M, ")");
+        flat.push_back(rp[i]);
+      }
     }
-    TORCH_CHECK(r.dim() == 1 && r.scalar_type() == torch::kInt64 && r.is_contiguous() && r.is_cpu(),
-                "lora_apply: rows are int64 [m] CPU vectors");
-    const int64_t* rp = r.data_ptr<int64_t>();
-    for (int64_t i = 0; i < r.numel(); ++i) {
-      TORCH_CHECK_INDEX(rp[i] >= 0 && rp[i] < M, "lora_apply: row ", rp[i], " out of range [0, ", M, ")");
-      work.emplace_back(int32_t(g), rp[i]);
-    }
-    cost += per_row * r.numel();
+    const int64_t m = int64_t(flat.size()) - first;
+    cost += per_row * m;
+    for (int64_t i = 0; i < m; i += kLoraTile)
+      tiles.push_back(Tile{int32_t(g), int32_t(std::min<int64_t>(kLoraTile, m - i)), first + i});
   }
-  if (work.empty()) return;
-  const LoraRowFn fn = isa == kAvx512Vnni ? lora_row_avx512(bf16) : isa == kAvx2 ? lora_row_avx2(bf16)
-                                                                                  : lora_row_scalar(bf16);
-  const int64_t n = int64_t(work.size());
+  return tiles;
+}
+
+}  // namespace
+
+void lora_apply(torch::Tensor y, const torch::Tensor& x, int64_t key, const LoraList& adapters,
+                const std::vector<torch::Tensor>& rows, int64_t isa) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_cpu() && y.is_cpu() &&
+                  x.is_contiguous() && y.is_contiguous() && y.scalar_type() == x.scalar_type() &&
+                  (bf16 || x.scalar_type() == torch::kFloat32),
+              "lora_apply: x [M, K] and y [M, N], contiguous float32 or bfloat16 CPU matrices of one type");
+  TORCH_CHECK(rows.size() == adapters.size(), "lora_apply: one row list per adapter");
+  std::vector<int64_t> flat;
+  int64_t cost = 0;  // multiply-adds of the whole pass
+  const auto tiles = tiles_of(adapters, rows, key, x.size(0), x.size(1), y.size(1), flat, cost);
+  if (tiles.empty()) return;
+  const auto pick = isa == kAvx512Vnni ? lora_tile_avx512 : isa == kAvx2 ? lora_tile_avx2 : lora_tile_scalar;
+  const int64_t n = int64_t(tiles.size()), N = y.size(1);
   // a thread's share must outweigh the fork/join: at least ~64K multiply-adds per chunk
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) * n / std::max<int64_t>(cost, 1));
   const void* xp = x.data_ptr();
   void* yp = y.data_ptr();
   at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      for (const auto& p : adapters[work[i].first]->at(key)) fn(p, xp, yp, N, work[i].second);
+      const Tile& t = tiles[i];
+      for (const auto& p : adapters[t.group]->at(key)) pick(bf16, p.bf16, t.count)(p, xp, yp, N, &flat[t.first]);
     }
   });
 }

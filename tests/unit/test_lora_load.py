@@ -101,13 +101,17 @@ def test_a_bad_adapter_stops_the_start_and_bad_flags_are_refused(tiny_model_dir:
 # -- the kernels ---------------------------------------------------------------------------
 
 
-def case(dtype: torch.dtype, k: int = 100, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-    """x [9, k], y [9, 70] and three groups: every row of one adapter, rows of two others (ranks
-    1, 5 and 16; two pieces side by side, a column tail past a whole vector)."""
+def case(
+    dtype: torch.dtype, k: int = 100, seed: int = 0, weights: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """x [9, k], y [9, 70] and three groups: every row of one adapter (tiles of 4, 4 and 1), rows
+    of two others (3 and 2: ranks 1, 5 and 16; two pieces side by side, a column tail past a whole
+    vector)."""
     g = torch.Generator().manual_seed(seed)
 
     def piece(r: int, n: int, off: int) -> LoraPiece:
-        return LoraPiece(torch.randn(r, k, generator=g), torch.randn(r, n, generator=g) * 0.3, off)
+        a, bt = torch.randn(r, k, generator=g), torch.randn(r, n, generator=g) * 0.3
+        return LoraPiece(a.to(weights), bt.to(weights), off)
 
     x = torch.randn(9, k, generator=g).to(dtype)
     y = torch.randn(9, 70, generator=g).to(dtype)
@@ -126,15 +130,18 @@ def native(y: torch.Tensor, x: torch.Tensor, groups: list[Any]) -> None:
     klora.lora_apply_cpu(y, x, 0, handles, [rows for _, rows in groups])
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("isa", quant.ISAS)
-def test_the_native_pass_on_every_isa_path_equals_the_reference(isa: str, dtype: torch.dtype) -> None:
+def test_the_native_pass_on_every_isa_path_equals_the_reference(
+    isa: str, dtype: torch.dtype, weights: torch.dtype
+) -> None:
     try:
         quant.force_isa(isa)
     except RuntimeError:
         pytest.skip(f"the {isa} path cannot run here")
     try:
-        x, y, groups = case(dtype)
+        x, y, groups = case(dtype, weights=weights)
         want = y.clone()
         klora.lora_apply_ref(want, x, groups)
         got = y.clone()

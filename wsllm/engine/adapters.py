@@ -40,12 +40,14 @@ class Adapters:
         model_config: ModelConfig,
         model_name: str = "",
         device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,  # the activations': bfloat16 keeps the pieces in bfloat16
     ) -> None:
         self.max_loras = config.max_loras
         self.max_rank = config.max_lora_rank
         self.model_config = model_config
         self.model_name = model_name
         self.device = device  # where the pieces live: the model's
+        self.dtype = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
         self._held: dict[str, LoraAdapter] = {}
         for name, path in config.lora_specs().items():
             self.load(name, path)
@@ -60,7 +62,7 @@ class Adapters:
             raise AdapterError(
                 f"{len(self._held)} adapters are loaded, the most this engine holds (--max-loras); unload one first"
             )
-        adapter = load_adapter(name, path, self.model_config, self.max_rank, self.device)
+        adapter = load_adapter(name, path, self.model_config, self.max_rank, self.device, self.dtype)
         self._held[name] = adapter
         log.info(
             "LoRA adapter %s loaded from %s: rank %d, %d modules, %.1f MB",

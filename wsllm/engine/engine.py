@@ -82,7 +82,7 @@ class LLMEngine:
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static)
-        self.adapters = Adapters(config, mc, model_name, device)  # LoRA: --lora, and run-time loads
+        self.adapters = Adapters(config, mc, model_name, device, self.runner.dtype)  # LoRA (docs/lora.md)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_aborted_total = 0
