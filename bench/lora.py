@@ -92,7 +92,8 @@ async def cell(port: int, models: list[str], level: int, n: int, length: int) ->
             nonlocal total
             while queue:
                 i, p = queue.pop(0)
-                total += await one(client, base, models[i % len(models)], p, length)
+                got = await one(client, base, models[i % len(models)], p, length)
+                total += got  # after the await: `total += await ...` reads total before it
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(level)))
@@ -114,6 +115,9 @@ def measure_rank(rank: int, adapters: list[tuple[str, Path]], args: argparse.Nam
     with sp.running(serve(port, adapters, args), port, work / f"rank{rank}.log") as (_, pid):
         asyncio.run(cell(port, ["a0"], 1, 1, 4))
         out["rss_mb"] = procmem.tree_rss_mb(pid)
+        # a first batch of 32 runs far slower than the next (measured 11-16 s for 32 x 16 tokens, then
+        # 0.4 s): warm the server up with every adapter before any cell counts
+        asyncio.run(cell(port, [a for a, _ in adapters], 32, 64, 8))
         for _ in range(args.repeat):
             for level in (1, 32):
                 n = args.requests_c1 if level == 1 else args.requests_c32

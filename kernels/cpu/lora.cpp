@@ -96,10 +96,9 @@ struct Tile {
 };
 
 // The tiles of every group that has pieces of projection `key`, a group's rows kLoraTile at a time
-// (flat: every group's rows one after another); the pass's multiply-adds go to `cost`.
-std::vector<Tile> tiles_of(const LoraList& adapters, const std::vector<torch::Tensor>& rows, int64_t key, int64_t M,
-                           int64_t K, int64_t N, std::vector<int64_t>& flat, int64_t& cost) {
-  std::vector<Tile> tiles;
+// (flat: every group's rows one after another), into `tiles`; the pass's multiply-adds to `cost`.
+void tiles_of(const LoraList& adapters, const std::vector<torch::Tensor>& rows, int64_t key, int64_t M, int64_t K,
+              int64_t N, std::vector<int64_t>& flat, std::vector<Tile>& tiles, int64_t& cost) {
   for (size_t g = 0; g < adapters.size(); ++g) {
     TORCH_CHECK(adapters[g] != nullptr, "lora_apply: an adapter is None");
     const auto& pieces = adapters[g]->at(key);
@@ -127,7 +126,6 @@ std::vector<Tile> tiles_of(const LoraList& adapters, const std::vector<torch::Te
     for (int64_t i = 0; i < m; i += kLoraTile)
       tiles.push_back(Tile{int32_t(g), int32_t(std::min<int64_t>(kLoraTile, m - i)), first + i});
   }
-  return tiles;
 }
 
 }  // namespace
@@ -140,20 +138,35 @@ void lora_apply(torch::Tensor y, const torch::Tensor& x, int64_t key, const Lora
                   (bf16 || x.scalar_type() == torch::kFloat32),
               "lora_apply: x [M, K] and y [M, N], contiguous float32 or bfloat16 CPU matrices of one type");
   TORCH_CHECK(rows.size() == adapters.size(), "lora_apply: one row list per adapter");
-  std::vector<int64_t> flat;
+  // reused per thread: a decode step makes 4 calls a layer, each a few microseconds
+  thread_local std::vector<int64_t> flat;
+  thread_local std::vector<Tile> tiles;
+  thread_local std::vector<std::pair<int32_t, int32_t>> items;  // (tile, piece), a tile's pieces together
+  flat.clear();
+  tiles.clear();
+  items.clear();
   int64_t cost = 0;  // multiply-adds of the whole pass
-  const auto tiles = tiles_of(adapters, rows, key, x.size(0), x.size(1), y.size(1), flat, cost);
+  tiles_of(adapters, rows, key, x.size(0), x.size(1), y.size(1), flat, tiles, cost);
   if (tiles.empty()) return;
   const auto pick = isa == kAvx512Vnni ? lora_tile_avx512 : isa == kAvx2 ? lora_tile_avx2 : lora_tile_scalar;
-  const int64_t n = int64_t(tiles.size()), N = y.size(1);
+  // One item: a tile through one piece. The pieces of a projection write columns of their own, so
+  // a one-row decode step's q, k and v (gate and up) can go to two threads: at rank 64 one thread
+  // alone read the adapter at about half the machine's bandwidth.
+  for (size_t i = 0; i < tiles.size(); ++i)
+    for (size_t k = 0; k < adapters[tiles[i].group]->at(key).size(); ++k) items.emplace_back(int32_t(i), int32_t(k));
+  const int64_t n = int64_t(items.size()), N = y.size(1);
   // a thread's share must outweigh the fork/join: at least ~64K multiply-adds per chunk
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) * n / std::max<int64_t>(cost, 1));
   const void* xp = x.data_ptr();
   void* yp = y.data_ptr();
+  const auto& tiles_here = tiles;  // the caller's: a worker thread's thread_locals are its own
+  const auto& items_here = items;
+  const int64_t* flat_here = flat.data();
   at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Tile& t = tiles[i];
-      for (const auto& p : adapters[t.group]->at(key)) pick(bf16, p.bf16, t.count)(p, xp, yp, N, &flat[t.first]);
+      const Tile& t = tiles_here[items_here[i].first];
+      const LoraPiece& p = adapters[t.group]->at(key)[items_here[i].second];
+      pick(bf16, p.bf16, t.count)(p, xp, yp, N, flat_here + t.first);
     }
   });
 }

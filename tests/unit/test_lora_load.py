@@ -164,3 +164,25 @@ def test_the_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
         klora.lora_apply_ref(want, x, groups)
         klora.lora_apply_triton(got, x, groups)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_large_pass_runs_on_every_thread_and_keeps_each_rows_bits() -> None:
+    """Rank 64 over SmolLM2's qkv: its pieces go to torch's threads (one row too), and a row's
+    result is still the same alone and in a batch of 9, and equal to the reference."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here")
+    g = torch.Generator().manual_seed(3)
+    pieces = [
+        LoraPiece(
+            torch.randn(64, 576, generator=g).bfloat16(), torch.randn(64, n, generator=g).bfloat16(), off
+        )
+        for n, off in ((576, 0), (192, 576), (192, 768))
+    ]
+    x = torch.randn(9, 576, generator=g).bfloat16()
+    y = torch.randn(9, 960, generator=g).bfloat16()
+    batch, alone, want = y.clone(), y[3:4].clone(), y.clone()
+    native(batch, x, [(pieces, None)])
+    native(alone, x[3:4].contiguous(), [(pieces, None)])
+    klora.lora_apply_ref(want, x, [(pieces, None)])
+    assert torch.equal(alone[0], batch[3])
+    torch.testing.assert_close(batch, want, atol=0.5, rtol=0.02)
