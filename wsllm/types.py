@@ -166,13 +166,14 @@ class GenerateRequest:
     queue_deadline: float = 0.0
     priority: int = 0  # higher is admitted first; the gateway caps it per tenant
     tenant: str = ""  # who asked (set by the gateway from the API key): fair sharing
+    lora: str = ""  # the LoRA adapter it runs under (a name its engines hold; "": the base)
 
     def expired(self, now: float) -> bool:
         """Past its queue deadline at `now` (time.time()): it must not start."""
         return 0.0 < self.queue_deadline <= now
 
     def __post_init__(self) -> None:
-        for name, least in (("request_id", 1), ("model", 0), ("tenant", 0)):
+        for name, least in (("request_id", 1), ("model", 0), ("tenant", 0), ("lora", 0)):
             v = getattr(self, name)
             ok = isinstance(v, str) and least <= len(v) <= MAX_ID_CHARS
             check(ok, name, f"a string of {least} to {MAX_ID_CHARS} characters", v)
@@ -270,12 +271,17 @@ class EngineInfo:
     max_model_len: int
     #: other names the model answers to (`--model-name A --model-name B`: B)
     aliases: list[str] = field(default_factory=list)
+    #: the LoRA adapters it holds (a request names one as its model)
+    adapters: list[str] = field(default_factory=list)
     # num_running, num_waiting, kv_usage, num_free_blocks, ... (the engine's EngineStats)
     stats: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0  # time.time() of the last heartbeat
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["adapters"]:  # left out while unused: a peer that predates it reads the heartbeat
+            del d["adapters"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
@@ -290,9 +296,44 @@ class EngineInfo:
             and info.max_model_len > 0
             and isinstance(info.aliases, list)
             and all(isinstance(a, str) for a in info.aliases)
+            and isinstance(info.adapters, list)
+            and all(isinstance(a, str) for a in info.adapters)
             and isinstance(info.stats, dict)
             and isinstance(info.last_seen, (int, float))
         )
         if not ok:
             raise ValueError(f"not an engine heartbeat: {d!r:.200}")
         return info
+
+
+@dataclass(slots=True)
+class AdapterCommand:
+    """An operator's change to the LoRA adapters of a model's engines (`POST
+    /v1/load_lora_adapter`, `/v1/unload_lora_adapter`), sent to every engine of the model."""
+
+    __pydantic_config__ = STRICT_DECODING
+
+    command_id: str
+    action: str  # "load" | "unload"
+    name: str
+    path: str = ""  # load: the adapter's directory on the engine's host
+
+    def __post_init__(self) -> None:
+        check(self.action in ("load", "unload"), "action", "load or unload", self.action)
+        for name in ("command_id", "name"):
+            v = getattr(self, name)
+            ok = isinstance(v, str) and 1 <= len(v) <= MAX_ID_CHARS
+            check(ok, name, f"a string of 1 to {MAX_ID_CHARS} characters", v)
+
+
+@dataclass(slots=True)
+class AdapterReply:
+    """One engine's answer to an AdapterCommand: done, or why not (`status`: the HTTP status
+    it means: 400 an adapter refused, 404 an unknown one to unload)."""
+
+    __pydantic_config__ = STRICT_DECODING
+
+    command_id: str
+    engine_id: str
+    status: int = 200
+    error: str = ""
