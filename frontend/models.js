@@ -8,7 +8,8 @@
 
 export class AuthError extends Error {}
 
-/** [{id, contextLength, parent}] from GET /v1/models (the default model first). */
+/** [{id, contextLength, parent, lora}] from GET /v1/models (the default model first; a LoRA
+ * adapter's card has `lora: true` and its base model as `parent`). */
 export async function fetchModels(apiKey = "") {
   const headers = { Accept: "application/json" };
   if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
@@ -31,6 +32,7 @@ export async function fetchModels(apiKey = "") {
       id: m.id,
       contextLength: Number.isInteger(m.max_model_len) && m.max_model_len > 0 ? m.max_model_len : null,
       parent: typeof m.parent === "string" ? m.parent : null,
+      lora: m.lora === true,
     }));
 }
 
@@ -38,9 +40,9 @@ export function formatTokens(n) {
   return Number(n).toLocaleString("en-US");
 }
 
-/** "tiny-llama · 2,048-token context" (an alias names its model). */
+/** "tiny-llama · 2,048-token context" (an alias names its model, an adapter its base). */
 export function modelLabel(m) {
-  const alias = m.parent ? ` (alias of ${m.parent})` : "";
+  const alias = m.parent ? ` (${m.lora ? "LoRA adapter" : "alias"} of ${m.parent})` : "";
   const ctx = m.contextLength ? ` · ${formatTokens(m.contextLength)}-token context` : "";
   return `${m.id}${alias}${ctx}`;
 }

@@ -116,6 +116,44 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, kind: str = "llama", **over
     return path
 
 
+def make_lora_adapter(
+    path: Path,
+    base_dir: Path,
+    seed: int,
+    r: int = 8,
+    alpha: float = 16,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    rslora: bool = False,
+    std: float = 0.2,
+) -> Path:
+    """A PEFT LoRA adapter of the HF model in `base_dir`, saved to `path`: random, non-zero A
+    and B (PEFT's `init_lora_weights=False`, then normal weights of `std` so that each adapter
+    visibly moves the base's tokens). Nothing downloaded."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+        use_rslora=rslora, lora_dropout=0.0,
+    )  # fmt: skip
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def lora_factory() -> Any:
+    """`make_lora_adapter` for tests (a fixture: test modules do not import conftest)."""
+    return make_lora_adapter
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_dir, "llama")

@@ -186,9 +186,24 @@ class EngineConfig:
             "tests use to check the padding) | off (the packed eager step everywhere)"
         },
     )
+    lora: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "a LoRA adapter to serve on the base, NAME=PATH (a PEFT directory: adapter_config.json and "
+            "adapter_model.safetensors), repeatable; a request picks it with model: NAME (docs/lora.md)"
+        },
+    )
+    max_loras: int = field(
+        default=8,
+        metadata={"help": "most LoRA adapters held at once (--lora and POST /v1/load_lora_adapter together)"},
+    )
+    max_lora_rank: int = field(
+        default=64, metadata={"help": "the largest LoRA rank an adapter may have (1-256)"}
+    )
 
     def __post_init__(self) -> None:
         self._check_speculative()
+        self._check_lora()
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError(f"pooling must be auto, last or mean, got {self.pooling!r}")
         bs = self.block_size
@@ -227,6 +242,26 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+
+    def lora_specs(self) -> dict[str, str]:
+        """--lora's adapters: name -> path, in order; ValueError for a spec that is not NAME=PATH."""
+        out: dict[str, str] = {}
+        for spec in self.lora:
+            name, eq, path = spec.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
+            if name.strip() in out:
+                raise ValueError(f"--lora names {name.strip()!r} twice")
+            out[name.strip()] = path.strip()
+        return out
+
+    def _check_lora(self) -> None:
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_lora_rank must be within 1 and 256, got {self.max_lora_rank}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if len(self.lora_specs()) > self.max_loras:
+            raise ValueError(f"{len(self.lora)} --lora adapters are more than --max-loras {self.max_loras}")
 
     def _check_speculative(self) -> None:
         if self.speculative not in ("off", "ngram", "draft"):

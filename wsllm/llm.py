@@ -66,7 +66,10 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | list[str] = "",
     ) -> list[GenerationResult]:
+        """Generate for every prompt at once (one batch). `lora`: the LoRA adapter (a name
+        loaded with `lora=["NAME=PATH"]`; "": the base) of every prompt, or one per prompt."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -74,14 +77,17 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
         order: list[str] = []
         results: dict[str, GenerationResult] = {}
         added: list[str] = []
         try:
-            for prompt, p in zip(prompts, plist, strict=True):
+            for prompt, p, name in zip(prompts, plist, loras, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, p, lora=name)
                 added.append(rid)
                 order.append(rid)
                 results[rid] = GenerationResult(rid, ids)

@@ -172,6 +172,7 @@ class GenerateRequest:
     #: tenant's salt, narrowed by the request's own `cache_salt`); "" the common one.
     #: The engine and prefix routing read it through `prefix_hash.request_root`.
     cache_salt: str = ""
+    lora: str = ""  # the LoRA adapter it runs under (a name its engines hold; "": the base)
 
     def expired(self, now: float) -> bool:
         """Past its queue deadline at `now` (time.time()): it must not start."""
@@ -183,6 +184,7 @@ class GenerateRequest:
             ("model", 0, MAX_ID_CHARS),
             ("tenant", 0, MAX_ID_CHARS),
             ("cache_salt", 0, MAX_WIRE_SALT_CHARS),
+            ("lora", 0, MAX_ID_CHARS),
         ):
             v = getattr(self, name)
             ok = isinstance(v, str) and least <= len(v) <= most
@@ -281,12 +283,17 @@ class EngineInfo:
     max_model_len: int
     #: other names the model answers to (`--model-name A --model-name B`: B)
     aliases: list[str] = field(default_factory=list)
+    #: the LoRA adapters it holds (a request names one as its model)
+    adapters: list[str] = field(default_factory=list)
     # num_running, num_waiting, kv_usage, num_free_blocks, ... (the engine's EngineStats)
     stats: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0  # time.time() of the last heartbeat
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["adapters"]:  # left out while unused: a peer that predates it reads the heartbeat
+            del d["adapters"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
@@ -301,9 +308,44 @@ class EngineInfo:
             and info.max_model_len > 0
             and isinstance(info.aliases, list)
             and all(isinstance(a, str) for a in info.aliases)
+            and isinstance(info.adapters, list)
+            and all(isinstance(a, str) for a in info.adapters)
             and isinstance(info.stats, dict)
             and isinstance(info.last_seen, (int, float))
         )
         if not ok:
             raise ValueError(f"not an engine heartbeat: {d!r:.200}")
         return info
+
+
+@dataclass(slots=True)
+class AdapterCommand:
+    """An operator's change to the LoRA adapters of a model's engines (`POST
+    /v1/load_lora_adapter`, `/v1/unload_lora_adapter`), sent to every engine of the model."""
+
+    __pydantic_config__ = STRICT_DECODING
+
+    command_id: str
+    action: str  # "load" | "unload"
+    name: str
+    path: str = ""  # load: the adapter's directory on the engine's host
+
+    def __post_init__(self) -> None:
+        check(self.action in ("load", "unload"), "action", "load or unload", self.action)
+        for name in ("command_id", "name"):
+            v = getattr(self, name)
+            ok = isinstance(v, str) and 1 <= len(v) <= MAX_ID_CHARS
+            check(ok, name, f"a string of 1 to {MAX_ID_CHARS} characters", v)
+
+
+@dataclass(slots=True)
+class AdapterReply:
+    """One engine's answer to an AdapterCommand: done, or why not (`status`: the HTTP status
+    it means: 400 an adapter refused, 404 an unknown one to unload)."""
+
+    __pydantic_config__ = STRICT_DECODING
+
+    command_id: str
+    engine_id: str
+    status: int = 200
+    error: str = ""

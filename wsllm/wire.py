@@ -13,7 +13,15 @@ from typing import Any, Literal
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from wsllm.types import SCHEMA_VERSION, STRICT_DECODING, GenerateRequest, TokenEvent, WireError
+from wsllm.types import (
+    SCHEMA_VERSION,
+    STRICT_DECODING,
+    AdapterCommand,
+    AdapterReply,
+    GenerateRequest,
+    TokenEvent,
+    WireError,
+)
 
 
 @dataclass(slots=True)
@@ -65,8 +73,9 @@ def _event_dict(e: TokenEvent) -> dict[str, Any]:
 
 def _request_dict(r: GenerateRequest) -> dict[str, Any]:
     d = asdict(r)
-    if not d["cache_salt"]:
-        del d["cache_salt"]
+    for name in ("cache_salt", "lora"):
+        if not d[name]:
+            del d[name]
     for name in ("prompt_logprobs", "structured", "logit_bias", "pooling"):
         if d["params"][name] is None:
             del d["params"][name]
@@ -104,3 +113,26 @@ def check_request(request: object) -> GenerateRequest:
         return _request_object.validate_python(request)
     except ValidationError as e:
         raise _wire_error(e, "request") from None
+
+
+_commands: TypeAdapter[AdapterCommand] = TypeAdapter(AdapterCommand)
+_replies: TypeAdapter[AdapterReply] = TypeAdapter(AdapterReply)
+
+
+def encode_adapter(obj: AdapterCommand | AdapterReply) -> bytes:
+    """An adapter command or an engine's reply to one, for the broker."""
+    return orjson.dumps(asdict(obj))
+
+
+def decode_command(data: bytes | str) -> AdapterCommand:
+    try:
+        return _commands.validate_json(data)
+    except ValidationError as e:
+        raise _wire_error(e, "command") from None
+
+
+def decode_reply(data: bytes | str) -> AdapterReply:
+    try:
+        return _replies.validate_json(data)
+    except ValidationError as e:
+        raise _wire_error(e, "reply") from None

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "fvec.h"
+#include "lora.h"
 
 #define WSQ_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -67,11 +68,13 @@ struct FV {
 
 #include "attention_simd.h"
 #include "rows_simd.h"
+#include "lora_simd.h"
 
 }  // namespace fvec256
 
 DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
 SiluFn silu_mul_avx2(bool bf16) { return fvec256::silu_rows(bf16); }
 NormFn norm_rows_avx2(bool bf16) { return fvec256::norm_rows(bf16); }
+LoraTileFn lora_tile_avx2(bool x_bf16, bool w_bf16, int rows) { return fvec256::lora_tile(x_bf16, w_bf16, rows); }
 
 }  // namespace wsq

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lora_weights.h"
 #include "qgemm.h"
 #include "rowops.h"
 
@@ -263,9 +264,12 @@ class DecodeStack {
   int64_t num_layers() const { return layers_; }
 
   // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
-  // loop in LlamaForCausalLM.forward leaves them for the final norm.
+  // loop in LlamaForCausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the
+  // step's adapters and their rows (lora_weights.h), added after each projection as the Python
+  // layers add them.
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                     torch::Tensor tables, torch::Tensor lens, int64_t isa) {
+                                     torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,
+                                     const std::vector<torch::Tensor>& lora_rows) {
     torch::Tensor residual;
     for (int64_t l = 0; l < layers_; ++l) {
       torch::Tensor h;
@@ -278,19 +282,29 @@ class DecodeStack {
         residual = r[1];
       }
       const int64_t p = 4 * l;
-      auto qkv = project(h, p, bias_[l], isa);
+      auto qkv = project(h, p, bias_[l], isa, lora, lora_rows);
       auto o = rope_store_decode(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
                                  scale_, isa);
-      auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa), residual, norms_[2 * l + 1], eps_, isa);
+      auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa, lora, lora_rows), residual, norms_[2 * l + 1],
+                            eps_, isa);
       residual = r[1];
-      x = project(silu_mul(project(r[0], p + 2, c10::nullopt, isa), isa), p + 3, c10::nullopt, isa);
+      auto gate_up = project(r[0], p + 2, c10::nullopt, isa, lora, lora_rows);
+      x = project(silu_mul(gate_up, isa), p + 3, c10::nullopt, isa, lora, lora_rows);
     }
     return {x, residual};
   }
 
  private:
+  // the projection, and the step's adapters' deltas on their rows (none: nothing more)
+  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                        const LoraList& lora, const std::vector<torch::Tensor>& rows) {
+    auto y = base_project(x, p, bias, isa);
+    if (!lora.empty()) lora_apply(y, x, p, lora, rows, isa);
+    return y;
+  }
+
   // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias)
-  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  torch::Tensor base_project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa) {
     const int64_t i = first_[p];
     if (parts_[p] == 1) return qlinear(x, packed_[i], qtypes_[i], ns_[i], bias, isa, false);
     std::vector<torch::Tensor> ys;
@@ -311,6 +325,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
+  wsq::register_lora(m);  // LoraWeights first: DecodeStack.forward takes a list of them
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"), py::arg("out_float") = false,
@@ -338,7 +353,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &wsq::DecodeStack::forward,
            "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
-           py::arg("isa"), nogil());
+           py::arg("isa"), py::arg("lora") = wsq::LoraList(), py::arg("lora_rows") = std::vector<torch::Tensor>(),
+           nogil());
   m.def(
       "set_prefetch_ahead", [](int64_t bytes) { wsq::prefetch_ahead = int(bytes); },
       "bench/quantized_linear.py: how far ahead of its loads the 32-value formats' batch-1 stream prefetches (0: off)");

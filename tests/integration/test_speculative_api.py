@@ -1,6 +1,7 @@
 """Speculative decoding through the gateway: a server that drafts streams the same text as one
 that does not, over SSE (the official client) and the WebSocket, several tokens to an event;
-usage says how many drafts were accepted and rejected, and /metrics counts them."""
+usage says how many drafts were accepted and rejected, /metrics counts them, and `wsllm bench`
+reports them per level."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import websockets
 
 from wsllm.config import EngineConfig
+from wsllm.loadgen import BenchConfig
+from wsllm.loadgen.runner import main
 
 PROMPT = "Repeat after me: one two three, one two three, one two three, one two three"
 BODY: dict[str, Any] = {"max_tokens": 48, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -101,3 +104,18 @@ def test_the_same_text_streamed_with_drafts_accepted_and_counted(servers: dict[s
     )
     assert servers["plain"].metric("wsllm_spec_draft_tokens") == 0
     fast.assert_no_blocks_held()
+
+
+def test_wsllm_bench_says_what_was_drafted(servers: dict[str, Any], tmp_path: Path) -> None:
+    def level(srv: Any) -> dict[str, Any]:
+        cfg = BenchConfig(
+            base_url=srv.base_url, endpoint="chat", num_requests=2, concurrency="1", output_len=24,
+            ignore_eos=True, json=str(tmp_path / "out.json"),
+        )  # fmt: skip
+        assert main(cfg) == 0
+        return dict(orjson.loads((tmp_path / "out.json").read_bytes())["runs"][0])
+
+    spec = level(servers["fast"])["speculation"]
+    assert spec["drafted"] >= spec["accepted"] > 0 and spec["verifications"] > 0
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted"] / spec["verifications"])
+    assert level(servers["plain"])["speculation"] is None

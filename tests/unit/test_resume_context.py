@@ -70,5 +70,6 @@ def test_chat_apis_get_chat_ids() -> None:
         "resp",
         "embd",
         "tok",
+        "lora",
     ]
-    assert [a.is_chat for a in Api] == [True, False, True, False, True, True, False, False]
+    assert [a.is_chat for a in Api] == [True, False, True, False, True, True, False, False, False]

@@ -207,10 +207,25 @@ def test_the_cost_model_drafts_where_rows_are_cheap_only() -> None:
             cheap.observe(rows, ms)  # one stream on a CPU: the step's fixed cost dominates
         for rows, ms in ((32, 33.0), (33, 34.1), (36, 37.5), (48, 50.0)):
             dear.observe(rows, ms)  # 32 streams: a row costs about what a token is worth
+    assert choose([8], [(0.9, 0.9)], cheap, 1) == [8]
+    assert 1 <= choose([8], [(0.5, 0.5)], cheap, 1)[0] < 8
+    assert choose([8] * 32, [(0.7, 0.7)] * 32, dear, 32) == [0] * 32
+    assert choose([8], [(0.0, 0.9)], cheap, 1) == [0]
+    assert choose([8], [(0.9, 0.9)], StepCost(), 1) == [0], "nothing measured yet: a plain step first"
     cheap.observe(9, 500.0)  # one slow step (a collection, a neighbour): drafting goes on
-    cheap.observe(4, 400.0)
-    assert choose([8], [0.9], cheap, 1) == [8]
-    assert 1 <= choose([8], [0.5], cheap, 1)[0] < 8
-    assert choose([8] * 32, [0.7] * 32, dear, 32) == [0] * 32
-    assert choose([8], [0.0], cheap, 1) == [0]
-    assert choose([8], [0.9], StepCost(), 1) == [0], "nothing measured yet: a plain step first"
+    assert choose([8], [(0.9, 0.9)], cheap, 1)[0] >= 6
+
+
+def test_without_a_backlog_a_batch_drafts_only_when_its_slowest_gains() -> None:
+    """Nothing waits for room: the batch ends with its slowest sequence, so while one of them
+    has nothing to draft the others' drafts only make each step dearer."""
+    cost = StepCost()
+    for _ in range(3):
+        for rows, ms in ((4, 10.0), (8, 11.0), (16, 13.0), (32, 17.0)):
+            cost.observe(rows, ms)  # rows still cheap: drafting pays for whoever gains
+    sure = (0.95, 0.95)
+    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost, 4, backlog=True)) > 0
+    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost, 4, backlog=False)) > 0
+    assert choose([8, 8, 8, 0], [sure] * 4, cost, 4, backlog=False) == [0] * 4
+    assert choose([8, 8, 8], [sure] * 3, cost, 4, backlog=False) == [0] * 3  # a fourth decodes, undrafted
+    assert sum(choose([8, 8, 8, 0], [sure] * 4, cost, 4, backlog=True)) > 0

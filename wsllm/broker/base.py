@@ -27,7 +27,7 @@ from typing import Any
 
 from wsllm.broker.limits import Limiter, MemoryLimiter
 from wsllm.broker.response_store import MemoryResponseStore, ResponseStore
-from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
+from wsllm.types import AdapterCommand, AdapterReply, EngineInfo, GenerateRequest, TokenEvent
 
 #: the files of a model directory that make its tokenizer (what `TextCodec` reads)
 TOKENIZER_FILES = (
@@ -172,6 +172,14 @@ class GatewayBroker(abc.ABC):
         None when no engine did (the gateway then needs the files locally)."""
         return None
 
+    async def command(
+        self, model: str, command: AdapterCommand, engines: int, timeout: float
+    ) -> list[AdapterReply]:
+        """Send `command` to every engine of `model` and gather their replies: until
+        `engines` replied or `timeout` seconds passed (an engine that does not answer in
+        time is left out). BrokerUnavailable while the store is down."""
+        raise BrokerError(f"{type(self).__name__} cannot send commands to its engines")
+
     def limiter(self) -> Limiter:
         """The per-tenant rate limiter for the gateways of this deployment: in this
         process (the default), or shared through the store every gateway uses."""
@@ -228,6 +236,14 @@ class EngineBroker(abc.ABC):
         not a valid request), with the reason. Brokers that keep a dead-letter stream
         keep it there; the worker has already failed the request."""
         log.error("dead letter (%s): %r", reason, item)
+
+    def commands(self) -> list[AdapterCommand]:
+        """Adapter commands sent to this engine's model since the last call (each once),
+        for the worker to apply and answer with `reply`. Never blocks."""
+        return []
+
+    def reply(self, reply: AdapterReply) -> None:  # noqa: B027 - optional hook
+        """Answer a command from `commands()` (the gateway waits for it)."""
 
     def release(self, request_ids: list[str]) -> list[str]:
         """Hand requests this engine pulled back to the queue, for another engine to

@@ -28,7 +28,14 @@ from typing import Any
 
 from wsllm.broker.base import Broker, BrokerClosed, EngineBroker, QueueFull, Rank
 from wsllm.broker.fair_queue import FairQueue
-from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent
+from wsllm.types import (
+    ERR_QUEUE_TIMEOUT,
+    AdapterCommand,
+    AdapterReply,
+    EngineInfo,
+    GenerateRequest,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,9 @@ class MemoryBroker(Broker):
         self._max_aborts = max_aborts
         # one queue of abort ids per engine side: every engine sees every abort
         self._aborts: dict[str | None, deque[str]] = {None: deque(maxlen=max_aborts)}
+        # adapter commands per engine side, as aborts; the replies per command the gateway awaits
+        self._commands: dict[str | None, deque[AdapterCommand]] = {None: deque(maxlen=64)}
+        self._replies: dict[str, list[AdapterReply]] = {}
         self._events: deque[list[TokenEvent]] = deque()
         self._engines: dict[str, EngineInfo] = {}
         #: what engines could not serve at all, with the reason (the last few)
@@ -132,6 +142,22 @@ class MemoryBroker(Broker):
     async def pending(self) -> int:
         return len(self._pending)
 
+    async def command(
+        self, model: str, command: AdapterCommand, engines: int, timeout: float
+    ) -> list[AdapterReply]:
+        with self._lock:  # to the side of `model`'s engines, or the broker's own (one model)
+            self._commands[model if model in self._commands else None].append(command)
+            got = self._replies[command.command_id] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < engines and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the worker answers between its steps
+            with self._lock:
+                return list(got)
+        finally:
+            with self._lock:
+                del self._replies[command.command_id]
+
     # -- engine side -------------------------------------------------------------------
 
     def pull(self, max_n: int, timeout: float = 0.0, rank: Rank | None = None) -> list[GenerateRequest]:
@@ -142,6 +168,7 @@ class MemoryBroker(Broker):
         `model`. Register each model's view before the gateway submits."""
         with self._lock:
             self._aborts.setdefault(model, deque(maxlen=self._max_aborts))
+            self._commands.setdefault(model, deque(maxlen=64))
             self._has_pending.setdefault(model, Condition(self._lock))
         return _ModelSide(self, model)
 
@@ -197,6 +224,21 @@ class MemoryBroker(Broker):
 
     def aborts(self) -> list[str]:
         return self._aborts_of(None)
+
+    def commands(self) -> list[AdapterCommand]:
+        return self._commands_of(None)
+
+    def _commands_of(self, model: str | None) -> list[AdapterCommand]:
+        with self._lock:
+            q = self._commands[model]
+            out = list(q)
+            q.clear()
+            return out
+
+    def reply(self, reply: AdapterReply) -> None:
+        with self._lock:
+            if (got := self._replies.get(reply.command_id)) is not None:
+                got.append(reply)
 
     def _aborts_of(self, model: str | None) -> list[str]:
         with self._lock:
@@ -265,6 +307,12 @@ class _ModelSide(EngineBroker):
 
     def aborts(self) -> list[str]:
         return self.hub._aborts_of(self.model)
+
+    def commands(self) -> list[AdapterCommand]:
+        return self.hub._commands_of(self.model)
+
+    def reply(self, reply: AdapterReply) -> None:
+        self.hub.reply(reply)
 
     def publish(self, events: list[TokenEvent]) -> None:
         self.hub.publish(events)

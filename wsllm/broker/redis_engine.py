@@ -32,6 +32,7 @@ import redis.exceptions
 
 from wsllm.broker import prefix_routing
 from wsllm.broker.base import EngineBroker, Rank
+from wsllm.broker.redis_adapters import command_of, send_reply
 from wsllm.broker.redis_conn import sync_client
 from wsllm.broker.redis_dead import DeadLetters, abort_target
 from wsllm.broker.redis_held import HeldRequests
@@ -43,7 +44,15 @@ from wsllm.broker.redis_registry import Registry
 from wsllm.broker.redis_scripts import EXPIRE
 from wsllm.broker.replay import Plan, Replay
 from wsllm.config_redis import RedisConfig
-from wsllm.types import ERR_QUEUE_TIMEOUT, EngineInfo, GenerateRequest, TokenEvent, WireError
+from wsllm.types import (
+    ERR_QUEUE_TIMEOUT,
+    AdapterCommand,
+    AdapterReply,
+    EngineInfo,
+    GenerateRequest,
+    TokenEvent,
+    WireError,
+)
 from wsllm.wire import decode_request, encode
 
 log = logging.getLogger(__name__)
@@ -76,6 +85,7 @@ class RedisEngine(EngineBroker):
         self._aborts_key = keys.aborts(model)  # this model's engines' abort stream
         self._next_reclaim = 0.0
         self._aborts_fresh = False  # pull read the abort stream since the last aborts()
+        self._commands: list[AdapterCommand] = []  # adapter commands read with the aborts
         self._down = False  # Redis was unreachable at the last try
         self._expire = self.r.register_script(EXPIRE)
         self.taker = Taker(self.r, self.queue, GROUP, consumer, cfg.steal_after_s)
@@ -286,6 +296,11 @@ class RedisEngine(EngineBroker):
         bad = []
         with self.held.lock:
             for entry_id, f in entries:
+                if b"c" in f:  # an adapter command (redis_adapters.py), for commands()
+                    cmd = command_of(f)
+                    self._commands += [cmd] if cmd is not None else []
+                    bad += [] if cmd is not None else [(entry_id.decode(), f)]
+                    continue
                 rid = abort_target(f)
                 if rid is None:
                     bad.append((entry_id.decode(), f))
@@ -304,7 +319,16 @@ class RedisEngine(EngineBroker):
             self.publisher.publish(events)
 
     def heartbeat(self, info: EngineInfo) -> None:
+        self.taker.adapters = list(info.adapters)  # it takes the requests of the adapters it holds
         self.registration.heartbeat(info)
+
+    def commands(self) -> list[AdapterCommand]:
+        out, self._commands = self._commands, []
+        return out
+
+    def reply(self, reply: AdapterReply) -> None:
+        with contextlib.suppress(*UNAVAILABLE):  # the gateway then goes without this engine's answer
+            send_reply(self.r, self.keys, self.model, reply)
 
     def publish_tokenizer(self, model: str, files: dict[str, bytes]) -> None:
         if model != self.model:

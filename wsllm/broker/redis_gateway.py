@@ -32,6 +32,7 @@ from wsllm.broker.base import BrokerClosed, BrokerUnavailable, GatewayBroker, Qu
 from wsllm.broker.fair_queue import QUEUE_FULL, TENANT_SHARE_FULL, tenant_cap
 from wsllm.broker.limits import Limiter
 from wsllm.broker.prefix_routing import PrefixRouter
+from wsllm.broker.redis_adapters import adapter_target, send_command
 from wsllm.broker.redis_conn import async_client, eval_script, sync_client
 from wsllm.broker.redis_follow import Follow, Read
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys
@@ -44,7 +45,7 @@ from wsllm.broker.redis_scripts import ABORT, SUBMIT
 from wsllm.broker.response_store import ResponseStore
 from wsllm.config_redis import RedisConfig
 from wsllm.prefix_hash import request_root
-from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
+from wsllm.types import AdapterCommand, AdapterReply, EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class RedisGateway(GatewayBroker):
         model = request.model or self.model
         meta = orjson.dumps({"ctx": context or {}, "n": request.params.n, "model": model})
         keys = [self.keys.queue(model), self.keys.out(model, rid)]
+        if request.lora:  # only the engines that hold the adapter take it (redis_adapters.py)
+            target = adapter_target(request.lora)
         if not target and self.router is not None and self.registry.routable(model, self.model):
             try:
                 target = await self.router.target(
@@ -346,6 +349,14 @@ class RedisGateway(GatewayBroker):
 
     async def engines(self) -> list[EngineInfo]:
         return self._alive(await self.registry.engines())
+
+    async def command(
+        self, model: str, command: AdapterCommand, engines: int, timeout: float
+    ) -> list[AdapterReply]:
+        try:
+            return await send_command(self.client(), self.keys, model, command, engines, timeout, self.cfg)
+        finally:  # their heartbeats, sent before they answered, hold the change (or Redis is gone)
+            self.invalidate_engines()
 
     def invalidate_engines(self) -> None:
         self.registry.invalidate()

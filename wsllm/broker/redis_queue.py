@@ -24,6 +24,8 @@ its Redis Cluster hash slot):
     {queue}:z:{engine}      those routed to `engine` (prefix routing): it takes them
                             first, any engine once they waited `steal_after_s` and it
                             is busy (see lua/queue_take.lua)
+    {queue}:z:@{adapter}    those for a LoRA adapter: only the engines that hold it take
+                            them (their heartbeats say which; redis_adapters.py)
     {queue}:ze              set of the engines with routed requests waiting
     {queue}:n               hash of counters: n (waiting), h (hand-backs not yet
                             delivered), rt (routed), s (submit order), and per tenant
@@ -117,6 +119,7 @@ class Taker:
         self._period = 0.0
         self._told: tuple[int, float] = (-1, 0.0)  # the interval peers know of, and since when
         self.takes = 0
+        self.adapters: list[str] = []  # the LoRA adapters the engine holds: it takes their requests
 
     def tick(self) -> None:
         """One iteration of the engine (each pull): its usual interval between them is
@@ -181,7 +184,7 @@ class Taker:
         args = [self.group, self.consumer, count, self.consumer, self.steal_ms, SCAN, period if tell else ""]
         # Read the request stream even if nothing moves now after a take that filled its
         # count (what it moved may wait there still), and now and then.
-        args += ["1" if periodic or self._more else "", "1" if self._more else "0"]
+        args += ["1" if periodic or self._more else "", "1" if self._more else "0", *self.adapters]
         retry, resp = self._take(keys=[self.queue], args=args)
         self.takes += 1
         self._cursor_at_take = cursor

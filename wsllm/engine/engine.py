@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from wsllm.config import EngineConfig
+from wsllm.engine.adapters import Adapters, adapter_root
 from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
@@ -81,6 +82,7 @@ class LLMEngine:
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
         self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static)
+        self.adapters = Adapters(config, mc, model_name, device, self.runner.dtype)  # LoRA (docs/lora.md)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_aborted_total = 0
@@ -102,21 +104,24 @@ class LLMEngine:
         priority: int = 0,
         tenant: str = "",
         cache_root: bytes | None = None,
+        lora: str = "",
     ) -> None:
         """Queue a request. Raises ValueError, leaving the engine as it was, on bad input.
         A higher `priority` is admitted first; within a priority, `tenant`s share the
         batch by tokens served (see Scheduler). `cache_root`: the prefix cache namespace
-        its blocks are shared in (prefix_hash.cache_root; None: the common one)."""
+        its blocks are shared in (prefix_hash.cache_root; None: the common one), which its
+        LoRA adapter `lora` (a name `adapters` holds; "": the base) extends."""
         if params.pooling == "auto":  # an embedding request: this model's pooling
             params = dataclasses.replace(params, pooling=self.pooling)
         check_request(
             request_id, prompt_token_ids, params, in_use=request_id in self._requests, held=len(self._requests),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, bm=self.block_manager, config=self.config,
         )  # fmt: skip
+        adapter = self.adapters.get(lora) if lora else None
         now = arrival_time if arrival_time is not None else time.time()
         req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
         for seq in req.seqs:
-            seq.cache_root = cache_root
+            seq.cache_root, seq.lora = adapter_root(cache_root, adapter), adapter
         self._requests[request_id] = req
         if params.structured is not None:  # compiled off this thread; step() schedules it when done
             self.compiling.add(request_id, self.matchers.start(params.structured))
@@ -160,7 +165,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted() + self._admit_compiled()
         started = time.perf_counter()
-        self.spec.propose(self.scheduler.running)
+        self.spec.propose(self.scheduler.running, bool(self.scheduler.waiting or self.scheduler.swapped))
         sched = self.scheduler.schedule()
         self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:

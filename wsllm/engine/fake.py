@@ -91,10 +91,13 @@ class FakeEngine:
         priority: int = 0,
         tenant: str = "",
         cache_root: bytes | None = None,
+        lora: str = "",
     ) -> None:
         """Queue a request; ValueError on what LLMEngine would refuse too, EngineBusy
         when full. Priority and tenant were used by the broker's ranking already; a fake
-        engine caches no prefix (`cache_root` is ignored)."""
+        engine caches no prefix (`cache_root` is ignored) and holds no LoRA adapter."""
+        if lora:
+            raise ValueError(f"the LoRA adapter {lora!r} is not loaded on this engine (a fake one)")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if self.vocab_size and any(t >= self.vocab_size for t in prompt_token_ids):

@@ -30,6 +30,7 @@ from wsllm import kernels
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.static_step import StaticStep
 from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from wsllm.models.lora import LoraBatch
 
 # Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
 # vocabulary) per slice. The slice stays in the last-level cache through its passes (gather,
@@ -151,6 +152,7 @@ class ModelRunner:
             is_decode=max_q == 1,
             max_seq_len=max(seq_lens),
             cpu_plan=plan,
+            lora=LoraBatch.build([seq.lora for seq, _ in scheduled], q_lens, dev),
         )
         return ids, pos_t, meta, rows, sample_at
 

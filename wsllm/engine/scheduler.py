@@ -221,6 +221,7 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
         child.priority, child.tenant = parent.priority, parent.tenant
+        child.cache_root, child.lora = parent.cache_root, parent.lora  # a recompute keeps both
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 

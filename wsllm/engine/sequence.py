@@ -72,6 +72,8 @@ class Sequence:
     # The prefix cache's namespace: its chains start here (prefix_hash.cache_root; None: the
     # common root). Sequences of different roots never share a cached block.
     cache_root: bytes | None = None
+    # The LoRA adapter its rows run under (models/lora.py: LoraAdapter; None: the base)
+    lora: Any = None
     # Structured output: an llguidance LLMatcher that has consumed exactly output_token_ids
     # (it survives a preemption with them, so nothing is replayed), None otherwise and
     # once the sequence has finished.

@@ -151,9 +151,11 @@ class StaticStep:
         return next(b for b in self.buckets if b >= n)
 
     def takes(self, scheduled: list[tuple[Sequence, int]]) -> bool:
-        """A decode-only step that fits: each row computes its last token and samples."""
+        """A decode-only step that fits: each row computes its last token and samples, and
+        none runs under a LoRA adapter (the graphs hold none)."""
         return len(scheduled) <= self.buckets[-1] and all(
-            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled
+            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.lora is None
+            for seq, n in scheduled
         )
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

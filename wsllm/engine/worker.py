@@ -6,7 +6,7 @@ One iteration:
      against the wire schema (`wire.check_request`; what fails goes to the broker's
      dead letters) and add it; a request the engine refuses, or that fails while it
      is added, becomes an error event for that request only, never a crash;
-  2. apply aborts (after the adds, so an abort that raced a pull still lands);
+  2. apply aborts (after the adds: one that raced a pull still lands) and adapter commands;
   3. step the engine and publish one batch of TokenEvents for the whole step.
 
 `drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 from typing import Any, Protocol
 
 from wsllm.engine.live import LiveRequests
+from wsllm.engine.commands import apply_commands, held_adapters
 from wsllm.engine.outputs import EngineStats
 from wsllm.prefix_hash import request_root
 from wsllm.types import (
@@ -61,6 +62,7 @@ class Engine(Protocol):
         priority: int = 0,
         tenant: str = "",
         cache_root: bytes | None = None,
+        lora: str = "",
     ) -> None: ...
     def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
     def abort(self, request_id: str) -> bool: ...
@@ -218,6 +220,7 @@ class EngineWorker:
             rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
         events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
         self._apply_aborts(self.broker.aborts())
+        apply_commands(self.engine, self.broker, self.engine_id, lambda: self.broker.heartbeat(self.info()))
         if self.engine.has_unfinished():
             events += self._step()
         self._maybe_publish_prefix(any(e.finish_reason for e in events))  # before the answers end
@@ -262,6 +265,7 @@ class EngineWorker:
             self.engine.add_request(
                 r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant,
                 cache_root=request_root(r),
+                lora=r.lora,
             )  # fmt: skip
         except EngineBusy as e:
             return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
@@ -385,13 +389,11 @@ class EngineWorker:
         publish(block_size, keys)
 
     def info(self) -> EngineInfo:
+        e = self.engine
         return EngineInfo(
-            engine_id=self.engine_id,
-            model=self.engine.model_name,
-            max_model_len=self.engine.max_model_len,
-            aliases=self.aliases,
-            stats=asdict(self.engine.stats()),
-        )
+            engine_id=self.engine_id, model=e.model_name, max_model_len=e.max_model_len, aliases=self.aliases,
+            adapters=held_adapters(e), stats=asdict(e.stats()),
+        )  # fmt: skip
 
 
 def _error_event(request_id: str, code: str, message: str, seq: int = 0) -> TokenEvent:

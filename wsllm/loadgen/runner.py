@@ -78,6 +78,8 @@ async def run_all(cfg: BenchConfig) -> dict[str, Any]:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
             before = await speculation.counters(cfg.base_url, auth_headers(cfg))
             runs.append(await run_level(cfg, client, prompts, level))
+            if before:  # the server's gauges follow its engines' heartbeats: let the last one land
+                await asyncio.sleep(speculation.SETTLE_S)
             after = await speculation.counters(cfg.base_url, auth_headers(cfg))
             runs[-1]["speculation"] = speculation.summary(before, after)
         finally:

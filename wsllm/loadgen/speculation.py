@@ -12,6 +12,9 @@ import httpx
 
 from wsllm.loadgen.clients import root_url
 
+# How long after a level its counters are read: the gateway's gauges follow the engines'
+# heartbeats (every 0.5 s in one process, wsllm/engine/worker.py)
+SETTLE_S = 1.0
 # The engine's counters as the gateway exports them (wsllm/server/metrics.py).
 _NAMES = {
     "wsllm_spec_draft_tokens": "drafted",

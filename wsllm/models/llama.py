@@ -92,6 +92,8 @@ class AttentionMetadata:
     max_seq_len: int = 0  # the longest context, so no kernel asks the device for it
     # CPU attention, planned once per step for every layer (None: the dispatched kernels)
     cpu_plan: kernels.CpuAttentionPlan | None = None
+    # The step's LoRA adapters and their rows (models/lora.py: LoraBatch); None: no row has one
+    lora: Any = None
 
 
 def _quant_parts(m: nn.Module) -> list[Any] | None:
@@ -122,8 +124,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # its index: which LoRA pieces its projections take
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -145,11 +148,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [num_tokens, (H + 2 Hk) * D]
+        if meta.lora is not None:  # the adapters' deltas on their rows (slots: kernels/lora.py)
+            meta.lora.apply(self.layer, 0, x, qkv)
         if self.qk_norm:
             self._norm_qk(qkv)
         if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
             o = kernels.cpu_attention_block(qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale)
-            return self.o_proj.forward(o)
+            return self._out(o, meta.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -172,7 +177,13 @@ class Attention(nn.Module):
                 self.scale,
                 meta.max_query_len,
             )
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        return self._out(o.reshape(t, self.q_size), meta.lora)
+
+    def _out(self, o: torch.Tensor, lora: Any) -> torch.Tensor:  # [num_tokens, H * D] -> [num_tokens, hidden]
+        y = self.o_proj.forward(o)
+        if lora is not None:
+            lora.apply(self.layer, 1, o, y)
+        return y
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """QK-norm in place on the fused projection's output, so that both attention
@@ -185,22 +196,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(kernels.silu_and_mul(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj.forward(kernels.silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        lora.apply(self.layer, 2, x, gate_up)
+        h = kernels.silu_and_mul(gate_up)
+        y = self.down_proj.forward(h)
+        lora.apply(self.layer, 3, h, y)
+        return y
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, layer)
 
     def forward(self, x, residual, positions, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
         if residual is None:
@@ -210,7 +229,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, positions, cos_sin, kv, meta)
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
+        return self.mlp.forward(h, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -222,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
@@ -251,10 +270,12 @@ class LlamaForCausalLM(nn.Module):
         plan = meta.cpu_plan
         if self.fused_decode and plan is not None and not plan.prefills and plan.decode_tables is not None:
             stack = self._decode_stack(kv_caches, x.dtype)
-            if stack is not None:
+            lora = meta.lora  # its adapters' native weights and rows go in with the layers
+            handles = [] if lora is None else lora.native_handles()
+            if stack is not None and handles is not None:
                 x, residual = stack.forward(
                     x, plan.cos, plan.sin, plan.slot_mapping, plan.decode_tables, plan.decode_lens,
-                    kernels.cpu_ops.native_isa(),
+                    kernels.cpu_ops.native_isa(), handles, [] if lora is None else lora.native_rows(),
                 )  # fmt: skip
                 x, _ = self.norm.forward(x, residual)
                 return x

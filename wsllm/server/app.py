@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from wsllm.broker.base import BrokerError, GatewayBroker
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server import programs, status, textwork
+from wsllm.server.api.adapters import routes as adapters
 from wsllm.server.api.embeddings import routes as embeddings
 from wsllm.server.api.messages import routes as messages
 from wsllm.server.api.openai import routes as openai
@@ -57,6 +58,7 @@ WINGS: tuple[Callable[[Gateway], Wing], ...] = (
     messages.mount,
     embeddings.mount,
     tokenize.mount,
+    adapters.mount,
 )
 
 

@@ -141,7 +141,7 @@ class Gateway:
         deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(
             rid, prep.prompt_ids, prep.params, model=model.name, arrival_time=now,
-            queue_deadline=deadline, priority=priority, tenant=tenant.name,
+            queue_deadline=deadline, priority=priority, tenant=tenant.name, lora=model.lora,
             cache_salt=tenant.cache_namespace(prep.cache_salt),  # its KV is its tenant's alone
         )  # fmt: skip
         try:

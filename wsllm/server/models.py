@@ -1,5 +1,7 @@
 """The served models: which models this gateway routes to, by name or alias, each
 with its tokenizer and the services its Generations use, and what `/v1/models` lists.
+A LoRA adapter a live engine holds is a name too: it resolves to its base model, with
+the adapter (`ServedModel.lora`) for the request to run under (docs/lora.md).
 
 A gateway serves every model a live engine serves (`broker.engines()`), by its name
 or one of its aliases. Each model gets its tokenizer (`ServedModel`) on first sight:
@@ -9,6 +11,7 @@ through the broker (Redis), written to a private temporary directory."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -36,10 +39,21 @@ class ServedModel:
     name: str
     codec: TextCodec
     svc: Services
+    lora: str = ""  # the LoRA adapter a request names (`name` is then its base model)
+
+    @property
+    def served_as(self) -> str:
+        """The name the client asked for: the adapter's, or the model's."""
+        return self.lora or self.name
 
 
 def _by_alias(live: dict[str, list[EngineInfo]], alias: str) -> str | None:
     return next((m for m, engines in live.items() if any(alias in e.aliases for e in engines)), None)
+
+
+def _by_adapter(live: dict[str, list[EngineInfo]], adapter: str) -> str | None:
+    """The base model of the live engines that hold LoRA adapter `adapter`."""
+    return next((m for m, engines in live.items() if any(adapter in e.adapters for e in engines)), None)
 
 
 @dataclass
@@ -98,8 +112,6 @@ class ServedModels:
         card of its own (`parent`: the model it names), as vLLM lists served names."""
         data: list[dict[str, Any]] = []
         for name, engines in (await self.live()).items():
-            if not tenant.may_use(name):
-                continue
             card: dict[str, Any] = {
                 "id": name,
                 "object": "model",
@@ -107,9 +119,13 @@ class ServedModels:
                 "owned_by": "wsllm",
                 "max_model_len": min(e.max_model_len for e in engines),
             }
-            data.append(card)
-            aliases = sorted({a for e in engines for a in e.aliases} - {name})
-            data += [card | {"id": a, "parent": name} for a in aliases]
+            if tenant.may_use(name):
+                data.append(card)
+                aliases = sorted({a for e in engines for a in e.aliases} - {name})
+                data += [card | {"id": a, "parent": name} for a in aliases]
+            # an adapter's card: for a key that may use it (it may, and not its base)
+            adapters = sorted({a for e in engines for a in e.adapters} - {name})
+            data += [card | {"id": a, "parent": name, "lora": True} for a in adapters if tenant.may_use(a)]
         return data
 
     async def resolve(self, requested: str | None, tenant: Tenant = ANONYMOUS) -> tuple[ServedModel, int]:
@@ -121,6 +137,10 @@ class ServedModels:
         live = await self.live(strict=True)
         want = requested or self.default.name
         name = want if want in live else _by_alias(live, want)
+        base = _by_adapter(live, want) if name is None else None
+        if base is not None and tenant.may_use(want):  # an adapter: its base, on the engines that hold it
+            holders = [e.max_model_len for e in live[base] if want in e.adapters]
+            return dataclasses.replace(await self.served(base), lora=want), min(holders)
         if name is None or not tenant.may_use(name):
             usable = [m for m in live if tenant.may_use(m)]
             known = want in self._models or want in self.tokenizer_dirs

@@ -93,6 +93,7 @@ async def prepare(
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
+    ctx.lora = model.lora
     return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "")
 
 
@@ -141,7 +142,9 @@ async def embeddings(model: ServedModel, inputs: list[str | list[int]], max_len:
             raise APIError(400, "context_length_exceeded", msg, param=at)
         _vocab(codec, ids, at)
         params = SamplingParams(max_tokens=1, pooling="auto")  # the engine never samples it
-        out.append(Prepared(ids, params, ResumeContext.start(Api.EMBEDDINGS, model.name, ids, params, [])))
+        ctx = ResumeContext.start(Api.EMBEDDINGS, model.name, ids, params, [])
+        ctx.lora = model.lora
+        out.append(Prepared(ids, params, ctx))
     return out
 
 

@@ -45,6 +45,7 @@ class Api(enum.StrEnum):
     RESPONSES = "responses"  # OpenAI's /v1/responses
     EMBEDDINGS = "embeddings"  # /v1/embeddings: one request per input, no text out
     TOKENIZE = "tokenize"  # /tokenize, /detokenize: admitted, nothing queued
+    ADAPTERS = "adapters"  # /v1/load_lora_adapter, /v1/unload_lora_adapter: the operator's
 
     @property
     def is_chat(self) -> bool:
@@ -63,6 +64,8 @@ class Api(enum.StrEnum):
             return "embd"
         if self is Api.TOKENIZE:
             return "tok"
+        if self is Api.ADAPTERS:
+            return "lora"
         return "chatcmpl" if self.is_chat else "cmpl"
 
 
@@ -89,6 +92,12 @@ class ResumeContext:
     output: dict[str, Any] | None = None
     include_usage: bool = False  # SSE: a last chunk with the usage
     token_sha256: str = ""  # hash of the resume token's secret; set at submission
+    lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
+
+    @property
+    def served_as(self) -> str:
+        """The name its answers carry: the adapter the client asked for, or the model."""
+        return self.lora or self.model
 
     @classmethod
     def start(
@@ -120,8 +129,12 @@ class ResumeContext:
         return bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
 
     def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores)."""
-        return asdict(self) | {"api": self.api.value}
+        """A plain dict of JSON values (what the broker stores); `lora` only when set, so that
+        a gateway that predates it reads the rest as ever."""
+        d = asdict(self) | {"api": self.api.value}
+        if not d["lora"]:
+            del d["lora"]
+        return d
 
     @classmethod
     def decode(cls, d: object) -> ResumeContext:
@@ -150,4 +163,5 @@ class ResumeContext:
             get("output", None, lambda x: x is None or isinstance(x, dict)),
             get("include_usage", False, lambda x: isinstance(x, bool)),
             get("token_sha256", "", lambda x: isinstance(x, str)),
+            get("lora", "", lambda x: isinstance(x, str)),
         )

@@ -12,9 +12,13 @@
 -- only when there is a peer's request to judge.
 -- A take also clears the counters' `w` (a wake-up was sent and no engine has taken
 -- since): a submit sends a wake-up only when none is pending.
+-- A request for a LoRA adapter waits in the set of '@' .. adapter (the gateway routes it
+-- there): the engines that hold the adapter take from it as from their own, and no other
+-- engine ever steals from it.
 -- KEYS: queue   ARGV: group, consumer, count, engine id, steal_ms, scan, interval (ms;
 --                     '': unchanged since the engine last said), '1': read the request
---                     stream even if nothing moved, what the last take said of `full`
+--                     stream even if nothing moved, what the last take said of `full`,
+--                     then the adapters the engine holds
 --   -> {ms until routed requests of a peer may be stealable (-1: none), XREADGROUP reply}
 -- (run after queue_lib.lua, whose functions it calls)
 local q, n, me = KEYS[1], tonumber(ARGV[3]), ARGV[4]
@@ -38,10 +42,18 @@ if waiting > 0 and want > 0 then
   end
   if waiting - routed > 0 then add(q .. ':z', redis.call('ZRANGE', q .. ':z', 0, want - 1)) end
   if routed - mine > 0 then
+    for i = 10, #ARGV do
+      local a = '@' .. ARGV[i]
+      if (tonumber(redis.call('HGET', cnt, 'e:' .. a)) or 0) > 0 then
+        add(q .. ':z:' .. a, redis.call('ZRANGE', q .. ':z:' .. a, 0, want - 1))
+      end
+    end
+  end
+  if routed - mine > 0 then
     local t = redis.call('TIME')
     local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     for _, e in ipairs(redis.call('SMEMBERS', q .. ':ze')) do
-      if e ~= me then
+      if e ~= me and string.sub(e, 1, 1) ~= '@' then  -- an adapter's set: its holders' alone
         local v = redis.call('HMGET', seen, e .. ':p', e .. ':f')
         local wait = steal  -- a peer never seen, or full: busy
         if v[1] and v[2] ~= '1' then wait = math.max(steal, 2 * tonumber(v[1])) end

@@ -72,8 +72,9 @@ class Speculator:
         self.stats = SpecStats()
         self._kept: dict[int, int] = {}  # seq_id -> tokens kept, this step
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Give the running decodes their drafts for this step (most get none)."""
+    def propose(self, running: list[Sequence], backlog: bool = False) -> None:
+        """Give the running decodes their drafts for this step (most get none). `backlog`:
+        requests wait for room in the batch (policy.choose says why that matters)."""
         if self.proposer is None:
             return
         seqs: list[Sequence] = []
@@ -97,15 +98,33 @@ class Speculator:
         self.proposer.release({s.seq_id for s in running})
         if not seqs:
             return
+        whole = backlog or decoding == 1 or not self.adaptive  # else every decoding row must draft
+        if not whole and len(seqs) < decoding:
+            return  # a sequence that cannot draft decodes: the batch waits for it anyway
         if self.proposer.cheap:  # propose the most, then keep what pays
-            drafts = _cut(seqs, self.proposer.propose(seqs, most), self.eos_token_ids)
+            drafts = self._cheap_drafts(seqs, most, whole)
+            if drafts is None:
+                return
             most = [len(d) for d in drafts]
-        rates = [s.spec.acceptance.rate for s in seqs]
-        ks = choose(most, rates, self.cost, decoding) if self.adaptive else most
+        rates = [s.spec.acceptance.rates for s in seqs]
+        ks = choose(most, rates, self.cost, decoding, backlog) if self.adaptive else most
         if not self.proposer.cheap:  # propose only what pays
             drafts = _cut(seqs, self.proposer.propose(seqs, ks), self.eos_token_ids)
         for seq, d, k in zip(seqs, drafts, ks, strict=True):
             seq.draft_token_ids[:] = d[:k]
+
+    def _cheap_drafts(self, seqs: list[Sequence], most: list[int], whole: bool) -> list[list[int]] | None:
+        """The proposer's drafts for `seqs`; unless `whole`, None at the first sequence with
+        none (without a backlog nobody drafts then: policy.choose), proposing no further."""
+        if whole:
+            return _cut(seqs, self.proposer.propose(seqs, most), self.eos_token_ids)
+        drafts = []
+        for seq, m in zip(seqs, most, strict=True):
+            d = _cut([seq], self.proposer.propose([seq], [m]), self.eos_token_ids)[0]
+            if not d:
+                return None
+            drafts.append(d)
+        return drafts
 
     def verify(
         self, seqs: list[Sequence], logits: torch.Tensor

@@ -3,13 +3,16 @@
 A draft token is worth verifying when the tokens it is expected to add per unit of step
 time beat what the step already gives. Two estimates feed that:
 
-- **Acceptance**, per sequence: the chance that its next draft token is accepted, `a`,
-  kept as decayed counts of accepted drafts and trials (each verification is `accepted`
-  successes and, if it stopped at a rejection, one failure), pulled toward a prior of
-  `PRIOR` with the weight of one trial. The counts decay at every step the sequence
-  decodes, drafting or not, so a sequence that stopped drafting drifts back toward the
-  prior and tries again when the step's cost allows it. Under that model the i-th draft is
-  accepted (the previous ones with it) with chance `a ** i`.
+- **Acceptance**, per sequence, as two chances: that its first draft token is accepted,
+  and that a draft token after an accepted one is (quoted text is accepted in runs: once a
+  draft has met the copy, the rest of it mostly follows; in a probe on quoting prompts 89%
+  of the 8-token drafts the policy chose were accepted whole, where one chance for every
+  token had predicted 0.85 ** 8 = 27%). Each is kept as decayed counts of successes and
+  trials, pulled toward its prior (`PRIOR_FIRST`, `PRIOR_NEXT`) with the weight of one
+  trial. The counts decay at every step the sequence decodes, drafting or not, so a
+  sequence that stopped drafting drifts back toward the priors and tries again when the
+  step's cost allows it. The i-th draft is accepted (with those before it) with chance
+  `first * next ** (i - 1)`.
 - **Step cost**, measured: the wall time of decode-only steps by the rows they ran (a
   decoding sequence is a row; a verification of k drafts is k + 1), the median of each row
   count's recent steps (StepCost: robust to a slow step), read between the counts seen
@@ -18,10 +21,11 @@ time beat what the step already gives. Two estimates feed that:
   rows (0.5-1 ms a row of SmolLM2 on two cores: docs/speculative.md), on a GPU hardly at
   all until the batch fills it.
 
-The choice: the drafts in order of expected gain, and of every leading run of that order
-the one that gives the most expected tokens per millisecond of step (`choose`). At 32 streams on a CPU a row costs about what a token is worth, so only
-drafts nearly sure to be accepted ride; at one stream the step's fixed cost dominates and
-several drafts pay even at modest acceptance.
+The choice (`choose`) maximises expected tokens per millisecond of step: the batch's own
+when requests wait for room (each sequence that ends sooner lets the next in), else the
+slowest sequence's (the batch ends with it). At one stream the step's fixed cost dominates
+and several drafts pay even at modest acceptance; at 32 streams a row costs a good part of
+what a token is worth, and while any of them has nothing to draft, nobody drafts.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PRIOR = 0.5  # a draft token's chance before a sequence has verified any
+PRIOR_FIRST = 0.5  # a sequence's first draft token's chance, before it has verified any
+PRIOR_NEXT = 0.7  # a draft token's chance after an accepted one, likewise
 DECAY = 0.9  # per decoding step, on a sequence's counts
 # Extrapolated cost of a row past the largest count seen, as a share of that step's time
 # per row: optimistic enough to try a few drafts, which then measures the real cost.
 PRIOR_SLOPE = 0.25
+LOOK_PAST = 16  # drafts tried past the best run so far before the choice stops looking
 SAMPLES = 8  # steps kept per row count; their median is its time
 TRUSTED = 3  # samples before a row count's median stands on its own
 STALE = 500  # decode-only steps after which a row count not seen again is forgotten
@@ -45,30 +51,42 @@ STALE = 500  # decode-only steps after which a row count not seen again is forgo
 
 @dataclass(slots=True)
 class Acceptance:
-    """One sequence's decayed counts of accepted drafts and of trials."""
+    """One sequence's decayed counts: first draft tokens accepted and tried, draft tokens
+    after an accepted one accepted and tried."""
 
-    accepted: float = 0.0
-    trials: float = 0.0
+    first: float = 0.0
+    first_trials: float = 0.0
+    next: float = 0.0
+    next_trials: float = 0.0
 
     @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR) / (self.trials + 1.0)
+    def rates(self) -> tuple[float, float]:
+        """(the first draft's chance, a later draft's chance once the one before it is accepted)"""
+        return (self.first + PRIOR_FIRST) / (self.first_trials + 1.0), (self.next + PRIOR_NEXT) / (
+            self.next_trials + 1.0
+        )
 
     def decay(self) -> None:
-        self.accepted *= DECAY
-        self.trials *= DECAY
+        self.first *= DECAY
+        self.first_trials *= DECAY
+        self.next *= DECAY
+        self.next_trials *= DECAY
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.trials += accepted + (accepted < drafted)
+        """A verification of `drafted` tokens whose first `accepted` were accepted."""
+        self.first_trials += 1
+        self.first += accepted > 0
+        self.next_trials += max(0, min(accepted + 1, drafted) - 1)  # positions 2.. that were tried
+        self.next += max(0, accepted - 1)
 
 
 class StepCost:
     """Milliseconds of a decode-only step by its rows, as measured: the median of each row
     count's last `SAMPLES` steps. A count with fewer than `TRUSTED` samples is read as the
-    lower of its samples' median and what the trusted counts say of it, so that one slow step
-    (a collection, a neighbour's burst) never makes drafting look dear where no later step
-    would come to correct it; a count not seen for `STALE` decode-only steps is forgotten."""
+    median of its samples and what the trusted counts say of it: one slow step (a
+    collection, a neighbour's burst) does not make a count look dear by itself, and the
+    trusted counts alone decide the others; a count not seen for `STALE` decode-only steps
+    is forgotten."""
 
     def __init__(self) -> None:
         self._samples: dict[int, deque[float]] = {}
@@ -89,17 +107,16 @@ class StepCost:
 
     def snapshot(self) -> Callable[[int], float | None]:
         """The expected time by rows, as the steps so far say (computed once for many reads)."""
-        medians = {r: statistics.median(q) for r, q in self._samples.items()}
-        trusted = {r: m for r, m in medians.items() if len(self._samples[r]) >= TRUSTED}
-        few = {r: m for r, m in medians.items() if r not in trusted}
-        counts = sorted(trusted) if trusted else sorted(medians)
-        table = trusted if trusted else medians
+        samples = self._samples
+        trusted = {r: statistics.median(q) for r, q in samples.items() if len(q) >= TRUSTED}
+        table = trusted or {r: statistics.median(q) for r, q in samples.items()}
+        counts = sorted(table)
 
         def read(rows: int) -> float | None:
             model = _read(table, counts, rows)
-            mine = few.get(rows)
-            if mine is not None and trusted:
-                return mine if model is None else min(mine, model)
+            own = samples.get(rows)
+            if own and trusted and rows not in trusted and model is not None:
+                return statistics.median([*own, model])  # one sample is half the word
             return model
 
         return read
@@ -127,21 +144,44 @@ def _read(ms: dict[int, float], seen: list[int], rows: int) -> float | None:
     return ms[top] + slope * (rows - top)
 
 
-def choose(most: list[int], rates: list[float], cost: StepCost, rows: int) -> list[int]:
-    """How many drafts each sequence verifies (at most most[i], each accepted with chance
-    rates[i]), in a step of `rows` rows without drafts, one token expected per row.
+def choose(
+    most: list[int], rates: list[tuple[float, float]], cost: StepCost, rows: int, backlog: bool = True
+) -> list[int]:
+    """How many drafts each sequence verifies (at most most[i]; rates[i]: the chance its first
+    draft is accepted, and a later one once the one before is), in a step of `rows` rows
+    without drafts (one per decoding sequence; those not in `most` cannot draft).
 
-    The drafts in order of expected gain (a sequence's i-th after its first i - 1, so each
-    sequence's drafts stay a prefix); of every leading run of that order, the one with the
-    most tokens per millisecond. Not the first run that stops paying: a step's time is not
-    convex in its rows (on the CPU two rows can cost more than three), so one dear row can
-    hide cheaper ones past it."""
+    With a `backlog` (requests wait for room), a sequence that finishes sooner lets the next
+    one in, so every accepted token counts: the most expected tokens per millisecond. Without
+    one, the batch runs until its slowest sequence ends, and a draft shortens the batch only
+    as far as it shortens the slowest: the most expected tokens per millisecond of the
+    sequence that gains least. So while a decoding sequence has nothing to draft, no other
+    drafts at all (at 32 streams of free text its drafts only made every step dearer)."""
     read = cost.snapshot()
     base = read(rows)
     if base is None:  # nothing measured yet: one plain step first
         return [0] * len(most)
+    if backlog:
+        return _most_tokens(most, rates, read, rows, base)
+    if len(most) < rows or min(most, default=0) == 0:
+        return [0] * len(most)
+    return _slowest_fastest(most, rates, read, rows, base)
+
+
+def _most_tokens(
+    most: list[int],
+    rates: list[tuple[float, float]],
+    read: Callable[[int], float | None],
+    rows: int,
+    base: float,
+) -> list[int]:
+    """The drafts in order of expected gain (a sequence's i-th after its first i - 1, so its
+    drafts stay a prefix); of every leading run of that order, the one with the most tokens
+    per millisecond. Not the first run that stops paying: a step's time is not convex in its
+    rows (on the CPU two rows can cost more than three), so one dear row can hide cheaper
+    ones past it."""
     order: list[int] = []  # sequence of each draft, best first
-    heap = [(-rates[i], i) for i in range(len(most)) if most[i] > 0 and rates[i] > 0]
+    heap = [(-rates[i][0], i) for i in range(len(most)) if most[i] > 0 and rates[i][0] > 0]
     heapq.heapify(heap)
     taken = [0] * len(most)
     best_rate, best_n, tokens = rows / base, 0, float(rows)
@@ -153,9 +193,41 @@ def choose(most: list[int], rates: list[float], cost: StepCost, rows: int) -> li
         t = read(rows + len(order))
         if t is not None and tokens / t > best_rate:
             best_rate, best_n = tokens / t, len(order)
+        elif len(order) - best_n > LOOK_PAST:
+            break  # far past the best run: what is left gains less and costs more
         if taken[i] < most[i]:
-            heapq.heappush(heap, (neg_gain * rates[i], i))
+            heapq.heappush(heap, (neg_gain * rates[i][1], i))
     ks = [0] * len(most)
     for i in order[:best_n]:
         ks[i] += 1
     return ks
+
+
+def _slowest_fastest(
+    most: list[int],
+    rates: list[tuple[float, float]],
+    read: Callable[[int], float | None],
+    rows: int,
+    base: float,
+) -> list[int]:
+    """Drafts given one at a time to the sequence expected to gain least so far; of every
+    such run, the one with the most expected tokens per millisecond for that sequence."""
+    ks = [0] * len(most)
+    gains = [1.0] * len(most)  # expected tokens this step, per sequence
+    heap = [(1.0, i) for i in range(len(most))]
+    best_rate, best_ks, n = 1.0 / base, list(ks), 0
+    while heap:
+        _, i = heapq.heappop(heap)
+        if ks[i] >= most[i]:
+            break  # the slowest can gain no more: neither can the batch
+        first, after = rates[i]
+        gains[i] += first * after ** ks[i]
+        ks[i] += 1
+        n += 1
+        heapq.heappush(heap, (gains[i], i))
+        t = read(rows + n)
+        if t is not None and heap[0][0] / t > best_rate:
+            best_rate, best_ks = heap[0][0] / t, list(ks)
+        elif n - sum(best_ks) > LOOK_PAST:
+            break
+    return best_ks

@@ -75,7 +75,7 @@ async def run(adm: Admission, req: EmbeddingRequest) -> Answer:
     gens = await start(adm, req)
 
     async def body() -> bytes:
-        return orjson.dumps(await _body(gens, req, adm.model.name))
+        return orjson.dumps(await _body(gens, req, adm.model.served_as))
 
     return Answer(gens[-1].ratelimit_headers, body=body, close=lambda: _cancel_all(gens))
 
@@ -87,7 +87,7 @@ async def ws_run(adm: Admission, req: EmbeddingRequest) -> WsRun:
 
     async def messages() -> AsyncIterator[dict[str, Any]]:
         try:
-            yield {"type": "embeddings"} | await _body(gens, req, adm.model.name)
+            yield {"type": "embeddings"} | await _body(gens, req, adm.model.served_as)
         except _Cancelled:
             return
         except GenerationError as e:

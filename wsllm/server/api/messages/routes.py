@@ -41,7 +41,7 @@ def mount(gw: Gateway) -> Wing:
         gen = await adm.submit(
             0, await prepare.prepare(req, Api.MESSAGES, adm.model, adm.max_len, gw.cfg, adm.tenant.name)
         )
-        model = gen.context.model
+        model = gen.context.served_as
         if req.stream:  # nothing can resume it: its close frees the engine request
             frames = render.events(gen, model, gw.cfg.heartbeat_s, gw.metrics)
             return Answer(gen.ratelimit_headers, frames=frames, close=gen.cancel)

@@ -89,9 +89,9 @@ async def _whole(views: list[AnswerView]) -> bytes:
 
 def _view(gen: Generation, req: ChatRequest | CompletionRequest) -> AnswerView:
     if isinstance(req, ChatRequest):
-        return AnswerView(gen, gen.context.model, True)
+        return AnswerView(gen, gen.context.served_as, True)
     echo = prompt_text(gen, req) if req.echo else None
-    return AnswerView(gen, gen.context.model, False, echo, req.prompt_logprobs is not None)
+    return AnswerView(gen, gen.context.served_as, False, echo, req.prompt_logprobs is not None)
 
 
 class OpenAI:
@@ -197,7 +197,7 @@ class OpenAI:
                 f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
                 "id",
             )
-        view = AnswerView(gen, gen.context.model or gw.model_name, chat=gen.context.api.is_chat)
+        view = AnswerView(gen, gen.context.served_as or gw.model_name, chat=gen.context.api.is_chat)
         frames = sse_frames(gw.metrics, gw.cfg.heartbeat_s, view, gen.context.include_usage, after=int(raw))
         return await respond(request, gw, Answer(gen.ratelimit_headers, frames=frames, close=gen.leave))
 

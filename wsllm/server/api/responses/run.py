@@ -167,7 +167,7 @@ class Responses:
             raise renamed(e) from None
         response_id = "resp_" + gen.request_id.partition("-")[2]
         keeper = Keeper(self.store, adm.tenant.name, conversation, req.store, self.cfg)
-        builder = ResponseBuilder(response_id, settings(req, gen.context.model), gen.context.created)
+        builder = ResponseBuilder(response_id, settings(req, gen.context.served_as), gen.context.created)
         return ResponseRun(gen, builder, keeper, self.metrics)
 
     async def history(self, previous: str | None, tenant: str) -> list[Turn]:

@@ -1,0 +1,61 @@
+"""The operator's adapter commands (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`),
+applied by the worker between two steps: each command the broker delivered is applied to
+the engine's adapters (engine/adapters.py), the engine's heartbeat is sent at once (so that
+the gateways see its adapters change before the answers reach them), then each command is
+answered. A command that fails costs nothing else: the engine serves on.
+
+Loading reads and checks the adapter on the step thread: the engine's steps pause for as
+long as that takes (a few milliseconds for a rank-8 adapter of a small model)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from wsllm.types import AdapterCommand, AdapterReply
+
+log = logging.getLogger(__name__)
+
+
+def held_adapters(engine: Any) -> list[str]:
+    """The names of the adapters `engine` holds (none for an engine without adapters)."""
+    adapters = getattr(engine, "adapters", None)
+    return [] if adapters is None else list(adapters.names())
+
+
+def apply_commands(engine: Any, broker: Any, engine_id: str, heartbeat: Callable[[], None]) -> int:
+    """Apply and answer the commands waiting for this engine; returns how many."""
+    take = getattr(broker, "commands", None)
+    commands = take() if take is not None else []
+    if not commands:
+        return 0
+    replies = [apply_one(engine, c, engine_id) for c in commands]
+    try:
+        heartbeat()
+    except Exception:
+        log.exception("heartbeat after adapter commands failed")
+    for r in replies:
+        broker.reply(r)
+    return len(replies)
+
+
+def apply_one(engine: Any, command: AdapterCommand, engine_id: str) -> AdapterReply:
+    adapters = getattr(engine, "adapters", None)
+    reply = AdapterReply(command.command_id, engine_id)
+    if adapters is None:
+        reply.status, reply.error = 400, "this engine serves no LoRA adapters"
+        return reply
+    try:
+        if command.action == "load":
+            adapters.load(command.name, command.path)
+        else:
+            adapters.unload(command.name)
+    except KeyError:
+        reply.status, reply.error = 404, f"the LoRA adapter {command.name!r} is not loaded"
+    except ValueError as e:  # models/lora.py: AdapterError, and the registry's refusals
+        reply.status, reply.error = 400, str(e)
+    except Exception:
+        log.exception("adapter command %s %s failed", command.action, command.name)
+        reply.status, reply.error = 500, f"{command.action} of {command.name!r} failed; see the engine's log"
+    return reply

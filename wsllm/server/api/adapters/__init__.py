@@ -1,0 +1,1 @@
+"""vLLM's LoRA adapter routes, for the operator: request.py, routes.py."""
