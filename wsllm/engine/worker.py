@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Protocol
 
-from wsllm.engine.live import LiveRequests
 from wsllm.engine.commands import apply_commands, held_adapters
+from wsllm.engine.live import LiveRequests
 from wsllm.engine.outputs import EngineStats
 from wsllm.prefix_hash import request_root
 from wsllm.types import (
