@@ -64,7 +64,7 @@ class EngineConfig:
         },
     )
     prefill_ms_while_decoding: float = field(
-        default=50.0,
+        default=20.0,
         metadata={
             "help": "about how long the prompt work of a step that also decodes running streams may take, "
             "in ms, or as long as a decode-only step where that is longer, as estimated from the steps "

@@ -18,6 +18,9 @@ What a spec accepts is in docs/protocol.md ("Structured output").
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
@@ -104,7 +107,9 @@ class Matchers:
         self._compiled: OrderedDict[bytes, LLMatcher] = OrderedDict()  # spec -> a fresh matcher
         # Runtime errors say what failed, without a dump of the parser's state.
         self._limits = LLParserLimits(verbose_errors=False)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="wsllm-llguidance")
+        # below the engine's threads: a unique schema's compile is its own request's wait,
+        # not a stall of every running stream's step on a machine with few cores
+        self._pool = ThreadPoolExecutor(1, "wsllm-llguidance", initializer=_lower_priority)
 
     def warm(self) -> None:
         """Servers call this once the model is loaded. With `index_at_start`, build the
@@ -233,3 +238,18 @@ class PendingCompiles:
 
 
 __all__ = ["JSON_DEFAULTS", "Matchers", "PendingCompiles", "check_spec", "grammar_for"]
+
+
+#: how far below the engine's threads its grammar compiles run (Linux: a nice per thread)
+COMPILE_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread by COMPILE_NICE (Linux keeps a nice value per thread;
+    elsewhere it would renice the whole process, so it is left alone there)."""
+    if sys.platform == "linux":
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE))
+        except OSError as e:  # a sandbox that forbids it: compiles run at the engine's priority
+            log.warning("grammar compiles run at the engine's priority: %s", e)

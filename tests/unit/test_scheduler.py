@@ -191,6 +191,21 @@ def test_one_stalled_decode_step_does_not_make_prompt_work_look_free() -> None:
     assert pacer.units() == 25
 
 
+def test_the_first_prompt_work_beside_measured_decodes_is_the_floor() -> None:
+    """Until a prompt unit's cost is known, a step beside streams whose decodes are
+    measured takes the floor, and that step gives the estimate: the first prompt-logprobs
+    chunk beside 16 streams (nothing bounding it) took 61 tokens and 116 ms, 8x their
+    gap. With no decode-only step seen there is nothing to compare with: the token cap."""
+    pacer = StepPacer(20.0)
+    assert pacer.units() == math.inf  # nothing measured
+    for _ in range(5):
+        pacer.observe(0, 16, 0.015)
+    assert pacer.units() == MIN_UNITS
+    pacer.observe(MIN_UNITS, 16, (15 + MIN_UNITS * 2) / 1000)  # 2 ms a unit
+    assert pacer.units() == 10
+    assert StepPacer(0.0).units() == math.inf  # no time bound asked for
+
+
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
     bm = BlockManager(4, 8, watermark=0.0)
     sched = Scheduler(bm, 8, 64)

@@ -9,7 +9,10 @@ check pool's worker (its process is killed)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -156,3 +159,15 @@ def test_the_tokenizer_index_is_built_by_the_first_structured_request_unless_ask
     out = drain(engine)["s"]
     assert out.error is None and out.outputs[0].token_ids, out
     assert engine.matchers._tokenizer is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice per thread is Linux's")
+def test_specs_compile_below_the_engine_threads_priority(engine: LLMEngine) -> None:
+    """On 2 cores a unique schema's compile beside the two torch threads of a step
+    stretched every stream's gap (bench/amplification.py): it runs niced, the wait its
+    own request's."""
+    from wsllm.structured import COMPILE_NICE
+
+    tid = engine.matchers._pool.submit(threading.get_native_id).result()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + COMPILE_NICE)

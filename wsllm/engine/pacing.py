@@ -24,8 +24,11 @@ bench/amplification.py in docs/benchmarks.md). That is `ms / ms_per_unit` units,
 fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs) and never more
 than the token cap. A step with nothing to decode still gives a prompt the whole budget,
 for its first token's sake; on a GPU, where a prompt token costs microseconds, the token
-cap is the bound. The first estimate comes from the first step
-with prompt work; until then only the token cap applies. Torch-free.
+cap is the bound. The first estimate comes from the first step with prompt work: beside
+decodes already measured that step takes the floor (the first prompt-logprobs chunk
+beside 16 streams took 61 tokens and 116 ms when nothing bounded it: bench/
+amplification.py, 2026-11-28); with no decode-only step seen yet only the token cap
+applies. Torch-free.
 """
 
 from __future__ import annotations
@@ -78,9 +81,13 @@ class StepPacer:
         self.ms_per_unit = _average(self.ms_per_unit, max(ms - base, 0.1 * ms) / prefill_units)
 
     def units(self) -> float:
-        """Prompt budget units for a step that also decodes (inf: no time bound yet)."""
-        if self.target_ms <= 0 or not self.ms_per_unit:
+        """Prompt budget units for a step that also decodes (inf: no time bound yet).
+        With decodes measured but no prompt unit yet, the floor: a step of unknown cost
+        beside the streams is a small one, and it measures the unit for the next."""
+        if self.target_ms <= 0:
             return math.inf
+        if not self.ms_per_unit:
+            return math.inf if self.decode_ms is None else float(MIN_UNITS)
         ms = max(self.target_ms, self.decode_ms or 0.0)
         return max(float(MIN_UNITS), ms / self.ms_per_unit)
 
