@@ -380,7 +380,7 @@ async def one_attack(http: httpx.AsyncClient, kind: str, sent: tuple[str, bytes,
 
 
 async def _attack_all(
-    port: int, args: argparse.Namespace, sent: list[tuple[str, tuple[str, bytes, str]]]
+    port: int, args: argparse.Namespace, sent: list[tuple[str, tuple[str, bytes, str]]], go: Any, results: Any
 ) -> Phase:
     out = Phase()
     queue: asyncio.Queue[tuple[str, tuple[str, bytes, str]]] = asyncio.Queue()
@@ -388,6 +388,11 @@ async def _attack_all(
         queue.put_nowait(item)
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
+        # its connections open before `go`, as a client elsewhere would have them: a client
+        # on the server's 2 cores starting its loop and connecting at `go` is the client's cost
+        await asyncio.gather(*(http.get("/health") for _ in range(args.concurrency)))
+        results.put("ready")
+        await asyncio.to_thread(go.wait)
 
         async def attacker() -> None:
             while not queue.empty():
@@ -400,17 +405,15 @@ async def _attack_all(
 def attack_process(port: int, args: argparse.Namespace, eos: int, go: Any, results: Any) -> None:
     """The attacking tenant, a client of its own (a process: the bystanders' timestamps must
     not wait for this client's event loop reading a 6 MB /tokenize answer). Every body is made
-    and encoded before `go`: on 2 cores the client's own work (130k random words per /tokenize
-    body) would compete with the server it measures."""
+    and encoded, and its connections opened, before `go`: on 2 cores the client's own work
+    (130k random words per /tokenize body) would compete with the server it measures."""
     attacks = [KINDS[i % len(KINDS)] for i in range(args.attacks)]
     random.shuffle(attacks)
     sent = []
     for a in attacks:
         path, body, tenant = attack(a, eos, args.tokenize_chars)
         sent.append((a, (path, orjson.dumps(body), tenant)))
-    results.put("ready")
-    go.wait()
-    out = asyncio.run(_attack_all(port, args, sent))
+    out = asyncio.run(_attack_all(port, args, sent, go, results))
     results.put((dict(out.attacks), out.attack_bytes))
 
 
@@ -423,7 +426,7 @@ async def run_phase(port: int, args: argparse.Namespace, eos: int, attacked: boo
     proc = ctx.Process(target=attack_process, args=(port, args, eos, go, results)) if attacked else None
     if proc is not None:
         proc.start()
-        await asyncio.to_thread(results.get)  # "ready": its bodies are made
+        await asyncio.to_thread(results.get)  # "ready": its bodies made, its connections open
     limits = httpx.Limits(max_connections=args.streams + 4)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
         t0 = time.perf_counter()

@@ -267,6 +267,8 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
     def watched() -> object:
         if pacer.ms_per_unit and pacer.target_ms > 0:  # the bound, from the times it measured
             allowed.append(max(MIN_UNITS, max(pacer.target_ms, pacer.decode_ms or 0.0) / pacer.ms_per_unit))
+        elif pacer.target_ms > 0 and pacer.decode_ms is not None:  # no unit measured beside decodes yet
+            allowed.append(MIN_UNITS)
         else:
             allowed.append(math.inf)
         out = schedule()
@@ -276,7 +278,7 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
     engine.scheduler.schedule = watched  # type: ignore[method-assign]
     p = SamplingParams(max_tokens=80, ignore_eos=True)
     engine.add_request("stream", prompts_of([32])[0], p)
-    for _ in range(3):  # its prompt (the pacer's first estimate of a prompt token), two decodes
+    for _ in range(3):  # its prompt, then two decodes (the decodes' measured time)
         engine.step()
     engine.add_request("long", prompts_of([200], seed=3)[0], SamplingParams(max_tokens=1, ignore_eos=True))
     scheduled.clear()

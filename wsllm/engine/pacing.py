@@ -24,8 +24,9 @@ bench/amplification.py in docs/benchmarks.md). That is `ms / ms_per_unit` units,
 fewer than `MIN_UNITS` (a prompt always progresses, whatever a step costs) and never more
 than the token cap. A step with nothing to decode still gives a prompt the whole budget,
 for its first token's sake; on a GPU, where a prompt token costs microseconds, the token
-cap is the bound. The first estimate comes from the first step with prompt work: beside
-decodes already measured that step takes the floor (the first prompt-logprobs chunk
+cap is the bound. The estimate comes from steps with prompt work beside decodes only (a
+prompt alone in its step is a cheaper batch); beside decodes already measured, the first
+such step takes the floor (the first prompt-logprobs chunk
 beside 16 streams took 61 tokens and 116 ms when nothing bounded it: bench/
 amplification.py, 2026-11-28); with no decode-only step seen yet only the token cap
 applies. Torch-free.
@@ -71,11 +72,12 @@ class StepPacer:
             return
         if prefill_units < MIN_UNITS:  # a few tokens: the step's noise, not their cost
             return
-        base = 0.0
-        if num_decodes:
-            if (decode_ms := self.decode_ms) is None:
-                return  # nothing to take the decodes' share out with yet
-            base = decode_ms
+        # Only steps beside decodes teach a unit's cost there: prompts alone in a step run
+        # as a larger batch at a short context (the first prompt chunk beside 16 streams,
+        # priced after such steps, took 134 tokens and 82 ms where the next ones took 40-50:
+        # bench/amplification.py, 2026-11-28).
+        if not num_decodes or (base := self.decode_ms) is None:
+            return  # nothing to take the decodes' share out with yet
         # at least a tenth of the step is the prompts' (a decode estimate above this
         # step's whole time is noise; a zero cost would lift every bound)
         self.ms_per_unit = _average(self.ms_per_unit, max(ms - base, 0.1 * ms) / prefill_units)
