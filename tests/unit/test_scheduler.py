@@ -208,6 +208,25 @@ def test_the_first_prompt_work_beside_measured_decodes_is_the_floor() -> None:
     assert StepPacer(0.0).units() == math.inf  # no time bound asked for
 
 
+def test_a_quiet_stretch_forgets_a_prompt_units_cost() -> None:
+    """A unit's cost learned for one prompt priced the next one, after a stretch of
+    decode-only steps, at another context and load: its first chunk beside 16 streams
+    took 62 tokens and 69 ms, 1.6x the decode-only step before it (bench/amplification.py). After
+    DECODE_SAMPLES decode-only steps in a row, the next prompt starts at the floor."""
+    from wsllm.engine.pacing import DECODE_SAMPLES
+
+    pacer = StepPacer(20.0)
+    for _ in range(5):
+        pacer.observe(0, 16, 0.015)
+    pacer.observe(MIN_UNITS, 16, (15 + MIN_UNITS * 0.5) / 1000)  # 0.5 ms a unit: 40 units fit
+    assert pacer.units() == 40
+    for _ in range(DECODE_SAMPLES - 1):  # a few decode-only steps between chunks: kept
+        pacer.observe(0, 16, 0.015)
+    assert pacer.units() == 40
+    pacer.observe(0, 16, 0.015)
+    assert pacer.units() == MIN_UNITS
+
+
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
     bm = BlockManager(4, 8, watermark=0.0)
     sched = Scheduler(bm, 8, 64)

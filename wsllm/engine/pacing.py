@@ -46,7 +46,9 @@ MIN_UNITS = 8
 # Weight of the newest step in the moving average of a unit's cost: a long prompt's next
 # chunk costs about what its last one did, so the newest counts for half.
 ALPHA = 0.5
-# Decode-only steps whose median is the decodes' share of a step.
+# Decode-only steps whose median is the decodes' share of a step; as many in a row forget a
+# prompt unit's cost (the next prompt comes at another context, and with other work on the
+# machine: the first chunk after a quiet stretch takes the floor and measures it again).
 DECODE_SAMPLES = 15
 
 
@@ -57,6 +59,7 @@ class StepPacer:
         self.target_ms = target_ms  # 0: no time bound
         self._decodes: deque[float] = deque(maxlen=DECODE_SAMPLES)  # decode-only steps' ms
         self.ms_per_unit: float | None = None  # one unit of prompt budget's share of a step
+        self._quiet = 0  # decode-only steps since the last with prompt work
 
     @property
     def decode_ms(self) -> float | None:
@@ -69,7 +72,11 @@ class StepPacer:
         if prefill_units <= 0:
             if num_decodes:
                 self._decodes.append(ms)
+                self._quiet += 1
+                if self._quiet >= DECODE_SAMPLES:  # the next prompt's cost is its own
+                    self.ms_per_unit = None
             return
+        self._quiet = 0
         if prefill_units < MIN_UNITS:  # a few tokens: the step's noise, not their cost
             return
         # Only steps beside decodes teach a unit's cost there: prompts alone in a step run
