@@ -18,9 +18,6 @@ What a spec accepts is in docs/protocol.md ("Structured output").
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
@@ -33,6 +30,7 @@ import orjson
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from wsllm.bounds import check_structured_shape
+from wsllm.priority import lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +107,9 @@ class Matchers:
         self._limits = LLParserLimits(verbose_errors=False)
         # below the engine's threads: a unique schema's compile is its own request's wait,
         # not a stall of every running stream's step on a machine with few cores
-        self._pool = ThreadPoolExecutor(1, "wsllm-llguidance", initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(
+            1, "wsllm-llguidance", initializer=lower_priority, initargs=(COMPILE_NICE, "grammar compiles")
+        )
 
     def warm(self) -> None:
         """Servers call this once the model is loaded. With `index_at_start`, build the
@@ -242,14 +242,3 @@ __all__ = ["JSON_DEFAULTS", "Matchers", "PendingCompiles", "check_spec", "gramma
 
 #: how far below the engine's threads its grammar compiles run (Linux: a nice per thread)
 COMPILE_NICE = 10
-
-
-def _lower_priority() -> None:
-    """Nice the calling thread by COMPILE_NICE (Linux keeps a nice value per thread;
-    elsewhere it would renice the whole process, so it is left alone there)."""
-    if sys.platform == "linux":
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE))
-        except OSError as e:  # a sandbox that forbids it: compiles run at the engine's priority
-            log.warning("grammar compiles run at the engine's priority: %s", e)

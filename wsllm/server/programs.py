@@ -26,13 +26,14 @@ import ctypes
 import logging
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from wsllm.priority import lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +97,6 @@ class FairJobs:
             return job
 
 
-def lower_priority(nice: int) -> None:
-    """Nice the calling thread (Linux keeps a nice value per thread; elsewhere the
-    call would renice the whole process, so it is left as it is there)."""
-    if not nice or sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:  # a sandbox that forbids it: the work still runs, bounded
-        log.warning("the gateway's programs run at the server's priority: %s", e)
-
-
 def _interrupt(thread_id: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(Interrupted))
 
@@ -146,7 +135,7 @@ class ThreadPool:
                 _interrupt(job.thread)
 
     def _serve(self) -> None:
-        lower_priority(self.nice)
+        lower_priority(self.nice, f"the gateway's {self.name} pool")
         while True:
             try:
                 self._run(self.jobs.take())

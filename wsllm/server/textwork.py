@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
-import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
+from wsllm.priority import lower_priority
 
 T = TypeVar("T")
 
@@ -52,25 +49,16 @@ def configure(threads: int, nice: int) -> None:
         old.shutdown(wait=False)
 
 
-def _lower_priority(nice: int) -> None:
-    """Nice the calling thread. Linux keeps a nice value per thread; elsewhere the call
-    would renice the whole process, so it is left as it is there."""
-    if not nice or sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:  # a sandbox that forbids it: the work still runs, bounded in threads
-        log.warning("text work runs at the server's priority: %s", e)
-
-
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
             threads, nice = _settings
             _pool = ThreadPoolExecutor(
-                threads, thread_name_prefix="wsllm-text", initializer=_lower_priority, initargs=(nice,)
+                threads,
+                thread_name_prefix="wsllm-text",
+                initializer=lower_priority,
+                initargs=(nice, "text work"),
             )
         return _pool
 
