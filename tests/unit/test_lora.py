@@ -179,3 +179,34 @@ def test_n_beams_structured_output_and_preemption_run_under_the_adapter(
         assert [r.token_ids for r in got] == alone
         bm = small.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+
+
+def test_the_stalled_heartbeat_names_the_adapters_a_command_just_changed(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    # The watchdog's last heartbeat (give_up: what /health reads) repeats the worker's last
+    # one: after an adapter command that is the command's, not the timed one's before it.
+    import asyncio
+
+    from wsllm.broker.memory import MemoryBroker
+    from wsllm.config import EngineConfig
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.engine.worker import EngineWorker
+    from wsllm.types import AdapterCommand
+
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+            lora=[f"all8={adapters['all8']}"], max_loras=2,
+        )
+    )  # fmt: skip
+    broker = MemoryBroker()
+    worker = EngineWorker(engine, broker)
+    worker.heartbeat_s = 3600.0  # one timed heartbeat, the first
+    worker.run_once()
+    broker._commands[None].append(AdapterCommand("c1", "load", "qv2", str(adapters["qv2"])))
+    worker.run_once()
+    worker.give_up("held on purpose")
+    (info,) = asyncio.run(broker.engines())
+    assert info.stats["stalled"] == "held on purpose"
+    assert sorted(info.adapters) == ["all8", "qv2"]

@@ -220,7 +220,7 @@ class EngineWorker:
             rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
         events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
         self._apply_aborts(self.broker.aborts())
-        apply_commands(self.engine, self.broker, self.engine_id, lambda: self.broker.heartbeat(self.info()))
+        apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
         if self.engine.has_unfinished():
             events += self._step()
         self._maybe_publish_prefix(any(e.finish_reason for e in events))  # before the answers end
@@ -339,11 +339,11 @@ class EngineWorker:
             self.broker.publish(events)
 
     def _maybe_heartbeat(self) -> None:
-        now = time.monotonic()
-        if now - self._last_heartbeat < self.heartbeat_s:
-            return
-        self._last_heartbeat = now
-        self._last_info = self.info()
+        if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:  # also after adapter commands: give_up's last word repeats it
+        self._last_heartbeat, self._last_info = time.monotonic(), self.info()
         self.broker.heartbeat(self._last_info)
 
     # -- the watchdog (watchdog.py), from its own thread ---------------------------------
