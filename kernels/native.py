@@ -137,6 +137,8 @@ def extension() -> ModuleType | None:
         if "module" not in _state:
             try:
                 _state["module"] = _build()
+                if os.environ.get("WSLLM_DECODE_TEAM") == "0":  # A/B runs: the stack's loops as before
+                    _state["module"].set_teams(False)
             except Exception as e:  # a failed build must never fail the caller
                 text = str(e).strip() or type(e).__name__
                 _state["failure"] = f"quantized CPU kernels unavailable: {text.splitlines()[-1]}"

@@ -2,7 +2,6 @@
 // over (sequence, kv head) pairs, the ISA choice, and the scalar path.
 #include "fvec.h"
 
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "qgemm.h"
+#include "team.h"
 #include "rowops.h"
 
 namespace wsq {
@@ -128,7 +128,7 @@ void run(Prepared& p, int64_t n, void* out) {
   // A chunk must outweigh a fork/join: ~32K multiply-adds (2 G len D per item).
   const int64_t per_item = 2 * (a.H / a.Hk) * p.max_len * a.D;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per_item, 1));
-  at::parallel_for(0, n * a.Hk, grain, [&](int64_t i0, int64_t i1) {
+  parallel_for(0, n * a.Hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(decode_scratch_floats(a, p.max_len));
     p.fn(a, i0, i1, scratch.data());
   });

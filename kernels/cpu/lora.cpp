@@ -2,7 +2,6 @@
 // cut into tiles of up to kLoraTile rows and the tiles run in one threaded loop (each tile through
 // its adapter's pieces, reading A and B once for its rows), and the run-time choice of ISA; the
 // scalar tile is here, the vector tiles in lora_simd.h.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +9,7 @@
 #include "fvec.h"
 #include "lora_weights.h"
 #include "qgemm.h"
+#include "team.h"
 
 namespace wsq {
 
@@ -162,7 +162,7 @@ void lora_apply(torch::Tensor y, const torch::Tensor& x, int64_t key, const Lora
   const auto& tiles_here = tiles;  // the caller's: a worker thread's thread_locals are its own
   const auto& items_here = items;
   const int64_t* flat_here = flat.data();
-  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
+  parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Tile& t = tiles_here[items_here[i].first];
       const LoraPiece& p = adapters[t.group]->at(key)[items_here[i].second];

@@ -1,6 +1,5 @@
 // The quantized matmul's entry point: checks, activation quantization, the threaded loop over
 // groups of output rows, and the run-time choice of ISA. Python: wsllm.kernels.quant.qlinear.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include "lora_weights.h"
 #include "qgemm.h"
 #include "rowops.h"
+#include "team.h"
 
 namespace wsq {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
@@ -107,7 +107,7 @@ void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes,
   // A thread's share must outweigh the fork/join (a few microseconds): at least ~64K
   // multiply-adds per chunk, so a small layer at batch 1 runs on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRows * a.K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     float tile[kMaxTile * kRows];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kRows;
@@ -151,7 +151,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   buf.s16.resize(M * (K / 16));
   buf.q.resize(M * K);
   const QuantizeFn qfn = isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+  parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     if (qfn != nullptr)
       qfn(x.data_ptr(), bf16, m0, m1, int(K), bv, buf.d.data(), buf.s16.data(), buf.q.data());
     else if (bf16)
@@ -198,7 +198,7 @@ torch::Tensor dequant_rows(torch::Tensor packed, int64_t qtype, int64_t n, torch
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const size_t group_bytes = size_t(nb) * packed_bytes(int(qtype));
-  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+  parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       dequant_row(int(qtype), wp + (rp[i] / kRows) * group_bytes, int(nb), int(rp[i] % kRows), op + i * K);
   });
@@ -271,6 +271,15 @@ class DecodeStack {
                                      torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,
                                      const std::vector<torch::Tensor>& lora_rows) {
     torch::Tensor residual;
+    run_as_team([&] { layers(x, residual, cos, sin, slots, tables, lens, isa, lora, lora_rows); });
+    return {x, residual};
+  }
+
+ private:
+  // the layers, on the calling thread's team (team.h): one OpenMP region for the whole stack
+  void layers(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& cos, const torch::Tensor& sin,
+              const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens, int64_t isa,
+              const LoraList& lora, const std::vector<torch::Tensor>& lora_rows) {
     for (int64_t l = 0; l < layers_; ++l) {
       torch::Tensor h;
       if (l == 0) {
@@ -291,10 +300,8 @@ class DecodeStack {
       auto gate_up = project(r[0], p + 2, c10::nullopt, isa, lora, lora_rows);
       x = project(silu_mul(gate_up, isa), p + 3, c10::nullopt, isa, lora, lora_rows);
     }
-    return {x, residual};
   }
 
- private:
   // the projection, and the step's adapters' deltas on their rows (none: nothing more)
   torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa,
                         const LoraList& lora, const std::vector<torch::Tensor>& rows) {
@@ -366,6 +373,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "bench/quantized_linear.py: bytes ahead that Q4_K/Q5_K (batch 1) and Q6_K prefetch (0: off)", py::arg("k45"),
       py::arg("q6k"));
+  m.def("set_teams", &wsq::set_teams, "the decode stack on one team of threads (team.h) or an at::parallel_for a loop",
+        py::arg("on") = true, py::arg("hold_helpers") = false);
+  m.def("team_threads", &wsq::team_threads, "threads that took chunks of a team's loop", nogil());
   m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
   m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
 }

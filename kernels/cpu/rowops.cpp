@@ -4,8 +4,8 @@
 
 #include "fvec.h"
 #include "qgemm.h"
+#include "team.h"
 
-#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstring>
@@ -103,7 +103,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   const NormFn vec = isa == kAvx512Vnni ? norm_rows_avx512(bf16) : isa == kAvx2 ? norm_rows_avx2(bf16) : nullptr;
   if (vec != nullptr) {
     const void* rp = residual.has_value() ? residual->data_ptr() : nullptr;
-    at::parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
+    parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
       vec(x.data_ptr(), rp, weight.data_ptr(), out.data_ptr(), h.data_ptr(), m0, m1, K, float(eps));
     });
     return {out, h};
@@ -111,14 +111,14 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm", AT_DISPATCH_CASE(torch::kFloat32, [&] {
                        using T = scalar_t;
                        const T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
-                       at::parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
+                       parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
                          norm_rows<T>(x.data_ptr<T>(), rp, weight.data_ptr<T>(), out.data_ptr<T>(), h.data_ptr<T>(),
                                       m0, m1, K, float(eps));
                        });
                      }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
                        using T = scalar_t;
                        const T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
-                       at::parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
+                       parallel_for(0, M, grain(K), [&](int64_t m0, int64_t m1) {
                          norm_rows<T>(x.data_ptr<T>(), rp, weight.data_ptr<T>(), out.data_ptr<T>(), h.data_ptr<T>(),
                                       m0, m1, K, float(eps));
                        });
@@ -135,15 +135,15 @@ torch::Tensor silu_mul(torch::Tensor x, int64_t isa) {
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   const SiluFn vec = isa == kAvx512Vnni ? silu_mul_avx512(bf16) : isa == kAvx2 ? silu_mul_avx2(bf16) : nullptr;
   if (vec != nullptr) {
-    at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) { vec(x.data_ptr(), out.data_ptr(), m0, m1, d); });
+    parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) { vec(x.data_ptr(), out.data_ptr(), m0, m1, d); });
     return out;
   }
   AT_DISPATCH_SWITCH(x.scalar_type(), "silu_mul", AT_DISPATCH_CASE(torch::kFloat32, [&] {
-                       at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) {
+                       parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) {
                          silu_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m0, m1, d);
                        });
                      }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-                       at::parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) {
+                       parallel_for(0, M, grain(2 * d), [&](int64_t m0, int64_t m1) {
                          silu_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m0, m1, d);
                        });
                      }));
@@ -171,7 +171,7 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   auto run = [&](auto qkv_type, auto cache_type) {
     using Q = decltype(qkv_type);
     using C = decltype(cache_type);
-    at::parallel_for(0, T, grain((H + Hk) * D * 4), [&](int64_t t0, int64_t t1) {
+    parallel_for(0, T, grain((H + Hk) * D * 4), [&](int64_t t0, int64_t t1) {
       rope_rows<Q, C>(qkv.data_ptr<Q>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<C>(),
                       v_cache.data_ptr<C>(), sp, t0, t1, H, Hk, D);
     });

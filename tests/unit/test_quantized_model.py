@@ -306,3 +306,41 @@ def test_a_quantization_it_cannot_do_is_a_clear_error(tiny_gguf_path: Path) -> N
         EngineConfig(quantization="q5_k")
     with pytest.raises(ValueError, match="a GGUF keeps its own formats"):
         make_engine(tiny_gguf_path, quantization="q8_0")
+
+
+def test_the_decode_stack_on_a_team_gives_one_threads_bits_even_with_its_helpers_held(
+    smollm_quant: LLMEngine, chat_ids: list[list[int]]
+) -> None:
+    """A decode-only step's layers run as one team of torch's threads (kernels/cpu/team.h):
+    every loop in chunks that the threads claim, the calling thread taking whatever nobody
+    claimed. Whoever computes a chunk, the logits are the bits of one thread and of a loop per
+    operator (at::parallel_for); with the team's other threads held on purpose (threads that
+    never get a core) each step still ends, on the calling thread alone."""
+    from wsllm.kernels import native
+
+    ext = native.extension()
+    if ext is None:
+        pytest.skip(f"no native build: {native.failure()}")
+    model, before = smollm_quant.runner.model, torch.get_num_threads()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    run(smollm_quant, chat_ids, greedy)  # the prefix cache filled: each run below hits it alike
+    got: dict[str, tuple[list[list[list[int]]], list[torch.Tensor]]] = {}
+    compute = model.compute_logits
+    try:
+        for setting in ("team", "loops", "held", "one thread"):
+            ext.set_teams(on=setting != "loops", hold_helpers=setting == "held")
+            torch.set_num_threads(1 if setting == "one thread" else 2)
+            if setting in ("team", "held"):
+                assert ext.team_threads() == (1 if setting == "held" else 2), setting
+            seen: list[torch.Tensor] = []
+            model.compute_logits = lambda h: seen.append(compute(h)) or seen[-1]  # type: ignore[method-assign]
+            got[setting] = (run(smollm_quant, chat_ids, greedy), seen)
+    finally:
+        del model.compute_logits  # the class's again
+        ext.set_teams(on=True, hold_helpers=False)
+        torch.set_num_threads(before)
+    tokens, logits = got["one thread"]
+    assert len(logits) >= 8  # the first step, then decode-only steps: the stack
+    for setting, (t, lg) in got.items():
+        assert t == tokens and len(lg) == len(logits), setting
+        assert all(torch.equal(a, b) for a, b in zip(lg, logits, strict=True)), setting
