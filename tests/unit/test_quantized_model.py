@@ -333,7 +333,7 @@ def test_the_decode_stack_on_a_team_gives_one_threads_bits_even_with_its_helpers
             if setting in ("team", "held"):
                 assert ext.team_threads() == (1 if setting == "held" else 2), setting
             seen: list[torch.Tensor] = []
-            model.compute_logits = lambda h: seen.append(compute(h)) or seen[-1]  # type: ignore[method-assign]
+            model.compute_logits = lambda h, seen=seen: seen.append(compute(h)) or seen[-1]  # type: ignore[method-assign]
             got[setting] = (run(smollm_quant, chat_ids, greedy), seen)
     finally:
         del model.compute_logits  # the class's again
