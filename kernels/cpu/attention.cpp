@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "qgemm.h"
-#include "team.h"
 #include "rowops.h"
+#include "team.h"
 
 namespace wsq {
 namespace {

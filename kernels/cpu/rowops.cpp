@@ -6,7 +6,6 @@
 #include "qgemm.h"
 #include "team.h"
 
-
 #include <cmath>
 #include <cstring>
 #include <type_traits>

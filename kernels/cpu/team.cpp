@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -126,7 +125,7 @@ void team_run(int64_t begin, int64_t end, int64_t grain, RangeFn fn, const void*
 
 void run_as_team(const std::function<void()>& body) {
   const int threads = at::get_num_threads();
-  if (threads <= 1 || !g_enabled.load(std::memory_order_relaxed) || tl_team != nullptr || at::in_parallel_region() || omp_in_parallel()) {
+  if (threads <= 1 || !g_enabled.load(std::memory_order_relaxed) || tl_team != nullptr || at::in_parallel_region()) {
     body();
     return;
   }
