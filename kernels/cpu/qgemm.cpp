@@ -20,6 +20,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
                                 torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
+void register_sampling(pybind11::module& m);  // sample.cpp
 }  // namespace wsq
 
 namespace wsq {
@@ -333,6 +334,7 @@ class DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
   wsq::register_lora(m);  // LoraWeights first: DecodeStack.forward takes a list of them
+  wsq::register_sampling(m);
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"), py::arg("out_float") = false,
