@@ -3,17 +3,19 @@
 // and the run-time choice of ISA. The passes over a row are sample_simd.h's (the scalar ones here).
 //
 // A row's kept set is found without sorting its vocabulary: one pass writes e = exp(l / T - max) and
-// sums it (Z); then the tokens of the best band of e ([1/16, 1]) are gathered and sorted, and the
-// kept prefix is walked (rank < top_k, the mass before a token < top_p * Z, e >= min_p; the best
-// token always); only when the cut is not inside the band is the next band gathered, and so on down
-// to every positive e. A row then draws once: an unseeded row by the inverse CDF of its kept mass at
+// sums it (Z); then the tokens of the best band of e ([1/4, 1]) are gathered, and so on down band by
+// band to every positive e, until the cut (rank < top_k, the mass before a token < top_p * Z,
+// e >= min_p; the best token always) lies inside one: a band the cut lies past is kept whole, in
+// any order, and only the cut's band is sorted and walked token by token. A row then draws once: an unseeded row by the inverse CDF of its kept mass at
 // its uniform u, a seeded row by the exponential race argmax e / E over its own noise E (the stream
 // earlier releases drew, so its tokens are theirs). Each row is computed alone: its token does not
 // depend on its batch.
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -84,8 +86,9 @@ int64_t s_race_first(const float* e, const float* E, int64_t V, float floor, flo
 }
 
 constexpr int64_t kChunk = 1024;  // values whose kept mass one chunk sum holds (the inverse CDF's first level)
-// the bands of e gathered in turn, best first: [1/16, 1], [2^-8, 1/16), ... (0, 2^-22)
-constexpr float kBands[] = {0x1p-4f, 0x1p-8f, 0x1p-14f, 0x1p-22f, 0.0f};
+// the bands of e gathered in turn, best first: [1/4, 1], [1/16, 1/4), ... (0, 2^-24); only the band
+// the cut lies in is sorted
+constexpr float kBands[] = {0x1p-2f, 0x1p-4f, 0x1p-6f, 0x1p-8f, 0x1p-10f, 0x1p-12f, 0x1p-14f, 0x1p-17f, 0x1p-20f, 0x1p-24f, 0.0f};
 
 struct RowSpec {
   float temp, top_p, min_p, u;
@@ -96,7 +99,8 @@ struct RowSpec {
 struct Scratch {  // a thread's, kept from call to call: nothing allocated per row once grown
   std::vector<float> e, chunk;
   std::vector<int32_t> idx;
-  std::vector<std::pair<float, int32_t>> band, kept;
+  std::vector<std::pair<float, int32_t>> band, sorted, kept;
+  std::vector<int64_t> start, at;  // a band's groups' first places in `sorted`, and where each fills
 };
 thread_local Scratch scratch;
 
@@ -125,33 +129,91 @@ int64_t inverse_cdf(const float* e, const float* chunk, int64_t V, float floor, 
   return 0;
 }
 
-// the kept prefix in rank order (e descending, ties to the lower id) into s.kept; returns its mass
+// a float sum with Kahan's compensation: a long tail of small e added to a sum near Z would otherwise
+// round the top-p cut by several ranks
+struct Compensated {
+  float sum = 0.0f, carry = 0.0f;
+  void add(float v) {
+    const float y = v - carry, t = sum + y;
+    carry = (t - sum) - y;
+    sum = t;
+  }
+};
+
+// whether every token of a band (n tokens, mass `mass`, e >= lo) is kept after `kept` tokens of mass
+// `cum`: then it needs no order (a draw reads the kept set in any order)
+bool band_kept_whole(const RowSpec& p, bool by_k, size_t kept, int64_t n, float cum, float mass, float mass_cut,
+                     float lo) {
+  return (!by_k || int64_t(kept) + n <= p.top_k) && (p.top_p >= 1.0f || cum + mass < mass_cut * (1.0f - 1e-6f)) &&
+         lo >= std::max(p.min_p, 0.0f) && kept > 0;
+}
+
+// the bits of a positive float's exponent and first four mantissa bits: 16 keys an octave, ordered as e
+inline uint32_t fine_key(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b >> 19;
+}
+
+// Walk the band's tokens (s.band, any order) in rank order onto s.kept until the cut: the tokens are
+// counting-sorted by fine_key (descending), a key's group kept whole where the cut lies past it, and
+// only the cut's group sorted by (e descending, id ascending). Returns true at the cut.
+bool walk_band(const RowSpec& p, bool by_k, float mass_cut, Scratch& s, Compensated& cum) {
+  const float floor = std::max(p.min_p, 0.0f);
+  auto& b = s.band;
+  uint32_t top = 0, low = UINT32_MAX;
+  for (const auto& [ev, id] : b) top = std::max(top, fine_key(ev)), low = std::min(low, fine_key(ev));
+  s.start.assign(top - low + 2, 0);
+  for (const auto& [ev, id] : b) ++s.start[top - fine_key(ev) + 1];
+  for (size_t k = 1; k < s.start.size(); ++k) s.start[k] += s.start[k - 1];
+  s.sorted.resize(b.size());
+  s.at.assign(s.start.begin(), s.start.end() - 1);
+  for (const auto& t : b) s.sorted[s.at[top - fine_key(t.first)]++] = t;
+  for (size_t g = 0; g + 1 < s.start.size(); ++g) {
+    auto first = s.sorted.begin() + s.start[g], last = s.sorted.begin() + s.start[g + 1];
+    Compensated mass;
+    float least = INFINITY;
+    for (auto it = first; it != last; ++it) mass.add(it->first), least = std::min(least, it->first);
+    if (!band_kept_whole(p, by_k, s.kept.size(), last - first, cum.sum, mass.sum, mass_cut, least)) {
+      std::sort(first, last, [](const auto& x, const auto& y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+      });
+      for (auto it = first; it != last; ++it) {
+        const size_t r = s.kept.size();
+        if (r > 0 && ((by_k && int64_t(r) >= p.top_k) || (p.top_p < 1.0f && cum.sum >= mass_cut) || it->first < floor))
+          return true;
+        s.kept.push_back(*it);
+        cum.add(it->first);
+      }
+      continue;
+    }
+    for (auto it = first; it != last; ++it) s.kept.push_back(*it), cum.add(it->first);
+  }
+  return false;
+}
+
+// the kept set into s.kept (the bands and groups the cut lies past in any order, the cut's group by
+// rank); returns its mass
 float kept_by_rank(const SampleFns& f, const float* e, int64_t V, float Z, const RowSpec& p, Scratch& s) {
   const bool by_k = p.top_k > 0 && p.top_k < V;
-  const float floor = std::max(p.min_p, 0.0f), mass_cut = p.top_p * Z;
+  const float mass_cut = p.top_p * Z;
   s.kept.clear();
   s.idx.resize(V);
-  // the mass ranked so far, compensated (Kahan): a long tail of small e added to a sum near Z would
-  // otherwise round the cut by several ranks
-  float cum = 0.0f, carry = 0.0f, hi = INFINITY;
+  Compensated cum;
+  float hi = INFINITY;
   for (const float lo : kBands) {
     const int64_t n = f.gather(e, V, lo, hi, s.idx.data());
-    s.band.resize(n);
-    for (int64_t j = 0; j < n; ++j) s.band[j] = {e[s.idx[j]], s.idx[j]};
-    std::sort(s.band.begin(), s.band.end(),
-              [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
-    for (const auto& [ev, id] : s.band) {
-      const size_t r = s.kept.size();
-      if (r > 0 && ((by_k && int64_t(r) >= p.top_k) || (p.top_p < 1.0f && cum >= mass_cut) || ev < floor))
-        return cum;
-      s.kept.push_back({ev, id});
-      const float y = ev - carry, t = cum + y;
-      carry = (t - cum) - y;
-      cum = t;
-    }
     hi = lo;
+    s.band.resize(n);
+    Compensated band;
+    for (int64_t j = 0; j < n; ++j) s.band[j] = {e[s.idx[j]], s.idx[j]}, band.add(e[s.idx[j]]);
+    if (band_kept_whole(p, by_k, s.kept.size(), n, cum.sum, band.sum, mass_cut, lo)) {
+      for (const auto& t : s.band) s.kept.push_back(t), cum.add(t.first);
+      continue;
+    }
+    if (n > 0 && walk_band(p, by_k, mass_cut, s, cum)) break;
   }
-  return cum;  // every positive e walked
+  return cum.sum;
 }
 
 int64_t draw_kept(const Scratch& s, float mass, const RowSpec& p) {
@@ -248,12 +310,17 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temp, torch::Tenso
               *up = uniform.data_ptr<float>(), *np = noise.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
-  parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+  auto rows = [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const RowSpec p{tp[r], pp[r], mp[r], up[r], kp[r], nr[r] < 0 ? nullptr : np + nr[r] * V};
       op[r] = sample_row(f, lp + r * ld, V, p);
     }
-  });
+  };
+  if (n == 1) {
+    rows(0, 1);
+  } else {  // rows claimed one at a time by the team (team.h): a thread that lost its core costs its row only
+    run_as_team([&] { parallel_for(0, n, 1, rows); });
+  }
   return out;
 }
 
