@@ -72,7 +72,7 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None  # with `stream` only (a 400 without, as OpenAI's)
     # vLLM's: the prompt's token ids and each choice's (`prompt_token_ids`, `token_ids`)
     return_token_ids: bool | None = None
-    # vLLM's: keep the prompt's last N tokens (-1: as many as the model's context holds)
+    # vLLM's: keep the prompt's last N tokens (-1: as many as leave room for max_tokens in the context)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_PROMPT_TOKENS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
