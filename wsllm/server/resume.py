@@ -93,6 +93,8 @@ class ResumeContext:
     include_usage: bool = False  # SSE: a last chunk with the usage
     token_sha256: str = ""  # hash of the resume token's secret; set at submission
     lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
+    #: what else its SSE chunks carry, by the API's own names (vLLM's `token_ids`, ...)
+    extras: list[str] = field(default_factory=list)
 
     @property
     def served_as(self) -> str:
@@ -129,11 +131,12 @@ class ResumeContext:
         return bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
 
     def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores); `lora` only when set, so that
-        a gateway that predates it reads the rest as ever."""
+        """A plain dict of JSON values (what the broker stores); `lora` and `extras` only when
+        set, so that a gateway that predates them reads the rest as ever."""
         d = asdict(self) | {"api": self.api.value}
-        if not d["lora"]:
-            del d["lora"]
+        for key in ("lora", "extras"):
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
@@ -164,4 +167,5 @@ class ResumeContext:
             get("include_usage", False, lambda x: isinstance(x, bool)),
             get("token_sha256", "", lambda x: isinstance(x, str)),
             get("lora", "", lambda x: isinstance(x, str)),
+            get("extras", [], lambda x: isinstance(x, list) and all(isinstance(e, str) for e in x)),
         )
