@@ -34,14 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
   py::class_<wsq::DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
-                    double>(),
-           py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
-           py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
-      .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
+      .def(py::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<double>>(), py::arg("program"),
+           py::arg("tensors"), py::arg("floats"))
+      .def_property_readonly("num_steps", &wsq::DecodeStack::num_steps)
       .def("forward", &wsq::DecodeStack::forward,
-           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
+           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/decode_stack.py",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
            py::arg("isa"), py::arg("lora") = wsq::LoraList(), py::arg("lora_rows") = std::vector<torch::Tensor>(),
            nogil());

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 
 
 class GGUFError(ValueError):
@@ -64,8 +64,8 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_q.bias": (q,),
         "attn_k.bias": (kv,),
         "attn_v.bias": (kv,),
-        "attn_q_norm.weight": (cfg.head_dim,),
-        "attn_k_norm.weight": (cfg.head_dim,),
+        "attn_q_norm.weight": (q,) if cfg.qk_norm == "full" else (cfg.head_dim,),
+        "attn_k_norm.weight": (kv,) if cfg.qk_norm == "full" else (cfg.head_dim,),
     }
 
 
@@ -94,7 +94,7 @@ def required(cfg: ModelConfig) -> list[str]:
     `token_embd`)."""
     names = ["token_embd.weight", "output_norm.weight"]
     extra = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if cfg.qkv_bias else []
-    extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm else []
+    extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm != "none" else []
     for i in range(cfg.num_layers):
         names += [f"blk.{i}.{t}.weight" for t in _LAYER_TENSORS] + [f"blk.{i}.{t}" for t in extra]
     return names

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from wsllm.kernels import quant, quant_formats
-from wsllm.models import gguf_checks
+from wsllm.models import gguf_checks, registry
+from wsllm.models.config import ModelConfig
 from wsllm.models.gguf_checks import GGUFError, check_tensors, open_reader
-from wsllm.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _plan(path: Path, reader: Any, cfg: ModelConfig) -> _Plan:
 
 def _plan_checked(reader: Any, cfg: ModelConfig) -> _Plan:
     arch_field = reader.fields.get("general.architecture")
-    permuted = arch_field is not None and arch_field.contents() == "llama"
+    permuted = arch_field is not None and registry.for_gguf(arch_field.contents()).gguf_permuted_qk
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     plan = _Plan()
     biases: dict[str, dict[int, np.ndarray]] = {}

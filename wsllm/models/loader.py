@@ -32,7 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wsllm.models.llama import LlamaForCausalLM, ModelConfig
+from wsllm.models import registry
+from wsllm.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -224,17 +225,20 @@ def _iter_weights(model_dir: Path):  # type: ignore[no-untyped-def]
                 yield name, st.get_tensor(name)
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The HF checkpoint in `model_dir`, its family's (wsllm/models/registry.py)."""
+    hf = read_hf_config(model_dir)
+    family = registry.for_hf(hf)
+    cfg = family.config(hf)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     # In the dtype it runs in before any memory is taken: each checkpoint tensor is rounded as
     # it is copied in (as a cast afterwards would round it). Built in fp32 and cast, an 8B
     # model took 32 GB and then 16 more, and the 32 stayed in torch's allocator.
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(_iter_weights(model_dir))
+    model.load_weights((family.weight_name(n), t) for n, t in _iter_weights(model_dir))
     from wsllm import kernels
 
     cs = kernels.compute_cos_sin_cache(

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from wsllm import kernels
 from wsllm.kernels import lora as klora
 from wsllm.kernels.lora import SLOTS, LoraPiece, NativeLora
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from wsllm.kernels import quant
+from wsllm.models.causal_lm import CausalLM
 from wsllm.models.gguf_weights import LinearPart, QuantCheckpoint
-from wsllm.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ class QuantLinear(nn.Module):
         """forward() as float32, from the kernel's sums (the LM head: logits not rounded to bf16)."""
         return quant.qlinear(x, self.qweight, self.qbias, torch.float32)
 
+    def native_parts(self) -> tuple[list[quant.QuantWeight], torch.Tensor | None]:
+        """What the decode stack runs for forward() (kernels/decode_stack.py)."""
+        return [self.qweight], self.qbias
+
     def extra_repr(self) -> str:
         return f"{self.qweight.qtype}, in={self.in_features}, out={self.out_features}"
 
@@ -54,6 +58,14 @@ class SplitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p.forward(x) for p in self.parts], dim=-1)
         return y if self.qbias is None else y + self.qbias
+
+    def native_parts(self) -> tuple[list[quant.QuantWeight], torch.Tensor | None] | None:
+        """What the decode stack runs for forward(): every part quantized without a bias of its
+        own; None otherwise (a float part: layer by layer)."""
+        ws = [getattr(p, "qweight", None) for p in self.parts]
+        if any(w is None for w in ws) or any(getattr(p, "qbias", None) is not None for p in self.parts):
+            return None
+        return ws, self.qbias  # type: ignore[return-value]
 
 
 class QuantEmbedding(nn.Module):
@@ -85,7 +97,7 @@ def _module(parts: list[LinearPart], dtype: torch.dtype, bias: torch.Tensor | No
     return SplitLinear([_linear(p, dtype, None) for p in parts], bias)
 
 
-def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) -> None:
+def install(model: CausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) -> None:
     """Put `ckpt` into `model`, built on the meta device: quantized modules in place of
     the linear layers and the embedding, then the float parameters (norms) in `dtype`."""
     for name, parts in ckpt.linears.items():
@@ -114,7 +126,7 @@ def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) 
         raise KeyError(f"unexpected weights: {sorted(ckpt.floats)[:5]}")
 
 
-def quantize_model(model: LlamaForCausalLM, qtype: str) -> dict[str, int]:
+def quantize_model(model: CausalLM, qtype: str) -> dict[str, int]:
     """Quantize a loaded float model's linear layers to `qtype` ("q8_0" | "q4_0") in
     place; the embedding and lm_head (tied or not) become Q8_0, as llama.cpp keeps its
     output layer at a higher precision. A layer whose input width is not a multiple
