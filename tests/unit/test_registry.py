@@ -29,16 +29,25 @@ def test_a_config_finds_its_family(cfg: dict, family: str) -> None:
 
 
 def test_an_architecture_no_family_runs_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"unsupported architecture 'GemmaForCausalLM' \(model_type 'gemma'\)"):
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture 'GemmaForCausalLM' \(model_type 'gemma'\)"
+    ):
         registry.for_hf({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"})
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'rwkv6'; served: .*llama"):
         registry.for_gguf("rwkv6")
 
 
 def test_the_table_names_each_architecture_once() -> None:
-    for attr in ("hf_architectures", "model_types", "gguf_architectures"):
+    for attr in ("hf_architectures", "model_types"):
         names = [n for f in registry.FAMILIES for n in getattr(f, attr)]
         assert len(names) == len(set(names)), attr
+    # a GGUF architecture once for files with experts and once for files without
+    gguf = [(a, f.gguf_experts) for f in registry.FAMILIES for a in f.gguf_architectures]
+    assert len(gguf) == len(set(gguf))
+    assert (
+        registry.for_gguf("llama").name == "llama"
+        and registry.for_gguf("llama", experts=True).name == "mixtral"
+    )
     assert len({f.name for f in registry.FAMILIES}) == len(registry.FAMILIES)
 
 
