@@ -114,4 +114,4 @@ class StackProgram:
         ext = native_ext()
         if ext is None:
             return None
-        return ext.DecodeStack(self.program, self.tensors, self.floats, *([self.moes] if self.moes else []))
+        return ext.DecodeStack(self.program, self.tensors, self.floats, self.moes)

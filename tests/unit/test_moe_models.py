@@ -3,7 +3,8 @@
 shared expert; each with 5 experts and top-k of 2 or 3): greedy tokens equal HF `generate` in fp32;
 the same weights as a GGUF (Q4_0 and Q8_0 inside, experts included; Granite's gate and up experts
 fused) load with the experts in their blocks and give logits within the dense path's tolerance of
-the file's de-quantized run; a file that disagrees with its counts is refused naming it."""
+the file's de-quantized run; a file that disagrees with its counts is refused naming it; the
+decode stack runs an MoE model's layers (the MoE op, Granite's scales) with the layer-by-layer bits."""
 
 from __future__ import annotations
 
@@ -120,3 +121,28 @@ def test_a_file_that_disagrees_with_its_counts_is_refused_naming_it(
         lambda name, x: None if name == "blk.1.ffn_up_exps.weight" else x,
     )
     assert e.tensor == "blk.1.ffn_up_exps.weight" and "missing" in str(e)
+
+
+def test_the_decode_stack_runs_an_moe_models_layers_with_their_bits(tiny_moe_gguf: Any) -> None:
+    """Granite-MoE-Shared's decode-only steps in the one native call (its MoE op, its residual
+    multiplier's scales, its shared expert) give the layer-by-layer logits, bit for bit."""
+    ok, why = quant.native_status()
+    if not ok:
+        pytest.skip(why)
+    got = {}
+    for fused in (True, False):
+        engine = make_engine(tiny_moe_gguf("granitemoeshared"), enable_prefix_caching=False)
+        model = engine.runner.model
+        model.fused_decode = fused
+        seen: list[torch.Tensor] = []
+        compute = model.compute_logits
+        model.compute_logits = lambda h, seen=seen, compute=compute: seen.append(compute(h)) or seen[-1]  # type: ignore[method-assign]
+        for i, p in enumerate(prompts((3, 9, 5))):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        assert (model._stack is not None and model._stack[2] is not None) == fused
+        got[fused] = seen
+    assert len(got[True]) == len(got[False]) > 3
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a, b)
