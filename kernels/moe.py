@@ -3,6 +3,7 @@ MoeConfig, once) and the experts' pass, each beside its torch reference.
 
     weights, ids = route(logits, routing)          # [T, k] float32, [T, k] int64, ascending ids per row
     y = experts_float(x, ids, weights, gate_up, down)   # float experts [E, 2I, H], [E, H, I] (HF's loop)
+    y = moe_experts_triton(...)                    # the same on Triton (kernels/moe_triton.py): CUDA
     y = experts_quant_ref(x, ids, weights, qe)     # quantized experts, the native pass's arithmetic in torch
     native: `MoeNative` over kernels/cpu/moe.cpp (router, routing, the grouped pass and the shared
     expert in one call), `grouped_experts_cpu` the grouped pass alone with a given routing (tests)
@@ -86,7 +87,16 @@ def experts_float(
 def experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """The float experts' pass: the torch loop."""
+    """The float experts' pass on the backend `kernels.use_backend` picks: Triton on CUDA ("auto")
+    or everywhere ("triton"; with no host sync, so a decode step replays in a CUDA graph), else
+    the torch loop."""
+    from . import backend
+
+    kind = backend()
+    if kind == "triton" or (kind == "auto" and x.device.type == "cuda"):
+        from .moe_triton import moe_experts_triton  # triton imported only here
+
+        return moe_experts_triton(x, ids, weights, gate_up, down)
     return experts_float(x, ids, weights, gate_up, down)
 
 

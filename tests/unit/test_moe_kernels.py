@@ -3,7 +3,7 @@
 bit-identical alone, in its batch, and in a batch of other rows with other experts (speculative
 decoding relies on it); it equals the torch reference of its arithmetic; the router's choice equals
 the torch routing; the whole layer (router, routing, experts, a gated shared expert) equals its
-reference."""
+reference; the Triton fused-MoE kernel equals the torch reference in the interpreter."""
 
 from __future__ import annotations
 
@@ -159,3 +159,33 @@ def test_every_routing_knob_and_a_gated_shared_expert_equal_the_reference(isa: s
     ref = kmoe.experts_quant_ref(x, ids, w, qe) + torch.sigmoid(x @ gate)[:, None] * s
     got = nat.forward(x)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_the_triton_fused_moe_equals_the_torch_reference_in_the_interpreter() -> None:
+    """Rows sorted by expert into blocks, the grouped GEMMs (gate and up with SiLU, down with the
+    routing weights): the float experts' reference, with an expert nobody picks and one everybody
+    does; its alignment of pairs into blocks of one expert each."""
+    from wsllm import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    from wsllm.kernels.moe_triton import align, moe_experts_triton
+
+    g = torch.Generator().manual_seed(7)
+    t, h, i = 13, 64, 48
+    x = torch.randn(t, h, generator=g)
+    gate_up, down = torch.randn(E, 2 * i, h, generator=g) * 0.1, torch.randn(E, h, i, generator=g) * 0.1
+    ids = torch.stack(
+        [torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 2, generator=g)[: K - 1]]) for _ in range(t)]
+    )
+    ids = ids.sort(dim=1).values
+    w = torch.rand(t, K, generator=g)
+    ref = kmoe.experts_float(x, ids, w, gate_up, down)
+    got = moe_experts_triton(x, ids, w, gate_up, down)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    pairs, experts = align(ids, E, 16)
+    real = pairs < t * K
+    assert sorted(pairs[real].tolist()) == list(range(t * K))
+    blocks = pairs.view(-1, 16)
+    for b, e in zip(blocks, experts.tolist(), strict=True):
+        assert all(int(ids.view(-1)[p]) == e for p in b.tolist() if p < t * K)
