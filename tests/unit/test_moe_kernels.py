@@ -19,7 +19,7 @@ from wsllm.kernels.quant_formats import BLOCK
 
 E, K = 7, 3  # an odd number of experts, top-3
 # (format, hidden, intermediate): a 32-value format of each kind and the K-quants' 256-value blocks
-SHAPES = {"Q4_0": (64, 96), "Q8_0": (64, 96), "Q4_1": (64, 32), "Q4_K": (256, 256), "Q6_K": (256, 256)}
+SHAPES = {"Q4_0": (64, 96), "Q8_0": (64, 96), "Q4_1": (64, 32), "Q4_K": (256, 256)}
 SCALE_OFFSETS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
@@ -83,7 +83,7 @@ def routings(draw: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])  # 32-value blocks; 256-value ones, down in Q6_K
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_other_rows_experts(
     isa: str, qtype: str, data: Any
@@ -111,7 +111,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_other_rows_experts(
     assert torch.equal(nat.experts(batch, b_ids, b_w)[2], got[0])
 
 
-@pytest.mark.parametrize("qtype", list(SHAPES))
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1", "Q4_K"])  # Q4_K's layer: down in Q6_K
 def test_the_grouped_pass_equals_the_reference_of_its_arithmetic(isa: str, qtype: str) -> None:
     qe, nat, _ = layer(qtype)
     x = torch.randn(5, SHAPES[qtype][0], generator=torch.Generator().manual_seed(9))
