@@ -13,6 +13,7 @@ Registers: `x` (the running activation) and `residual`. The ops:
     attention(k, v)   x = rotary + KV store + paged decode attention of the fused qkv x
     silu_mul()        x = silu(gate) * up
     scale(m)          x = x * m
+    moe(layer)        x = the mixture of experts (kernels/moe.py: MoeNative, the Python layer's own call)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from .cpu_ops import native_ext
 
 # op codes, kernels/cpu/decode_stack.h: StackOp
-NORM, LINEAR, ATTENTION, SILU_MUL, SCALE, QK_NORM = range(6)
+NORM, LINEAR, ATTENTION, SILU_MUL, SCALE, QK_NORM, MOE = range(7)
 
 
 class StackProgram:
@@ -36,6 +37,7 @@ class StackProgram:
         self.program: list[int] = []
         self.tensors: list[torch.Tensor] = []
         self.floats: list[float] = []
+        self.moes: list[Any] = []  # the native MoE layers the program's moe ops run
 
     def _tensor(self, t: torch.Tensor) -> int:
         self.tensors.append(t)
@@ -101,10 +103,15 @@ class StackProgram:
     def scale(self, m: float) -> None:
         self.program += [SCALE, self._float(m)]
 
+    def moe(self, layer: Any) -> None:
+        """`layer`: a kernels.moe.MoeNative."""
+        self.program += [MOE, len(self.moes)]
+        self.moes.append(layer.handle)
+
     def build(self) -> Any:
         """The native DecodeStack of this program (checked there), or None without the native
         build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual)."""
         ext = native_ext()
         if ext is None:
             return None
-        return ext.DecodeStack(self.program, self.tensors, self.floats)
+        return ext.DecodeStack(self.program, self.tensors, self.floats, self.moes)

@@ -23,8 +23,9 @@ struct Reader {
 
 }  // namespace
 
-DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats)
-    : tensors_(std::move(tensors)) {
+DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats,
+                         std::vector<std::shared_ptr<MoeLayer>> moes)
+    : tensors_(std::move(tensors)), moes_(std::move(moes)) {
   Reader r{program};
   const auto tensor = [&] {
     const int64_t i = r.next();
@@ -52,9 +53,8 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
         if (s.bias < 0) s.bias = -1;
         s.lora = r.next();
         for (int64_t k = 0; k < parts; ++k) {
-          s.t.push_back(tensor());
-          s.qtypes.push_back(r.next());
-          s.ns.push_back(r.next());
+          const int64_t t = tensor(), qtype = r.next(), n = r.next();
+          s.parts.push_back({tensors_[t], qtype, n});
         }
         break;
       }
@@ -75,6 +75,10 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
         s.b = r.next();
         TORCH_CHECK(s.a % tensors_[s.t[0]].numel() == 0 && s.b % tensors_[s.t[1]].numel() == 0,
                     "DecodeStack: QK-norm weights must divide the q and k widths");
+        break;
+      case kMoe:
+        s.a = r.next();
+        TORCH_CHECK(s.a >= 0 && s.a < int64_t(moes_.size()) && moes_[s.a], "DecodeStack: MoE layer ", s.a, " out of range");
         break;
       default:
         TORCH_CHECK(false, "DecodeStack: unknown op ", s.op);
@@ -122,6 +126,9 @@ void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInpu
       case kQkNorm:
         qk_norm(s, x, in.isa);
         break;
+      case kMoe:
+        x = moes_[s.a]->forward(x, in.isa);
+        break;
     }
   }
 }
@@ -129,16 +136,7 @@ void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInpu
 torch::Tensor DecodeStack::linear(const StackStep& s, const torch::Tensor& x, const StackInputs& in) {
   c10::optional<torch::Tensor> bias;
   if (s.bias >= 0) bias = tensors_[s.bias];
-  torch::Tensor y;
-  if (s.t.size() == 1) {
-    y = qlinear(x, tensors_[s.t[0]], s.qtypes[0], s.ns[0], bias, in.isa, false);
-  } else {
-    std::vector<torch::Tensor> ys;
-    for (size_t k = 0; k < s.t.size(); ++k)
-      ys.push_back(qlinear(x, tensors_[s.t[k]], s.qtypes[k], s.ns[k], c10::nullopt, in.isa, false));
-    y = torch::cat(ys, -1);
-    if (bias.has_value()) y = y + *bias;
-  }
+  auto y = project(x, s.parts, bias, in.isa);
   if (s.lora >= 0 && !in.lora.empty()) lora_apply(y, x, s.lora, in.lora, in.lora_rows, in.isa);
   return y;
 }

@@ -11,24 +11,28 @@
 //   kSiluMul                              x = silu(gate) * up
 //   kScale      m                         x = x * m
 //   kQkNorm     qw kw eps q_size kv_size  x's q and k parts RMS-normed in place, rows of qw's (kw's) width
+//   kMoe        layer                     x = the mixture of experts (moe_layer.h: MoeLayer.forward)
 #pragma once
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <vector>
 
 #include "lora_weights.h"
+#include "moe_layer.h"
+#include "qlinear.h"
 
 namespace wsq {
 
-enum StackOp : int64_t { kNorm = 0, kLinear = 1, kAttention = 2, kSiluMul = 3, kScale = 4, kQkNorm = 5 };
+enum StackOp : int64_t { kNorm = 0, kLinear = 1, kAttention = 2, kSiluMul = 3, kScale = 4, kQkNorm = 5, kMoe = 6 };
 
 struct StackStep {
   int64_t op = 0;
-  std::vector<int64_t> t;          // tensors it reads (kLinear: its parts' packed weights)
-  std::vector<int64_t> qtypes, ns;  // kLinear: each part's format and output width
-  int64_t bias = -1, lora = -1;     // kLinear: the bias tensor (-1: none), the LoRA key (-1: none)
-  int64_t a = 0, b = 0;             // kAttention: heads; kQkNorm: q_size, kv_size
+  std::vector<int64_t> t;        // tensors it reads
+  std::vector<QPart> parts;       // kLinear: its parts
+  int64_t bias = -1, lora = -1;   // kLinear: the bias tensor (-1: none), the LoRA key (-1: none)
+  int64_t a = 0, b = 0;           // kAttention: heads; kQkNorm: q_size, kv_size; kMoe: the layer
   double f = 0;                     // eps, scale or multiplier
 };
 
@@ -42,7 +46,8 @@ struct StackInputs {
 
 class DecodeStack {
  public:
-  DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats);
+  DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats,
+              std::vector<std::shared_ptr<MoeLayer>> moes);
 
   int64_t num_steps() const { return int64_t(steps_.size()); }
 
@@ -62,6 +67,7 @@ class DecodeStack {
 
   std::vector<StackStep> steps_;
   std::vector<torch::Tensor> tensors_;
+  std::vector<std::shared_ptr<MoeLayer>> moes_;
 };
 
 }  // namespace wsq

@@ -38,9 +38,16 @@ def test_an_architecture_no_family_runs_is_refused_naming_it() -> None:
 
 
 def test_the_table_names_each_architecture_once() -> None:
-    for attr in ("hf_architectures", "model_types", "gguf_architectures"):
+    for attr in ("hf_architectures", "model_types"):
         names = [n for f in registry.FAMILIES for n in getattr(f, attr)]
         assert len(names) == len(set(names)), attr
+    # a GGUF architecture once for files with experts and once for files without
+    gguf = [(a, f.gguf_experts) for f in registry.FAMILIES for a in f.gguf_architectures]
+    assert len(gguf) == len(set(gguf))
+    assert (
+        registry.for_gguf("llama").name == "llama"
+        and registry.for_gguf("llama", experts=True).name == "mixtral"
+    )
     assert len({f.name for f in registry.FAMILIES}) == len(registry.FAMILIES)
 
 

@@ -25,7 +25,8 @@ from wsllm.config import QUANTIZE_AT_LOAD, EngineConfig
 from wsllm.kernels import quant
 from wsllm.models import cpu_linear, loader, registry
 from wsllm.models.causal_lm import CausalLM
-from wsllm.models.gguf_weights import load_gguf_weights
+from wsllm.models.config import ModelConfig
+from wsllm.models.gguf_weights import QuantCheckpoint, load_gguf_float, load_gguf_weights
 from wsllm.models.quant_linear import install, quantize_model
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,17 @@ def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tupl
     de-quantized weights. Returns it and the formats kept."""
     cfg = registry.model_config(loader.read_hf_config(model_dir))
     ckpt = load_gguf_weights(gguf, loader.quant_cache_path(gguf), cfg)
-    formats = ckpt.describe()
+    return _installed(cfg, ckpt, dtype), ckpt.describe()
+
+
+def load_gguf_dequantized(gguf: Path, model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A float model of `gguf`'s weights, de-quantized from the file (every family's GGUF, with
+    the loader's own names and Q/K un-permutation)."""
+    cfg = registry.model_config(loader.read_hf_config(model_dir))
+    return _installed(cfg, load_gguf_float(gguf, cfg), dtype).to(device)
+
+
+def _installed(cfg: ModelConfig, ckpt: QuantCheckpoint, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     install(model, ckpt, dtype)
@@ -116,7 +127,7 @@ def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tupl
         cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
     )
     model.cos_sin_cache = cs  # stays fp32
-    return model.eval(), formats
+    return model.eval()
 
 
 def apply_gil_switch(config: EngineConfig) -> None:
@@ -145,6 +156,10 @@ def build_model(config: EngineConfig) -> BuiltModel:
         with loader.shared_gguf_readers():  # a first start reads the file once, not four times
             model_dir = loader.resolve_model_dir(config.model, weights=False)
             model, formats = load_gguf_quantized(gguf, model_dir, dtype)
+    elif gguf is not None:
+        with loader.shared_gguf_readers():
+            model_dir = loader.resolve_model_dir(config.model, weights=False)
+            model = load_gguf_dequantized(gguf, model_dir, device, dtype)
     else:
         model_dir = loader.resolve_model_dir(config.model)
         model = loader.load_model(model_dir, device, dtype)

@@ -14,6 +14,7 @@ kernels/decode_stack.py), whose program each layer writes from its own steps (`n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -122,6 +123,11 @@ class CausalLM(nn.Module):
         for name, w in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
                 continue
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                self._load_expert(params, expert, w)
+                loaded.add(_expert_param(expert))
+                continue
             target, start, size = _fused_target(name, params, qkv)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
@@ -136,12 +142,38 @@ class CausalLM(nn.Module):
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
+    @staticmethod
+    def _load_expert(params: dict[str, nn.Parameter], m: re.Match[str], w: torch.Tensor) -> None:
+        """One expert's gate, up or down projection into the experts' stacked weights."""
+        target = params.get(_expert_param(m))
+        if target is None:
+            raise KeyError(f"unexpected weight {m.group(0)!r}")
+        e, which = int(m.group(2)), m.group(3)
+        if e >= target.shape[0]:
+            raise KeyError(f"{m.group(0)!r}: expert {e} of a layer of {target.shape[0]} experts")
+        half = target.shape[1] // 2
+        with torch.no_grad():
+            if which == "down_proj":
+                target[e].copy_(w)
+            else:
+                target[e].narrow(0, 0 if which == "gate_proj" else half, half).copy_(w)
+
+
+# one expert's projection as per-expert checkpoints name it: layers.N.mlp.experts.E.gate_proj.weight
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_param(m: re.Match[str]) -> str:
+    return f"{m.group(1)}.{'down' if m.group(3) == 'down_proj' else 'gate_up'}"
+
 
 def _fused_target(
     name: str, params: dict[str, nn.Parameter], qkv: dict[str, tuple[int, int]]
 ) -> tuple[str, int | None, int]:
     """(the parameter `name` goes into, its first row there or None for all of it, its rows):
     q/k/v_proj are row ranges of qkv_proj, gate/up_proj the halves of gate_up_proj."""
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # transformers 5's stacked experts
+        return name.removesuffix("_proj"), None, 0
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p in qkv:

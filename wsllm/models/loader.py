@@ -117,18 +117,23 @@ def shared_gguf_readers() -> Iterator[None]:
 
 
 def _write_gguf_config(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """The GGUF's config.json (its family's reading of the metadata: wsllm/models/registry.py),
+    tokenizer and generation config, in an HF directory."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from wsllm.models.gguf_checks import open_reader
 
     log.info("reading the config and tokenizer of %s (once; cached in %s)", gguf.name, out)
+    reader = open_reader(gguf)
+    hf = registry.gguf_hf_config(gguf, reader.fields, {t.name for t in reader.tensors})
+    registry.model_config(hf)  # what the layers cannot run is refused now, not at the first load
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = _gguf_tokenizer(gguf)
+        config = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
         cfg = config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
+        cfg["architectures"] = hf["architectures"]
         cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
@@ -140,6 +145,22 @@ def _write_gguf_config(gguf: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _gguf_tokenizer(gguf: Path) -> Any:
+    """The GGUF's tokenizer, by transformers' converter of GGUF vocabularies, whatever the file's
+    architecture (AutoTokenizer's GGUF path reads the config too, and refuses architectures it has
+    no model for: OLMoE, Granite-MoE)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:  # an older transformers: its own path (the architectures it knows)
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+    arch, vocab, settings = get_gguf_tokenizer(str(gguf))
+    backend, more = convert_gguf_tokenizer(arch, vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **more)
 
 
 def _write_gguf_weights(gguf: Path, out: Path) -> None:

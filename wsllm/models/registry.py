@@ -6,21 +6,27 @@ FAMILIES; docs/models.md says what each needs."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from wsllm.models import llama, qwen2, qwen3
+from wsllm.models import granite_moe, llama, mixtral, olmoe, qwen2, qwen3, qwen3_moe
 from wsllm.models.config import ModelConfig
-from wsllm.models.family import Family
+from wsllm.models.family import Family, GGUFMeta
+from wsllm.models.gguf_checks import GGUFError
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+    olmoe.FAMILY,
+    mixtral.FAMILY,
+    granite_moe.FAMILY,
 )
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.hf_architectures}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
-_BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
+_BY_GGUF = {(a, f.gguf_experts): f for f in FAMILIES for a in f.gguf_architectures}
 
 
 def for_hf(cfg: dict[str, Any]) -> Family:
@@ -38,14 +44,35 @@ def for_hf(cfg: dict[str, Any]) -> Family:
     return family
 
 
-def for_gguf(architecture: str) -> Family:
-    """The family of a GGUF's `general.architecture`; ValueError when none runs it."""
-    family = _BY_GGUF.get(architecture)
+def for_gguf(architecture: str, experts: bool = False) -> Family:
+    """The family of a GGUF's `general.architecture` (and whether the file has experts);
+    ValueError when none runs it."""
+    family = _BY_GGUF.get((architecture, experts)) or _BY_GGUF.get((architecture, None))
     if family is None:
-        raise ValueError(
-            f"unsupported GGUF architecture {architecture!r}; served: {', '.join(sorted(_BY_GGUF))}"
-        )
+        served = ", ".join(sorted({a for a, _ in _BY_GGUF}))
+        what = " with experts" if experts else ""
+        raise ValueError(f"unsupported GGUF architecture {architecture!r}{what}; served: {served}")
     return family
+
+
+def gguf_hf_config(path: str | Path, fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The HF config.json a GGUF stands for, read by its family; GGUFError naming the file when
+    its metadata cannot be served (an unknown architecture, more experts a token than it has)."""
+    meta = GGUFMeta(fields, tensor_names)
+    try:
+        family = for_gguf(meta.arch, meta.experts > 0)
+        cfg = family.hf_config_from_gguf(meta)
+    except (KeyError, TypeError, ValueError) as e:
+        raise GGUFError(path, "(the metadata)", str(e).strip("'\"")) from e
+    used, count = meta.get("expert_used_count", 0) or 0, meta.experts
+    if count and not 1 <= used <= count:
+        router = "blk.0.ffn_gate_inp.weight"
+        raise GGUFError(
+            path,
+            router,
+            f"{meta.key('expert_used_count')} is {used}, but {meta.key('expert_count')} says {count} experts",
+        )
+    return cfg
 
 
 def model_config(cfg: dict[str, Any]) -> ModelConfig:

@@ -15,13 +15,14 @@ from wsllm import kernels
 from wsllm.models.config import ModelConfig
 from wsllm.models.layers.attention import Attention, AttentionMetadata
 from wsllm.models.layers.mlp import MLP
+from wsllm.models.layers.moe import MoE
 from wsllm.models.layers.norms import RMSNorm
 
 
 def feed_forward(c: ModelConfig, layer: int) -> nn.Module:
     """Layer `layer`'s feed-forward: the dense MLP, or the mixture of experts."""
     if c.layer(layer).moe:
-        raise ValueError(f"{c.family}: mixture-of-experts layers are not supported yet")
+        return MoE(c, layer)
     return MLP(c.hidden_size, c.intermediate_size, layer)
 
 
