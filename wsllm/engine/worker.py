@@ -2,16 +2,15 @@
 own thread, in a deployment it is the engine process's main loop.
 
 One iteration:
-  1. pull as many requests as the engine can admit now (`free_capacity()`), check each
-     against the wire schema (`wire.check_request`; what fails goes to the broker's
-     dead letters) and add it; a request the engine refuses, or that fails while it
-     is added, becomes an error event for that request only, never a crash;
+  1. pull as many requests as the engine can admit now (`free_capacity()`) and hand
+     them to the intake (intake.py: checked, added, or each its own error event);
   2. apply aborts (after the adds: one that raced a pull still lands) and adapter commands;
   3. step the engine and publish one batch of TokenEvents for the whole step.
 
 `drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
 what it holds for a while, then hands the rest back to the broker for another engine
 (`BrokerSide.release`); what the broker cannot take back ends with `worker_lost`.
+The engine and the broker side it uses are Protocols (worker_contract.py).
 """
 
 from __future__ import annotations
@@ -22,71 +21,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any, Protocol
+from typing import Any
 
 from wsllm.engine.commands import apply_commands, held_adapters
+from wsllm.engine.intake import Intake
 from wsllm.engine.live import LiveRequests
-from wsllm.engine.outputs import EngineStats
-from wsllm.prefix_hash import request_root
-from wsllm.types import (
-    ERR_ENGINE_BUSY,
-    ERR_ENGINE_STALLED,
-    ERR_INTERNAL,
-    ERR_INVALID_REQUEST,
-    ERR_QUEUE_TIMEOUT,
-    ERR_WORKER_LOST,
-    EngineBusy,
-    EngineInfo,
-    GenerateRequest,
-    SamplingParams,
-    TokenEvent,
-    WireError,
-)
-from wsllm.wire import check_request
+from wsllm.engine.worker_contract import BrokerSide, Engine
+from wsllm.types import ERR_ENGINE_STALLED, ERR_INTERNAL, ERR_WORKER_LOST, EngineInfo, TokenEvent
 
 log = logging.getLogger(__name__)
-
-
-class Engine(Protocol):
-    """The part of LLMEngine the worker uses."""
-
-    model_name: str
-    max_model_len: int
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_root: bytes | None = None,
-        lora: str = "",
-    ) -> None: ...
-    def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
-    def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[Any]: ...
-    def has_unfinished(self) -> bool: ...
-    def free_capacity(self) -> int: ...
-    def stats(self) -> EngineStats: ...
-
-
-class BrokerSide(Protocol):
-    """The engine's side of a broker, as this worker uses it. The broker package
-    declares the same calls (`broker.base.EngineBroker`, whose docstrings say what
-    each promises); every broker satisfies this Protocol without the engine importing
-    the broker (tests/unit/test_broker_contract.py checks it)."""
-
-    def pull(
-        self, max_n: int, timeout: float = 0.0, rank: Callable[[GenerateRequest], Any] | None = None
-    ) -> list[GenerateRequest]: ...
-    def aborts(self) -> list[str]: ...
-    def publish(self, events: list[TokenEvent]) -> None: ...
-    def heartbeat(self, info: EngineInfo) -> None: ...
-    def deregister(self, engine_id: str) -> None: ...
-    def dead_letter(self, item: object, reason: str) -> None: ...
-    def release(self, request_ids: list[str]) -> list[str]: ...
 
 
 class EngineWorker:
@@ -108,6 +51,7 @@ class EngineWorker:
         self.heartbeat_s = heartbeat_s
         self.steps = 0  # engine steps taken; tests wait on it instead of sleeping
         self._live = LiveRequests()
+        self._intake = Intake(engine, broker, self._live)
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._drain_deadline = 0.0
@@ -218,7 +162,7 @@ class EngineWorker:
         if room > 0:  # a broker that can choose takes the engine's order: priority, then fairness
             ranker = self.engine.admission_rank()
             rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
-        events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
+        events = self._intake.admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
         self._apply_aborts(self.broker.aborts())
         apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
         if self.engine.has_unfinished():
@@ -230,55 +174,6 @@ class EngineWorker:
                 self.on_publish(events)
         self._maybe_heartbeat()
         return len(events)
-
-    def _admit(self, requests: list[GenerateRequest]) -> list[TokenEvent]:
-        errors: list[TokenEvent] = []
-        for r in requests:
-            try:
-                r = check_request(r)
-            except WireError as e:  # nobody can serve it; fail it if it names a request
-                self.broker.dead_letter(r, f"invalid request: {e}")
-                rid = getattr(r, "request_id", None)
-                if isinstance(rid, str) and rid and rid not in self._live:
-                    errors.append(_error_event(rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {e}"))
-                continue
-            if r.expired(time.time()):  # it waited in the broker past its deadline
-                errors.append(
-                    _error_event(r.request_id, ERR_QUEUE_TIMEOUT, "no engine took this request in time")
-                )
-                continue
-            error = self._add(r)
-            if error is None:
-                self._live.add(r.request_id)
-            else:
-                errors.append(error)
-        return errors
-
-    def _add(self, r: GenerateRequest) -> TokenEvent | None:
-        """Add one request to the engine; its error event when that failed. Whatever
-        goes wrong costs this request only: the engine is left without it."""
-        if r.request_id in self._live:  # delivered twice: the first copy runs
-            log.warning("request %s is already running here", r.request_id)
-            return None
-        try:
-            # The gateway's arrival time: queue time then counts the broker's queue too.
-            self.engine.add_request(
-                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant,
-                cache_root=request_root(r),
-                lora=r.lora,
-            )  # fmt: skip
-        except EngineBusy as e:
-            return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
-        except ValueError as e:
-            return _error_event(r.request_id, ERR_INVALID_REQUEST, str(e))
-        except Exception:
-            log.exception("adding request %s failed; failing it alone", r.request_id)
-            try:
-                self.engine.abort(r.request_id)
-            except Exception:
-                log.exception("and aborting it failed too")
-            return _error_event(r.request_id, ERR_INTERNAL, "the engine failed while admitting this request")
-        return None
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -394,7 +289,3 @@ class EngineWorker:
             engine_id=self.engine_id, model=e.model_name, max_model_len=e.max_model_len, aliases=self.aliases,
             adapters=held_adapters(e), stats=asdict(e.stats()),
         )  # fmt: skip
-
-
-def _error_event(request_id: str, code: str, message: str, seq: int = 0) -> TokenEvent:
-    return TokenEvent.failure(request_id, code, message, seq=seq)
