@@ -3,11 +3,17 @@ engine. Each is checked against the wire schema (`wire.check_request`; what fail
 to the broker's dead letters and, when it names a request, ends it with
 `invalid_request`), refused when it waited in the broker past its deadline
 (`queue_timeout`), and added; a request the engine refuses, or that fails while it is
-added, becomes an error event for that request only, never a crash."""
+added, becomes an error event for that request only, never a crash.
+
+A test-only hook, off unless its variable is set (`HOLD_STEP_ENV`, a token id): a
+request whose prompt holds that token is a request of death, and every engine step
+that runs it never returns (the worker holds it: worker.py). The watchdog's tests and
+bench/soak.py send one on purpose."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from wsllm.engine.live import LiveRequests
@@ -27,10 +33,25 @@ from wsllm.wire import check_request
 
 log = logging.getLogger(__name__)
 
+#: TEST ONLY: a token id; an engine step running a request whose prompt holds it is held
+HOLD_STEP_ENV = "WSLLM_TEST_HOLD_STEP_TOKEN"
+
 
 class Intake:
     def __init__(self, engine: Engine, broker: BrokerSide, live: LiveRequests) -> None:
         self.engine, self.broker, self.live = engine, broker, live
+        hold = os.environ.get(HOLD_STEP_ENV, "")
+        self._hold_token = int(hold) if hold.strip().isdigit() else None
+        if self._hold_token is not None:
+            log.warning("%s=%d: test-only, steps that run such a request never return", HOLD_STEP_ENV, self._hold_token)
+        #: the live requests of death (`HOLD_STEP_ENV`); empty unless it is set
+        self.doomed: set[str] = set()
+
+    def holds_step(self) -> bool:
+        """Whether the engine's next step runs a request of death (test only)."""
+        if self.doomed:
+            self.doomed &= set(self.live.ids())
+        return bool(self.doomed)
 
     def admit(self, requests: list[GenerateRequest]) -> list[TokenEvent]:
         """Add what can be added (each then live); the error events of the rest."""
@@ -50,6 +71,8 @@ class Intake:
             error = self._add(r)
             if error is None:
                 self.live.add(r.request_id)
+                if self._hold_token is not None and self._hold_token in r.prompt_token_ids:
+                    self.doomed.add(r.request_id)
             else:
                 errors.append(error)
         return errors

@@ -188,6 +188,8 @@ class EngineWorker:
     def _step(self) -> list[TokenEvent]:
         self._step_since = time.monotonic()
         try:
+            if self._intake.holds_step():  # test only (intake.HOLD_STEP_ENV): a request of death
+                self._stop.wait()
             outputs = self.engine.step()
         except Exception:  # keep serving: fail what the engine held, not the process
             log.exception("engine step failed; failing %d requests", len(self._live))
