@@ -53,7 +53,11 @@ def wait_serving(serves: list[Serve], engines: int, timeout: float) -> float:
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
                 health = httpx.get(f"{s.base}/health", timeout=2)
                 ready = httpx.get(f"{s.base}/ready", timeout=2)
-                if health.status_code == 200 and ready.status_code == 200 and ready.json()["engines"] >= engines:
+                if (
+                    health.status_code == 200
+                    and ready.status_code == 200
+                    and ready.json()["engines"] >= engines
+                ):
                     break
             assert s.alive(), f"{s.name} exited:\n{s.tail()}"
             assert time.monotonic() - t0 < timeout, f"{s.name} not serving after {timeout}s:\n{s.tail()}"
@@ -78,6 +82,7 @@ def test_a_request_of_death_stalls_two_engines_at_most_and_both_serve_again(
         took = wait_serving(serves, engines=2, timeout=30)
         assert sum(s.exits() for s in serves) == 2, [s.tail() for s in serves]
         assert all(s.exits() == 1 for s in serves), [s.tail() for s in serves]
+
         # serving again, on both gateways (and, across them, both engines)
         async def answers() -> list[Any]:
             bodies = [{"prompt": [5, 6, 7], "max_tokens": 4}] * 6

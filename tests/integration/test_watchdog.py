@@ -57,7 +57,7 @@ def test_a_held_step_ends_its_streams_with_engine_stalled_and_health_says_why(
     srv: Any, held: HeldSteps
 ) -> None:
     stalls: list[str] = []
-    dog = Watchdog(srv.worker, STALL_S, stalls.append).start()
+    dog = Watchdog(srv.worker, STALL_S, stalls.append, 4.0).start()
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     assert httpx.get(f"{srv.base_url}/health").status_code == 200
     error: dict[str, Any] = {}

@@ -196,6 +196,32 @@ def test_an_engine_hands_its_requests_back_and_another_resumes_them(brokers) -> 
     assert [(e.seq, e.token_ids) for e in events] == [(0, [21]), (1, [22])]
 
 
+def test_a_hand_back_keeps_the_request_deliveries_and_it_is_dead_lettered_past_the_max(brokers) -> None:
+    """Engines that each take a request and hand it back (a drain): its delivery count
+    goes on across the new queue entries, so a request that no engine can finish ends
+    after `max_deliveries` instead of going round for ever."""
+    gw = brokers()
+    asyncio.run(gw.submit(req("r5b", temperature=0.8)))
+    for i in range(LEASE.max_deliveries):
+        engine = brokers(f"engine-{i}")
+        assert pull_until(engine)[0].request_id == "r5b"
+        assert engine.release(["r5b"]) == []
+    assert pull_for(brokers("engine-last"), 1.0) == []
+    (err,) = asyncio.run(read(gw, "r5b"))
+    assert err.error_code == "worker_lost" and "dead-letter" in (err.error or ""), err
+
+
+def test_a_request_a_stalled_engine_handed_on_is_not_handed_on_by_a_second(brokers) -> None:
+    gw, a, b, c = brokers(), brokers("engine-a"), brokers("engine-b"), brokers("engine-c")
+    asyncio.run(gw.submit(req("r5c")))
+    pull_until(a)
+    assert a.release(["r5c"], stalled=True) == []  # the first stall hands it on, marked
+    pull_until(b)
+    assert b.held.get("r5c").stalls == 1
+    assert b.release(["r5c"], stalled=True) == ["r5c"]  # the second keeps it: the worker ends it
+    assert pull_for(c, 1.0) == []  # never a third engine
+
+
 # -- aborts, resume, queue --------------------------------------------------------------------
 
 

@@ -4,6 +4,10 @@ healthcheck: it reads the same WSLLM_* settings as `wsllm engine`.
 
 With `WSLLM_ENGINE_ID` set, it checks that engine; otherwise any engine whose id
 starts with this host's name (`wsllm engine` names itself `<hostname>-<pid>`).
+
+`engine_alive` and `forget_engine` are the same reads and writes for a tool: `wsllm
+serve --broker redis://`'s supervisor waits for its child's heartbeat with the one and
+removes a dead child's registration with the other.
 """
 
 from __future__ import annotations
@@ -24,6 +28,20 @@ def engine_alive(url: str, rcfg: RedisConfig, engine_id: str) -> bool:
     r = sync_client(url, rcfg)
     try:
         return bool(r.exists(Keys(rcfg.redis_prefix).engine(engine_id)))
+    finally:
+        r.close()
+
+
+def forget_engine(url: str, rcfg: RedisConfig, engine_id: str) -> None:
+    """Remove `engine_id` from the registry (as the engine's own deregister does): an
+    engine process that died, so that gateways stop counting it before its TTL."""
+    keys = Keys(rcfg.redis_prefix)
+    r = sync_client(url, rcfg)
+    try:
+        pipe = r.pipeline(transaction=False)
+        pipe.delete(keys.engine(engine_id))
+        pipe.srem(keys.engines, engine_id)
+        pipe.execute()
     finally:
         r.close()
 

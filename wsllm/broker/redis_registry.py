@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import redis.exceptions
 
-from wsllm.broker.base import MAX_TOKENIZER_BYTES, TOKENIZER_FILES
+from wsllm.broker.base import MAX_TOKENIZER_BYTES, STALL_HANDOFFS, TOKENIZER_FILES
 from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_held import HeldRequests
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
@@ -106,17 +106,20 @@ class Registry:
         except redis.exceptions.ResponseError:
             pass
 
-    def release(self, request_ids: list[str]) -> list[str]:
+    def release(self, request_ids: list[str], stalled: bool = False) -> list[str]:
         """Re-queue held requests (marked `h`: their result streams are checked when
-        they are pulled again; counted as waiting until a take delivers them) and ack
-        the old entries, atomically per request; then wake the model's engines."""
+        they are pulled again; counted as waiting until a take delivers them; with their
+        deliveries so far, `dv`, and, `x`, the stalled engines that held them, this one
+        too when `stalled`) and ack the old entries, atomically per request; then wake the
+        model's engines. A stalled engine keeps what a stalled engine handed on before."""
         left = []
         for rid in request_ids:
             held = self.held.get(rid)
-            if held is None or held.dropped:
+            if held is None or held.dropped or (stalled and held.stalls >= STALL_HANDOFFS):
                 left.append(rid)
                 continue
-            fields = {"r": encode(held.request), "h": "1", "s": held.results, "st": held.start}
+            marks = {"dv": held.deliveries, "x": held.stalls + stalled}
+            fields = {"r": encode(held.request), "h": "1", "s": held.results, "st": held.start} | marks
             pipe = self.r.pipeline(transaction=True)
             pipe.xadd(self.queue, fields)
             pipe.xack(self.queue, GROUP, held.entry_id)

@@ -43,7 +43,11 @@ class Intake:
         hold = os.environ.get(HOLD_STEP_ENV, "")
         self._hold_token = int(hold) if hold.strip().isdigit() else None
         if self._hold_token is not None:
-            log.warning("%s=%d: test-only, steps that run such a request never return", HOLD_STEP_ENV, self._hold_token)
+            log.warning(
+                "%s=%d: test-only, steps that run such a request never return",
+                HOLD_STEP_ENV,
+                self._hold_token,
+            )
         #: the live requests of death (`HOLD_STEP_ENV`); empty unless it is set
         self.doomed: set[str] = set()
 

@@ -15,11 +15,13 @@ The engine and the broker side it uses are Protocols (worker_contract.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -30,6 +32,11 @@ from wsllm.engine.worker_contract import BrokerSide, Engine
 from wsllm.types import ERR_ENGINE_STALLED, ERR_INTERNAL, ERR_WORKER_LOST, EngineInfo, TokenEvent
 
 log = logging.getLogger(__name__)
+
+#: what `busy()` says of an engine step
+STEP = "one step"
+#: the steps whose longest is what a step of this engine takes (`expected_s`)
+STEP_TIMES = 16
 
 
 class EngineWorker:
@@ -59,7 +66,9 @@ class EngineWorker:
         self._stepped = threading.Condition()
         self._last_heartbeat = 0.0
         self._last_info: EngineInfo | None = None
-        self._step_since: float | None = None  # time.monotonic() the step in progress began
+        # what the engine is doing now, since when (time.monotonic()): the watchdog's reading
+        self._busy: tuple[float, str] | None = None
+        self._step_s: deque[float] = deque(maxlen=STEP_TIMES)  # the last steps' seconds
         self._gate = threading.Lock()  # a step's publish, or a watchdog's give_up: one at a time
         self.stalled: str | None = None  # why the watchdog gave up on this engine
         self._prefix_at = 0.0  # when the cached prefix blocks were last published
@@ -162,9 +171,18 @@ class EngineWorker:
         if room > 0:  # a broker that can choose takes the engine's order: priority, then fairness
             ranker = self.engine.admission_rank()
             rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
-        events = self._intake.admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
-        self._apply_aborts(self.broker.aborts())
-        apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
+        pulled = self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank)
+        # The engine's work is timed for the watchdog, the broker's calls are not (a Redis
+        # outage is not a stall: the leases and the orphan deadline cover it).
+        with self._working("adding requests"):
+            events = self._intake.admit(pulled)
+        aborts = self.broker.aborts()
+        with self._working("applying aborts"):
+            self._apply_aborts(aborts)
+        with self._working("applying adapter commands"):
+            apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
+        if self._given_up():
+            return 0
         if self.engine.has_unfinished():
             events += self._step()
         self._maybe_publish_prefix(any(e.finish_reason for e in events))  # before the answers end
@@ -185,8 +203,17 @@ class EngineWorker:
             except Exception:
                 log.exception("aborting %s failed", rid)
 
+    @contextlib.contextmanager
+    def _working(self, what: str) -> Iterator[None]:
+        self._busy = (time.monotonic(), what)
+        try:
+            yield
+        finally:
+            self._busy = None
+
     def _step(self) -> list[TokenEvent]:
-        self._step_since = time.monotonic()
+        started = time.monotonic()
+        self._busy = (started, STEP)
         try:
             if self._intake.holds_step():  # test only (intake.HOLD_STEP_ENV): a request of death
                 self._stop.wait()
@@ -195,14 +222,10 @@ class EngineWorker:
             log.exception("engine step failed; failing %d requests", len(self._live))
             return self._fail_all(ERR_INTERNAL, "the engine failed while serving this request")
         finally:
-            self._step_since = None
-        with self._gate:
-            if self.stalled is not None:  # given up on meanwhile: its requests are elsewhere now
-                for rid in self._live.ids():
-                    self.engine.abort(rid)
-                    self._live.drop(rid)
-                self._stop.set()
-                return []
+            self._busy = None
+        if self._given_up():
+            return []
+        self._step_s.append(time.monotonic() - started)
         with self._stepped:
             self.steps += 1
             self._stepped.notify_all()
@@ -210,6 +233,18 @@ class EngineWorker:
         for out in outputs:
             events.extend(self._live.events_of(out))
         return events
+
+    def _given_up(self) -> bool:
+        """The watchdog gave up on the engine meanwhile: its requests are elsewhere now;
+        what the engine still holds is dropped and the loop ends."""
+        with self._gate:
+            if self.stalled is None:
+                return False
+            for rid in self._live.ids():
+                self.engine.abort(rid)
+                self._live.drop(rid)
+            self._stop.set()
+            return True
 
     def _fail_all(self, code: str, message: str) -> list[TokenEvent]:
         events = []
@@ -245,22 +280,32 @@ class EngineWorker:
 
     # -- the watchdog (watchdog.py), from its own thread ---------------------------------
 
-    def step_started(self) -> float | None:
-        """When the step in progress began (time.monotonic()); None between steps."""
-        return self._step_since
+    def busy(self) -> tuple[float, str] | None:
+        """(since when, what): the engine's work in progress (`STEP`, or adding requests,
+        applying aborts or adapter commands); None while the worker waits on its broker."""
+        return self._busy
+
+    def expected_s(self) -> float:
+        """What a step of this engine takes, by its last `STEP_TIMES` steps: the longest
+        (a long prompt's next chunk costs about what its last one did); 0 before any."""
+        return max(self._step_s, default=0.0)
 
     def give_up(self, reason: str) -> None:
-        """The engine is stuck in a step: hand its requests back to the broker (another
-        engine takes them), end those it cannot take back with `engine_stalled`, and
+        """The engine is stuck: hand its requests back to the broker, marked as held by a
+        stalled engine (another engine takes them; one it had already handed on after a
+        stall stays, `BrokerSide.release`), end those that stay with `engine_stalled`, and
         heartbeat once more with `stats["stalled"]` (the gateway's /health reads it).
         Called from the watchdog's thread while this worker's is stuck in the engine;
-        if the step ever returns, its results are dropped and the loop ends."""
+        if the engine ever returns, its results are dropped and the loop ends."""
         with self._gate:
             self.stalled = reason
             ids = self._live.ids()
-            stays = set(self.broker.release(ids)) if ids else set()  # what could not go back
-            message = f"the engine stopped making progress: {reason}"
-            events = [self._live.failure(rid, ERR_ENGINE_STALLED, message) for rid in ids if rid in stays]
+            stays = set(self.broker.release(ids, stalled=True)) if ids else set()  # not handed on
+            events = [
+                self._live.failure(rid, ERR_ENGINE_STALLED, _stalled(rid, reason))
+                for rid in ids
+                if rid in stays
+            ]
             if events:
                 self.broker.publish(events)
             last = self._last_info or EngineInfo(
@@ -291,3 +336,10 @@ class EngineWorker:
             engine_id=self.engine_id, model=e.model_name, max_model_len=e.max_model_len, aliases=self.aliases,
             adapters=held_adapters(e), stats=asdict(e.stats()),
         )  # fmt: skip
+
+
+def _stalled(request_id: str, reason: str) -> str:
+    return (
+        f"the engine stopped making progress: {reason}; request {request_id} is not handed to another "
+        "engine (a request held by a stalled engine is handed to another engine at most once)"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -39,19 +40,26 @@ async def health(request: Request) -> Response:
     is down would leave every request hanging), its broker answers (a Redis that
     does not would fail every submit), and no engine it sees is stuck in a step (the
     watchdog's reason, from that engine's last heartbeat: in-process, the engine is
-    this process, which exits for its supervisor to restart it)."""
-    why = None
-    gw = _gateway(request)
-    if not _reader_running(request):
-        why = "the event reader is not running (it restarts by itself)"
-    elif not await gw.broker.reachable(_HEALTH_PING_S):
-        why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
-    else:
-        stalled = [str(e.stats["stalled"]) for e in await gw.models.engines() if e.stats.get("stalled")]
-        why = stalled[0] if stalled else None
+    this process, which exits for its supervisor to restart it), and no engine child
+    of this process is down (`wsllm serve --broker redis://`: `process_health`, the
+    supervisor's reason while it restarts one)."""
+    why = await _unhealthy(request)
     if why is not None:
         return JSONResponse({"status": "unhealthy", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ok"})
+
+
+async def _unhealthy(request: Request) -> str | None:
+    gw = _gateway(request)
+    process: Callable[[], str | None] | None = getattr(request.app.state, "process_health", None)
+    if process is not None and (why := process()) is not None:
+        return why
+    if not _reader_running(request):
+        return "the event reader is not running (it restarts by itself)"
+    if not await gw.broker.reachable(_HEALTH_PING_S):
+        return f"the broker did not answer within {_HEALTH_PING_S:g}s"
+    stalled = [str(e.stats["stalled"]) for e in await gw.models.engines() if e.stats.get("stalled")]
+    return stalled[0] if stalled else None
 
 
 async def ready(request: Request) -> Response:
