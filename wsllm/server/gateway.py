@@ -137,6 +137,7 @@ class Gateway:
     ) -> Generation:
         gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
         gen.resume_token, prep.context.token_sha256 = new_token(rid)
+        prep.context.tenant = tenant.name  # its resume is this tenant's alone
         now = time.time()
         deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(
@@ -170,7 +171,7 @@ class Gateway:
             if found is None:
                 return None
             ctx = ResumeContext.decode(found.context)
-            if not ctx.matches(secret):
+            if not ctx.matches(secret, tenant.name):  # a wrong token, or another tenant's
                 return None
             model = await self.models.served(ctx.model or self.model_name)
             ticket = await take_lease(self.limiter, tenant, found.request_id)

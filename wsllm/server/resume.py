@@ -93,6 +93,8 @@ class ResumeContext:
     include_usage: bool = False  # SSE: a last chunk with the usage
     token_sha256: str = ""  # hash of the resume token's secret; set at submission
     lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
+    #: the tenant whose key started it: only that tenant resumes it (set at submission)
+    tenant: str = ""
 
     @property
     def served_as(self) -> str:
@@ -124,9 +126,12 @@ class ResumeContext:
             include_usage,
         )
 
-    def matches(self, secret: str) -> bool:
-        """Whether `secret` is the one its resume token was made with (constant time)."""
-        return bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
+    def matches(self, secret: str, tenant: str) -> bool:
+        """Whether `secret` is the one its resume token was made with (constant time),
+        shown by the tenant that started it (another key with the token is refused as a
+        wrong token is: it learns nothing)."""
+        ok = bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
+        return ok and hmac.compare_digest(self.tenant.encode(), tenant.encode())
 
     def encode(self) -> dict[str, Any]:
         """A plain dict of JSON values (what the broker stores); `lora` only when set, so that
@@ -164,4 +169,5 @@ class ResumeContext:
             get("include_usage", False, lambda x: isinstance(x, bool)),
             get("token_sha256", "", lambda x: isinstance(x, str)),
             get("lora", "", lambda x: isinstance(x, str)),
+            get("tenant", "", lambda x: isinstance(x, str)),
         )
