@@ -134,11 +134,12 @@ class ResumeContext:
         return ok and hmac.compare_digest(self.tenant.encode(), tenant.encode())
 
     def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores); `lora` only when set, so that
-        a gateway that predates it reads the rest as ever."""
+        """A plain dict of JSON values (what the broker stores); `lora` and `tenant` only when
+        set, so that a gateway that predates them reads the rest as ever."""
         d = asdict(self) | {"api": self.api.value}
-        if not d["lora"]:
-            del d["lora"]
+        for key in ("lora", "tenant"):
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
