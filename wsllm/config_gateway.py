@@ -97,6 +97,18 @@ class GatewayConfig:
     max_requests_per_socket: int = field(
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )
+    max_sockets_per_tenant: int = field(
+        default=32,
+        metadata={
+            "help": "WebSockets one tenant may hold open on this gateway (a handshake past it: close 1013)"
+        },
+    )
+    max_sockets: int = field(
+        default=1024,
+        metadata={
+            "help": "WebSockets open on this gateway, every tenant's (about 85 KB each; past it: close 1013)"
+        },
+    )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
     max_queue_share: float = field(
         default=0.5,
@@ -174,6 +186,8 @@ class GatewayConfig:
         positive = (
             "max_messages",
             "max_requests_per_socket",
+            "max_sockets_per_tenant",
+            "max_sockets",
             "max_buffered_events",
             "ws_outbox_messages",
             "max_embedding_inputs",

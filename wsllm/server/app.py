@@ -44,6 +44,7 @@ from wsllm.server.middleware import (
     JsonBodyMiddleware,
     SecurityHeadersMiddleware,
 )
+from wsllm.server.sockets import SocketCaps
 from wsllm.server.tenants import Tenants, anonymous_tenant
 from wsllm.server.text import TextCodec
 from wsllm.server.wing import Wing
@@ -173,6 +174,7 @@ def create_app(
     )
     app.state.gateway = gw
     app.state.ws_kinds = {kind: k for w in wings for kind, k in w.ws.items()}
+    app.state.sockets = SocketCaps(cfg.max_sockets_per_tenant, cfg.max_sockets)
     return app
 
 

@@ -16,8 +16,10 @@ lease. A request whose client left while it runs on for a resume (Redis) keeps i
 lease until its grace abort, and is not refunded: its tokens are still being made.
 A call that generates nothing (`/tokenize`, `count_tokens`) is admitted the same way,
 with its prompt's coarse charge, and settles at its exact token count (`Ticket.settle`).
-Resumes take one request from rpm (`meter_call`) and the lease again. The rules of the
-buckets are in `wsllm/broker/limits.py`."""
+Resumes take one request from rpm (`meter_call`) and the lease again. An HTTP call takes its
+first request of rpm before its body is read (`take_request`: a key past its rpm costs the
+gateway no read and no validation), a WebSocket one at its handshake; admission then takes
+the rest (`admit(..., paid=)`). The rules of the buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
@@ -256,7 +258,12 @@ class Ticket:
 
 
 async def admit(
-    limiter: Limiter, tenant: Tenant, request_id: str, tokens: int, least: int | None = None
+    limiter: Limiter,
+    tenant: Tenant,
+    request_id: str,
+    tokens: int,
+    least: int | None = None,
+    paid: Decision | None = None,
 ) -> Ticket:
     """Take the request's share of the tenant's limits, or raise a 429 APIError. A
     charge that is an estimate (`least`: what the exact one cannot be below) is refused
@@ -264,13 +271,20 @@ async def admit(
     bucket, `min(estimate, tpm)`, for now (the prompt is often fewer tokens than its
     bytes tell), and `Ticket.refine` decides. Taking less would let every concurrent
     request of the tenant in on almost nothing and drive the bucket into a debt once
-    per request when their exact charges come (tpm 1,000, 8 at once: -5,656)."""
+    per request when their exact charges come (tpm 1,000, 8 at once: -5,656). `paid`: its
+    request of rpm was taken already (`take_request`), whose figures its headers carry."""
     err = too_large(tenant, tokens if least is None else least)
     if err is not None:
         raise err
     tpm = tenant.limits.tpm
     take = min(tokens, tpm) if tpm is not None else tokens
-    return await _take(limiter, tenant, tenant.limits, request_id, take)
+    limits = tenant.limits if paid is None else dataclasses.replace(tenant.limits, rpm=None)
+    ticket = await _take(limiter, tenant, limits, request_id, take)
+    if paid is not None:
+        rpm = {"remaining_requests": paid.remaining_requests, "reset_requests_s": paid.reset_requests_s}
+        ticket.decision = dataclasses.replace(ticket.decision, **rpm)
+        ticket.headers = ratelimit_headers(tenant, ticket.decision)
+    return ticket
 
 
 def check_priority(priority: int, tenant: Tenant, default_cap: int) -> None:
@@ -295,10 +309,17 @@ def counted(metrics: Metrics, tenant: Tenant) -> Iterator[None]:
 async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:
     """Take one request from the tenant's rpm for a resume's replay, or raise a 429
     APIError. Its x-ratelimit-* headers."""
+    paid = await take_request(limiter, tenant)
+    return {} if paid is None else ratelimit_headers(tenant, paid)
+
+
+async def take_request(limiter: Limiter, tenant: Tenant) -> Decision | None:
+    """One request of the tenant's rpm, before anything is read or done for the call, or
+    a 429 APIError; None for a tenant without an rpm."""
     if tenant.limits.rpm is None:
-        return {}
+        return None
     ticket = await _take(limiter, tenant, Limits(rpm=tenant.limits.rpm), "", 0)
-    return ticket.headers
+    return ticket.decision
 
 
 async def take_lease(limiter: Limiter, tenant: Tenant, request_id: str) -> Ticket:
