@@ -59,7 +59,9 @@ def auth(key: str) -> dict[str, str]:
 
 def test_a_key_past_its_rpm_is_refused_before_its_body_is_read(base: str) -> None:
     for _ in range(2):  # the key's two requests of the minute
-        assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=auth("sk-tight")).status_code == 200
+        assert (
+            httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=auth("sk-tight")).status_code == 200
+        )
     # the third sends its headers, a 1 MiB body announced and never sent: refused at once
     host = urlsplit(base)
     with socket.create_connection((host.hostname, host.port), timeout=10) as s:

@@ -281,8 +281,11 @@ async def admit(
     limits = tenant.limits if paid is None else dataclasses.replace(tenant.limits, rpm=None)
     ticket = await _take(limiter, tenant, limits, request_id, take)
     if paid is not None:
-        rpm = {"remaining_requests": paid.remaining_requests, "reset_requests_s": paid.reset_requests_s}
-        ticket.decision = dataclasses.replace(ticket.decision, **rpm)
+        ticket.decision = dataclasses.replace(
+            ticket.decision,
+            remaining_requests=paid.remaining_requests,
+            reset_requests_s=paid.reset_requests_s,
+        )
         ticket.headers = ratelimit_headers(tenant, ticket.decision)
     return ticket
 
