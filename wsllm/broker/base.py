@@ -136,6 +136,10 @@ class GatewayBroker(abc.ABC):
         """Whether the broker's store answers within `timeout` seconds (`/health`)."""
         return True
 
+    async def retire(self, request_id: str, model: str, tenant: str) -> None:  # noqa: B027 - optional hook
+        """The request's client took its whole answer: nothing needs its events for a resume
+        any more (a resumable broker drops them now instead of after its retention)."""
+
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """This gateway stops receiving `request_id`'s events; the request goes on."""
 

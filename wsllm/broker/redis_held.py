@@ -30,6 +30,7 @@ class Held:
     flushed_at: float = 0.0
     dropped: bool = False  # not ours any more (lost lease, handed back): publish nothing
     aborted: bool = False  # the worker was told to abort it
+    history_bytes: int = 0  # of its events written to its history stream by this engine
     deliveries: int = 1  # to any engine, this one's included (kept across hand-backs: `dv`)
     stalls: int = 0  # stalled engines that held it before and handed it on (`x`)
 
