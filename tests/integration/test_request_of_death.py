@@ -4,7 +4,9 @@ test-only hold of wsllm/engine/intake.py, `WSLLM_TEST_HOLD_STEP_TOKEN`) against 
 engines: no model). The first engine's watchdog hands it back once, marked; the second
 ends it with `engine_stalled` naming it, and it never reaches a third engine; both
 children exit with status 3, their supervisors start them again, and both serve within
-30 s."""
+30 s. The stall timeout is longer than the lease: a stuck engine's watchdog keeps its
+leases fresh, so the request leaves it by the watchdog's hand-back alone (marked), never
+by a reclaim that would know nothing of the stall."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from redis_fixtures import FAST_FLAGS, Proc, free_port, sse_text
 from wsllm.broker.redis_keys import GROUP, Keys
 
 DEATH = 4711  # the token whose requests hold their engine's step
-STALL_S = 1.0
+STALL_S = 3.0  # longer than the lease (2 s): a stuck engine keeps its leases, nobody reclaims
 
 
 class Serve(Proc):

@@ -354,6 +354,9 @@ class _Busy:
     def expected_s(self) -> float:
         return self.expected
 
+    def keepalive(self) -> None:
+        pass
+
     def give_up(self, reason: str) -> None:
         raise AssertionError("not called by check()")
 

@@ -12,7 +12,11 @@ outage is not stuck (the leases and the orphan deadline cover Redis).
 
 `Watchdog` looks at one worker from a thread of its own, every quarter of the timeout
 (at most every second): the worker says since when it has been busy and with what
-(`EngineWorker.busy`). Once stuck it asks the worker to give up (`EngineWorker.give_up`:
+(`EngineWorker.busy`). While it is busy and not stuck the watchdog sends its heartbeat
+for it (`EngineWorker.keepalive`): a long step keeps the engine registered and its Redis
+leases fresh, so its requests are not reclaimed by another engine (only a process that
+died loses them), and a stuck engine's requests leave it through `give_up` alone,
+marked. Once stuck it asks the worker to give up (`EngineWorker.give_up`:
 its requests go back to the broker's queue for another engine, marked, each at most
 once after a stall; what the broker cannot take back (in-process), or a request a
 stalled engine had handed on before, ends with `engine_stalled`; its last heartbeat
@@ -42,6 +46,7 @@ class Watched(Protocol):
 
     def busy(self) -> tuple[float, str] | None: ...
     def expected_s(self) -> float: ...
+    def keepalive(self) -> None: ...
     def give_up(self, reason: str) -> None: ...
 
 
@@ -93,6 +98,7 @@ class Watchdog:
         while not self._stop.wait(period):
             reason = self.check()
             if reason is None:
+                self.worker.keepalive()  # busy, not stuck: its heartbeat (and leases) go on
                 continue
             log.critical("%s: giving up on it", reason)
             self.fired = reason

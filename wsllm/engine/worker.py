@@ -290,6 +290,21 @@ class EngineWorker:
         (a long prompt's next chunk costs about what its last one did); 0 before any."""
         return max(self._step_s, default=0.0)
 
+    def keepalive(self) -> None:
+        """From the watchdog's thread while the engine is busy and not given up on: its
+        last heartbeat again, when one is due (a Redis engine's leases are refreshed with
+        it), so that a long step does not pass for a dead engine whose requests another
+        engine reclaims; whether the engine is stuck is the watchdog's to say, and only a
+        process that died loses its leases."""
+        if self._busy is None or self._last_info is None:
+            return
+        if time.monotonic() - self._last_heartbeat < self.heartbeat_s:
+            return
+        with self._gate:
+            if self.stalled is None:
+                self._last_heartbeat = time.monotonic()
+                self.broker.heartbeat(self._last_info)
+
     def give_up(self, reason: str) -> None:
         """The engine is stuck: hand its requests back to the broker, marked as held by a
         stalled engine (another engine takes them; one it had already handed on after a
