@@ -37,7 +37,7 @@ if redis.call('ZCARD', z) == 0 then
   redis.call('DEL', z, b)
 else
   redis.call('HSET', b, '_', math.max(total, 0))
-  redis.call('PEXPIRE', z, keep + 60000)
-  redis.call('PEXPIRE', b, keep + 60000)
+  redis.call('PEXPIRE', z, keep + 1000)
+  redis.call('PEXPIRE', b, keep + 1000)
 end
 return dropped
