@@ -222,6 +222,46 @@ def test_a_request_a_stalled_engine_handed_on_is_not_handed_on_by_a_second(broke
     assert pull_for(c, 1.0) == []  # never a third engine
 
 
+def test_requests_waiting_for_an_adapter_every_engine_unloaded_are_refused_at_once(brokers) -> None:
+    """A request for adapter A waits in A's set, which only A's holders take from: once an
+    unload took A from every engine that answered, nothing would ever take it (it waited
+    out --queue-timeout-s): it is refused then, as the memory broker's engine refuses it."""
+    import threading
+
+    from wsllm.types import AdapterCommand, AdapterReply
+
+    gw, engine = brokers(), brokers("engine-a")
+    assert engine.pull(1, timeout=0.05) == []  # it started (and from now on is full)
+    engine.heartbeat(EngineInfo("engine-a", "m", 2048, adapters=["A"]))
+    asyncio.run(gw.submit(replace(req("wA"), lora="A")))
+    stop = threading.Event()
+
+    def engine_loop() -> None:  # a full engine (takes nothing) that answers commands
+        while not stop.is_set():
+            engine.pull(0, timeout=0.05)
+            engine.aborts()
+            for c in engine.commands():
+                engine.reply(AdapterReply(c.command_id, "engine-a"))
+
+    t = threading.Thread(target=engine_loop, daemon=True)
+    t.start()
+    try:
+
+        async def unload_then_read() -> list[TokenEvent]:
+            reader = asyncio.create_task(read(gw, "wA"))
+            await gw.command("m", AdapterCommand("c1", "unload", "A"), 1, 10)
+            return await reader
+
+        t0 = time.monotonic()
+        (err,) = asyncio.run(unload_then_read())
+        assert time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+        t.join(5)
+    assert err.error_code == "invalid_request" and "'A' was unloaded" in (err.error or ""), err
+    assert asyncio.run(gw.pending()) == 0
+
+
 # -- aborts, resume, queue --------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ TAKE = lua("queue_lib", "queue_take")
 EXPIRE = lua("queue_lib", "queue_sets", "queue_expire")
 POSITIONS = lua("queue_sets", "queue_positions")
 ABORT = lua("queue_lib", "queue_abort")
+REFUSE = lua("queue_lib", "queue_refuse")
 # The engine registry and an engine's leases on the entries it holds.
 ENGINES = lua("engines")
 REFRESH = lua("lease_refresh")
