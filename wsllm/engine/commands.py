@@ -2,7 +2,9 @@
 applied by the worker between two steps: each command the broker delivered is applied to
 the engine's adapters (engine/adapters.py), the engine's heartbeat is sent at once (so that
 the gateways see its adapters change before the answers reach them), then each command is
-answered. A command that fails costs nothing else: the engine serves on.
+answered. A command that fails costs nothing else: the engine serves on. A refusal the
+operator can fix (a bad path or file, a rank over the limit) is a 400 saying why; only
+what the engine did not foresee is a 500.
 
 Loading reads and checks the adapter on the step thread: the engine's steps pause for as
 long as that takes (a few milliseconds for a rank-8 adapter of a small model)."""
@@ -12,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from safetensors import SafetensorError
 
 from wsllm.types import AdapterCommand, AdapterReply
 
@@ -55,6 +59,10 @@ def apply_one(engine: Any, command: AdapterCommand, engine_id: str) -> AdapterRe
         reply.status, reply.error = 404, f"the LoRA adapter {command.name!r} is not loaded"
     except ValueError as e:  # models/lora.py: AdapterError, and the registry's refusals
         reply.status, reply.error = 400, str(e)
+    except SafetensorError as e:  # a weights file that is not what it says: the operator's to fix
+        reply.status, reply.error = 400, f"{command.path}: its weights (safetensors) cannot be read: {e}"
+    except OSError as e:
+        reply.status, reply.error = 400, f"{command.path}: the adapter cannot be read: {e}"
     except Exception:
         log.exception("adapter command %s %s failed", command.action, command.name)
         reply.status, reply.error = 500, f"{command.action} of {command.name!r} failed; see the engine's log"
