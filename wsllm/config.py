@@ -207,6 +207,13 @@ class EngineConfig:
     max_lora_rank: int = field(
         default=64, metadata={"help": "the largest LoRA rank an adapter may have (1-256)"}
     )
+    allow_adapter_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "the directory POST /v1/load_lora_adapter may load adapters from (and below it); unset: "
+            "run-time loads are refused (--lora at start is always read)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_speculative()

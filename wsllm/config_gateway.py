@@ -37,6 +37,13 @@ class GatewayConfig:
     anonymous_max_concurrent: int = field(
         default=128, metadata={"help": "requests in flight at once of all keyless clients; 0: unlimited"}
     )
+    anonymous_operator: bool = field(
+        default=False,
+        metadata={
+            "help": "on a gateway that requires no key, every client is the operator (may load and unload LoRA "
+            "adapters); off: nobody there may"
+        },
+    )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest HTTP body"})
     max_ws_message_bytes: int = field(default=1 << 20, metadata={"help": "largest WS message"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens accepted"})

@@ -23,8 +23,15 @@ from wsllm.models.lora import AdapterError
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.02, max_lora_rank=8)
+def llm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    allowed = str(tmp_path_factory.getbasetemp())  # every adapter these tests write
+    return LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_gb=0.02,
+        max_lora_rank=8,
+        allow_adapter_dir=allowed,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +90,36 @@ def test_bad_adapters_are_refused_at_run_time_and_the_engine_serves_on(
         adapters.unload("good")
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished()
+
+
+def test_a_run_time_load_reads_only_below_the_allowed_directory(
+    tiny_model_dir: Path, good: Path, tmp_path: Path
+) -> None:
+    """Without --allow-adapter-dir a run-time load is refused; with it, a path outside it
+    (or a link that leads out of it) is refused too; --lora at start is read wherever."""
+    from wsllm.engine.commands import apply_one
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.types import AdapterCommand
+
+    def engine(allow: str | None) -> Any:
+        c = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, max_num_seqs=1,
+                         lora=[f"boot={good}"], allow_adapter_dir=allow)  # fmt: skip
+        return LLMEngine.from_config(c)
+
+    off = engine(None)
+    assert off.adapters.names() == ["boot"]
+    reply = apply_one(off, AdapterCommand("c1", "load", "x", str(good)), "e1")
+    assert reply.status == 403 and "--allow-adapter-dir" in reply.error, reply
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "link").symlink_to(good, target_is_directory=True)  # leads out of it
+    shutil.copytree(good, allowed / "inside")
+    on = engine(str(allowed))
+    for path in (good, allowed / "link", allowed / "inside" / ".." / ".." / good.name):
+        reply = apply_one(on, AdapterCommand("c2", "load", "x", str(path)), "e1")
+        assert reply.status == 403 and "not below --allow-adapter-dir" in reply.error, (path, reply)
+    assert apply_one(on, AdapterCommand("c3", "load", "x", str(allowed / "inside")), "e1").status == 200
+    assert sorted(on.adapters.names()) == ["boot", "x"]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "bad-config"])

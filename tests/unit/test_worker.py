@@ -383,6 +383,8 @@ def test_the_watchdog_times_adapter_commands_too(engine: Any) -> None:
     release = threading.Event()
 
     class Adapters:
+        allow_dir = "/"
+
         def names(self) -> list[str]:
             return []
 

@@ -49,6 +49,8 @@ class Adapters:
         self.device = device  # where the pieces live: the model's
         self.dtype = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
         self._held: dict[str, LoraAdapter] = {}
+        #: where run-time loads may read from (engine/commands.py checks; None: nowhere)
+        self.allow_dir = config.allow_adapter_dir
         for name, path in config.lora_specs().items():
             self.load(name, path)
 

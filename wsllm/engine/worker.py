@@ -327,7 +327,8 @@ class EngineWorker:
                 self.engine_id, self.engine.model_name, self.engine.max_model_len
             )
             self.broker.heartbeat(replace(last, stats=last.stats | {"stalled": reason}))
-            log.critical("%s: %d requests handed back, %d ended", reason, len(ids) - len(events), len(events))
+            handed, ended = [rid for rid in ids if rid not in stays], sorted(stays)
+            log.critical("%s: handed back %s, ended %s", reason, handed[:16], ended[:16])
 
     def _maybe_publish_prefix(self, finished: bool) -> None:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this

@@ -82,8 +82,10 @@ async def metrics(request: Request) -> Response:
     gw.metrics.buffered_events.set(gw.router.buffered_events())
     gw.metrics.reader_restarts.set(gw.router.restarts)
     tenant = request_tenant(request.state)
-    # the models a key may use only; tenant names and every model: operators only
-    page = gw.metrics.render(None if tenant.operator else tenant.may_use, tenants=tenant.operator)
+    # the models a key may use only; tenant names and every model: operators only (and the
+    # keyless gateway's anonymous tenant, the only tenant there: its own figures)
+    sees_all = tenant.operator or tenant is getattr(request.app.state, "anonymous", None)
+    page = gw.metrics.render(None if sees_all else tenant.may_use, tenants=sees_all)
     return Response(page, media_type=CONTENT_TYPE_LATEST)
 
 
