@@ -48,8 +48,12 @@ from wsllm.types import ERR_RATE_LIMITED, SamplingParams
 log = logging.getLogger(__name__)
 
 # The coarse estimate of a text's tokens: about 4 bytes a token for English with the
-# usual BPE vocabularies; the exact charge after tokenizing corrects it either way.
+# usual BPE vocabularies, a token a digit (they split numbers digit by digit: a digit string
+# charged at 4 bytes a token reached 4.5x a key's tpm in a burst) and 2 bytes a token of
+# other scripts (a CJK character, 3 bytes, is 1-1.5 tokens); the exact charge after
+# tokenizing corrects it either way.
 _BYTES_PER_TOKEN = 4
+_NON_ASCII_BYTES_PER_TOKEN = 2
 _MESSAGE_OVERHEAD_TOKENS = 4  # a chat message's role and template markers
 
 
@@ -76,7 +80,7 @@ class Charge:
 def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> Coarse:
     """A request's token charge before tokenizing: its prompt's size in tokens,
     estimated from the text (exact for token ids; a fill-in-the-middle `suffix` counts
-    too), plus `width x max_tokens` (the client's, or the default; the context may lower
+    too), twice with prompt logprobs, plus `width x max_tokens` (the client's, or the default; the context may lower
     it, which the exact charge tells)."""
     if isinstance(req, CompletionRequest):
         p = req.single
@@ -85,6 +89,8 @@ def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int)
         prompt += text_tokens(req.suffix) if req.suffix is not None else 0
     else:
         known, prompt = 0, chat_prompt_tokens(req)
+    if getattr(req, "prompt_logprobs", None) is not None:  # a second pass over the prompt, as exact_charge
+        known, prompt = 2 * known, 2 * prompt
     max_tokens = req.requested_max_tokens
     width = req.n or 1
     if isinstance(req, CompletionRequest) and req.use_beam_search:
@@ -100,8 +106,13 @@ def chat_prompt_tokens(req: ChatRequest) -> int:
 
 
 def text_tokens(text: str) -> int:
-    """A text's tokens, estimated from its bytes."""
-    return -(-len(text.encode("utf-8", "surrogatepass")) // _BYTES_PER_TOKEN)
+    """A text's tokens, estimated from its bytes: never far below what the usual
+    tokenizers make of it (digits and other scripts are denser than English)."""
+    raw = text.encode("utf-8", "surrogatepass")
+    digits = sum(1 for c in text if "0" <= c <= "9")
+    wide = len(raw) - len(text.encode("ascii", "ignore"))  # the bytes of non-ASCII characters
+    rest = len(raw) - wide - digits
+    return digits + -(-wide // _NON_ASCII_BYTES_PER_TOKEN) + -(-rest // _BYTES_PER_TOKEN)
 
 
 def prompt_charge(tokens: int, exact: bool = False) -> Coarse:
