@@ -261,7 +261,11 @@ def test_headers_follow_openai() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["the quick brown fox jumps over the lazy dog " * 40, "31415926535897932384626433" * 60, "数据库的设计" * 80],
+    [
+        "the quick brown fox jumps over the lazy dog " * 40,
+        "31415926535897932384626433" * 60,
+        "数据库的设计" * 80,
+    ],
 )
 def test_the_coarse_charge_is_not_below_what_the_text_tokenizes_to(smollm_dir: Path, text: str) -> None:
     """Before tokenizing, a prompt is charged from its text: dense text (digits, which the
