@@ -116,6 +116,12 @@ class GatewayConfig:
             "help": "WebSockets open on this gateway, every tenant's (about 85 KB each; past it: close 1013)"
         },
     )
+    metrics_cache_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "a key without the metrics role gets /metrics rendered at most this often (its view's)"
+        },
+    )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
     max_queue_share: float = field(
         default=0.5,
@@ -206,6 +212,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.metrics_cache_s <= 3600:
+            raise ValueError(f"metrics_cache_s must be in [0, 3600] seconds, got {self.metrics_cache_s}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
         if self.text_work_threads < 1 or not 0 <= self.text_work_nice <= 19:

@@ -2,7 +2,8 @@
 read (a key past it is refused at once, whatever body it is sending), and at the
 WebSocket handshake, which is also held to a per-tenant and a total socket cap
 (`--max-sockets-per-tenant`, `--max-sockets`): a refused handshake is closed with 1013
-(try again later) and the reason. No engine pulls here (a registered heartbeat only)."""
+(try again later) and the reason; /metrics is rendered once per cache time for a key
+without the metrics role. No engine pulls here (a registered heartbeat only)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def base(tiny_model_dir: Path, uvicorn_thread: Any, tmp_path: Path) -> Iterator[
     keys.write_text(KEYS)
     broker = MemoryBroker()
     broker.heartbeat(EngineInfo("e1", "tiny", 2048))
-    cfg = GatewayConfig(api_keys_file=str(keys), max_sockets_per_tenant=2, max_sockets=3, frontend=False)
+    cfg = GatewayConfig(
+        api_keys_file=str(keys), max_sockets_per_tenant=2, max_sockets=3, metrics_cache_s=30, frontend=False
+    )
     with uvicorn_thread(lambda c: create_app(c, broker, tiny_model_dir, "tiny"), cfg) as (url, _):
         yield url
     broker.close()
@@ -70,10 +73,33 @@ def test_a_key_past_its_rpm_is_refused_before_its_body_is_read(base: str) -> Non
             "content-type: application/json\r\ncontent-length: 1048576\r\n\r\n"
         )
         s.sendall(head.encode())
-        answer = s.recv(65536).decode(errors="replace")
+        answer = ""
+        while "\r\n\r\n" not in answer or len(answer.partition("\r\n\r\n")[2]) < _length(answer):
+            chunk = s.recv(65536).decode(errors="replace")  # headers and body may come apart
+            assert chunk, answer
+            answer += chunk
     status, _, rest = answer.partition("\r\n")
     assert " 429 " in status, answer[:500]
     assert "rate_limited" in rest and "2 requests per minute" in rest, rest[-500:]
+
+
+def _length(answer: str) -> int:
+    head = answer.partition("\r\n\r\n")[0].lower()
+    for line in head.split("\r\n"):
+        if line.startswith("content-length:"):
+            return int(line.split(":", 1)[1])
+    return 0
+
+
+def test_metrics_are_rendered_once_per_cache_time_for_a_key_without_the_metrics_role(base: str) -> None:
+    """A page of /metrics is the gateway's CPU (a few ms a call): a key without the metrics
+    role gets its view's page from a cache of --metrics-cache-s (30 s here), however often
+    it asks: the error counted between its two pages is not in the second."""
+    first = httpx.get(f"{base}/metrics", headers=auth("sk-many"), timeout=30)
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": 5}, headers=auth("sk-many"), timeout=30)
+    assert bad.status_code == 400
+    second = httpx.get(f"{base}/metrics", headers=auth("sk-many"), timeout=30)
+    assert first.status_code == second.status_code == 200 and first.text == second.text
 
 
 async def _open(base: str, key: str) -> Any:

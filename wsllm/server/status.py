@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import time
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -77,16 +79,33 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """The page of the key's view. A key without the metrics role gets its view's page
+    rendered at most once per `--metrics-cache-s` (a page costs a few ms of the gateway's
+    CPU: its scrapes, however many, cost no more); an operator's is rendered fresh."""
     gw = _gateway(request)
-    await gw.models.refresh_gauges()
-    gw.metrics.buffered_events.set(gw.router.buffered_events())
-    gw.metrics.reader_restarts.set(gw.router.restarts)
     tenant = request_tenant(request.state)
     # the models a key may use only; tenant names and every model: operators only (and the
     # keyless gateway's anonymous tenant, the only tenant there: its own figures)
     sees_all = tenant.operator or tenant is getattr(request.app.state, "anonymous", None)
-    page = gw.metrics.render(None if sees_all else tenant.may_use, tenants=sees_all)
+    view = ("*", "tenants") if sees_all else tenant.models
+    pages: dict[tuple[str, ...], tuple[float, bytes]] = _pages(request)
+    at, page = pages.get(view, (-math.inf, b""))
+    if sees_all or time.monotonic() - at >= gw.cfg.metrics_cache_s:
+        await gw.models.refresh_gauges()
+        gw.metrics.buffered_events.set(gw.router.buffered_events())
+        gw.metrics.reader_restarts.set(gw.router.restarts)
+        page = gw.metrics.render(None if sees_all else tenant.may_use, tenants=sees_all)
+        pages[view] = (time.monotonic(), page)
     return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+
+def _pages(request: Request) -> dict[tuple[str, ...], tuple[float, bytes]]:
+    """The app's rendered /metrics pages, by view: (when, page)."""
+    state = request.app.state
+    if not hasattr(state, "metrics_pages"):
+        state.metrics_pages = {}
+    pages: dict[tuple[str, ...], tuple[float, bytes]] = state.metrics_pages
+    return pages
 
 
 async def usage(request: Request) -> Response:
