@@ -89,7 +89,9 @@ def test_a_stuck_engine_hands_its_request_back_and_exits_for_its_supervisor(
     redis_server.client().flushdb()
     cluster = Cluster(redis_server.url, smollm_dir, tmp_path)
     try:
-        cluster.start_engine("stuck", "--fake-step-ms", "4000", "--stall-timeout-s", str(STALL_S))
+        # factor 1: its first step (a fresh engine's) is stuck past the timeout alone
+        flags = ["--fake-step-ms", "4000", "--stall-timeout-s", str(STALL_S), "--stall-factor", "1"]
+        cluster.start_engine("stuck", *flags)
         base = cluster.start_gateway()
         cluster.wait_ready(engines=1)
 

@@ -372,7 +372,8 @@ def test_a_step_is_stuck_only_past_the_timeout_and_past_the_factor_times_its_rec
     why = dog.check(now=12.5)
     assert why is not None and "in one step for 12s" in why and "up to 3.00s" in why
     fresh = Watchdog(_Busy("one step", expected=0.0), 8.0, lambda why: None, 4.0)
-    assert fresh.check(now=8.5) is not None  # no step seen yet: the timeout alone
+    assert fresh.check(now=31.0) is None  # no step finished yet: warming up, 4 x the timeout
+    assert fresh.check(now=33.0) is not None
 
 
 def test_the_watchdog_times_adapter_commands_too(engine: Any) -> None:

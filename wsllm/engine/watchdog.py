@@ -7,7 +7,9 @@ and heartbeat thread still do. What users of other servers meet most is such a
 server: alive, /health 200, nothing coming. Both bounds must pass: the timeout alone
 would give up on a long prompt's legitimate chunks on a slow machine (an 8,000-token
 prompt's steps of 3.5, 6.1, 9.1 and 10.6 s), the factor alone on an engine whose
-steps are all short. The broker's calls are not timed: an engine waiting on a Redis
+steps are all short. An engine that has finished no step yet (it is warming up: its
+first steps build kernels and caches, slowly on a loaded machine) has `stall_factor` x
+`stall_timeout_s`. The broker's calls are not timed: an engine waiting on a Redis
 outage is not stuck (the leases and the orphan deadline cover Redis).
 
 `Watchdog` looks at one worker from a thread of its own, every quarter of the timeout
@@ -85,7 +87,10 @@ class Watchdog:
         since, what = busy
         took = (time.monotonic() if now is None else now) - since
         expected = self.worker.expected_s()
-        if took <= self.timeout_s or took <= self.factor * expected:
+        # an engine that has finished no step yet is warming up (kernels, caches, a loaded
+        # machine): its bound is the factor times the timeout
+        bound = max(self.timeout_s, self.factor * expected) if expected > 0 else self.factor * self.timeout_s
+        if took <= bound:
             return None
         doing = "in one step" if what == "one step" else what
         return (
