@@ -12,11 +12,13 @@
 The gateways' results streams, which carry every request's every event, keep only a
 short tail (`RedisConfig.results_tail_s`): an ended request's last events are copied to
 its own history stream when it ends (redis_publish.py), so a resume after it ended
-reads its history alone. docs/deployment.md has the arithmetic of Redis's memory."""
+reads its history alone. `redis_memory` is the arithmetic of Redis's memory (docs/
+deployment.md gives it with figures)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from wsllm.broker.redis_conn import eval_script
@@ -49,3 +51,30 @@ async def retire(client: Any, keys: Keys, model: str, request_id: str, tenant: s
     kept = keys.retained(model, tenant)
     streams = [keys.out(model, request_id), keys.attached(model, request_id), kept, f"{kept}:b"]
     await eval_script(client, STREAM_RETIRE, streams, [request_id])
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A deployment's traffic, for `redis_memory` (docs/deployment.md, "Redis memory")."""
+
+    tokens_per_s: float  # generated, every engine together
+    bytes_per_token: int  # an event's share in a stream: 131 B a token, 459 B with logprobs: 20
+    in_flight: int  # requests running at once (engines x --max-num-seqs)
+    max_tokens: int  # what a running request's history may grow to
+    tenants: int
+    models: int = 1
+
+
+def redis_memory(load: Load, cfg: RedisConfig, response_tenant_bytes: int) -> int:
+    """What Redis holds at steady `load`, at most: the gateways' results streams (every
+    event, for `results_tail_s`), the running requests' own streams (their whole answers
+    so far), each tenant's kept streams of every model (`stream_retention_tenant_bytes`)
+    and each tenant's stored responses (`--response-tenant-max-bytes`). The queue, the
+    registry and the tenants' buckets are small beside them. docker-compose.yml's
+    `maxmemory` must be at least this for the load it names (tests/integration/
+    test_compose.py)."""
+    results = load.tokens_per_s * cfg.results_tail_s * load.bytes_per_token
+    running = load.in_flight * (load.max_tokens * load.bytes_per_token + STREAM_OVERHEAD)
+    kept = load.tenants * load.models * cfg.stream_retention_tenant_bytes
+    stored = load.tenants * response_tenant_bytes
+    return int(results + running + kept + stored)
