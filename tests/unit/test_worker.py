@@ -420,3 +420,37 @@ def test_the_watchdog_times_adapter_commands_too(engine: Any) -> None:
         dog.stop()
         worker.stop()
         broker.close()
+
+
+def test_a_busy_engines_heartbeat_goes_on_from_the_watchdog_from_its_first_step(engine: Any) -> None:
+    """A step that takes long (its first on a loaded machine, a long prompt's chunk) is
+    not a dead engine: the watchdog heartbeats for it, so that it stays registered and
+    (on Redis) keeps its leases, even before its first iteration ended."""
+    from wsllm.engine.watchdog import Watchdog
+
+    release = threading.Event()
+
+    class Slow:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def step(self) -> list[Any]:
+            release.wait(30)
+            return list(engine.step())
+
+    broker = MemoryBroker()
+    submit(broker, "slow")
+    worker = EngineWorker(Slow(), broker, idle_wait_s=0.01, heartbeat_s=0.2)  # type: ignore[arg-type]
+    dog = Watchdog(worker, 60.0, lambda why: None, 4.0).start()
+    worker.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not asyncio.run(broker.engines()):
+            assert time.monotonic() < deadline, "no heartbeat while the first step ran"
+            time.sleep(0.05)
+        assert worker.busy() is not None and worker.steps == 0  # still in that first step
+    finally:
+        release.set()
+        dog.stop()
+        worker.stop()
+        broker.close()

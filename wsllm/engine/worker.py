@@ -296,14 +296,19 @@ class EngineWorker:
         it), so that a long step does not pass for a dead engine whose requests another
         engine reclaims; whether the engine is stuck is the watchdog's to say, and only a
         process that died loses its leases."""
-        if self._busy is None or self._last_info is None:
-            return
-        if time.monotonic() - self._last_heartbeat < self.heartbeat_s:
+        if self._busy is None or time.monotonic() - self._last_heartbeat < self.heartbeat_s:
             return
         with self._gate:
             if self.stalled is None:
                 self._last_heartbeat = time.monotonic()
-                self.broker.heartbeat(self._last_info)
+                self.broker.heartbeat(self._last_info or self._first_info())
+
+    def _first_info(self) -> EngineInfo:
+        """What a worker stuck in its first iteration says of itself (its engine's stats
+        cannot be read from another thread while it works)."""
+        return EngineInfo(
+            self.engine_id, self.engine.model_name, self.engine.max_model_len, aliases=self.aliases
+        )
 
     def give_up(self, reason: str) -> None:
         """The engine is stuck: hand its requests back to the broker, marked as held by a
@@ -323,9 +328,7 @@ class EngineWorker:
             ]
             if events:
                 self.broker.publish(events)
-            last = self._last_info or EngineInfo(
-                self.engine_id, self.engine.model_name, self.engine.max_model_len
-            )
+            last = self._last_info or self._first_info()
             self.broker.heartbeat(replace(last, stats=last.stats | {"stalled": reason}))
             handed, ended = [rid for rid in ids if rid not in stays], sorted(stays)
             log.critical("%s: handed back %s, ended %s", reason, handed[:16], ended[:16])
