@@ -514,6 +514,20 @@ def test_a_published_tokenizer_over_the_cap_is_not_read(brokers, monkeypatch: py
     assert asyncio.run(gateway.tokenizer_files("m")) is None
 
 
+def test_an_engine_that_starts_again_does_not_write_the_same_tokenizer_again(brokers, any_redis: Any) -> None:
+    """A tokenizer is megabytes (SmolLM2's: 3.4 MB): written again at every engine restart,
+    Redis's resident memory jumped with each; the same files are only touched."""
+    files = {"tokenizer.json": b"{" + bytes(5000) + b"}", "tokenizer_config.json": b"{}"}
+    brokers("e1").publish_tokenizer("m", files)
+    r = any_redis.client()
+    before = command_stats(r).get("cmdstat_hset", 0)
+    brokers("e2").publish_tokenizer("m", files)  # a restart: the same files
+    assert command_stats(r).get("cmdstat_hset", 0) == before
+    assert asyncio.run(brokers().tokenizer_files("m")) == files
+    brokers("e3").publish_tokenizer("m", files | {"tokenizer.json": b"{}"})  # new files: written
+    assert asyncio.run(brokers().tokenizer_files("m")) == files | {"tokenizer.json": b"{}"}
+
+
 def test_a_cluster_url_names_its_nodes_and_credentials() -> None:
     nodes, opts = cluster_settings("rediss+cluster://u:p%40ss@10.0.0.1:7000,10.0.0.2:7001/0")
     assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]

@@ -9,6 +9,7 @@ requests (`redis_held.py`), which it is given."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import weakref
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 ENGINES_CACHE_S = 1.0
 # A model's published tokenizer outlives its last engine by this much (milliseconds).
 _TOKENIZER_TTL_MS = 24 * 3600 * 1000
+# The field of a published tokenizer that holds its files' digest (no tokenizer file is named so).
+_DIGEST = "_sha256"
 
 
 class Registry:
@@ -81,12 +84,18 @@ class Registry:
 
     def publish_tokenizer(self, files: dict[str, bytes]) -> None:
         """Store this model's tokenizer files for the gateways (kept while any engine of
-        the model heartbeats, then for a day)."""
+        the model heartbeats, then for a day), with their digest (`_DIGEST`): an engine
+        that starts again finds the same files there and only refreshes their TTL, instead
+        of writing megabytes again at every restart (Redis's memory jumps with each)."""
         key = self.keys.tokenizer(self.model)
+        digest = hashlib.sha256(b"".join(n.encode() + b"\0" + files[n] for n in sorted(files))).hexdigest()
+        if files and self.r.hget(key, _DIGEST) == digest.encode():
+            self.r.pexpire(key, _TOKENIZER_TTL_MS)
+            return
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(key)
         if files:
-            pipe.hset(key, mapping=files)
+            pipe.hset(key, mapping={**files, _DIGEST: digest})
             pipe.pexpire(key, _TOKENIZER_TTL_MS)
         pipe.execute()
 
