@@ -5,7 +5,7 @@ what a long run shows and a short test does not: a request that never ends, a KV
 or a Redis key left behind, memory that creeps, latency that drifts.
 
     python bench/soak.py --minutes 30          # the record (docs/reliability.md)
-    python bench/soak.py --smoke               # 60 s of load, about 3 minutes in all (make test)
+    python bench/soak.py --smoke               # 90 s of load, about 3 minutes in all (make test)
 
 1. Start the deployment (the bundled SmolLM2 unless `--model`), wait until it is ready.
 2. Measure its capacity: closed-loop clients of the whole mix, answers per second.
@@ -35,7 +35,8 @@ the end. And it checks, exiting 1 when one fails:
   over its first window (or 2 MB: Redis's allocator moves by a megabyte of its 20; a
   restarted process counts from its first whole window after it served again; memory
   that goes down is no leak);
-- p99 latency of the admitted requests in the last window within 1.5x of the first;
+- p99 latency of the admitted requests in the last window within 1.5x of the first (not
+  in the smoke: its short windows all hold faults and their restarts);
 - the request of death ended with `engine_stalled`, and no more than two engines exited
   with status 3 (a stall) for it.
 """
@@ -81,7 +82,7 @@ BROKER_FLAGS = ["--lease-s", "3", "--engine-heartbeat-s", "0.3", "--engine-ttl-s
 ENGINE_FLAGS = ["--threads", "1", "--max-num-seqs", "16", "--num-kv-blocks", "512", "--stall-timeout-s", "10"]
 DEATH_TOKEN = 49151  # the engines' test-only hold: every step running a prompt with it stalls
 # the faults, at these fractions of the run (apart: an engine's restart takes 5-15 s on a loaded machine)
-FAULTS = {"death": 0.05, "kill_engine": 0.25, "kill_serve_child": 0.45, "restart_redis": 0.6}
+FAULTS = {"death": 0.05, "kill_engine": 0.3, "kill_serve_child": 0.55, "restart_redis": 0.8}
 GATEWAY_FLAGS = ["--no-frontend", "--max-queue-depth", "24", "--queue-timeout-s", "30",
                  "--orphan-timeout-s", "15", "--response-ttl-s", "20", "--max-requests-per-socket", "8"]  # fmt: skip
 # the mix: kind -> weight
@@ -435,7 +436,7 @@ def memory(procs: list[Proc], t0: float, window_s: float, n: int) -> dict[str, l
 
 def checks(ends: dict[str, int], failed: list[Outcome], stats: dict[str, Any], left: dict[str, int],
            rss: dict[str, list[float | None]], lat: list[dict[str, float]],
-           death: dict[str, Any]) -> dict[str, str]:  # fmt: skip
+           death: dict[str, Any], smoke: bool) -> dict[str, str]:  # fmt: skip
     """Each invariant: "" when it holds, else why not."""
     out = {
         "every request ended": ""
@@ -458,7 +459,8 @@ def checks(ends: dict[str, int], failed: list[Outcome], stats: dict[str, Any], l
     out["memory no more than 5% over the first window"] = "; ".join(creep)
     first, last = lat[0]["p99"], lat[-1]["p99"]
     ok = not (math.isnan(first) or math.isnan(last)) and last <= 1.5 * first
-    out["p99, last window within 1.5x of the first"] = "" if ok else f"{first:.2f} s -> {last:.2f} s"
+    if not smoke:  # the smoke's windows all hold faults and their restarts: no steady ones to compare
+        out["p99, last window within 1.5x of the first"] = "" if ok else f"{first:.2f} s -> {last:.2f} s"
     stalled = death.get("stalls", 0)
     # engine_stalled; or worker_lost when every engine was down past --orphan-timeout-s
     # meanwhile (a clear end too): never more than two engines stalled holding it
@@ -535,14 +537,14 @@ async def soak(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     return {"capacity_per_s": cap, "rate_per_s": rate, "run_s": run_s, "window_s": window_s,
             "requests": len(outcomes), "ends": ends, "by_kind": by_kind, "latency": lat, "rss_mb": rss, "engines": stats,
             "leftovers": left, "settle_s": waited, "failed": [asdict(o) for o in failed[:50]], "death": death,
-            "checks": checks(ends, failed, stats, left, rss, lat, death)}  # fmt: skip
+            "checks": checks(ends, failed, stats, left, rss, lat, death, args.smoke)}  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0, help="the measured run (30 for the record)")
     p.add_argument(
-        "--smoke", action="store_true", help="60 s of load and short warm-up: about 3 minutes in all"
+        "--smoke", action="store_true", help="90 s of load and short warm-up: about 3 minutes in all"
     )
     p.add_argument("--model", default=None, help="the model the engines serve (default: the bundled SmolLM2)")
     p.add_argument(
@@ -557,7 +559,7 @@ def main() -> int:
     )
     args = p.parse_args()
     if args.smoke:
-        args.minutes = 1.0  # room for four faults, each with its restart, one after the other
+        args.minutes = 1.5  # room for four faults, each with its restart, one after the other
     args.capacity_s = args.capacity_s or (6.0 if args.smoke else 60.0)
     args.warm_s = args.warm_s or (10.0 if args.smoke else 120.0)
     workdir = Path(tempfile.mkdtemp(prefix="wsllm-soak-"))

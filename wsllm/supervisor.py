@@ -60,6 +60,7 @@ class Supervisor:
     def __init__(self, url: str, rcfg: RedisConfig, children: list[Child]) -> None:
         self.url, self.rcfg, self.children = url, rcfg, children
         self.restarts = 0
+        self._redis: Any = None  # one blocking client for every look at the registry
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -92,6 +93,8 @@ class Supervisor:
                 p.wait(self.rcfg.drain_timeout_s + 10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self._redis is not None:
+            self._redis.close()
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -125,7 +128,7 @@ class Supervisor:
         assert c.popen is not None
         while c.popen.poll() is None and not self._stop.is_set():
             with contextlib.suppress(Exception):  # Redis may still be starting too
-                if engine_alive(self.url, self.rcfg, c.engine_id):
+                if engine_alive(self.url, self.rcfg, c.engine_id, self._client()):
                     c.live_at = time.monotonic()
                     return True
             time.sleep(POLL_S)
@@ -136,12 +139,19 @@ class Supervisor:
             )
         return False
 
+    def _client(self) -> Any:
+        if self._redis is None:
+            from wsllm.broker.redis_conn import sync_client
+
+            self._redis = sync_client(self.url, self.rcfg)
+        return self._redis
+
     def _forget(self, engine_id: str) -> None:
         """The dead child's registration goes at once (its TTL would keep it for a while)."""
         from wsllm.broker.health import forget_engine
 
         try:
-            forget_engine(self.url, self.rcfg, engine_id)
+            forget_engine(self.url, self.rcfg, engine_id, self._client())
         except Exception as e:  # Redis down: the registration expires by itself
             log.warning("could not remove engine %s from the registry: %s", engine_id, e)
 
