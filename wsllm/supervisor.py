@@ -1,7 +1,8 @@
 """`wsllm serve --broker redis://`'s engine children, supervised (`Supervisor`): each
 child is started and waited for until its heartbeat is in Redis; then a thread watches
 them. A child that exits (a crash, `kill -9`, the watchdog's status 3 after a stall) is
-noticed within `POLL_S`: its registration is removed at once (the gateways stop
+noticed within `POLL_S` (one that exits with status 0 drained on a signal someone sent it,
+and stays stopped): its registration is removed at once (the gateways stop
 counting it: `/ready` says so), `unhealthy()` says why (the gateway's `/health`
 answers 503 with it) until a new child is live, and the child is started again under
 the same engine id after a backoff (`BACKOFF_S`, doubled each time a child exits
@@ -99,8 +100,14 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             for c in self.children:
-                if c.popen is not None and c.popen.poll() is not None:
-                    self._restart(c)
+                if c.popen is None or c.popen.poll() is None:
+                    continue
+                if c.popen.returncode == 0:  # it drained on a signal (Ctrl-C reaches the group): meant
+                    c.down = f"the engine child {c.engine_id} stopped (status 0); not restarted"
+                    log.warning("engine child %s stopped cleanly; not restarting it", c.engine_id)
+                    c.popen = None
+                    continue
+                self._restart(c)
 
     def _restart(self, c: Child) -> None:
         assert c.popen is not None
