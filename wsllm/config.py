@@ -202,7 +202,14 @@ class EngineConfig:
     )
     max_loras: int = field(
         default=8,
-        metadata={"help": "most LoRA adapters held at once (--lora and POST /v1/load_lora_adapter together)"},
+        metadata={
+            "help": "most LoRA adapters resident at once (vLLM's): the others registered are read from their "
+            "path when a request needs one, in place of the one used longest ago"
+        },
+    )
+    max_registered_loras: int = field(
+        default=1024,
+        metadata={"help": "most LoRA adapters registered (--lora and POST /v1/load_lora_adapter together)"},
     )
     max_lora_rank: int = field(
         default=64, metadata={"help": "the largest LoRA rank an adapter may have (1-256)"}
@@ -274,10 +281,11 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError(f"max_lora_rank must be within 1 and 256, got {self.max_lora_rank}")
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-        if len(self.lora_specs()) > self.max_loras:
-            raise ValueError(f"{len(self.lora)} --lora adapters are more than --max-loras {self.max_loras}")
+        if self.max_loras < 1 or self.max_registered_loras < 1:
+            raise ValueError(f"max_loras and max_registered_loras must be >= 1, got {self.max_loras}")
+        if len(self.lora_specs()) > self.max_registered_loras:
+            n, most = len(self.lora), self.max_registered_loras
+            raise ValueError(f"{n} --lora adapters are more than --max-registered-loras {most}")
 
     def _check_speculative(self) -> None:
         if self.speculative not in ("off", "ngram", "draft"):

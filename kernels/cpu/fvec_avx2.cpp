@@ -1,10 +1,11 @@
-// The AVX2 float kernels (attention_simd.h, rows_simd.h): 8 float lanes.
+// The AVX2 float kernels (attention_simd.h, rows_simd.h, lora_simd.h, sample_simd.h): 8 float lanes.
 #include <immintrin.h>
 
 #include <cmath>
 
 #include "fvec.h"
 #include "lora.h"
+#include "sample.h"
 
 #define WSQ_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -47,6 +48,18 @@ struct FV {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
+  WSQ_TARGET static VF max(VF a, VF b) { return _mm256_max_ps(a, b); }
+  WSQ_TARGET static float hmax(VF v) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  }
+  // one bit a lane: a >= b, a == b (false where either is NaN)
+  WSQ_TARGET static uint32_t ge_bits(VF a, VF b) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ))); }
+  WSQ_TARGET static uint32_t eq_bits(VF a, VF b) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ))); }
+  WSQ_TARGET static VF select_ge(VF a, VF b, VF x, VF y) {  // a >= b ? x : y, a lane at a time
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GE_OQ));
+  }
   // e^x, as the AVX-512 version
   WSQ_TARGET static VF exp(VF x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
@@ -69,6 +82,7 @@ struct FV {
 #include "attention_simd.h"
 #include "rows_simd.h"
 #include "lora_simd.h"
+#include "sample_simd.h"
 
 }  // namespace fvec256
 
@@ -76,5 +90,6 @@ DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
 SiluFn silu_mul_avx2(bool bf16) { return fvec256::silu_rows(bf16); }
 NormFn norm_rows_avx2(bool bf16) { return fvec256::norm_rows(bf16); }
 LoraTileFn lora_tile_avx2(bool x_bf16, bool w_bf16, int rows) { return fvec256::lora_tile(x_bf16, w_bf16, rows); }
+SampleFns sample_fns_avx2() { return fvec256::sample_fns(); }
 
 }  // namespace wsq

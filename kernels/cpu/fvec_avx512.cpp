@@ -1,10 +1,11 @@
-// The AVX-512 float kernels (attention_simd.h, rows_simd.h): 16 float lanes.
+// The AVX-512 float kernels (attention_simd.h, rows_simd.h, lora_simd.h, sample_simd.h): 16 float lanes.
 #include <immintrin.h>
 
 #include <cmath>
 
 #include "fvec.h"
 #include "lora.h"
+#include "sample.h"
 
 #define WSQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
@@ -43,6 +44,14 @@ struct FV {
   }
   WSQ_TARGET static VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
   WSQ_TARGET static float hsum(VF v) { return _mm512_reduce_add_ps(v); }
+  WSQ_TARGET static VF max(VF a, VF b) { return _mm512_max_ps(a, b); }
+  WSQ_TARGET static float hmax(VF v) { return _mm512_reduce_max_ps(v); }
+  // one bit a lane: a >= b, a == b (false where either is NaN)
+  WSQ_TARGET static uint32_t ge_bits(VF a, VF b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  WSQ_TARGET static uint32_t eq_bits(VF a, VF b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  WSQ_TARGET static VF select_ge(VF a, VF b, VF x, VF y) {  // a >= b ? x : y, a lane at a time
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), y, x);
+  }
   // e^x within a few ulp for x in [-87, 88]; clamped there (e^-87 ~ 1e-38 stands in for 0)
   WSQ_TARGET static VF exp(VF x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -65,6 +74,7 @@ struct FV {
 #include "attention_simd.h"
 #include "rows_simd.h"
 #include "lora_simd.h"
+#include "sample_simd.h"
 
 }  // namespace fvec512
 
@@ -72,5 +82,6 @@ DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
 SiluFn silu_mul_avx512(bool bf16) { return fvec512::silu_rows(bf16); }
 NormFn norm_rows_avx512(bool bf16) { return fvec512::norm_rows(bf16); }
 LoraTileFn lora_tile_avx512(bool x_bf16, bool w_bf16, int rows) { return fvec512::lora_tile(x_bf16, w_bf16, rows); }
+SampleFns sample_fns_avx512() { return fvec512::sample_fns(); }
 
 }  // namespace wsq

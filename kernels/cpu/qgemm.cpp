@@ -1,6 +1,6 @@
-// The quantized matmul's entry point: checks, activation quantization, the threaded loop over
-// groups of output rows, and the run-time choice of ISA. Python: wsllm.kernels.quant.qlinear.
-#include <torch/extension.h>
+// The quantized matmul's entry points (qlinear.h): checks, activation quantization, the threaded loop
+// over groups of output rows, and the run-time choice of ISA. Python: wsllm.kernels.quant.qlinear.
+#include "qlinear.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,18 +9,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "lora_weights.h"
+#include "isa.h"
 #include "qgemm.h"
-#include "rowops.h"
 #include "team.h"
-
-namespace wsq {
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                               torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
-torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
-                                torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
-}  // namespace wsq
 
 namespace wsq {
 
@@ -28,24 +19,6 @@ int prefetch_ahead = kPrefetchAhead;
 int prefetch_k45 = kPrefetchK45, prefetch_q6k = kPrefetchQ6K;
 
 namespace {
-
-bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case kAvx512Vnni:
-      return kernels_avx512() != nullptr && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case kAvx2:
-      return kernels_avx2() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-    case kScalar:
-      return true;
-    default:
-      return false;
-  }
-}
 
 // x rows -> int8 blocks, as quant_ref.quantize_activations: d = amax * (1/127), q = round(x / d)
 // written round(x * (1 / d)), ties to even (nearbyint under the default rounding mode).
@@ -124,6 +97,8 @@ void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes,
   });
 }
 
+}  // namespace
+
 // x [M, K] float32 or bfloat16 -> [M, n] in x's dtype, or float32 when out_float (kernels/quant.py:
 // qlinear). Runs without the GIL, as torch's own ops do: the gateway's thread serves meanwhile.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
@@ -138,7 +113,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   const int bv = block_values(int(qtype)), pb = packed_bytes(int(qtype));
   TORCH_CHECK(K % bv == 0 && packed.size(1) == K / bv && packed.size(2) == pb, "packed weights do not fit x");
   TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
-  TORCH_CHECK(cpu_has(int(isa)), "this CPU cannot run the requested kernel path");
+  TORCH_CHECK(cpu_has(isa), "this CPU cannot run the requested kernel path");
   torch::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_cpu(), "bias must be a CPU vector [n]");
@@ -217,165 +192,4 @@ int64_t parallel_threads() {
   return __builtin_popcountll(seen.load());
 }
 
-}  // namespace
-
-// The decode layers of a model over quantized weights in one call (kernels/quant.py: DecodeStack):
-// per layer the calls wsllm/models/llama.py's DecoderLayer makes one by one (add_rms_norm, the
-// qkv matmul, rope_store_decode, o, add_rms_norm, gate/up, silu_mul, down), in the same order on
-// the same kernels, so the same bits; what goes is the Python and pybind between them (~8 calls
-// a layer, a few microseconds each: a tenth of a batch-1 step of a small model).
-class DecodeStack {
- public:
-  // per layer: norms (input, post-attention); the projections qkv, o, gate_up, down, each in
-  // `parts` pieces (1, or a split projection's formats: SplitLinear), whose packed weights,
-  // qtypes and output widths ns follow in order; qkv_bias (an empty tensor: none); caches (k, v).
-  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<int64_t> qtypes,
-              std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> qkv_bias,
-              std::vector<torch::Tensor> caches, int64_t num_heads, double eps, double scale)
-      : norms_(std::move(norms)),
-        packed_(std::move(packed)),
-        qtypes_(std::move(qtypes)),
-        ns_(std::move(ns)),
-        parts_(std::move(parts)),
-        caches_(std::move(caches)),
-        num_heads_(num_heads),
-        eps_(eps),
-        scale_(scale) {
-    layers_ = int64_t(norms_.size()) / 2;
-    TORCH_CHECK(int64_t(norms_.size()) == 2 * layers_ && int64_t(parts_.size()) == 4 * layers_ &&
-                    int64_t(qkv_bias.size()) == layers_ && int64_t(caches_.size()) == 2 * layers_,
-                "DecodeStack: 2 norms, 4 projections, 1 qkv bias and 2 caches per layer");
-    int64_t at = 0;
-    for (int64_t k : parts_) {
-      TORCH_CHECK(k >= 1, "DecodeStack: a projection has at least one part");
-      first_.push_back(at);
-      at += k;
-    }
-    TORCH_CHECK(int64_t(packed_.size()) == at && int64_t(qtypes_.size()) == at && int64_t(ns_.size()) == at,
-                "DecodeStack: one packed weight, qtype and width per part");
-    for (auto& b : qkv_bias) {
-      if (b.numel())
-        bias_.emplace_back(b);
-      else
-        bias_.emplace_back(c10::nullopt);
-    }
-  }
-
-  int64_t num_layers() const { return layers_; }
-
-  // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
-  // loop in LlamaForCausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the
-  // step's adapters and their rows (lora_weights.h), added after each projection as the Python
-  // layers add them.
-  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                     torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,
-                                     const std::vector<torch::Tensor>& lora_rows) {
-    torch::Tensor residual;
-    run_as_team([&] { layers(x, residual, cos, sin, slots, tables, lens, isa, lora, lora_rows); });
-    return {x, residual};
-  }
-
- private:
-  // the layers, on the calling thread's team (team.h): one OpenMP region for the whole stack
-  void layers(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& cos, const torch::Tensor& sin,
-              const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens, int64_t isa,
-              const LoraList& lora, const std::vector<torch::Tensor>& lora_rows) {
-    for (int64_t l = 0; l < layers_; ++l) {
-      torch::Tensor h;
-      if (l == 0) {
-        residual = x;
-        h = add_rms_norm(x, c10::nullopt, norms_[2 * l], eps_, isa)[0];
-      } else {
-        auto r = add_rms_norm(x, residual, norms_[2 * l], eps_, isa);
-        h = r[0];
-        residual = r[1];
-      }
-      const int64_t p = 4 * l;
-      auto qkv = project(h, p, bias_[l], isa, lora, lora_rows);
-      auto o = rope_store_decode(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
-                                 scale_, isa);
-      auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa, lora, lora_rows), residual, norms_[2 * l + 1],
-                            eps_, isa);
-      residual = r[1];
-      auto gate_up = project(r[0], p + 2, c10::nullopt, isa, lora, lora_rows);
-      x = project(silu_mul(gate_up, isa), p + 3, c10::nullopt, isa, lora, lora_rows);
-    }
-  }
-
-  // the projection, and the step's adapters' deltas on their rows (none: nothing more)
-  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                        const LoraList& lora, const std::vector<torch::Tensor>& rows) {
-    auto y = base_project(x, p, bias, isa);
-    if (!lora.empty()) lora_apply(y, x, p, lora, rows, isa);
-    return y;
-  }
-
-  // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias)
-  torch::Tensor base_project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa) {
-    const int64_t i = first_[p];
-    if (parts_[p] == 1) return qlinear(x, packed_[i], qtypes_[i], ns_[i], bias, isa, false);
-    std::vector<torch::Tensor> ys;
-    for (int64_t k = i; k < i + parts_[p]; ++k) ys.push_back(qlinear(x, packed_[k], qtypes_[k], ns_[k], c10::nullopt, isa, false));
-    auto y = torch::cat(ys, -1);
-    return bias.has_value() ? y + *bias : y;
-  }
-
-  std::vector<torch::Tensor> norms_, packed_;
-  std::vector<int64_t> qtypes_, ns_, parts_, first_;
-  std::vector<c10::optional<torch::Tensor>> bias_;
-  std::vector<torch::Tensor> caches_;
-  int64_t num_heads_, layers_ = 0;
-  double eps_, scale_;
-};
-
 }  // namespace wsq
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
-  wsq::register_lora(m);  // LoraWeights first: DecodeStack.forward takes a list of them
-  using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
-        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"), py::arg("out_float") = false,
-        nogil());
-  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]", nogil());
-  m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("isa") = 2);
-  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]", py::arg("x"), py::arg("isa") = 2);
-  m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
-  m.def("decode_attention", &wsq::decode_attention,
-        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("isa"), nogil());
-  m.def("rope_store_decode", &wsq::rope_store_decode,
-        "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
-  py::class_<wsq::DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
-                    double>(),
-           py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
-           py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
-      .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
-      .def("forward", &wsq::DecodeStack::forward,
-           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
-           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
-           py::arg("isa"), py::arg("lora") = wsq::LoraList(), py::arg("lora_rows") = std::vector<torch::Tensor>(),
-           nogil());
-  m.def(
-      "set_prefetch_ahead", [](int64_t bytes) { wsq::prefetch_ahead = int(bytes); },
-      "bench/quantized_linear.py: how far ahead of its loads the 32-value formats' batch-1 stream prefetches (0: off)");
-  m.def(
-      "set_prefetch_k",
-      [](int64_t k45, int64_t q6k) {
-        wsq::prefetch_k45 = int(k45);
-        wsq::prefetch_q6k = int(q6k);
-      },
-      "bench/quantized_linear.py: bytes ahead that Q4_K/Q5_K (batch 1) and Q6_K prefetch (0: off)", py::arg("k45"),
-      py::arg("q6k"));
-  m.def("set_teams", &wsq::set_teams, "the decode stack on one team of threads (team.h) or an at::parallel_for a loop",
-        py::arg("on") = true, py::arg("hold_helpers") = false);
-  m.def("team_threads", &wsq::team_threads, "threads that took chunks of a team's loop", nogil());
-  m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
-  m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
-}

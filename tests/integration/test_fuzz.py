@@ -143,6 +143,8 @@ FIELDS = [
     "prompt_logprobs", "logit_bias", "response_format", "structured_outputs", "tools", "tool_choice",
     "chat_template_kwargs", "tokens", "add_special_tokens", "add_generation_prompt",
     "input", "encoding_format", "dimensions",
+    # vLLM's extensions (issue 45)
+    "return_token_ids", "truncate_prompt_tokens", "continue_final_message",
 ]  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}}}
 BASES = [
@@ -155,6 +157,9 @@ BASES = [
     {"messages": MSGS, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
     {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"regex": "[a-z]{1,4}"}, "logit_bias": {"42": 5}},
     {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"choice": ["yes", "no"]}},
+    # vLLM's extensions (issue 45)
+    {"messages": MSGS + [{"role": "assistant", "content": "Once"}], "max_tokens": 3, "add_generation_prompt": False, "continue_final_message": True, "echo": True, "return_token_ids": True},
+    {"prompt": "Once upon a time", "max_tokens": 3, "truncate_prompt_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}},
     # /tokenize and /detokenize
     {"prompt": "Once upon a time", "add_special_tokens": False},
     {"messages": MSGS, "add_generation_prompt": True},

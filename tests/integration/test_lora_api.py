@@ -107,7 +107,9 @@ def test_bad_loads_are_refused_with_the_reason_and_the_operator_alone_may_load(
     srv: Any, tiny_model_dir: Path, adapter_dirs: list[Path]
 ) -> None:
     got = post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tiny_model_dir / "nothing")})
-    assert got.status_code == 400 and "no adapter directory" in got.json()["error"]["message"]
+    assert got.status_code == 404 and "no adapter directory" in got.json()["error"]["message"]  # vLLM's 404
+    got = post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tiny_model_dir)})
+    assert got.status_code == 400 and "adapter_config.json" in got.json()["error"]["message"]  # no adapter
     got = post(srv, "/v1/load_lora_adapter", {"lora_name": "a0", "lora_path": str(adapter_dirs[0])})
     assert got.status_code == 400 and "already loaded" in got.json()["error"]["message"]
     got = post(
@@ -155,3 +157,27 @@ def test_load_and_unload_while_other_requests_stream_lose_nothing(srv: Any, adap
         == 200
     )
     assert complete(srv, "a0", 48, "w5 w6").choices[0].text == alone  # the same weights: the same answer
+
+
+def test_any_number_of_adapters_register_and_the_others_load_on_demand(
+    srv: Any, tiny_model_dir: Path, adapter_dirs: list[Path]
+) -> None:
+    """vLLM's `--max-loras`: any number of adapters register; at most `--max-loras` (2 here)
+    are resident, the others load when a request needs them, and every adapter answers with
+    its own weights whichever were resident before."""
+    names = {"r0": adapter_dirs[0], "r1": adapter_dirs[1], "r2": adapter_dirs[0], "r3": adapter_dirs[1]}
+    try:
+        for name, path in names.items():
+            got = post(srv, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            assert got.status_code == 200, got.text
+        got = post(srv, "/v1/load_lora_adapter", {"lora_name": "r4", "lora_path": str(tiny_model_dir / "no")})
+        assert got.status_code == 404  # the path is checked, not a cap on how many are registered
+        assert set(names) <= {m.id for m in client(srv).models.list().data}
+        first = {n: complete(srv, n).choices[0].text for n in names}
+        assert first["r0"] == first["r2"] != first["r1"] == first["r3"]  # each its own weights
+        for name in ["r1", "r0", "r3", "r2", "r0"]:  # each request evicts the least recent
+            assert complete(srv, name).choices[0].text == first[name]
+            assert len(srv.engine.adapters.resident()) <= 2
+    finally:
+        for name in names:
+            post(srv, "/v1/unload_lora_adapter", {"lora_name": name})

@@ -55,6 +55,11 @@ def _streamed(client: anthropic.Anthropic, kw: dict[str, Any]) -> Any:
         return stream.get_final_message()
 
 
+def _prompt_tokens(msg: Any) -> int:
+    """The whole prompt: the tokens the cache did not serve and those it did (disjoint)."""
+    return int(msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0))
+
+
 def _blocks(msg: Any) -> list[dict[str, Any]]:
     """The content blocks, less the call ids (each request has its own)."""
     return [b.model_dump(exclude_none=True, exclude={"id"}) for b in msg.content]
@@ -72,7 +77,7 @@ def test_create_streamed_and_not_give_the_same_message(srv: Any, client: anthrop
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
     assert _blocks(streamed) == _blocks(msg)
     assert (streamed.stop_reason, streamed.usage.output_tokens) == (msg.stop_reason, msg.usage.output_tokens)
-    assert streamed.usage.input_tokens == msg.usage.input_tokens
+    assert _prompt_tokens(streamed) == _prompt_tokens(msg)
     raw = list(client.messages.create(**kw, stream=True))  # the raw events, no helper
     text = "".join(
         e.delta.text for e in raw if e.type == "content_block_delta" and e.delta.type == "text_delta"
@@ -92,10 +97,31 @@ def test_count_tokens_equals_the_prompt_tokens_a_create_reports(
     )
     counted = client.messages.count_tokens(**prompt)  # type: ignore[arg-type]
     made = client.messages.create(**prompt, max_tokens=4)  # type: ignore[arg-type]
-    assert counted.input_tokens == made.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(made)
     # the tools are in the prompt: without them it is shorter
     bare = client.messages.count_tokens(model=srv.gateway.model_name, messages=ASK)  # type: ignore[arg-type]
     assert bare.input_tokens < counted.input_tokens
+
+
+def test_usage_adds_up_to_count_tokens_before_and_after_a_cache_hit(
+    srv: Any, client: anthropic.Anthropic
+) -> None:
+    """Anthropic's three input fields are disjoint: `input_tokens` counts the prompt tokens
+    the cache did not serve, so `input_tokens + cache_read_input_tokens` is the prompt,
+    whole or streamed (the SDK's final message takes message_delta's usage)."""
+    system = "You answer questions about the weather. " * 12  # several KV blocks, cached once run
+    kw = _kw(srv, system=system, max_tokens=4)
+    prompt = client.messages.count_tokens(model=kw["model"], system=system, messages=ASK).input_tokens
+    reads = []
+    for _ in range(2):
+        for msg in (client.messages.create(**kw), _streamed(client, kw)):
+            u = msg.usage
+            assert u.input_tokens + (u.cache_read_input_tokens or 0) == prompt, u
+            reads.append(u.cache_read_input_tokens or 0)
+        raw = list(client.messages.create(**kw, stream=True))
+        start = next(e for e in raw if e.type == "message_start").message.usage
+        assert start.input_tokens + (start.cache_read_input_tokens or 0) == prompt
+    assert reads[-1] > 0 and reads[-1] >= prompt // 2  # the hit: the most of the prompt was cached
 
 
 @pytest.mark.parametrize(
@@ -123,7 +149,7 @@ def test_a_forced_tool_use_round_trips_through_tool_result(
     ]
     answer = client.messages.create(**_kw(srv, tools=[WEATHER], messages=follow))
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert answer.usage.input_tokens > msg.usage.input_tokens  # the call and its result are in the prompt
+    assert _prompt_tokens(answer) > _prompt_tokens(msg)  # the call and its result are in the prompt
 
 
 def test_stop_sequences_end_the_text_and_name_the_sequence(srv: Any, client: anthropic.Anthropic) -> None:

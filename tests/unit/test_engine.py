@@ -210,14 +210,16 @@ def test_a_request_whose_sampling_fails_ends_alone(
     prompts = prompts_of([12, 20, 7], seed=3)
     good = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = run_all(engine, prompts[:2], [good, good])
-    real = sampler_mod._top_k_top_p_min_p
+    real = sampler_mod.sample_rows
 
-    def failing(logits: torch.Tensor, seqs: list) -> torch.Tensor:  # type: ignore[type-arg]
-        if any(s.params.top_k == 7 for s in seqs):
+    def failing(
+        logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, *rest: torch.Tensor
+    ) -> torch.Tensor:
+        if bool((top_k == 7).any()):
             raise RuntimeError("injected fault in one row")
-        return real(logits, seqs)
+        return real(logits, temp, top_k, *rest)
 
-    monkeypatch.setattr(sampler_mod, "_top_k_top_p_min_p", failing)
+    monkeypatch.setattr(sampler_mod, "sample_rows", failing)
     bad = SamplingParams(temperature=0.8, top_k=7, max_tokens=12, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, [good, good, bad], strict=True)):
         engine.add_request(f"r{i}", p, sp)

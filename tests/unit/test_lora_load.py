@@ -156,8 +156,10 @@ def test_a_bad_adapter_stops_the_start_and_bad_flags_are_refused(tiny_model_dir:
         )
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig(lora=["no-path"])
-    with pytest.raises(ValueError, match="more than --max-loras 1"):
-        EngineConfig(lora=[f"a={good}", f"b={good}"], max_loras=1)
+    # vLLM's --max-loras: how many are resident, not how many are served
+    assert EngineConfig(lora=[f"a={good}", f"b={good}"], max_loras=1).max_loras == 1
+    with pytest.raises(ValueError, match="more than --max-registered-loras 1"):
+        EngineConfig(lora=[f"a={good}", f"b={good}"], max_registered_loras=1)
 
 
 # -- the kernels ---------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from wsllm.kernels.sampling import kept_probs
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
-from wsllm.engine.sampler import Sampler, _top_k_top_p_min_p
+from wsllm.engine.sampler import Sampler
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.speculative.policy import StepCost, choose
 from wsllm.engine.speculative.verify import verify
@@ -170,10 +171,16 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_words_model_dir
         row0 = hf(torch.tensor([context])).logits[0, -1]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)
     vocab = row0.shape[0]
-    probe = Sequence("p", 0, context, params, 0.0)
 
     def target(logits: torch.Tensor) -> torch.Tensor:
-        return _top_k_top_p_min_p(logits[None] / params.temperature, [probe])[0].softmax(-1)
+        one = torch.ones(1)
+        return kept_probs(
+            logits[None],
+            one * params.temperature,
+            one.long() * params.top_k,
+            one * params.top_p,
+            one * params.min_p,
+        )[0]
 
     p0 = target(row0)
     draft = int(p0.argsort(descending=True)[1])  # a likely token, not the likeliest: both branches happen

@@ -65,6 +65,8 @@ def apply_one(engine: Any, command: AdapterCommand, engine_id: str) -> AdapterRe
             adapters.unload(command.name)
     except KeyError:
         reply.status, reply.error = 404, f"the LoRA adapter {command.name!r} is not loaded"
+    except FileNotFoundError as e:  # adapters.AdapterNotFound: nothing at the path (vLLM's 404)
+        reply.status, reply.error = 404, str(e)
     except ValueError as e:  # models/lora.py: AdapterError, and the registry's refusals
         reply.status, reply.error = 400, str(e)
     except SafetensorError as e:  # a weights file that is not what it says: the operator's to fix

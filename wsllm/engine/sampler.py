@@ -1,17 +1,20 @@
 """Batched sampler: one pass over a [batch, vocab] logits tensor, no Python loop
 over the vocabulary.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which is
-the same as drawing from p. A seeded row draws its noise from a generator keyed
-by (seed, choice index, output position), so its tokens do not depend on what
-else is in the batch.
-
 Constraints come first, before penalties and temperature: a request's `logit_bias` is
 added to its logits, then a structured request's grammar masks every token it does not
 allow to -inf (one bitmask for all such rows, filled by llguidance in parallel; on CUDA
 that CPU work overlaps the forward pass still running). Logprobs are those of the
 constrained distribution: log_softmax after bias and mask, before penalties and
 temperature; tokens the grammar forbids are never listed.
+
+Then penalties (on the tokens a row has seen, not on its vocabulary) and min_tokens, and
+the draw: every row in one call of `wsllm.kernels.sampling.sample_rows`, which defines the
+distribution (temperature, then top-k, top-p and min-p over the whole of it) and finds a row's
+kept tokens without sorting its vocabulary. An unseeded row draws by one uniform, all of the
+batch's taken from the engine's generator in one call; a seeded row races its own noise, drawn
+from a generator keyed by (seed, choice index, output position), so its tokens do not depend
+on what else is in the batch and are those earlier releases gave.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from wsllm.engine.sequence import Sequence
+from wsllm.kernels.sampling import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +39,42 @@ class SampleResult:
     logprobs: list[Any]
 
 
-def _penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.Tensor:
-    dev = logits.device
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
-    out_counts = torch.zeros(len(seqs), vocab, device=dev)
-    seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """A copy of logits with each row's penalties on the tokens it has seen (its own columns only:
+    the same values a dense [rows, vocab] pass gives, element for element)."""
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    rep: list[np.ndarray] = []  # the repetition penalty of each (row, col), 1 where none
+    sub: list[np.ndarray] = []  # frequency * count of each (row, col)
+    pres: list[np.ndarray] = []  # presence where the count is > 0
     for i, s in enumerate(seqs):
-        if s.output_token_ids:
-            ids = torch.tensor(s.output_token_ids, device=dev)
-            out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
-        if s.params.repetition_penalty != 1.0:
-            seen[i, torch.tensor(list(s.token_ids), device=dev)] = True
-    # Repetition penalty (HF / CTRL): over prompt and output tokens.
-    r = rep[:, None]
-    penalized = torch.where(logits > 0, logits / r, logits * r)
-    logits = torch.where(seen, penalized, logits)
-    # Presence and frequency penalties (OpenAI): over output tokens only.
-    logits = logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+        p = s.params
+        if not _needs_penalties(s):
+            continue
+        out, counts = np.unique(np.asarray(s.output_token_ids, dtype=np.int64), return_counts=True)
+        # Repetition penalty (HF / CTRL): over prompt and output tokens.
+        seen = (
+            np.unique(np.asarray(list(s.token_ids), dtype=np.int64))
+            if p.repetition_penalty != 1.0
+            else out[:0]
+        )
+        ids = np.union1d(seen, out)
+        n = np.zeros(len(ids), dtype=np.float32)
+        n[np.searchsorted(ids, out)] = counts
+        rows.append(np.full(len(ids), i, dtype=np.int64))
+        cols.append(ids)
+        rep.append(np.where(np.isin(ids, seen), np.float32(p.repetition_penalty), np.float32(1.0)))
+        # Presence and frequency penalties (OpenAI): over output tokens only.
+        sub.append(np.float32(p.frequency_penalty) * n)
+        pres.append(np.where(n > 0, np.float32(p.presence_penalty), np.float32(0.0)))
+    logits = logits.clone()
+    if not rows:
+        return logits
+    dev = logits.device
+    at = (torch.from_numpy(np.concatenate(rows)).to(dev), torch.from_numpy(np.concatenate(cols)).to(dev))
+    r, f, p = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (rep, sub, pres))
+    v = logits[at]
+    logits[at] = torch.where(r != 1.0, torch.where(v > 0, v / r, v * r), v) - f - p
     return logits
 
 
@@ -68,41 +89,12 @@ def _mask_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
     return logits
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    dev = logits.device
-    vocab = logits.shape[-1]
-    # top_k is clamped to the vocabulary here, so no client value can overflow the tensor.
-    top_k = torch.tensor(
-        [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs], device=dev
-    )
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
-    drop = ranks >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # top_p: keep the smallest prefix whose mass reaches p (the first token always stays).
-    cum = probs.cumsum(dim=-1) - probs
-    drop |= cum >= top_p[:, None]
-    drop |= probs < (min_p[:, None] * probs[:, :1])
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-
-
-def _noise(seqs: list[Sequence], probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    q = torch.empty_like(probs)
-    unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-    if unseeded:
-        rows = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-        rows.exponential_(generator=generator)
-        q[unseeded] = rows
-    for i, s in enumerate(seqs):
-        if s.params.seed is not None:
-            g = torch.Generator(device=probs.device)
-            g.manual_seed((s.params.seed * 1_000_003 + s.index * 7_919 + len(s.output_token_ids)) % 2**63)
-            q[i].exponential_(generator=g)
-    return q
+def _row_generator(s: Sequence) -> torch.Generator:
+    """A seeded row's noise stream at its position: keyed by (seed, choice, output length)."""
+    seed = s.params.seed or 0
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + s.index * 7_919 + len(s.output_token_ids)) % 2**63)
+    return g
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
@@ -221,24 +213,33 @@ class Sampler:
             self._mask_grammar(logits, seqs)
         raw = logits
         if any(_needs_penalties(s) for s in seqs):
-            logits = _penalties(logits, seqs, self.vocab_size)
+            logits = _penalties(logits, seqs)
         if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
             logits = _mask_stops(logits.clone(), seqs, self.eos_token_ids)
-        greedy = [is_greedy(s) for s in seqs]
-        chosen = logits.argmax(dim=-1)
-        if not all(greedy):
-            temps = torch.tensor(
-                [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)]
-            )
-            scaled = logits / temps[:, None]
-            if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0 for s in seqs):
-                scaled = _top_k_top_p_min_p(scaled, seqs)
-            probs = scaled.softmax(dim=-1)
-            q = _noise(seqs, probs, self.generator)
-            sampled = (probs / q).argmax(dim=-1)
-            chosen = torch.where(torch.tensor(greedy), chosen, sampled)
-        token_ids = chosen.tolist()
+        token_ids = self._draw(logits, seqs)
         return SampleResult(token_ids, self._logprobs(raw, seqs, token_ids))
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Each row's token: the argmax of a greedy row, a draw from the others' kept distribution."""
+        greedy = [is_greedy(s) for s in seqs]
+        if all(greedy):
+            return _argmax(logits)
+        n, vocab = len(seqs), logits.shape[1]
+        ps = [s.params for s in seqs]
+        temp = torch.tensor([0.0 if g else p.temperature for p, g in zip(ps, greedy, strict=True)])
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+        uniform = torch.rand(n, generator=self.generator)  # the unseeded rows' draws, in one call
+        seeded = [i for i, (p, g) in enumerate(zip(ps, greedy, strict=True)) if p.seed is not None and not g]
+        noise = torch.empty(len(seeded), vocab)
+        noise_row = torch.full((n,), -1, dtype=torch.int64)
+        for j, i in enumerate(seeded):  # each seeded row's noise from its own stream
+            noise[j].exponential_(generator=_row_generator(seqs[i]))
+            noise_row[i] = j
+        dev = logits.device
+        args = (temp, top_k, top_p, min_p, uniform, noise, noise_row)
+        return sample_rows(logits, *(a.to(dev) for a in args)).tolist()
 
     def _mask_grammar(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Tokens each structured row's grammar forbids go to -inf, in place. A matcher

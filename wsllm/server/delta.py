@@ -5,7 +5,7 @@ was slow, one per choice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -27,6 +27,7 @@ class Delta:
     num_tokens: int = 0
     reasoning: str = ""  # chat: text of the <think> block
     tool_calls: list[dict[str, Any]] | None = None  # chat: OpenAI-shaped tool_calls deltas
+    token_ids: list[int] = field(default_factory=list)  # the tokens that made it (vLLM's `token_ids`)
 
 
 def merge(deltas: list[Delta]) -> list[Delta]:
@@ -41,6 +42,7 @@ def merge(deltas: list[Delta]) -> list[Delta]:
         m.text += d.text
         m.reasoning += d.reasoning
         m.num_tokens += d.num_tokens
+        m.token_ids = [*m.token_ids, *d.token_ids]  # a new list: the event's own stays as it came
         if d.tool_calls:
             m.tool_calls = (m.tool_calls or []) + d.tool_calls
         m.finish_reason = d.finish_reason or m.finish_reason

@@ -308,7 +308,9 @@ class Generation:
         if ev.finish_reason is not None:
             c.engine_done = True
             c.finish_reason = c.finish_reason or ev.finish_reason
-        delta = Delta(c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids))
+        delta = Delta(
+            c.index, text, c.finish_reason, self._logprobs(ev), len(ev.token_ids), token_ids=ev.token_ids
+        )
         if c.out is not None:
             piece = c.out.feed(text, final=c.finish_reason is not None)
             delta.text, delta.reasoning, delta.tool_calls = (

@@ -109,7 +109,8 @@ class ServedModels:
     async def cards(self, tenant: Tenant) -> list[dict[str, Any]]:
         """`/v1/models`: every model a live engine serves (and `tenant` may use), the
         default first, each with the context length its engines allow. An alias is a
-        card of its own (`parent`: the model it names), as vLLM lists served names."""
+        card of its own (`parent`: the model it names), as vLLM lists served names;
+        `root` (vLLM's) names the weights a card serves: the model's, or the adapter's."""
         data: list[dict[str, Any]] = []
         for name, engines in (await self.live()).items():
             card: dict[str, Any] = {
@@ -117,6 +118,7 @@ class ServedModels:
                 "object": "model",
                 "created": 0,
                 "owned_by": "wsllm",
+                "root": name,
                 "max_model_len": min(e.max_model_len for e in engines),
             }
             if tenant.may_use(name):
@@ -125,7 +127,11 @@ class ServedModels:
                 data += [card | {"id": a, "parent": name} for a in aliases]
             # an adapter's card: for a key that may use it (it may, and not its base)
             adapters = sorted({a for e in engines for a in e.adapters} - {name})
-            data += [card | {"id": a, "parent": name, "lora": True} for a in adapters if tenant.may_use(a)]
+            data += [
+                card | {"id": a, "root": a, "parent": name, "lora": True}
+                for a in adapters
+                if tenant.may_use(a)
+            ]
         return data
 
     async def resolve(self, requested: str | None, tenant: Tenant = ANONYMOUS) -> tuple[ServedModel, int]:

@@ -10,7 +10,8 @@ else; every other 400 of a request is its validation's (schemas.py, the wings' r
 modules). They are:
 - a text whose characters alone are more than the context can hold (before it is
   tokenized: no token is longer than the vocabulary's longest string);
-- a prompt (with `max_tokens`) longer than the context, an empty embeddings input;
+- a prompt (with `max_tokens`) longer than the context, an empty embeddings input, a
+  `truncate_prompt_tokens` past the context;
 - token ids outside the vocabulary (prompt, stop_token_ids, logit_bias keys);
 - the chat template's refusal, or its deadline;
 - a tool call or response format whose grammar does not compile, or not in time;
@@ -82,13 +83,15 @@ async def prepare(
     turn its template and spec check take on the programs' pools (programs.py)."""
     codec = model.codec
     _check_vocab(codec, req)
-    _fits(codec, _prompt_chars(req), max_len, "messages" if isinstance(req, ChatRequest) else "prompt")
+    if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
+        _fits(codec, _prompt_chars(req), max_len, "messages" if isinstance(req, ChatRequest) else "prompt")
     plan = plan_chat(req, codec, model.name, cfg.tool_parser) if isinstance(req, ChatRequest) else None
     wanted = wanted_constraint(req, plan)
     structured, compile_s = (
         (None, 0.0) if wanted is None else await checked(*wanted, cfg.spec_check_timeout_s, tenant)
     )
     prompt_ids = await _prompt_ids(req, codec, plan.template if plan else {}, cfg.template_timeout_s, tenant)
+    prompt_ids = truncated(prompt_ids, req, max_len, cfg)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
     encoded = output.to_context() if output is not None else None
@@ -98,13 +101,40 @@ async def prepare(
 
 
 async def chat_prompt(
-    req: ChatRequest, model: ServedModel, cfg: GatewayConfig, *, tenant: str = "", **template: Any
+    req: ChatRequest, model: ServedModel, cfg: GatewayConfig, *, tenant: str = ""
 ) -> list[int]:
     """A chat's prompt token ids (its template, tools and system), and nothing more of
-    its preparation (no constraint compiled): what `count_tokens` and `/tokenize` report.
-    `template`: more of the template's arguments (add_generation_prompt, ...)."""
+    its preparation (no constraint compiled): what `count_tokens` and `/tokenize` report."""
     plan = plan_chat(req, model.codec, model.name, cfg.tool_parser)
-    return await _prompt_ids(req, model.codec, plan.template | template, cfg.template_timeout_s, tenant)
+    return await _prompt_ids(req, model.codec, plan.template, cfg.template_timeout_s, tenant)
+
+
+def truncated(
+    ids: list[int], req: ChatRequest | CompletionRequest, max_len: int, cfg: GatewayConfig
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens (-1: as many as leave
+    room for `max_tokens`, the request's or --default-max-tokens, in the context); N past
+    the context is a 400 naming it."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(1, max_len - (req.requested_max_tokens or min(cfg.default_max_tokens, max_len - 1)))
+    elif keep == 0 or keep > max_len:
+        why = "must be -1 or at least 1" if keep == 0 else f"at most this model's context of {max_len}"
+        raise APIError(
+            400, "invalid_request", f"truncate_prompt_tokens: {why} (got {keep})", "truncate_prompt_tokens"
+        )
+    return ids[-keep:]
+
+
+def with_special_tokens(codec: TextCodec, ids: list[int]) -> list[int]:
+    """A chat prompt (written by its template) with the special tokens the tokenizer adds
+    around a text (vLLM's `add_special_tokens` on a chat: a BOS before the template's own,
+    say): found by encoding one character with and without them."""
+    bare, full = codec.encode("a", add_special_tokens=False), codec.encode("a", add_special_tokens=True)
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), len(full))
+    return full[:at] + ids + full[at + len(bare) :]
 
 
 async def text_tokens(model: ServedModel, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -214,11 +244,13 @@ async def _prompt_ids(
             return list(prompt)
         if req.suffix is not None:  # the schema let it through with one text prompt only
             return await _fim_ids(codec, prompt, req.suffix)
-        return await _run_text(codec.encode, prompt, len(prompt))
+        encode_text = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
+        return await _run_text(encode_text, prompt, len(prompt))
     messages = [m.as_template_input() for m in req.messages]
     encode = functools.partial(codec.encode_chat, messages, **template)
     try:  # a template is a program: always off the loop, on its pool, with a deadline
-        return await programs.render(encode, template_timeout_s, tenant)
+        ids = await programs.render(encode, template_timeout_s, tenant)
+        return with_special_tokens(codec, ids) if req.add_special_tokens else ids
     except TimeoutError:
         why = f"messages: the chat template took longer than {template_timeout_s:g}s on these messages"
         raise APIError(400, "invalid_request", why, param="messages") from None
@@ -317,9 +349,9 @@ def _check_table(params: SamplingParams, prompt_len: int, cfg: GatewayConfig) ->
 
 def _prompt_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
     """Prompt logprobs to compute: vLLM's `prompt_logprobs`, or `logprobs` with `echo`
-    (OpenAI then gives the prompt's tokens logprobs too)."""
+    (OpenAI then gives the prompt's tokens logprobs too) on a completion."""
     if not isinstance(req, CompletionRequest):
-        return None
+        return req.prompt_logprobs
     if req.prompt_logprobs is not None:
         return (
             max(req.prompt_logprobs, req.logprobs or 0)

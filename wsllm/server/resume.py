@@ -93,6 +93,8 @@ class ResumeContext:
     include_usage: bool = False  # SSE: a last chunk with the usage
     token_sha256: str = ""  # hash of the resume token's secret; set at submission
     lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
+    #: what else its SSE chunks carry, by the API's own names (vLLM's `token_ids`, ...)
+    extras: list[str] = field(default_factory=list)
     #: the tenant whose key started it: only that tenant resumes it (set at submission)
     tenant: str = ""
 
@@ -134,10 +136,10 @@ class ResumeContext:
         return ok and hmac.compare_digest(self.tenant.encode(), tenant.encode())
 
     def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores); `lora` and `tenant` only when
-        set, so that a gateway that predates them reads the rest as ever."""
+        """A plain dict of JSON values (what the broker stores); `lora`, `extras` and `tenant`
+        only when set, so that a gateway that predates them reads the rest as ever."""
         d = asdict(self) | {"api": self.api.value}
-        for key in ("lora", "tenant"):
+        for key in ("lora", "extras", "tenant"):
             if not d[key]:
                 del d[key]
         return d
@@ -170,5 +172,6 @@ class ResumeContext:
             get("include_usage", False, lambda x: isinstance(x, bool)),
             get("token_sha256", "", lambda x: isinstance(x, str)),
             get("lora", "", lambda x: isinstance(x, str)),
+            get("extras", [], lambda x: isinstance(x, list) and all(isinstance(e, str) for e in x)),
             get("tenant", "", lambda x: isinstance(x, str)),
         )

@@ -3,8 +3,9 @@
 Every 400 that needs no tokenizer is raised here, while a request is validated.
 Pydantic does the schema work in strict mode (no "0.5" for a number, no 1.0 for an
 integer, no NaN), each number bounded by its one declaration in wsllm/types.py
-(SAMPLING_BOUNDS, which SamplingParams checks again on the wire); a request's
-structured-output constraint and logit_bias are worked out as it is validated; then
+(SAMPLING_BOUNDS, which SamplingParams checks again on the wire); the fields every
+generate request shares are sampling_fields.py's (its structured-output constraint and
+logit_bias are worked out as it is validated); then
 `validate_http` and `validate_ws` apply the operator's limits (GatewayConfig) and what
 the schema cannot say about a chat's conversation (server/conversation.py).
 Turning a valid request into engine SamplingParams is preparation's
@@ -15,18 +16,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from wsllm.bounds import (
-    BEAM_ALONE,
-    MAX_CACHE_SALT_CHARS,
-    MAX_ID_CHARS,
-    MAX_PROMPT_TOKENS,
-    MAX_TOKEN_ID,
-    REQUEST_BOUNDS,
-)
+from wsllm.bounds import MAX_PROMPT_TOKENS
 from wsllm.config_gateway import GatewayConfig
-from wsllm.server.constraints import ResponseFormat, StructuredOutputs, asked_structure, token_bias
 from wsllm.server.conversation import (
     MAX_TOOLS,
     ChatMessage,
@@ -36,98 +29,12 @@ from wsllm.server.conversation import (
     check_conversation,
 )
 from wsllm.server.errors import APIError, from_validation
-from wsllm.server.fields import Inert, Strict, invalid, ranged, wire_check
+from wsllm.server.fields import Strict, invalid, ranged, wire_check
+from wsllm.server.sampling_fields import SamplingFields, TokenId
 
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 M = TypeVar("M", bound=BaseModel)
 TextPrompt = Annotated[str, Field(min_length=1)]
 IdsPrompt = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
-
-
-class StreamOptions(Strict):
-    include_usage: bool = False
-    include_obfuscation: Inert  # OpenAI's padding of stream chunks: none here
-
-
-class SamplingFields(Strict):
-    """The parameters every generate request accepts (OpenAI names, vLLM extensions).
-    None means "the default"."""
-
-    model: str | None = Field(None, max_length=MAX_ID_CHARS)
-    max_tokens: int | None = ranged("max_tokens")
-    max_completion_tokens: int | None = ranged("max_tokens")
-    temperature: float | None = ranged("temperature")  # below 1e-5: greedy
-    top_p: float | None = ranged("top_p")
-    top_k: int | None = ranged("top_k")  # -1 or 0: off
-    min_p: float | None = ranged("min_p")
-    presence_penalty: float | None = ranged("presence_penalty")
-    frequency_penalty: float | None = ranged("frequency_penalty")
-    repetition_penalty: float | None = ranged("repetition_penalty")
-    seed: int | None = ranged("seed")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = ranged("stop_token_ids")
-    n: int | None = ranged("n")
-    ignore_eos: bool | None = None
-    min_tokens: int | None = ranged("min_tokens")
-    user: str | None = Field(None, max_length=256)
-    # OpenAI's, accepted with no effect here (docs/protocol.md, "Fields with no effect"):
-    store: Inert  # stored completions
-    metadata: Inert  # tags for stored completions
-    service_tier: Inert  # "auto" / "default" / "flex": one tier here
-    safety_identifier: Inert  # the newer name of `user`
-    prompt_cache_key: Inert  # prefix caching is automatic here
-    # vLLM's: the request shares cached prefix blocks only with requests of its tenant that
-    # give the same salt (a tenant's requests share them among themselves without one)
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    # vLLM's extension; higher is admitted first. The gateway caps it per key.
-    priority: int = ranged("priority", REQUEST_BOUNDS, 0)
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
-    # OpenAI's shape: token id (a string key) -> bias in [-100, 100]
-    logit_bias: dict[str, float] | None = ranged("logit_bias")
-    # Worked out while the request is validated (see `structured` and `token_bias`).
-    _structured: tuple[dict[str, Any], str] | None = PrivateAttr(None)
-    _token_bias: dict[int, float] | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _constraints(self) -> SamplingFields:
-        self._structured = asked_structure(self.structured_outputs, self.response_format)
-        self._token_bias = token_bias(self.logit_bias)
-        if getattr(self, "use_beam_search", None) and (self._structured or self._token_bias):
-            raise APIError(400, "invalid_request", BEAM_ALONE)
-        return self
-
-    @property
-    def structured(self) -> tuple[dict[str, Any], str] | None:
-        """The SamplingParams.structured spec the request asks for, with the field that
-        asked (for a 400 naming it); None for free text."""
-        return self._structured
-
-    @property
-    def token_bias(self) -> dict[int, float] | None:
-        """logit_bias with token ids for keys; None when empty."""
-        return self._token_bias
-
-    @property
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def num_top_logprobs(self) -> int | None:
-        """Top logprobs per token; 0 = only the chosen token's; None = no logprobs."""
-        return None
 
 
 class ChatRequest(SamplingFields):
@@ -139,6 +46,15 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's own switches; continue_final_message pre-fills the answer with
+    # the last message (an assistant's), which the model continues
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's (e.g. BOS) on top of the template's
+    # vLLM's: the answer starts with the last message when it is the assistant's (a pre-fill)
+    echo: bool | None = None
+    # vLLM's: the prompt's logprobs (its top N per token), top-level `prompt_logprobs`
+    prompt_logprobs: int | None = ranged("logprobs")
 
     @property
     def offered_tools(self) -> list[dict[str, Any]]:
@@ -159,11 +75,22 @@ class ChatRequest(SamplingFields):
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def echoed(self) -> str | None:
+        """What `echo` puts before the answer: the last message's text when it is the
+        assistant's (vLLM's rule: the same role as the answer); None otherwise."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else None
+
     def check_chat(self) -> None:
         """What the schema cannot say about the messages, tools and tool_choice."""
         check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs)
         if self.structured is not None and self.forced_tool is not None:
             raise invalid("tool_choice", "a forced call cannot be combined with response_format")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "needs add_generation_prompt: false (vLLM's rule)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs", "a chat's are not streamed (vLLM's rule); ask without stream")
 
 
 class CompletionRequest(SamplingFields):
@@ -178,6 +105,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = ranged("logprobs")
     # the prompt's text before the answer (and, with logprobs, its tokens' logprobs)
     echo: bool | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (e.g. BOS) of a text prompt
     # vLLM's: the logprobs of each prompt token and its top N, in `prompt_logprobs`
     prompt_logprobs: int | None = ranged("logprobs")
     # fill in the middle: the text after the cursor (`prompt` is the text before it);
@@ -264,6 +192,8 @@ def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes
     """Parse and check a /v1/chat/completions or /v1/completions body."""
     req = validated(model, body_object(raw, cfg))
     check_limits(req, cfg)
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options", "only with stream: true")
     return req
 
 
@@ -296,7 +226,23 @@ def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCance
         raise from_validation(e, skip=1 if tagged else 0) from None
     if isinstance(msg, ChatRequest | CompletionRequest):
         check_limits(msg, cfg)
+        _check_ws_answer(msg)
     return msg
+
+
+def _check_ws_answer(msg: WsChat | WsCompletion) -> None:
+    """The answer fields of an HTTP chunk that a WebSocket message has no place for: a 400
+    rather than dropped without a word (docs/protocol.md)."""
+    so = msg.stream_options
+    asked = {
+        "return_token_ids": bool(msg.return_token_ids),
+        "stream_options.continuous_usage_stats": so is not None and so.continuous_usage_stats,
+        "echo": isinstance(msg, WsChat) and bool(msg.echo),
+        "prompt_logprobs": isinstance(msg, WsChat) and msg.prompt_logprobs is not None,
+    }
+    for field, on in asked.items():
+        if on:
+            raise invalid(field, "is for the HTTP routes; the WebSocket's messages do not carry it")
 
 
 def _check_message_count(obj: dict[str, Any], cfg: GatewayConfig) -> None:

@@ -34,6 +34,11 @@ def plan_chat(req: ChatRequest, codec: TextCodec, model_name: str, tool_parser: 
     plan = ChatPlan()
     if req.chat_template_kwargs:
         plan.template["template_kwargs"] = dict(req.chat_template_kwargs)
+    if not req.add_generation_prompt or req.continue_final_message:  # vLLM's switches of the template
+        plan.template |= {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
     if not tools:
         return plan
     style = choose_style(tool_parser, codec.chat_template, model_name)

@@ -63,8 +63,9 @@ def mount(gw: Gateway) -> Wing:
             )
         replies = await command(adm, "load", req.lora_name, req.lora_path)
         done, refused = _outcome(replies, "load")
-        if not done and refused is not None:
-            raise APIError(refused.status, "invalid_request", refused.error, param="lora_path")
+        if not done and refused is not None:  # 404: no adapter at the path (vLLM's), 400: one refused
+            code = "not_found" if refused.status == 404 else "invalid_request"
+            raise APIError(refused.status, code, refused.error, param="lora_path")
         body = {
             "object": "lora_adapter", "id": req.lora_name, "parent": adm.model.name, "engines": done,
             "message": f"Success: LoRA adapter '{req.lora_name}' added successfully.",

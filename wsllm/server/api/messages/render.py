@@ -37,9 +37,12 @@ def head(gen: Generation, model: str) -> dict[str, Any]:
 
 
 def usage(gen: Generation) -> dict[str, Any]:
+    """Anthropic's usage: its input fields are disjoint (clients and cost trackers add
+    them), so `input_tokens` is the prompt less what the prefix cache served. The engine
+    tells the cached count with a choice's end: `message_start` has none of it yet."""
     u = gen.usage
     return {
-        "input_tokens": u.prompt_tokens,
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
         "output_tokens": u.completion_tokens,
         "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,

@@ -1,13 +1,14 @@
-"""OpenAI's routes: /v1/chat/completions, /v1/completions, /v1/models, and
-`GET /v1/streams/{id}` to resume a cut SSE stream (resumable brokers). Their request
-shapes are the gateway's own chat and completion requests (server/schemas.py); their
-answers' shapes are render.py.
+"""OpenAI's routes: /v1/chat/completions, /v1/completions, /v1/models (and a model's
+card, `GET /v1/models/{model}`), vLLM's `GET /version`, and `GET /v1/streams/{id}` to
+resume a cut SSE stream (resumable brokers). Their request shapes are the gateway's own
+chat and completion requests (server/schemas.py); their answers' shapes are render.py.
 
-A resumable stream must number its events the same way on every gateway, so a request
-whose deltas are numbered for a replay (`Generation.replayable`) sends each delta as its
-own event (the `id:` of an event is a pure function of the request's engine events);
-otherwise a slow reader gets fewer, larger chunks. A streamed answer carries its resume
-token in the `X-Resume-Token` header: reading the stream again needs it."""
+A stream sends one choice a chunk (OpenAI's and vLLM's: a client reads
+`chunk.choices[0]`). A resumable stream must number its events the same way on every
+gateway, so a request whose deltas are numbered for a replay (`Generation.replayable`)
+takes one engine event a delta (the `id:` of an event is a pure function of the request's
+engine events); otherwise a slow reader gets larger chunks. A streamed answer carries its
+resume token in the `X-Resume-Token` header: reading the stream again needs it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import wsllm
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.admission import Admission
-from wsllm.server.api.openai.render import AnswerView, BatchView, prompt_text, usage_json, whole_answer
+from wsllm.server.api.openai.render import AnswerView, BatchView, Shape, echo_text, usage_json, whole_answer
 from wsllm.server.delta import Delta
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
@@ -43,28 +45,28 @@ _EVENT_ID = re.compile(r"[0-9]{1,15}")
 
 
 async def sse_frames(
-    metrics: Metrics, heartbeat_s: float, api: AnswerView | BatchView, include_usage: bool, after: int = 0
+    metrics: Metrics, heartbeat_s: float, api: AnswerView | BatchView, after: int = 0
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a request (or a batch of them); those numbered <= `after` (a
-    resume's Last-Event-ID) are computed, to rebuild the text state, but not sent."""
+    """The SSE events of a request (or a batch of them), one choice each; those numbered
+    <= `after` (a resume's Last-Event-ID) are computed, to rebuild the text state, but
+    not sent."""
     n = 0
-    usage_field = {"usage": None} if include_usage else {}
     try:
         while not api.finished:
-            choices = await api.next_choices(heartbeat_s)
-            if choices is None:
+            chunks = await api.next_chunks(heartbeat_s)
+            if chunks is None:
                 yield KEEPALIVE
                 continue
-            for group in [[c] for c in choices] if api.replayable else [choices] if choices else []:
+            for chunk in chunks:
                 n += 1
                 if n > after:
-                    yield frame(n, orjson.dumps(api.head | {"choices": group} | usage_field))
+                    yield frame(n, orjson.dumps(chunk))
     except GenerationError as e:
         metrics.error(e.code)
         yield frame(n + 1, orjson.dumps(APIError(500, e.code, e.message).body()))
         yield DONE
         return
-    if include_usage:
+    if api.shape.include_usage:
         n += 1
         if n > after:
             yield frame(n, orjson.dumps(api.head | {"choices": [], "usage": usage_json(api.usage)}))
@@ -87,11 +89,9 @@ async def _whole(views: list[AnswerView]) -> bytes:
     return orjson.dumps(whole_answer(views, collected))
 
 
-def _view(gen: Generation, req: ChatRequest | CompletionRequest) -> AnswerView:
-    if isinstance(req, ChatRequest):
-        return AnswerView(gen, gen.context.served_as, True)
-    echo = prompt_text(gen, req) if req.echo else None
-    return AnswerView(gen, gen.context.served_as, False, echo, req.prompt_logprobs is not None)
+def _not_found(name: str) -> APIError:
+    msg = f"The model `{name}` does not exist or you do not have access to it."  # OpenAI's words
+    return APIError(404, "model_not_found", msg, param="model")
 
 
 class OpenAI:
@@ -113,6 +113,8 @@ class OpenAI:
         return Wing(
             [
                 Route("/v1/models", self.models),
+                Route("/v1/models/{model:path}", self.model_card),
+                Route("/version", self.version),
                 Route("/v1/chat/completions", route(chat), methods=["POST"]),
                 Route("/v1/completions", route(completions), methods=["POST"]),
                 Route("/v1/streams/{request_id}", self.resume_stream),
@@ -134,15 +136,14 @@ class OpenAI:
         batch = req.prompts if isinstance(req, CompletionRequest) else None
         reqs = [req] if batch is None or isinstance(req, ChatRequest) else [req.one(p) for p in batch]
         gens: list[Generation] = []
+        shapes: list[Shape] = []
         try:
             for i, one in enumerate(reqs):
                 try:
-                    gens.append(
-                        await adm.submit(
-                            i,
-                            await prepare(one, adm.api, adm.model, adm.max_len, self.gw.cfg, adm.tenant.name),
-                        )
-                    )
+                    p = await prepare(one, adm.api, adm.model, adm.max_len, self.gw.cfg, adm.tenant.name)
+                    shapes.append(Shape.of(one, p.prompt_ids, echo_text(adm.model.codec, one, p.prompt_ids)))
+                    p.context.extras = shapes[-1].extras  # a resumed stream carries them too
+                    gens.append(await adm.submit(i, p))
                 except APIError as e:
                     if batch is not None and e.param == "prompt":  # name the prompt of the batch
                         e.param, e.message = f"prompt.{i}", e.message.replace("prompt", f"prompt.{i}", 1)
@@ -151,21 +152,22 @@ class OpenAI:
             for g in gens:
                 await g.cancel()
             raise
-        views = [_view(g, one) for g, one in zip(gens, reqs, strict=True)]
-        return self._answer(views, req.stream, req.include_usage)
+        chat = isinstance(req, ChatRequest)
+        views = [AnswerView(g, g.context.served_as, chat, s) for g, s in zip(gens, shapes, strict=True)]
+        return self._answer(views, req.stream)
 
-    def _answer(self, views: list[AnswerView], stream: bool | None, include_usage: bool) -> Answer:
+    def _answer(self, views: list[AnswerView], stream: bool | None) -> Answer:
         gen = views[-1].gen  # the last admitted: the freshest figures
         if len(views) > 1:  # a list of prompts: not resumable, a cut stream ends them all
             batch = BatchView(views)
             if not stream:
                 return Answer(gen.ratelimit_headers, body=lambda: _whole(views), close=batch.close)
-            frames = sse_frames(self.gw.metrics, self.gw.cfg.heartbeat_s, batch, include_usage)
+            frames = sse_frames(self.gw.metrics, self.gw.cfg.heartbeat_s, batch)
             return Answer(gen.ratelimit_headers, frames=frames, close=batch.close)
         if not stream:
             return Answer(gen.ratelimit_headers, body=lambda: _whole(views), close=gen.cancel)
         headers = {RESUME_TOKEN_HEADER: gen.resume_token or ""} | gen.ratelimit_headers
-        frames = sse_frames(self.gw.metrics, self.gw.cfg.heartbeat_s, views[0], include_usage)
+        frames = sse_frames(self.gw.metrics, self.gw.cfg.heartbeat_s, views[0])
         return Answer(headers, frames=frames, close=gen.leave)  # leave: detach for a resume, or cancel
 
     async def resume_stream(self, request: Request) -> Response:
@@ -197,14 +199,30 @@ class OpenAI:
                 f"no stream {rid!r} to resume with this token (unknown, past its retention, or not yours)",
                 "id",
             )
-        view = AnswerView(gen, gen.context.served_as or gw.model_name, chat=gen.context.api.is_chat)
-        frames = sse_frames(gw.metrics, gw.cfg.heartbeat_s, view, gen.context.include_usage, after=int(raw))
+        ctx = gen.context
+        shape = Shape.resumed(ctx.include_usage, ctx.extras)
+        view = AnswerView(gen, ctx.served_as or gw.model_name, ctx.api.is_chat, shape)
+        frames = sse_frames(gw.metrics, gw.cfg.heartbeat_s, view, after=int(raw))
         return await respond(request, gw, Answer(gen.ratelimit_headers, frames=frames, close=gen.leave))
 
     async def models(self, request: Request) -> Response:
         """Every model a live engine serves (and the key may use): `ServedModels.cards`."""
         data = await self.gw.models.cards(request_tenant(request.state))
         return JSONResponse({"object": "list", "data": data})
+
+    async def model_card(self, request: Request) -> Response:
+        """`GET /v1/models/{model}` (the SDK's `models.retrieve`): its card in the list, or
+        a 404 that says the model does not exist (what a key may not use does not either)."""
+        name = request.path_params["model"]
+        data = await self.gw.models.cards(request_tenant(request.state))
+        card = next((c for c in data if c["id"] == name), None)
+        if card is None:
+            raise _not_found(name)
+        return JSONResponse(card)
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's `GET /version`: this server's version."""
+        return JSONResponse({"version": wsllm.__version__})
 
 
 def mount(gw: Gateway) -> Wing:

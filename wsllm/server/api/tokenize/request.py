@@ -4,14 +4,14 @@ shape, and their charge at admission."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from wsllm.bounds import MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.conversation import MAX_TOOLS, ChatMessage, ToolDef
-from wsllm.server.fields import Strict, invalid
+from wsllm.server.fields import Strict
 from wsllm.server.quota import Charge, chat_prompt_tokens, prompt_charge, text_tokens
 from wsllm.server.schemas import ChatRequest, body_object, validated
 
@@ -30,8 +30,8 @@ class TokenizeChat(Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # The template writes the special tokens; true is refused (it would add a second BOS).
-    add_special_tokens: Literal[False] = False
+    # vLLM's: the tokenizer's special tokens (a BOS, say) on top of those the template writes
+    add_special_tokens: bool = False
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -39,11 +39,14 @@ class TokenizeChat(Strict):
     def as_chat(self) -> ChatRequest:
         """The chat request whose prompt this is (for the template and its checks)."""
         req = ChatRequest.model_construct(
-            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+            messages=self.messages,
+            tools=self.tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=self.add_special_tokens,
         )
         req.check_chat()
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt")
         return req
 
 

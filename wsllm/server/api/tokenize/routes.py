@@ -35,9 +35,7 @@ def mount(gw: Gateway) -> Wing:
         "token_strs"}` (`token_strs` with `"return_token_strs": true`, else null)."""
         model = adm.model
         if isinstance(req, TokenizeChat):
-            flags = {"add_generation_prompt": req.add_generation_prompt}
-            flags["continue_final_message"] = req.continue_final_message
-            ids = await prepare.chat_prompt(req.as_chat(), model, gw.cfg, tenant=adm.tenant.name, **flags)
+            ids = await prepare.chat_prompt(req.as_chat(), model, gw.cfg, tenant=adm.tenant.name)
         else:
             ids = await prepare.text_tokens(model, req.prompt, req.add_special_tokens)
         headers = await adm.settle(0, len(ids))
