@@ -278,16 +278,25 @@ class Deployment:
                 self.live[name].stop()
 
 
-def request_of_death(dep: Deployment, model: str) -> dict[str, Any]:
-    """A request that stalls every engine it reaches: its answer (a clear engine_stalled)."""
+def request_of_death(dep: Deployment, model: str, patience_s: float = 240.0) -> dict[str, Any]:
+    """A request that stalls every engine it reaches: its answer (a clear engine_stalled). At
+    twice the capacity the gateway may refuse it before any engine sees it (a 429: the queue
+    is full, or its key's rate); it is sent again as an SDK retries, until an engine took it."""
     body = {"model": model, "prompt": [DEATH_TOKEN, 5, 6, 7], "max_tokens": 8}
     headers = {"authorization": f"Bearer {KEYS[0]}"}
-    try:
-        r = httpx.post(f"{dep.base}/v1/completions", json=body, headers=headers, timeout=120)
-        err = r.json().get("error") or {}
-        return {"status": r.status_code, "code": err.get("code"), "message": err.get("message", "")}
-    except (httpx.HTTPError, ValueError) as e:
-        return {"status": None, "code": None, "message": f"{type(e).__name__}: {e}"}
+    give_up = time.monotonic() + patience_s
+    refused = 0
+    while True:
+        try:
+            r = httpx.post(f"{dep.base}/v1/completions", json=body, headers=headers, timeout=120)
+            err = r.json().get("error") or {}
+        except (httpx.HTTPError, ValueError) as e:
+            return {"status": None, "code": None, "message": f"{type(e).__name__}: {e}", "refused": refused}
+        if r.status_code != 429 or time.monotonic() > give_up:
+            return {"status": r.status_code, "code": err.get("code"), "message": err.get("message", ""),
+                    "refused": refused}  # fmt: skip
+        refused += 1
+        time.sleep(1.0)
 
 
 def _healthy(base: str) -> bool:
