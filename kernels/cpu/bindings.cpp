@@ -28,11 +28,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &wsq::decode_attention,
         "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("isa"), nogil());
+        py::arg("isa"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil());
   m.def("rope_store_decode", &wsq::rope_store_decode,
         "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
+        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil());
   py::class_<wsq::DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
@@ -40,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
            py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
       .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
+      .def("set_attention", &wsq::DecodeStack::set_attention, "one layer's attention variant and scale (attention.h)",
+           py::arg("layer"), py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("scale"))
       .def("forward", &wsq::DecodeStack::forward,
            "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),

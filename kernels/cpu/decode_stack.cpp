@@ -39,6 +39,20 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Te
     else
       bias_.emplace_back(c10::nullopt);
   }
+  attn_.resize(layers_);
+  scales_.assign(layers_, scale_);
+}
+
+void DecodeStack::set_attention(int64_t layer, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
+                                double scale) {
+  TORCH_CHECK(layer >= 0 && layer < layers_, "DecodeStack: layer ", layer, " out of range");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "DecodeStack: window and softcap must not be negative");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads_ && sinks->scalar_type() == torch::kFloat32,
+                "DecodeStack: sinks must be float32 [num_heads]");
+  attn_[layer] = AttnVariant{window, softcap, sinks.has_value() ? c10::optional<torch::Tensor>(sinks->contiguous())
+                                                                : c10::nullopt};
+  scales_[layer] = scale;
 }
 
 std::vector<torch::Tensor> DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -66,8 +80,8 @@ void DecodeStack::layers(torch::Tensor& x, torch::Tensor& residual, const torch:
     }
     const int64_t p = 4 * l;
     auto qkv = project(h, p, bias_[l], isa, lora, lora_rows);
-    auto o = rope_store_decode(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
-                               scale_, isa);
+    auto o = rope_store_decode_v(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
+                                 scales_[l], isa, attn_[l]);
     auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa, lora, lora_rows), residual, norms_[2 * l + 1], eps_,
                           isa);
     residual = r[1];

@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "attention.h"
 #include "lora_weights.h"
 
 namespace wsq {
@@ -23,6 +24,10 @@ class DecodeStack {
               std::vector<torch::Tensor> caches, int64_t num_heads, double eps, double scale);
 
   int64_t num_layers() const { return layers_; }
+
+  // Layer `layer`'s attention variant (attention.h) and scale; by default none, and the stack's scale.
+  void set_attention(int64_t layer, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
+                     double scale);
 
   // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
   // loop in LlamaForCausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the
@@ -48,6 +53,8 @@ class DecodeStack {
   std::vector<int64_t> qtypes_, ns_, parts_, first_;
   std::vector<c10::optional<torch::Tensor>> bias_;
   std::vector<torch::Tensor> caches_;
+  std::vector<AttnVariant> attn_;  // per layer (set_attention)
+  std::vector<double> scales_;
   int64_t num_heads_, layers_ = 0;
   double eps_, scale_;
 };
