@@ -69,6 +69,7 @@ class HarmonyStream(ToolStream):
         self._fn = ""  # a call's function
         self._last = ""  # the kind of text said last ("call" after a call)
         self._fresh = True  # the next text opens a message (a newline after one of its kind)
+        self._from = 0  # where a call's body may end, so far (its text is read once)
 
     def _step(self, final: bool) -> None:
         while self._buf or (final and self._state == "body" and self._kind == "call"):
@@ -104,7 +105,7 @@ class HarmonyStream(ToolStream):
         to = _RECIPIENT.search(head)
         channel = _CHANNEL.search(head)
         name = channel.group(1) if channel else ""
-        self._state, self._fn = "body", ""
+        self._state, self._fn, self._from = "body", "", 0
         if to is not None and to.group(1).startswith("functions.") and len(to.group(1)) > len("functions."):
             self._kind, self._fn = "call", to.group(1)[len("functions.") :]
         elif name == "analysis":
@@ -114,9 +115,11 @@ class HarmonyStream(ToolStream):
 
     def _body(self, final: bool) -> None:
         buf = self._buf
-        m = _ENDS.search(buf)
+        m = _ENDS.search(buf, self._from)
         if m is None and not final:  # a call whole only; text up to a marker that may begin
-            if self._kind != "call":
+            if self._kind == "call":
+                self._from = max(0, len(buf) - len(RETURN) + 1)
+            else:
                 keep = _held(buf)
                 self._say(self._kind, _unmark(buf[: len(buf) - keep]))
                 self._buf = buf[len(buf) - keep :]
