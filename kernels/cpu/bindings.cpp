@@ -6,6 +6,7 @@
 #include "decode_stack.h"
 #include "isa.h"
 #include "lora_weights.h"
+#include "moe_layer.h"
 #include "qgemm.h"
 #include "qlinear.h"
 #include "rowops.h"
@@ -34,17 +35,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil());
+  py::class_<wsq::MoeLayer, std::shared_ptr<wsq::MoeLayer>>(m, "MoeLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t,
+                    bool, double, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                    torch::Tensor>(),
+           py::arg("router"), py::arg("selection_bias"), py::arg("experts"), py::arg("qtypes"), py::arg("top_k"),
+           py::arg("gating"), py::arg("renormalize"), py::arg("scale"), py::arg("shared"), py::arg("shared_qtypes"),
+           py::arg("shared_ns"), py::arg("shared_gate_up"), py::arg("shared_gate"))
+      .def_property_readonly("num_experts", &wsq::MoeLayer::num_experts)
+      .def_property_readonly("top_k", &wsq::MoeLayer::top_k)
+      .def("forward", &wsq::MoeLayer::forward, "x [T, H] -> the layer's output [T, H]; see kernels/moe.py",
+           py::arg("x"), py::arg("isa"), nogil())
+      .def("route", &wsq::MoeLayer::route, "x [T, H] -> (ids int32 [T, k], weights float32 [T, k])", py::arg("x"),
+           py::arg("isa"), nogil())
+      .def("experts", &wsq::MoeLayer::experts, "the grouped pass alone over a routing -> float32 [T, H]",
+           py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("isa"), nogil());
   py::class_<wsq::DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
-                    double>(),
-           py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
-           py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
-      .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
-      .def("set_attention", &wsq::DecodeStack::set_attention, "one layer's attention variant and scale (attention.h)",
-           py::arg("layer"), py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("scale"))
+      .def(py::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<double>,
+                    std::vector<std::shared_ptr<wsq::MoeLayer>>>(),
+           py::arg("program"), py::arg("tensors"), py::arg("floats"),
+           py::arg("moes") = std::vector<std::shared_ptr<wsq::MoeLayer>>())
+      .def_property_readonly("num_steps", &wsq::DecodeStack::num_steps)
       .def("forward", &wsq::DecodeStack::forward,
-           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
+           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/decode_stack.py",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
            py::arg("isa"), py::arg("lora") = wsq::LoraList(), py::arg("lora_rows") = std::vector<torch::Tensor>(),
            nogil());

@@ -1,4 +1,5 @@
-// DecodeStack (decode_stack.h): the same kernels the Python layers call, one after another.
+// DecodeStack (decode_stack.h): the program read once, then run op by op on the kernels the Python
+// modules call.
 #include "decode_stack.h"
 
 #include "attention.h"
@@ -8,51 +9,94 @@
 
 namespace wsq {
 
-DecodeStack::DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
-                         std::vector<int64_t> qtypes, std::vector<int64_t> ns, std::vector<int64_t> parts,
-                         std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> caches, int64_t num_heads,
-                         double eps, double scale)
-    : norms_(std::move(norms)),
-      packed_(std::move(packed)),
-      qtypes_(std::move(qtypes)),
-      ns_(std::move(ns)),
-      parts_(std::move(parts)),
-      caches_(std::move(caches)),
-      num_heads_(num_heads),
-      eps_(eps),
-      scale_(scale) {
-  layers_ = int64_t(norms_.size()) / 2;
-  TORCH_CHECK(int64_t(norms_.size()) == 2 * layers_ && int64_t(parts_.size()) == 4 * layers_ &&
-                  int64_t(qkv_bias.size()) == layers_ && int64_t(caches_.size()) == 2 * layers_,
-              "DecodeStack: 2 norms, 4 projections, 1 qkv bias and 2 caches per layer");
-  int64_t at = 0;
-  for (int64_t k : parts_) {
-    TORCH_CHECK(k >= 1, "DecodeStack: a projection has at least one part");
-    first_.push_back(at);
-    at += k;
-  }
-  TORCH_CHECK(int64_t(packed_.size()) == at && int64_t(qtypes_.size()) == at && int64_t(ns_.size()) == at,
-              "DecodeStack: one packed weight, qtype and width per part");
-  for (auto& b : qkv_bias) {
-    if (b.numel())
-      bias_.emplace_back(b);
-    else
-      bias_.emplace_back(c10::nullopt);
-  }
-  attn_.resize(layers_);
-  scales_.assign(layers_, scale_);
-}
+namespace {
 
-void DecodeStack::set_attention(int64_t layer, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
-                                double scale) {
-  TORCH_CHECK(layer >= 0 && layer < layers_, "DecodeStack: layer ", layer, " out of range");
-  TORCH_CHECK(window >= 0 && softcap >= 0.0, "DecodeStack: window and softcap must not be negative");
-  if (sinks.has_value())
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads_ && sinks->scalar_type() == torch::kFloat32,
-                "DecodeStack: sinks must be float32 [num_heads]");
-  attn_[layer] = AttnVariant{window, softcap, sinks.has_value() ? c10::optional<torch::Tensor>(sinks->contiguous())
-                                                                : c10::nullopt};
-  scales_[layer] = scale;
+// Reads the program's ints in order, each read checked against the program's end.
+struct Reader {
+  const std::vector<int64_t>& p;
+  size_t at = 0;
+  int64_t next() {
+    TORCH_CHECK(at < p.size(), "DecodeStack: the program ends inside an op");
+    return p[at++];
+  }
+};
+
+}  // namespace
+
+DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats,
+                         std::vector<std::shared_ptr<MoeLayer>> moes)
+    : tensors_(std::move(tensors)), moes_(std::move(moes)) {
+  Reader r{program};
+  const auto tensor = [&] {
+    const int64_t i = r.next();
+    TORCH_CHECK(i >= 0 && i < int64_t(tensors_.size()), "DecodeStack: tensor index ", i, " out of range");
+    return i;
+  };
+  const auto number = [&] {
+    const int64_t i = r.next();
+    TORCH_CHECK(i >= 0 && i < int64_t(floats.size()), "DecodeStack: float index ", i, " out of range");
+    return floats[i];
+  };
+  while (r.at < program.size()) {
+    StackStep s;
+    s.op = r.next();
+    switch (s.op) {
+      case kNorm:
+        s.t = {tensor()};
+        s.f = number();
+        break;
+      case kLinear: {
+        const int64_t parts = r.next();
+        TORCH_CHECK(parts >= 1, "DecodeStack: a projection has at least one part");
+        s.bias = r.next();
+        TORCH_CHECK(s.bias < int64_t(tensors_.size()), "DecodeStack: bias index ", s.bias, " out of range");
+        if (s.bias < 0) s.bias = -1;
+        s.lora = r.next();
+        for (int64_t k = 0; k < parts; ++k) {
+          const int64_t t = tensor(), qtype = r.next(), n = r.next();
+          s.parts.push_back({tensors_[t], qtype, n});
+        }
+        break;
+      }
+      case kAttention: {
+        s.t = {tensor(), tensor()};
+        s.a = r.next();
+        s.f = number();
+        s.var.window = r.next();
+        s.var.softcap = number();
+        const int64_t sinks = r.next();
+        TORCH_CHECK(s.var.window >= 0 && s.var.softcap >= 0.0, "DecodeStack: window and softcap must not be negative");
+        TORCH_CHECK(sinks < int64_t(tensors_.size()), "DecodeStack: sinks index ", sinks, " out of range");
+        if (sinks >= 0) {
+          const torch::Tensor& t = tensors_[sinks];
+          TORCH_CHECK(t.dim() == 1 && t.size(0) == s.a && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+                      "DecodeStack: sinks must be float32 [num_heads]");
+          s.var.sinks = t;
+        }
+        break;
+      }
+      case kSiluMul:
+        break;
+      case kScale:
+        s.f = number();
+        break;
+      case kQkNorm:
+        s.t = {tensor(), tensor()};
+        s.f = number();
+        s.a = r.next();
+        s.b = r.next();
+        TORCH_CHECK(s.a % tensors_[s.t[0]].numel() == 0 && s.b % tensors_[s.t[1]].numel() == 0,
+                    "DecodeStack: QK-norm weights must divide the q and k widths");
+        break;
+      case kMoe:
+        s.a = r.next();
+        TORCH_CHECK(s.a >= 0 && s.a < int64_t(moes_.size()) && moes_[s.a], "DecodeStack: MoE layer ", s.a, " out of range");
+        break;
+      default:
+        TORCH_CHECK(false, "DecodeStack: unknown op ", s.op);
+    }
+    steps_.push_back(std::move(s));
+  }
 }
 
 std::vector<torch::Tensor> DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -60,52 +104,66 @@ std::vector<torch::Tensor> DecodeStack::forward(torch::Tensor x, torch::Tensor c
                                                 int64_t isa, const LoraList& lora,
                                                 const std::vector<torch::Tensor>& lora_rows) {
   torch::Tensor residual;
-  run_as_team([&] { layers(x, residual, cos, sin, slots, tables, lens, isa, lora, lora_rows); });
+  const StackInputs in{cos, sin, slots, tables, lens, isa, lora, lora_rows};
+  run_as_team([&] { run(x, residual, in); });
   return {x, residual};
 }
 
-void DecodeStack::layers(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& cos,
-                         const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& tables,
-                         const torch::Tensor& lens, int64_t isa, const LoraList& lora,
-                         const std::vector<torch::Tensor>& lora_rows) {
-  for (int64_t l = 0; l < layers_; ++l) {
-    torch::Tensor h;
-    if (l == 0) {
-      residual = x;
-      h = add_rms_norm(x, c10::nullopt, norms_[2 * l], eps_, isa)[0];
-    } else {
-      auto r = add_rms_norm(x, residual, norms_[2 * l], eps_, isa);
-      h = r[0];
-      residual = r[1];
+void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInputs& in) {
+  for (const StackStep& s : steps_) {
+    switch (s.op) {
+      case kNorm:
+        if (!residual.defined()) {
+          residual = x;
+          x = add_rms_norm(x, c10::nullopt, tensors_[s.t[0]], s.f, in.isa)[0];
+        } else {
+          auto r = add_rms_norm(x, residual, tensors_[s.t[0]], s.f, in.isa);
+          x = r[0];
+          residual = r[1];
+        }
+        break;
+      case kLinear:
+        x = linear(s, x, in);
+        break;
+      case kAttention:
+        x = rope_store_decode_v(x, in.cos, in.sin, tensors_[s.t[0]], tensors_[s.t[1]], in.slots, s.a, in.tables,
+                                in.lens, s.f, in.isa, s.var);
+        break;
+      case kSiluMul:
+        x = silu_mul(x, in.isa);
+        break;
+      case kScale:
+        x.mul_(s.f);
+        break;
+      case kQkNorm:
+        qk_norm(s, x, in.isa);
+        break;
+      case kMoe:
+        x = moes_[s.a]->forward(x, in.isa);
+        break;
     }
-    const int64_t p = 4 * l;
-    auto qkv = project(h, p, bias_[l], isa, lora, lora_rows);
-    auto o = rope_store_decode_v(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
-                                 scales_[l], isa, attn_[l]);
-    auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa, lora, lora_rows), residual, norms_[2 * l + 1], eps_,
-                          isa);
-    residual = r[1];
-    auto gate_up = project(r[0], p + 2, c10::nullopt, isa, lora, lora_rows);
-    x = project(silu_mul(gate_up, isa), p + 3, c10::nullopt, isa, lora, lora_rows);
   }
 }
 
-torch::Tensor DecodeStack::project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias,
-                                   int64_t isa, const LoraList& lora, const std::vector<torch::Tensor>& rows) {
-  auto y = base_project(x, p, bias, isa);
-  if (!lora.empty()) lora_apply(y, x, p, lora, rows, isa);
+torch::Tensor DecodeStack::linear(const StackStep& s, const torch::Tensor& x, const StackInputs& in) {
+  c10::optional<torch::Tensor> bias;
+  if (s.bias >= 0) bias = tensors_[s.bias];
+  auto y = project(x, s.parts, bias, in.isa);
+  if (s.lora >= 0 && !in.lora.empty()) lora_apply(y, x, s.lora, in.lora, in.lora_rows, in.isa);
   return y;
 }
 
-torch::Tensor DecodeStack::base_project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias,
-                                        int64_t isa) {
-  const int64_t i = first_[p];
-  if (parts_[p] == 1) return qlinear(x, packed_[i], qtypes_[i], ns_[i], bias, isa, false);
-  std::vector<torch::Tensor> ys;
-  for (int64_t k = i; k < i + parts_[p]; ++k)
-    ys.push_back(qlinear(x, packed_[k], qtypes_[k], ns_[k], c10::nullopt, isa, false));
-  auto y = torch::cat(ys, -1);
-  return bias.has_value() ? y + *bias : y;
+// As Attention._norm_qk: each part's rows (a head's values, or the whole part) as one contiguous
+// matrix through add_rms_norm, written back in place.
+void DecodeStack::qk_norm(const StackStep& s, torch::Tensor& x, int64_t isa) {
+  const int64_t t = x.size(0);
+  const int64_t starts[2] = {0, s.a}, sizes[2] = {s.a, s.b};
+  for (int i = 0; i < 2; ++i) {
+    const torch::Tensor& w = tensors_[s.t[i]];
+    auto part = x.narrow(1, starts[i], sizes[i]);
+    auto rows = part.reshape({-1, w.numel()}).contiguous();
+    part.copy_(add_rms_norm(rows, c10::nullopt, w, s.f, isa)[0].view({t, sizes[i]}));
+  }
 }
 
 }  // namespace wsq

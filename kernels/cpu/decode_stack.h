@@ -1,62 +1,76 @@
-// The decode layers of a model over quantized weights in one call (kernels/cpu_ops.py: decode_stack):
-// per layer the calls wsllm/models/llama.py's DecoderLayer makes one by one (add_rms_norm, the
-// qkv matmul, rope_store_decode, o, add_rms_norm, gate/up, silu_mul, down), in the same order on
-// the same kernels, so the same bits; what goes is the Python and pybind between them (~8 calls
-// a layer, a few microseconds each: a tenth of a batch-1 step of a small model).
+// A decode-only step's layers over quantized weights in one call (kernels/decode_stack.py writes the
+// program). The model describes its layers as a flat program of ops, each calling the kernel the
+// Python module calls, in the module's order, so the same bits; what goes is the Python and pybind
+// between them (~8 calls a layer, a few microseconds each: a tenth of a batch-1 step of a small model).
+// Nothing here knows a family's layer order.
+//
+// The program: ints, each op its code then its arguments; tensors and floats by index.
+//   kNorm       w eps                     x, residual = add_rms_norm(x, residual) (none yet: residual = x)
+//   kLinear     parts bias lora (t qtype n)*parts   x = x @ W^T (+ bias) (+ the adapters' deltas of key lora)
+//   kAttention  k v heads scale window softcap sinks   x = rope_store_decode(x): rotary, KV store, paged
+//                                         attention with the layer's variant (attention.h; sinks -1: none)
+//   kSiluMul                              x = silu(gate) * up
+//   kScale      m                         x = x * m
+//   kQkNorm     qw kw eps q_size kv_size  x's q and k parts RMS-normed in place, rows of qw's (kw's) width
+//   kMoe        layer                     x = the mixture of experts (moe_layer.h: MoeLayer.forward)
 #pragma once
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <vector>
 
 #include "attention.h"
 #include "lora_weights.h"
+#include "moe_layer.h"
+#include "qlinear.h"
 
 namespace wsq {
 
+enum StackOp : int64_t { kNorm = 0, kLinear = 1, kAttention = 2, kSiluMul = 3, kScale = 4, kQkNorm = 5, kMoe = 6 };
+
+struct StackStep {
+  int64_t op = 0;
+  std::vector<int64_t> t;        // tensors it reads
+  std::vector<QPart> parts;       // kLinear: its parts
+  int64_t bias = -1, lora = -1;   // kLinear: the bias tensor (-1: none), the LoRA key (-1: none)
+  int64_t a = 0, b = 0;           // kAttention: heads; kQkNorm: q_size, kv_size; kMoe: the layer
+  double f = 0;                     // eps, scale or multiplier
+  AttnVariant var;                  // kAttention: window, softcap, sinks
+};
+
+// The step's per-row inputs, shared by every attention op.
+struct StackInputs {
+  const torch::Tensor &cos, &sin, &slots, &tables, &lens;
+  int64_t isa;
+  const LoraList& lora;
+  const std::vector<torch::Tensor>& lora_rows;
+};
+
 class DecodeStack {
  public:
-  // per layer: norms (input, post-attention); the projections qkv, o, gate_up, down, each in
-  // `parts` pieces (1, or a split projection's formats: SplitLinear), whose packed weights,
-  // qtypes and output widths ns follow in order; qkv_bias (an empty tensor: none); caches (k, v).
-  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<int64_t> qtypes,
-              std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> qkv_bias,
-              std::vector<torch::Tensor> caches, int64_t num_heads, double eps, double scale);
+  DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor> tensors, std::vector<double> floats,
+              std::vector<std::shared_ptr<MoeLayer>> moes);
 
-  int64_t num_layers() const { return layers_; }
+  int64_t num_steps() const { return int64_t(steps_.size()); }
 
-  // Layer `layer`'s attention variant (attention.h) and scale; by default none, and the stack's scale.
-  void set_attention(int64_t layer, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
-                     double scale);
-
-  // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
-  // loop in LlamaForCausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the
-  // step's adapters and their rows (lora_weights.h), added after each projection as the Python
-  // layers add them.
+  // x [n, hidden] (the embeddings) -> (the last op's x, the residual), as the layers' loop in
+  // CausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the step's adapters and
+  // their rows (lora_weights.h).
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                                      torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,
                                      const std::vector<torch::Tensor>& lora_rows);
 
  private:
-  // the layers, on the calling thread's team (team.h): one OpenMP region for the whole stack
-  void layers(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& cos, const torch::Tensor& sin,
-              const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens, int64_t isa,
-              const LoraList& lora, const std::vector<torch::Tensor>& lora_rows);
-  // the projection, and the step's adapters' deltas on their rows (none: nothing more)
-  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                        const LoraList& lora, const std::vector<torch::Tensor>& rows);
-  // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias)
-  torch::Tensor base_project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias,
-                             int64_t isa);
+  // the program, on the calling thread's team (team.h): one OpenMP region for the whole stack
+  void run(torch::Tensor& x, torch::Tensor& residual, const StackInputs& in);
+  // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias), then the adapters
+  torch::Tensor linear(const StackStep& s, const torch::Tensor& x, const StackInputs& in);
+  void qk_norm(const StackStep& s, torch::Tensor& x, int64_t isa);
 
-  std::vector<torch::Tensor> norms_, packed_;
-  std::vector<int64_t> qtypes_, ns_, parts_, first_;
-  std::vector<c10::optional<torch::Tensor>> bias_;
-  std::vector<torch::Tensor> caches_;
-  std::vector<AttnVariant> attn_;  // per layer (set_attention)
-  std::vector<double> scales_;
-  int64_t num_heads_, layers_ = 0;
-  double eps_, scale_;
+  std::vector<StackStep> steps_;
+  std::vector<torch::Tensor> tensors_;
+  std::vector<std::shared_ptr<MoeLayer>> moes_;
 };
 
 }  // namespace wsq

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fvec.h"
 #include "isa.h"
 #include "qgemm.h"
 #include "team.h"
@@ -20,26 +21,10 @@ int prefetch_k45 = kPrefetchK45, prefetch_q6k = kPrefetchQ6K;
 
 namespace {
 
-// x rows -> int8 blocks, as quant_ref.quantize_activations: d = amax * (1/127), q = round(x / d)
-// written round(x * (1 / d)), ties to even (nearbyint under the default rounding mode).
+// x rows m0 .. m1 - 1 (float32 or bfloat16 bits, made float32 exactly) -> int8 blocks, the scalar
+// statement of the vector quantizers (qgemm_simd.h: quantize_rows), the same bits.
 template <class T>
-struct Buffer {  // uninitialised (std::vector would zero what is written next anyway)
-  std::unique_ptr<T[]> p;
-  void resize(size_t n) { p.reset(new T[n]); }
-  T* data() { return p.get(); }
-  T& operator[](size_t i) { return p[i]; }
-};
-
-struct ActBuffers {
-  Buffer<float> d;
-  Buffer<int32_t> s16;
-  Buffer<int8_t> q;
-  Buffer<int32_t> s16p;
-};
-
-// x rows m0 .. m1 - 1 (float32 or bfloat16, made float32 exactly) -> int8 blocks.
-template <class T>
-void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers& buf) {
+void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActRows& a) {
   const float inv127 = float(1.0 / 127.0);
   const int nb = K / bv;
   std::unique_ptr<float[]> row(std::is_same<T, float>::value ? nullptr : new float[K]);
@@ -48,16 +33,16 @@ void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers
     if constexpr (std::is_same<T, float>::value) {
       xr = x + m * K;
     } else {
-      for (int l = 0; l < K; ++l) row[l] = float(x[m * K + l]);
+      for (int l = 0; l < K; ++l) row[l] = widen(x[m * K + l]);
       xr = row.get();
     }
-    int8_t* q = buf.q.data() + m * K;
+    int8_t* q = a.q.get() + m * K;
     for (int b = 0; b < nb; ++b) {
       float amax = 0.0f;
       for (int l = 0; l < bv; ++l) amax = std::fmax(amax, std::fabs(xr[b * bv + l]));
       const float d = amax * inv127;
       const float id = d == 0.0f ? 0.0f : 1.0f / d;
-      buf.d[m * nb + b] = d;
+      a.d[m * nb + b] = d;
       for (int l = 0; l < bv; ++l) {
         const float v = std::nearbyint(xr[b * bv + l] * id);
         q[b * bv + l] = int8_t(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
@@ -66,7 +51,7 @@ void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers
     for (int g = 0; g < K / 16; ++g) {
       int32_t s = 0;
       for (int l = 0; l < 16; ++l) s += q[g * 16 + l];
-      buf.s16[m * (K / 16) + g] = s;
+      a.s16[m * (K / 16) + g] = s;
     }
   }
 }
@@ -99,6 +84,50 @@ void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes,
 
 }  // namespace
 
+void ActRows::alloc(int64_t rows, int k, int block, bool pairs) {
+  M = rows;
+  K = k;
+  bv = block;
+  d.reset(new float[rows * (k / block)]);
+  s16.reset(new int32_t[rows * (k / 16)]);
+  q.reset(new int8_t[rows * k]);
+  s16p.reset(pairs ? new int32_t[rows * (k / 32)] : nullptr);
+}
+
+Act ActRows::view(int64_t row) const {
+  Act a;
+  a.K = K;
+  a.nb = K / bv;
+  a.d = d.get() + row * a.nb;
+  a.s16 = s16.get() + row * (K / 16);
+  a.q = q.get() + row * K;
+  a.s16p = s16p ? s16p.get() + row * (K / 32) : nullptr;
+  return a;
+}
+
+QuantizeFn quantizer(int64_t isa) {
+  return isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
+}
+
+GroupFn group_kernel(int64_t isa, int qtype) {
+  return (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
+}
+
+void quantize_act(const void* x, bool bf16, int64_t m0, int64_t m1, int64_t isa, ActRows& a) {
+  const QuantizeFn qfn = quantizer(isa);
+  if (qfn != nullptr)
+    qfn(x, bf16, m0, m1, a.K, a.bv, a.d.get(), a.s16.get(), a.q.get());
+  else if (bf16)
+    quantize_rows(static_cast<const uint16_t*>(x), m0, m1, a.K, a.bv, a);
+  else
+    quantize_rows(static_cast<const float*>(x), m0, m1, a.K, a.bv, a);
+  if (a.s16p) {  // Q6_K: the -32 offsets' x sums, two per broadcast (qgemm_simd.h: block_q6k)
+    const int32_t* s = a.s16.get();
+    for (int64_t i = m0 * (a.K / 32); i < m1 * (a.K / 32); ++i)
+      a.s16p[i] = int32_t(uint32_t(uint16_t(s[2 * i])) | (uint32_t(uint16_t(s[2 * i + 1])) << 16));
+  }
+}
+
 // x [M, K] float32 or bfloat16 -> [M, n] in x's dtype, or float32 when out_float (kernels/quant.py:
 // qlinear). Runs without the GIL, as torch's own ops do: the gateway's thread serves meanwhile.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
@@ -119,33 +148,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_cpu(), "bias must be a CPU vector [n]");
     bias32 = bias->to(torch::kFloat32).contiguous();
   }
-  const GroupFn fn = (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
-
-  ActBuffers buf;
-  buf.d.resize(M * (K / bv));
-  buf.s16.resize(M * (K / 16));
-  buf.q.resize(M * K);
-  const QuantizeFn qfn = isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
-  parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    if (qfn != nullptr)
-      qfn(x.data_ptr(), bf16, m0, m1, int(K), bv, buf.d.data(), buf.s16.data(), buf.q.data());
-    else if (bf16)
-      quantize_rows(x.data_ptr<at::BFloat16>(), m0, m1, int(K), bv, buf);
-    else
-      quantize_rows(x.data_ptr<float>(), m0, m1, int(K), bv, buf);
-  });
-  Act a;
-  a.K = int(K);
-  a.nb = int(K / bv);
-  a.d = buf.d.data();
-  a.s16 = buf.s16.data();
-  a.q = buf.q.data();
-  if (qtype == Q6_K) {  // the -32 offsets' x sums, two per broadcast (qgemm_simd.h: block_q6k)
-    buf.s16p.resize(M * (K / 32));
-    for (int64_t i = 0; i < M * (K / 32); ++i)
-      buf.s16p[i] = int32_t(uint32_t(uint16_t(buf.s16[2 * i])) | (uint32_t(uint16_t(buf.s16[2 * i + 1])) << 16));
-    a.s16p = buf.s16p.data();
-  }
+  const GroupFn fn = group_kernel(isa, int(qtype));
+  ActRows buf;
+  buf.alloc(M, int(K), bv, qtype == Q6_K);
+  parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { quantize_act(x.data_ptr(), bf16, m0, m1, isa, buf); });
+  const Act a = buf.view();
 
   auto out = torch::empty({M, n}, out_float ? x.options().dtype(torch::kFloat32) : x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -155,6 +162,16 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   else
     run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<float>());
   return out;
+}
+
+torch::Tensor project(const torch::Tensor& x, const std::vector<QPart>& parts, const c10::optional<torch::Tensor>& bias,
+                      int64_t isa) {
+  TORCH_CHECK(!parts.empty(), "a projection has at least one part");
+  if (parts.size() == 1) return qlinear(x, parts[0].packed, parts[0].qtype, parts[0].n, bias, isa, false);
+  std::vector<torch::Tensor> ys;
+  for (const QPart& p : parts) ys.push_back(qlinear(x, p.packed, p.qtype, p.n, c10::nullopt, isa, false));
+  auto y = torch::cat(ys, -1);
+  return bias.has_value() ? y + *bias : y;
 }
 
 // rows int64 [R] -> float32 [R, K]: embedding lookups and whole-weight dequantization.

@@ -14,6 +14,7 @@ import pytest
 import torch
 from wsllm.kernels import native, quant
 from wsllm.kernels.cpu_attention import cpu_paged_attention, plan_cpu_attention
+from wsllm.kernels.decode_stack import StackProgram
 from wsllm.kernels.paged_attention import (
     attend_ref,
     paged_decode_attention_ref,
@@ -189,9 +190,19 @@ def _rope_tables(d: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     ]
 
 
+class _Proj:
+    """A quantized projection as StackProgram.linear reads one (QuantLinear's native_parts)."""
+
+    def __init__(self, w: quant.QuantWeight) -> None:
+        self.w = w
+
+    def native_parts(self) -> tuple[list[quant.QuantWeight], None]:
+        return [self.w], None
+
+
 @needs_native
 def test_the_decode_stack_runs_each_layers_own_variant() -> None:
-    """DecodeStack.set_attention: layer 0 windowed, layer 1 soft-capped with sinks and its own
+    """The decode stack's attention op with a variant: layer 0 windowed, layer 1 soft-capped with sinks and its own
     scale; the stack's output is the chain of the same kernels called one by one, bit for bit,
     and not what a stack without the variants gives."""
     assert ext is not None
@@ -217,16 +228,29 @@ def test_the_decode_stack_runs_each_layers_own_variant() -> None:
 
     def stack(with_variants: bool) -> list[torch.Tensor]:
         caches = [c.k_cache.clone(), c.v_cache.clone(), c.k_cache.clone(), c.v_cache.clone()]
-        args = ([w.packed for w in ws], [q8] * 8, [w.out_features for w in ws], [1] * 8, [torch.empty(0)] * 2)
-        st = ext.DecodeStack(norms, *args, caches, h, eps, d**-0.5)
-        for layer, v in enumerate(variants if with_variants else []):
-            st.set_attention(layer, v["window"], v["softcap"], v["sinks"], v["scale"])
-        return st.forward(x, cos, sin, slots, tables, c.seq_lens, isa)
+        prog = StackProgram(torch.float32)
+        for layer in range(2):
+            v = (
+                variants[layer]
+                if with_variants
+                else {"window": 0, "softcap": 0.0, "sinks": None, "scale": d**-0.5}
+            )
+            prog.norm(norms[2 * layer], eps)
+            prog.linear(_Proj(ws[4 * layer]))
+            prog.attention(
+                caches[2 * layer], caches[2 * layer + 1], h, v["scale"], v["window"], v["softcap"], v["sinks"]
+            )
+            prog.linear(_Proj(ws[4 * layer + 1]))
+            prog.norm(norms[2 * layer + 1], eps)
+            prog.linear(_Proj(ws[4 * layer + 2]))
+            prog.silu_mul()
+            prog.linear(_Proj(ws[4 * layer + 3]))
+        return prog.build().forward(x, cos, sin, slots, tables, c.seq_lens, isa)
 
     def linear(y: torch.Tensor, i: int) -> torch.Tensor:
         return ext.qlinear(y, ws[i].packed, q8, ws[i].out_features, None, isa, False)
 
-    y, res = ext.add_rms_norm(x, None, norms[0], eps, isa)[0], x  # the chain DecodeStack::layers runs
+    y, res = ext.add_rms_norm(x, None, norms[0], eps, isa)[0], x  # the chain the program runs, op by op
     for layer, v in enumerate(variants):
         if layer:
             y, res = ext.add_rms_norm(y, res, norms[2 * layer], eps, isa)

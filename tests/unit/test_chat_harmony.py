@@ -106,3 +106,15 @@ def test_a_gpt_oss_shaped_template_reads_every_answer_as_harmony_with_its_specia
         == "<|channel|>final<|message|>Hello<|return|>"
     )
     assert codec.detokenizer(prompt).feed(ids) == "finalHello"
+
+
+def test_a_marker_cut_after_a_message_is_no_text_between_messages() -> None:
+    """Found by the property above: " <" then "|start|>" after a message's end is the next
+    message's start, not text, in every cut of the answer."""
+    style = get_style("harmony")
+    for text in ("<|start|><|message|><|end|> <|start|>", "<|channel|>final<|message|>Hi<|end|>\n<|start|>"):
+        whole = style.parse(text, "r")
+        for i in range(len(text) + 1):
+            stream = style.stream("r")
+            a, b, end = stream.feed(text[:i]), stream.feed(text[i:]), stream.finish()
+            assert (a.content + b.content + end.content, a.reasoning + b.reasoning) == (whole.content, ""), i

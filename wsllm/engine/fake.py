@@ -80,7 +80,7 @@ class FakeEngine:
         self.num_steps = 0
         self.num_aborted_total = 0
 
-    # -- the Engine contract (wsllm.engine.worker.Engine) ----------------------------
+    # -- the Engine contract (wsllm.engine.worker_contract.Engine) ----------------------------
 
     def add_request(
         self,

@@ -29,7 +29,8 @@ import torch
 from wsllm import kernels
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.static_step import StaticStep
-from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from wsllm.models.causal_lm import CausalLM
+from wsllm.models.layers.attention import AttentionMetadata
 from wsllm.models.lora import LoraBatch
 
 # Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
@@ -66,7 +67,7 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from wsllm.broker.base import BrokerError, BrokerUnavailable, GatewayBroker
-from wsllm.broker.limits import Limiter
+from wsllm.broker.limits import Decision, Limiter
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
 from wsllm.server.errors import from_broker
@@ -53,6 +53,7 @@ from wsllm.server.quota import (
     counted,
     meter_call,
     take_lease,
+    take_request,
 )
 from wsllm.server.resume import Api, ResumeContext, new_token, split_token
 from wsllm.server.router import Router
@@ -91,11 +92,14 @@ class Gateway:
         return Services(codec, metrics, self.broker, self.router, self.abort_later)
 
     @contextlib.asynccontextmanager
-    async def admitted(self, tenant: Tenant, api: Api, charge: Charge) -> AsyncIterator[Admission]:
+    async def admitted(
+        self, tenant: Tenant, api: Api, charge: Charge, paid: Decision | None = None
+    ) -> AsyncIterator[Admission]:
         """Admit a call of `tenant` (whom its API key names) through `api`: resolve its
         model (404, 503), check its priority (400), then take each coarse charge of
-        `charge` (429 past the tenant's limits), all before any work for it. What the
-        call neither submits nor settles is given back when it leaves this block."""
+        `charge` (429 past the tenant's limits), all before any work for it (`paid`: its
+        first request of rpm, taken before its body was read). What the call neither
+        submits nor settles is given back when it leaves this block."""
         model, max_len = await self.models.resolve(charge.model, tenant)
         check_priority(charge.priority, tenant, self.cfg.max_priority)
         tickets: list[Ticket] = []
@@ -111,9 +115,10 @@ class Gateway:
         )
         try:
             with counted(model.svc.metrics, tenant):
-                for c in charge.coarse:
+                for i, c in enumerate(charge.coarse):
                     rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-                    tickets.append(await admit(self.limiter, tenant, rid, c.estimate, c.least))
+                    first = paid if i == 0 else None
+                    tickets.append(await admit(self.limiter, tenant, rid, c.estimate, c.least, first))
             yield adm
         finally:
             await adm.release_rest()
@@ -126,6 +131,11 @@ class Gateway:
         async with self.admitted(tenant, api, charge) as adm:
             return await adm.submit(0, await prepare(req, api, adm.model, adm.max_len, self.cfg, tenant.name))
 
+    async def pay_request(self, tenant: Tenant) -> Decision | None:
+        """A call's first request of `tenant`'s rpm, before its body is read (429 past it)."""
+        with counted(self.metrics, tenant):
+            return await take_request(self.limiter, tenant)
+
     async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
         """One request of `tenant`'s rpm for a resume, taken before its replay; its
         x-ratelimit-* headers. A refusal (429 APIError) counts in `metrics`."""
@@ -137,6 +147,7 @@ class Gateway:
     ) -> Generation:
         gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
         gen.resume_token, prep.context.token_sha256 = new_token(rid)
+        prep.context.tenant = tenant.name  # its resume is this tenant's alone
         now = time.time()
         deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(
@@ -170,7 +181,7 @@ class Gateway:
             if found is None:
                 return None
             ctx = ResumeContext.decode(found.context)
-            if not ctx.matches(secret):
+            if not ctx.matches(secret, tenant.name):  # a wrong token, or another tenant's
                 return None
             model = await self.models.served(ctx.model or self.model_name)
             ticket = await take_lease(self.limiter, tenant, found.request_id)

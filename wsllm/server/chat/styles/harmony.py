@@ -141,7 +141,8 @@ class HarmonyStream(ToolStream):
         """After a message: whitespace up to the next `<|start|>`; other text is content."""
         buf = self._buf
         i = buf.find(START)
-        head = buf if i < 0 else buf[:i]
+        keep = 0 if final or i >= 0 else _held(buf)  # a marker that may begin is no text yet
+        head = buf[: len(buf) - keep] if i < 0 else buf[:i]
         if _unmark(head).strip():  # text between messages
             self._fresh = True
             self._state = "text"
@@ -149,7 +150,6 @@ class HarmonyStream(ToolStream):
             self._buf = buf[i + len(START) :]
             self._to("header")
         else:
-            keep = 0 if final else _held(buf)
             self._buf = buf[len(buf) - keep :] if keep else ""
 
     def _text(self, final: bool) -> None:
