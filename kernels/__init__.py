@@ -86,15 +86,41 @@ def _resolve(op: str, device: torch.device) -> Any:
     return fn
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):  # type: ignore[no-untyped-def]
-    return _impl("paged_decode_attention", q.device)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, *, window=0, softcap=0.0, sinks=None
+):  # type: ignore[no-untyped-def]
+    """The attention variant's keywords: paged_attention.py."""
+    return _impl("paged_decode_attention", q.device)(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap, sinks=sinks
+    )
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_query_len=None,
+    *,
+    window=0,
+    softcap=0.0,
+    sinks=None,
 ):  # type: ignore[no-untyped-def]
     return _impl("paged_prefill_attention", q.device)(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 

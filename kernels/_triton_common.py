@@ -6,6 +6,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 
 def next_pow2(n: int) -> int:
@@ -36,3 +37,11 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def softcap2(s, cap2):
+    """Base-2 scores s (natural scores times log2(e)) soft-capped at cap2 = softcap * log2(e):
+    cap2 * tanh(s / cap2), tanh by one exp2 (tl has no tanh; +-inf at the far ends give +-1)."""
+    e = tl.exp2((2.0 * 1.4426950408889634 / cap2) * s)
+    return cap2 * (1.0 - 2.0 / (e + 1.0))

@@ -25,6 +25,14 @@ dispatch and the fused SDPA kernel has a large fixed cost with boolean masks:
   the batch's longest) and runs SDPA with the queries at the end, under an additive
   mask built once per step.
 
+A layer's attention variant (paged_attention.py: `window`, `softcap`, `sinks`, per layer, so
+the plan stays shared): decode rows and short rows pass it to the native kernel. A prompt
+row of a layer with a soft-cap or sinks, which SDPA cannot take, runs a decode row per query
+on the native kernel too (the reference's float32 scores without a build). A window alone
+keeps SDPA: the row gathers from the first block its first query's window reaches, under a
+mask that is causal and windowed (built once per step and window), so that no path reads a
+block before the window.
+
 Every SDPA call gets 4-D inputs: torch's fused CPU kernel (flash attention for CPU)
 only takes those; 3-D ones fall back to the unfused math path, 2.5-4x slower at
 prompt sizes (docs/benchmarks.md).
@@ -38,136 +46,34 @@ the activations' dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_ops import native_cache, native_cache_pair, native_ext, native_isa
+from .cpu_attention_plan import (
+    SHORT_PROMPT_TOKENS,
+    CpuAttentionPlan,
+    PrefillRow,
+    decode_rows,
+    native_decode,
+    plan_cpu_attention,
+    window_view,
+)
+from .cpu_ops import native_cache, native_ext, native_isa
+from .paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 
-# A prompt row of this many tokens or fewer (a long prompt's chunk beside running streams, at the
-# step pacer's floor) runs each token as a decode row of the native kernel; a step of such rows and
-# decodes is then decode-shaped, so the model runs it in its one-call decode stack
-# (CausalLM.forward) instead of layer by layer: 16 SmolLM2 streams beside a 4-8 token
-# chunk of a 1,500-token prompt, one thread of a 2-core AVX2 EPYC, took a forward of ~95 ms
-# against ~115 (alternating runs). Each row reads its whole context, so past a few dozen queries
-# at a long context the gather and SDPA below is cheaper (2.96 against 1.81 ms a layer for 32
-# queries at 1,500).
-SHORT_PROMPT_TOKENS = 16
-
-
-@dataclass(slots=True)
-class PrefillRow:
-    q_start: int  # this row's queries are q[q_start:q_end]
-    q_end: int
-    context: int  # tokens it attends to, its new ones included (the last q_end - q_start)
-    blocks: torch.Tensor | None  # [ceil(context / block_size)] int64; None: a fresh prompt
-    bias: torch.Tensor | None = None  # [q_len, context]: 0 where a query sees a key, else -inf
-    # A short row (SHORT_PROMPT_TOKENS) on the native kernel, a decode row per query: its
-    # block table [q_len, blocks] int32 and each query's context [q_len] int32
-    tables: torch.Tensor | None = None
-    lens: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class CpuAttentionPlan:
-    num_decodes: int  # rows [0, num_decodes) have one query each and are batched
-    decode_index: torch.Tensor | None  # [num_decodes * width] int64: blocks to gather
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, width * block_size]: 0 or -inf
-    width: int  # block-table columns the decode rows read
-    prefills: list[PrefillRow] = field(default_factory=list)
-    # Rotary tables for this step's positions, shared by every layer: x * cos + rot(x) * sin
-    # with rot(x) = x rolled by half the head (see rotate()). [num_tokens, 1, head_dim]
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, every slot valid
-    # The native decode kernel's inputs (None: the torch version, decode_index and decode_bias)
-    decode_tables: torch.Tensor | None = None  # [num_decodes, width] int32
-    decode_lens: torch.Tensor | None = None  # [num_decodes] int32
-
-
-def plan_cpu_attention(
-    tables: Sequence[Sequence[int]],  # per row: its block table (may be longer than needed)
-    seq_lens: Sequence[int],  # per row: context length after this step
-    q_lens: Sequence[int],  # per row: new tokens this step
-    block_size: int,
-    dtype: torch.dtype = torch.float32,  # the activations' (q's)
-    positions: torch.Tensor | None = None,  # [num_tokens] int64, for the rotary tables
-    cos_sin_cache: torch.Tensor | None = None,  # [max_pos, head_dim]: cos | sin halves
-    slot_mapping: torch.Tensor | None = None,  # [num_tokens] int64, no -1
-    kv_dtype: torch.dtype | None = None,  # the cache's; None: dtype
-) -> CpuAttentionPlan:
-    native = native_decode(dtype, kv_dtype or dtype)
-    if native and q_lens and 1 < max(q_lens) <= SHORT_PROMPT_TOKENS:  # decode-shaped: one call a layer
-        tables, seq_lens, q_lens = _one_query_per_row(tables, seq_lens, q_lens)
-    num_decodes = 0
-    while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
-        num_decodes += 1
-    index = bias = dtables = dlens = None
-    width = 0
-    if num_decodes:
-        lens = seq_lens[:num_decodes]
-        width = (max(lens) + block_size - 1) // block_size
-        rows = []
-        for t in tables[:num_decodes]:
-            row = list(t[:width])
-            rows.extend(row + [0] * (width - len(row)))  # padding blocks are masked out
-    if num_decodes and native:
-        dtables = torch.tensor(rows, dtype=torch.int32).view(num_decodes, width)
-        dlens = torch.tensor(lens, dtype=torch.int32)
-    elif num_decodes:
-        index = torch.tensor(rows, dtype=torch.long)
-        pos = torch.arange(width * block_size)
-        masked = pos[None, :] >= torch.tensor(lens)[:, None]
-        bias = torch.zeros(num_decodes, 1, 1, width * block_size, dtype=dtype)
-        bias.masked_fill_(masked[:, None, None, :], -torch.inf)
-    prefills = []
-    start = num_decodes
-    for t, ctx, n in zip(tables[num_decodes:], seq_lens[num_decodes:], q_lens[num_decodes:], strict=True):
-        blocks = row_bias = None
-        if native and n <= SHORT_PROMPT_TOKENS:  # beside a long prompt: the same kernel, the same bits
-            used, lens, _ = _one_query_per_row([t[: (ctx + block_size - 1) // block_size]], [ctx], [n])
-            row_tables = torch.tensor([list(u) for u in used], dtype=torch.int32)
-            row_lens = torch.tensor(lens, dtype=torch.int32)
-            prefills.append(PrefillRow(start, start + n, ctx, None, None, row_tables, row_lens))
-            start += n
-            continue
-        if n != ctx:
-            blocks = torch.tensor(list(t[: (ctx + block_size - 1) // block_size]))
-            # queries are the last n positions: query i sees keys <= ctx - n + i
-            row_bias = torch.zeros(n, ctx, dtype=dtype).masked_fill_(
-                torch.ones(n, ctx, dtype=torch.bool).triu_(ctx - n + 1), -torch.inf
-            )
-        prefills.append(PrefillRow(start, start + n, ctx, blocks, row_bias))
-        start += n
-    cos = sin = None
-    if positions is not None and cos_sin_cache is not None:
-        half = cos_sin_cache.shape[1] // 2
-        cs = cos_sin_cache.index_select(0, positions).float()  # exact; the native op reads fp32
-        cos = torch.cat([cs[:, :half], cs[:, :half]], dim=1)[:, None, :]
-        sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=1)[:, None, :]
-    return CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping, dtables, dlens)
-
-
-def _one_query_per_row(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_lens: Sequence[int]
-) -> tuple[list[Sequence[int]], list[int], list[int]]:
-    """Every prompt token as a decode row of its own: the query at position p reads the
-    context [0, p] through its sequence's block table. Exact causal attention because the
-    native block stores every row's K and V before any row attends (rope_store_decode)."""
-    out_tables: list[Sequence[int]] = []
-    out_lens: list[int] = []
-    for t, ctx, n in zip(tables, seq_lens, q_lens, strict=True):
-        out_tables += [t] * n
-        out_lens += range(ctx - n + 1, ctx + 1)
-    return out_tables, out_lens, [1] * len(out_lens)
-
-
-def native_decode(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
-    """Whether decode rows of this dtype over a cache of kv_dtype (None: the same) go to the
-    native kernel: built, float32 or bfloat16 queries, a cache of theirs or a half type."""
-    return native_cache_pair(dtype, kv_dtype or dtype) and native_ext() is not None
+__all__ = [
+    "SHORT_PROMPT_TOKENS",
+    "CpuAttentionPlan",
+    "PrefillRow",
+    "Variant",
+    "cpu_attention_block",
+    "cpu_paged_attention",
+    "native_decode",
+    "plan_cpu_attention",
+    "rotate",
+]
 
 
 def rotate(x: torch.Tensor, plan: CpuAttentionPlan) -> None:
@@ -187,8 +93,14 @@ def cpu_attention_block(
     plan: CpuAttentionPlan,
     num_heads: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, H * D]
-    """Rotary on q and k, KV store, attention: one layer's attention on the CPU."""
+    """Rotary on q and k, KV store, attention: one layer's attention on the CPU (with the
+    layer's variant, paged_attention.py)."""
+    var = Variant(window, softcap, sinks)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
     ext = native_cache(qkv, k_cache)
@@ -207,11 +119,12 @@ def cpu_attention_block(
                 plan.decode_lens,
                 scale,
                 native_isa(),
+                **var.kwargs(),
             )
         ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
         if not plan.prefills:  # a pure decode step reads K and V from the cache alone
             q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
-            o = _decode(q, k_cache, v_cache, plan, scale, num_heads // num_kv_heads)
+            o = _decode(q, k_cache, v_cache, plan, scale, num_heads // num_kv_heads, var)
             return o.reshape(t, num_heads * head_dim)
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
     q, k = qk[:, :num_heads], qk[:, num_heads:]
@@ -221,7 +134,25 @@ def cpu_attention_block(
         assert plan.slot_mapping is not None
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
-    return cpu_paged_attention(q, k, v, k_cache, v_cache, plan, scale).reshape(t, num_heads * head_dim)
+    o = cpu_paged_attention(
+        q, k, v, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks
+    )
+    return o.reshape(t, num_heads * head_dim)
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    """A layer's attention variant (paged_attention.py), each part off by default."""
+
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
+
+    def plain(self) -> bool:
+        return self.window <= 0 and self.softcap <= 0 and self.sinks is None
 
 
 def cpu_paged_attention(
@@ -232,20 +163,25 @@ def cpu_paged_attention(
     v_cache: torch.Tensor,
     plan: CpuAttentionPlan,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    var = Variant(window, softcap, sinks)
     group = q.shape[1] // k_cache.shape[2]
     if not plan.prefills:  # a pure decode step: no output buffer to fill piecewise
-        return _decode(q, k_cache, v_cache, plan, scale, group)
+        return _decode(q, k_cache, v_cache, plan, scale, group, var)
     out = torch.empty_like(q)
     if plan.num_decodes:
-        out[: plan.num_decodes] = _decode(q[: plan.num_decodes], k_cache, v_cache, plan, scale, group)
+        out[: plan.num_decodes] = _decode(q[: plan.num_decodes], k_cache, v_cache, plan, scale, group, var)
     for row in plan.prefills:
         a, b = row.q_start, row.q_end
-        if row.lens is not None:  # a short row: a decode row per query
-            ext = native_ext()
-            assert ext is not None and row.tables is not None
-            o = ext.decode_attention(q[a:b], k_cache, v_cache, row.tables, row.lens, scale, native_isa())
-            out[a:b] = o.view(b - a, *q.shape[1:])
+        if row.lens is not None or softcap > 0 or sinks is not None:  # a decode row per query
+            out[a:b] = _asdecode_rows(q[a:b], k_cache, v_cache, row, scale, var)
+            continue
+        if window > 0 and row.context > window:  # the window cuts the context
+            out[a:b] = _windowed_row(q[a:b], k[a:b], v[a:b], k_cache, v_cache, row, scale, window)
             continue
         qs = q[a:b].transpose(0, 1)[None]  # [1, H, q_len, D]
         if row.blocks is None:  # fresh prompt: its context is exactly its new tokens
@@ -264,6 +200,59 @@ def cpu_paged_attention(
     return out
 
 
+def _asdecode_rows(
+    q: torch.Tensor,  # [q_len, H, D]: the row's queries
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row: PrefillRow,
+    scale: float,
+    var: Variant,
+) -> torch.Tensor:  # [q_len, H, D]
+    """A prompt row as one decode row per query on the native kernel (a short row's tables,
+    or ones made for a soft-capped or sunk layer); the reference without a build."""
+    ext = native_ext() if native_decode(q.dtype, k_cache.dtype) else None
+    n = q.shape[0]
+    if ext is None:
+        table = torch.tensor([list(row.table)], dtype=torch.int32)
+        ctx, starts = torch.tensor([row.context]), torch.tensor([0, n])
+        return paged_prefill_attention_ref(q, k_cache, v_cache, table, ctx, starts, scale, **var.kwargs())
+    tables, lens = row.tables, row.lens
+    if lens is None:
+        if row.q_lens is None:
+            row.q_tables, row.q_lens = decode_rows(row.table, row.context, n)
+        tables, lens = row.q_tables, row.q_lens
+    o = ext.decode_attention(q, k_cache, v_cache, tables, lens, scale, native_isa(), **var.kwargs())
+    return o.view(q.shape)
+
+
+def _windowed_row(
+    q: torch.Tensor,  # [q_len, H, D]: the row's queries
+    k: torch.Tensor,  # [q_len, Hk, D]: its new keys (already stored)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row: PrefillRow,
+    scale: float,
+    window: int,
+) -> torch.Tensor:  # [q_len, H, D]
+    """SDPA over the keys from the first block the row's first query's window reaches (a
+    fresh prompt: its own K and V), under a causal and windowed mask."""
+    found = row.windows.get(window)
+    if found is None:
+        found = row.windows[window] = window_view(row, window, k_cache.shape[1], q.dtype)
+    lo, blocks, bias = found
+    if blocks is None:  # a fresh prompt: its own K and V as the cache holds them (see below)
+        ks = _as(_as(k, k_cache.dtype), q.dtype).transpose(0, 1)[None]
+        vs = _as(_as(v, v_cache.dtype), q.dtype).transpose(0, 1)[None]
+    else:  # [1, Hk, context - lo, D]
+        ks = _as(k_cache.index_select(0, blocks), q.dtype).flatten(0, 1).transpose(0, 1)[None]
+        vs = _as(v_cache.index_select(0, blocks), q.dtype).flatten(0, 1).transpose(0, 1)[None]
+        ks, vs = ks[:, :, : row.context - lo], vs[:, :, : row.context - lo]
+    qs = q.transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -271,6 +260,7 @@ def _decode(
     plan: CpuAttentionPlan,
     scale: float,
     group: int,
+    var: Variant,
 ) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -278,10 +268,15 @@ def _decode(
         ext = native_ext()
         assert ext is not None
         o = ext.decode_attention(
-            q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, native_isa()
+            q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, native_isa(), **var.kwargs()
         )
         return o.view(n, num_heads, head_dim)
     assert plan.decode_index is not None and plan.decode_bias is not None
+    if not var.plain():  # no build: the reference
+        tables = plan.decode_index.view(n, plan.width)
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, tables, plan.decode_lens, scale, **var.kwargs()
+        )
     length = plan.width * block_size
     # [n, L, Hk, D] -> [n, Hk, L, D] views; the G query heads of a KV head are its G queries.
     ks = _as(k_cache.index_select(0, plan.decode_index), q.dtype)

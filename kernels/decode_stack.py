@@ -10,7 +10,8 @@ Registers: `x` (the running activation) and `residual`. The ops:
     norm(w, eps)      x, residual = add_rms_norm(x, residual)  (no residual yet: residual = x first)
     linear(module)    x = x @ W^T (+ bias) over quantized parts (+ the step's LoRA deltas, by key)
     qk_norm(...)      RMSNorm of x's q and k parts in place (per head, or over the whole part)
-    attention(k, v)   x = rotary + KV store + paged decode attention of the fused qkv x
+    attention(k, v)   x = rotary + KV store + paged decode attention of the fused qkv x (with the
+                      layer's window, soft-cap and sinks, where it has them)
     silu_mul()        x = silu(gate) * up
     scale(m)          x = x * m
     moe(layer)        x = the mixture of experts (kernels/moe.py: MoeNative, the Python layer's own call)
@@ -88,13 +89,27 @@ class StackProgram:
         ]
         return True
 
-    def attention(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    def attention(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """`window`, `softcap`, `sinks`: the layer's attention variant (kernels/paged_attention.py),
+        each off by default."""
         self.program += [
             ATTENTION,
             self._tensor(k_cache),
             self._tensor(v_cache),
             num_heads,
             self._float(scale),
+            int(window),
+            self._float(softcap),
+            -1 if sinks is None else self._tensor(sinks.float().contiguous()),
         ]
 
     def silu_mul(self) -> None:

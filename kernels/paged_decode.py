@@ -27,14 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import dot_flags, next_pow2, num_sms
+from ._triton_common import dot_flags, next_pow2, num_sms, softcap2
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # KV tokens per inner-loop tile, and the shortest split
 _WAVES = 4  # programs per SM the split count aims at: enough loads in flight to stream the cache
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -44,7 +44,10 @@ def _decode_split_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
+    sinks_ptr,
     qk_scale,
+    window,
+    cap2,
     s_qs,
     s_qh,
     s_kb,
@@ -70,15 +73,21 @@ def _decode_split_kernel(
     SINGLE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
-    # This sequence's split size: its context over the grid's splits, in whole tiles. A
+    lo = 0  # the first position the query sees: its last `window` ones with a window
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # This sequence's split size: what it sees over the grid's splits, in whole tiles. A
     # padded row (length 0) and the splits past a short context's end loop zero times.
-    partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    start = split * partition
+    partition = tl.cdiv(tl.cdiv(seq_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = lo + split * partition
     end = tl.minimum(start + partition, seq_len)
 
     g = tl.arange(0, G_PAD)
@@ -92,6 +101,10 @@ def _decode_split_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
+    if HAS_SINKS:  # split 0 takes each head's sink as one more key, whose value is zero
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
     table = tables_ptr + seq.to(tl.int64) * s_tab
@@ -107,6 +120,8 @@ def _decode_split_kernel(
         v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         # scores in base 2: [G_PAD, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = softcap2(s, cap2)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -203,8 +218,13 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,  # [num_seqs] context length, the current token included
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
     num_splits: int | None = None,  # None: plan_splits(); tests force other values
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], q's dtype
+    """The variant (paged_attention.py): a window starts each row's splits at its window; a
+    soft-cap caps the base-2 scores; split 0 counts the sinks, so the merge weighs them once."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     _check(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_dim, block_size)
@@ -236,7 +256,10 @@ def paged_decode_attention_triton(
         out,
         part,
         lse,
+        out if sinks is None else sinks,
         scale * _LOG2E,
+        max(int(window), 0),
+        float(softcap) * _LOG2E,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -254,6 +277,9 @@ def paged_decode_attention_triton(
         SINGLE=single,
         UPCAST=upcast,
         PRECISION=precision,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     if not single:

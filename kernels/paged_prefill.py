@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import dot_flags, next_pow2
+from ._triton_common import dot_flags, next_pow2, softcap2
 from .paged_decode import _check
 
 _LOG2E = 1.4426950408889634
@@ -27,7 +27,7 @@ _BLOCK_M = 64  # rows (query tokens x padded group) per program
 _BLOCK_N = 64  # KV tokens per inner-loop tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -36,7 +36,10 @@ def _prefill_kernel(
     lens_ptr,
     starts_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
+    window,
+    cap2,
     s_qt,
     s_qh,
     s_kb,
@@ -57,6 +60,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -83,12 +89,19 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    if HAS_SINKS:  # each head's sink as one more key, whose value is zero
+        m_i = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_Q * G_PAD], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
     table = tables_ptr + seq.to(tl.int64) * s_tab
-    # keys up to the tile's last query position, inclusive
+    # keys up to the tile's last query position, inclusive; with a window, from the first
+    # query's window on (the blocks before it are never read)
     kv_end = tl.minimum(ctx, ctx - q_len + tl.minimum((tile + 1) * BLOCK_Q, q_len))
-    for t0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(ctx - q_len + tile * BLOCK_Q - window + 1, 0)
+    for t0 in range(kv_start, kv_end, BLOCK_N):
         kt = t0 + n
         t_mask = kt < kv_end
         blk = tl.load(table + kt // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
@@ -103,7 +116,12 @@ def _prefill_kernel(
         k = k.to(q.dtype)
         # scores in base 2: [BLOCK_M, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where((kt[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+        if HAS_SOFTCAP:
+            s = softcap2(s, cap2)
+        seen = (kt[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if HAS_WINDOW:
+            seen = seen & (kt[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only with seq_len < q_len, bad input) stays at -inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,7 +153,14 @@ def paged_prefill_attention_triton(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] offsets of each sequence's queries in q
     scale: float,
     max_query_len: int | None = None,  # an upper bound on any q_len; None: read it (host sync)
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
+    """The variant (paged_attention.py): a query tile walks keys from its first query's
+    window on, masked per query; a soft-cap caps the base-2 scores; sinks start each row's
+    softmax as one more key of value zero."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     _check(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_dim, block_size)
@@ -162,7 +187,10 @@ def paged_prefill_attention_triton(
         seq_lens,
         query_start_loc,
         out,
+        out if sinks is None else sinks,
         scale * _LOG2E,
+        max(int(window), 0),
+        float(softcap) * _LOG2E,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -179,6 +207,9 @@ def paged_prefill_attention_triton(
         BLOCK_N=_BLOCK_N if q.element_size() < 4 else _BLOCK_N // 2,  # fp32: under 100 KB shared
         UPCAST=upcast,
         PRECISION=precision,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     return out

@@ -13,7 +13,9 @@ of L bytes per row, cut in units of u bytes, is stored as [L / u][ROWS][u]: fp16
 4 bytes of each of the 16 rows (one `vpdpbusd` lane each), per-sub-block scales (u = 1) a
 byte per row. The only field not copied as is: the 12 bytes of 6-bit scales and mins of
 Q4_K / Q5_K, unpacked to 8 + 8 bytes (148 and 180 bytes per 256 values instead of 144 and
-176, +2.8%) so that the kernels read them with one widening load. Rows past N (the last
+176, +2.8%) so that the kernels read them with one widening load. MXFP4 (gpt-oss's experts:
+an E8M0 exponent byte and 16 bytes of E2M1 nibbles per 32 values) keeps its exponent as a
+byte per row, made a float scale 2 ** (e - 128) as the kernels read it. Rows past N (the last
 group's padding) are zero bytes: zero scales, so they compute zeros.
 
 `dequantize_*` follow gguf.quants' numpy arithmetic operation for operation, so that the
@@ -36,8 +38,11 @@ BLOCK = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
-QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+# MXFP4's E2M1 values, doubled (as gguf and ggml keep them: 2 ** (e - 128) scales them back)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 # qtype -> the packed fields in order: (name, bytes per row and block, unit bytes)
 FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
@@ -47,6 +52,7 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q4_K": (("d", 2, 2), ("dmin", 2, 2), ("sc", 8, 1), ("mn", 8, 1), ("qs", 128, 4)),
     "Q5_K": (("d", 2, 2), ("dmin", 2, 2), ("sc", 8, 1), ("mn", 8, 1), ("qh", 32, 4), ("qs", 128, 4)),
     "Q6_K": (("d", 2, 2), ("sc", 16, 1), ("ql", 128, 4), ("qh", 64, 4)),
+    "MXFP4": (("e", 1, 1), ("qs", 16, 4)),
 }
 # qtype -> where each field sits in a GGUF block (byte offset, length); "scales" holds sc and mn
 _RAW: dict[str, dict[str, tuple[int, int]]] = {
@@ -56,6 +62,7 @@ _RAW: dict[str, dict[str, tuple[int, int]]] = {
     "Q4_K": {"d": (0, 2), "dmin": (2, 2), "scales": (4, 12), "qs": (16, 128)},
     "Q5_K": {"d": (0, 2), "dmin": (2, 2), "scales": (4, 12), "qh": (16, 32), "qs": (48, 128)},
     "Q6_K": {"ql": (0, 128), "qh": (128, 64), "sc": (192, 16), "d": (208, 2)},
+    "MXFP4": {"e": (0, 1), "qs": (1, 16)},
 }
 
 
@@ -138,11 +145,27 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's exponent bytes uint8 [..., 1] -> float32 2 ** (e - 128) [...], exactly (ggml's
+    e8m0_to_fp32_half: below 2 a subnormal)."""
+    e = e.squeeze(-1).to(torch.int32)
+    bits = torch.where(e < 2, (e + 1) << 21, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _scale(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The block scale as float32 [R, blocks]: fp16 d, or MXFP4's exponent."""
+    return _e8m0_half(f["e"]) if "e" in f else _f16(f["d"])
+
+
 def quant_values(qtype: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     """The integer quant of every value, [R, blocks, block_size] int16: Q4_0 and Q6_K with their
     offsets (-8, -32) applied, Q4_1 / Q4_K / Q5_K unsigned (their mins are separate terms)."""
     if qtype == "Q8_0":
         return f["qs"].contiguous().view(torch.int8).to(torch.int16)
+    if qtype == "MXFP4":  # value j: low nibble of byte j, value 16 + j: its high nibble
+        nibbles = torch.cat([f["qs"] & 0x0F, f["qs"] >> 4], dim=-1).long()
+        return torch.tensor(MXFP4_VALUES, dtype=torch.int16)[nibbles]
     if qtype in ("Q4_0", "Q4_1"):
         q = torch.cat([f["qs"] & 0x0F, f["qs"] >> 4], dim=-1).to(torch.int16)
         return q - 8 if qtype == "Q4_0" else q
@@ -166,9 +189,9 @@ def dequantize_fields(qtype: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     """-> float32 [R, K], in gguf.quants' order of float operations."""
     q = quant_values(qtype, f).float()
     r, nb, bs = q.shape
-    d = _f16(f["d"].reshape(r, nb, 1, 2))  # [R, blocks, 1]
-    if qtype in ("Q4_0", "Q8_0"):
-        out = d * q if qtype == "Q4_0" else q * d
+    d = _scale(f)[..., None]  # [R, blocks, 1]
+    if qtype in ("Q4_0", "Q8_0", "MXFP4"):
+        out = q * d if qtype == "Q8_0" else d * q
     elif qtype == "Q4_1":
         out = (d * q) + _f16(f["m"].reshape(r, nb, 1, 2))
     elif qtype in ("Q4_K", "Q5_K"):
@@ -186,15 +209,14 @@ class BlockParts:
     """A weight's quantized numbers in plain tensors, as the reference computes with them."""
 
     q: torch.Tensor  # int16 [N, blocks, block_size] (see quant_values)
-    d: torch.Tensor  # float32 [N, blocks]: the block scale
+    d: torch.Tensor  # float32 [N, blocks]: the block scale (MXFP4: 2 ** (e - 128))
     m: torch.Tensor | None  # float32 [N, blocks]: Q4_1's min, Q4_K/Q5_K's dmin
     sc: torch.Tensor | None  # int32 [N, blocks, 8 or 16]: K-quants' sub-block scales
     mn: torch.Tensor | None  # int32 [N, blocks, 8]: Q4_K/Q5_K's sub-block mins
 
 
 def block_parts(qtype: str, f: dict[str, torch.Tensor]) -> BlockParts:
-    r, nb = f["d"].shape[:2]
-    d = _f16(f["d"])
+    d = _scale(f)
     m = _f16(f["m"]) if "m" in f else _f16(f["dmin"]) if "dmin" in f else None
     sc = mn = None
     if qtype == "Q6_K":

@@ -2,12 +2,12 @@
 
 The rule (the kernels in kernels/cpu/ do exactly this, docs/kernels.md):
 
-1. Each row of x is cut in blocks of 32 values (Q4_0, Q4_1, Q8_0) or 256 (the K-quants),
+1. Each row of x is cut in blocks of 32 values (Q4_0, Q4_1, Q8_0, MXFP4) or 256 (the K-quants),
    and each block becomes int8 with one float32 scale: d = amax * (1 / 127), q = round(x / d)
    (ties to even), written round(x * (1 / d)). Sums of every 16 quants are kept.
 2. Per weight block an integer dot product with the quants (exact: no rounding at all).
 3. The float part per block, in this order, with the weight's fp16 scales made float32:
-   Q4_0, Q8_0:  t = (dw * dx) * sumi
+   Q4_0, Q8_0, MXFP4:  t = (dw * dx) * sumi   (MXFP4: dw = 2 ** (e - 128), quants its doubled E2M1 values)
    Q4_1:        t = (dw * dx) * sumi + (mw * dx) * sum(xq)
    Q4_K, Q5_K:  t = (dw * dx) * sum_j(sc_j * sumi_j) - (dmin * dx) * sum_j(mn_j * sum_j(xq))
    Q6_K:        t = (dw * dx) * sum_j(sc_j * sumi_j)            (j: the 16-value groups)
@@ -51,7 +51,7 @@ def _block_terms(qtype: str, w: BlockParts, xq: torch.Tensor, dx: torch.Tensor, 
     m, nb, bs = xq.shape
     n = w.q.shape[0]
     dwdx = w.d.t()[:, None, :] * dx.t()[:, :, None]  # [blocks, M, N]
-    if qtype in ("Q4_0", "Q8_0", "Q4_1"):
+    if qtype in ("Q4_0", "Q8_0", "Q4_1", "MXFP4"):
         t = dwdx * _int_dots(xq, w.q).float()
         if qtype == "Q4_1":
             assert w.m is not None

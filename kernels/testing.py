@@ -3,6 +3,9 @@ the GPU tests and bench/kernels.py, so that all three exercise the same shapes.
 
 A case scatters each sequence's blocks over a shuffled pool with spare blocks, so
 a kernel that ignores the block table, or reads one block too far, gets wrong data.
+A case with a sliding window points every block that lies wholly before its sequence's
+first window at a block of NaNs (the KV manager may have given such a block away), so a
+kernel that reads one, even under a mask, answers NaN.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ class PagedCase:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     scale: float
+    # the attention variant (paged_attention.py): keyword arguments of every attention path
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None  # [num_heads] float32
+
+    def variant(self) -> dict:
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
 
     def decode_args(self) -> tuple:
         return self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale
@@ -51,7 +61,12 @@ def make_paged_case(
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: bool = False,
 ) -> PagedCase:
+    """A random case; `window`, `softcap` and `sinks` (random logits, drawn after the rest so
+    that a case without them is the same) make it one of an attention variant."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [(n + block_size - 1) // block_size for n in seq_lens]
     total = sum(blocks) + spare_blocks
@@ -66,6 +81,9 @@ def make_paged_case(
     counts = [1] * len(seq_lens) if q_lens is None else q_lens
     starts = [0, *itertools.accumulate(counts)]
     q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=gen)
+    sink = torch.randn(num_kv_heads * group, generator=gen) * 2 if sinks else None
+    if window > 0:
+        k_cache, v_cache = _poison_before_window(k_cache, v_cache, tables, seq_lens, counts, window)
     return PagedCase(
         q=q.to(device=device, dtype=dtype),
         k_cache=k_cache,
@@ -75,7 +93,29 @@ def make_paged_case(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         max_query_len=max(counts, default=0),
         scale=head_dim**-0.5,
+        window=window,
+        softcap=softcap,
+        sinks=None if sink is None else sink.to(device),
     )
+
+
+def _poison_before_window(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # changed in place
+    seq_lens: list[int],
+    q_lens: list[int],
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caches with one more block, of NaNs, and the table entries of the blocks wholly before
+    each sequence's first query's window pointed at it."""
+    bs = k_cache.shape[1]
+    nan = torch.full_like(k_cache[:1], torch.nan)
+    poison = k_cache.shape[0]
+    for s, (ctx, n) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        lo = max(0, ctx - n - window + 1)  # the first position any query of the row sees
+        tables[s, : lo // bs] = poison
+    return torch.cat([k_cache, nan]), torch.cat([v_cache, nan.clone()])
 
 
 # ---------------------------------------------------------------- the grid

@@ -163,6 +163,64 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_dir, "llama")
 
 
+#: gpt-oss's harmony markers, special tokens of its tokenizer (server/chat/styles/harmony.py)
+HARMONY_SPECIALS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+#: a chat template of gpt-oss's shape: a system message naming the channels, the tools as a
+#: developer message, calls as commentary messages to functions.NAME, results from them
+HARMONY_TEMPLATE = """<|start|>system<|message|>You are a tiny model.
+Reasoning: medium
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+
+namespace functions {
+{%- for t in tools %}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{%- endfor %}
+} // namespace functions<|end|>{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'system' %}<|start|>developer<|message|># Instructions\n\n{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}<|start|>assistant<|channel|>commentary \
+to=functions.{{ c.function.name }} <|constrain|>json<|message|>{{ c.function.arguments | tojson }}<|call|>{% endfor %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tiny_harmony_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny Llama's directory with a gpt-oss-shaped tokenizer: SmolLM2's vocabulary, the
+    harmony markers as special tokens (49152..), `<|return|>` its end, HARMONY_TEMPLATE."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-harmony")
+    for f in tiny_model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIALS)})
+    tok.eos_token = "<|return|>"
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.save_pretrained(str(path))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["vocab_size"], cfg["eos_token_id"] = len(tok), tok.convert_tokens_to_ids("<|return|>")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm_dir, "qwen2")

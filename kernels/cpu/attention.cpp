@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <vector>
 
@@ -31,25 +32,26 @@ void decode_scalar_t(const DecodeArgs& a, int64_t item0, int64_t item1, float* s
   std::vector<float> acc(D);
   for (int64_t item = item0; item < item1; ++item) {
     const int64_t s = item / a.Hk;
-    const int hk = int(item % a.Hk), len = a.lens[s];
+    const int hk = int(item % a.Hk), len = a.lens[s], lo = first_seen(a, len);
     const int32_t* table = a.tables + s * a.width;
     for (int g = 0; g < G; ++g) {
       const int h = hk * G + g;
       for (int j = 0; j < D; ++j) qf[j] = widen(q[s * a.q_stride + int64_t(h) * D + j]) * a.scale;
-      float mx = -INFINITY;
-      for (int p = 0; p < len; ++p) {
+      float mx = a.sinks ? a.sinks[h] : -INFINITY;
+      for (int p = lo; p < len; ++p) {
         const C* kr = k + (int64_t(table[p / a.bs]) * a.bs + p % a.bs) * row + int64_t(hk) * D;
         float d = 0.0f;
         for (int j = 0; j < D; ++j) d += qf[j] * widen(kr[j]);
-        w[p] = d;
+        if (a.softcap > 0.0f) d = a.softcap * std::tanh(d / a.softcap);
+        w[p - lo] = d;
         mx = std::max(mx, d);
       }
-      float sum = 0.0f;
-      for (int p = 0; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
+      float sum = a.sinks ? std::exp(a.sinks[h] - mx) : 0.0f;
+      for (int p = lo; p < len; ++p) sum += (w[p - lo] = std::exp(w[p - lo] - mx));
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int p = 0; p < len; ++p) {
+      for (int p = lo; p < len; ++p) {
         const C* vr = v + (int64_t(table[p / a.bs]) * a.bs + p % a.bs) * row + int64_t(hk) * D;
-        for (int j = 0; j < D; ++j) acc[j] += w[p] * widen(vr[j]);
+        for (int j = 0; j < D; ++j) acc[j] += w[p - lo] * widen(vr[j]);
       }
       T* o = out + s * int64_t(a.H) * D + int64_t(h) * D;
       for (int j = 0; j < D; ++j) o[j] = narrow<T>(acc[j] / sum);
@@ -81,11 +83,26 @@ struct Prepared {
   int64_t max_len;
 };
 
+// The variant's fields of `a`, checked: sinks float32 [H] (held by the caller for the call).
+void set_variant(DecodeArgs& a, const AttnVariant& var) {
+  TORCH_CHECK(var.window >= 0 && var.softcap >= 0.0, "window and softcap must not be negative");
+  a.window = int(std::min<int64_t>(var.window, INT32_MAX));
+  a.softcap = float(var.softcap);
+  if (var.sinks.has_value()) {
+    const torch::Tensor& t = *var.sinks;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == a.H && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
+                    t.is_cpu(),
+                "sinks must be a contiguous float32 CPU vector [num_heads]");
+    a.sinks = t.data_ptr<float>();
+  }
+}
+
 // q: n rows of H heads of D values, q_stride elements apart (q alone, or the q part of the
 // fused qkv rows); checks the caches, tables and lens against it, picks the ISA's function.
+// Only the blocks a row's window sees are checked (and read): those before may be anyone's.
 Prepared prepare(const void* q, at::ScalarType dt, int64_t q_stride, int64_t n, int64_t H, int64_t D,
                  const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& tables,
-                 const torch::Tensor& lens, double scale, int64_t isa) {
+                 const torch::Tensor& lens, double scale, int64_t isa, const AttnVariant& var) {
   TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "q must be float32 or bfloat16");
   const auto ct = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -103,10 +120,16 @@ Prepared prepare(const void* q, at::ScalarType dt, int64_t q_stride, int64_t n, 
   const int64_t width = tables.size(1), blocks = k_cache.size(0);
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
+  DecodeArgs a{q,       q_stride, k_cache.data_ptr(), v_cache.data_ptr(), tp,           width,
+               lp,      int(H),   int(Hk),            int(D),             int(bs),      float(scale),
+               dt == torch::kBFloat16 ? kBF16 : kF32,
+               ct == torch::kFloat16 ? kF16 : ct == torch::kBFloat16 ? kBF16 : kF32,
+               nullptr};
+  set_variant(a, var);
   int64_t max_len = 0;
   for (int64_t s = 0; s < n; ++s) {
     TORCH_CHECK(lp[s] > 0 && lp[s] <= width * bs, "context length ", lp[s], " does not fit the block table");
-    for (int64_t b = 0; b < (lp[s] + bs - 1) / bs; ++b)
+    for (int64_t b = first_seen(a, lp[s]) / bs; b < (lp[s] + bs - 1) / bs; ++b)
       TORCH_CHECK_INDEX(tp[s * width + b] >= 0 && tp[s * width + b] < blocks, "block ", tp[s * width + b],
                         " out of range");
     max_len = std::max<int64_t>(max_len, lp[s]);
@@ -116,11 +139,6 @@ Prepared prepare(const void* q, at::ScalarType dt, int64_t q_stride, int64_t n, 
     fn = decode_attention_avx512();
   else if ((isa == kAvx512Vnni || isa == kAvx2) && D % 8 == 0)
     fn = decode_attention_avx2();
-  DecodeArgs a{q,       q_stride, k_cache.data_ptr(), v_cache.data_ptr(), tp,           width,
-               lp,      int(H),   int(Hk),            int(D),             int(bs),      float(scale),
-               dt == torch::kBFloat16 ? kBF16 : kF32,
-               ct == torch::kFloat16 ? kF16 : ct == torch::kBFloat16 ? kBF16 : kF32,
-               nullptr};
   return {a, fn, max_len};
 }
 
@@ -128,7 +146,8 @@ void run(Prepared& p, int64_t n, void* out) {
   DecodeArgs& a = p.a;
   a.out = out;
   // A chunk must outweigh a fork/join: ~32K multiply-adds (2 G len D per item).
-  const int64_t per_item = 2 * (a.H / a.Hk) * p.max_len * a.D;
+  const int64_t seen = a.window > 0 ? std::min<int64_t>(p.max_len, a.window) : p.max_len;
+  const int64_t per_item = 2 * (a.H / a.Hk) * seen * a.D;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per_item, 1));
   parallel_for(0, n * a.Hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(decode_scratch_floats(a, p.max_len));
@@ -140,12 +159,13 @@ void run(Prepared& p, int64_t n, void* out) {
 
 // D not a multiple of the vector width takes the scalar path.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                               torch::Tensor lens, double scale, int64_t isa) {
+                               torch::Tensor lens, double scale, int64_t isa, int64_t window, double softcap,
+                               c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_cpu() && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [n, H, D] with contiguous heads");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   Prepared p = prepare(q.data_ptr(), q.scalar_type(), q.stride(0), n, H, D, k_cache, v_cache, tables, lens, scale,
-                       isa);
+                       isa, AttnVariant{window, softcap, sinks});
   auto out = torch::empty({n, H * D}, q.options());
   run(p, n, out.data_ptr());
   return out;
@@ -153,11 +173,20 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
-                                torch::Tensor lens, double scale, int64_t isa) {
+                                torch::Tensor lens, double scale, int64_t isa, int64_t window, double softcap,
+                                c10::optional<torch::Tensor> sinks) {
+  return rope_store_decode_v(qkv, cos, sin, k_cache, v_cache, slots, num_heads, tables, lens, scale, isa,
+                             AttnVariant{window, softcap, sinks});
+}
+
+torch::Tensor rope_store_decode_v(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                  const torch::Tensor& slots, int64_t num_heads, const torch::Tensor& tables,
+                                  const torch::Tensor& lens, double scale, int64_t isa, const AttnVariant& var) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && k_cache.dim() == 4, "qkv must be a contiguous matrix");
   const int64_t n = qkv.size(0), D = k_cache.size(3);
   Prepared p = prepare(qkv.data_ptr(), qkv.scalar_type(), qkv.size(1), n, num_heads, D, k_cache, v_cache, tables,
-                       lens, scale, isa);
+                       lens, scale, isa, var);
   rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
   auto out = torch::empty({n, num_heads * D}, qkv.options());
   run(p, n, out.data_ptr());

@@ -6,9 +6,10 @@
 // a half cache under a float32 model is widened exactly as it is loaded).
 //
 // Per (sequence, kv head): the scores of its G query heads (up to 4 at a time, sharing each key
-// and value row read) against every context position, read from the cache through the block
-// table; softmax in float32 with a vector exp; then the weighted sum of the value rows, a few
-// vectors of D at a time in registers. FV also gives kValueChunk (value vectors per pass).
+// and value row read) against every context position it sees (its window's), read from the cache
+// through the block table, soft-capped if the layer caps them; softmax in float32 with a vector
+// exp, the sinks in its max and sum; then the weighted sum of the value rows, a few vectors of D
+// at a time in registers. FV also gives kValueChunk (value vectors per pass).
 #pragma once
 
 template <class T>
@@ -28,14 +29,14 @@ WSQ_TARGET inline void prefetch_row(const DecodeArgs& a, const T* cache, const i
   for (int b = 0; b < a.D * int(sizeof(T)); b += 64) __builtin_prefetch(r + b);
 }
 
-// off[p] = element offset of position p's row of kv head hk, walking the table block by block
-// (no division per position)
-WSQ_TARGET inline void rows_of(const DecodeArgs& a, const int32_t* table, int hk, int len, int64_t* off) {
+// off[p - lo] = element offset of position p's row of kv head hk for p in [lo, len), walking the
+// table block by block from lo's (no division per position; the blocks before lo are not read)
+WSQ_TARGET inline void rows_of(const DecodeArgs& a, const int32_t* table, int hk, int lo, int len, int64_t* off) {
   const int64_t row = int64_t(a.Hk) * a.D;
-  for (int p0 = 0, b = 0; p0 < len; p0 += a.bs, ++b) {
+  for (int p0 = lo - lo % a.bs, b = lo / a.bs; p0 < len; p0 += a.bs, ++b) {
     const int64_t base = int64_t(table[b]) * a.bs * row + int64_t(hk) * a.D;
     const int n = len - p0 < a.bs ? len - p0 : a.bs;
-    for (int i = 0; i < n; ++i) off[p0 + i] = base + i * row;
+    for (int i = p0 < lo ? lo - p0 : 0; i < n; ++i) off[p0 + i - lo] = base + i * row;
   }
 }
 
@@ -57,7 +58,8 @@ WSQ_TARGET void scores(const DecodeArgs& a, const C* k, const int64_t* off, int 
       for (int g = 0; g < GC; ++g) acc[g] = FV::fmadd(FV::load(qf + g * a.D + c * FV::L), kv, acc[g]);
     }
     for (int g = 0; g < GC; ++g) {
-      const float sc = FV::hsum(acc[g]);
+      float sc = FV::hsum(acc[g]);
+      if (a.softcap > 0.0f) sc = a.softcap * std::tanh(sc / a.softcap);
       w[g * ws + p] = sc;
       mx[g] = sc > mx[g] ? sc : mx[g];
     }
@@ -92,17 +94,20 @@ WSQ_TARGET void weighted(const DecodeArgs& a, const C* v, const int64_t* off, in
     }
 }
 
-// Query heads h0 .. h0 + GC - 1 of sequence s, all on kv head hk.
+// Query heads h0 .. h0 + GC - 1 of sequence s, all on kv head hk; off: its `len` positions seen.
+// A sink is one more score whose value row is zero: in the max and the sum, nowhere else.
 template <int GC, class T, class C>
-WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off, float* scratch) {
+WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, int len, const int64_t* off, float* scratch) {
   const T* q = static_cast<const T*>(a.q);
-  const int len = a.lens[s], D = a.D, nv = D / FV::L;
+  const int D = a.D, nv = D / FV::L;
   const int64_t ws = len + 16;
   float* qf = scratch;           // GC rows of D: the scaled queries
   float* w = scratch + GC * D;   // GC rows of ws: scores, then unnormalised weights
   for (int g = 0; g < GC; ++g) load_scaled(q + s * a.q_stride + int64_t(h0 + g) * D, a.scale, D, qf + g * D);
   float mx[GC], inv[GC];
   scores<GC>(a, static_cast<const C*>(a.k), off, len, qf, w, ws, mx);
+  if (a.sinks)
+    for (int g = 0; g < GC; ++g) mx[g] = a.sinks[h0 + g] > mx[g] ? a.sinks[h0 + g] : mx[g];
   for (int g = 0; g < GC; ++g) {
     float* wg = w + g * ws;
     const typename FV::VF vmx = FV::set1(mx[g]);
@@ -115,6 +120,7 @@ WSQ_TARGET void heads(const DecodeArgs& a, int64_t s, int h0, const int64_t* off
     }
     float sum = FV::hsum(vsum);
     for (; p < len; ++p) sum += (wg[p] = std::exp(wg[p] - mx[g]));
+    if (a.sinks) sum += std::exp(a.sinks[h0 + g] - mx[g]);
     inv[g] = 1.0f / sum;
   }
   const C* v = static_cast<const C*>(a.v);
@@ -132,15 +138,15 @@ WSQ_TARGET void decode_items_t(const DecodeArgs& a, int64_t item0, int64_t item1
   float* rest = scratch + 2 * (a.width * a.bs);
   for (int64_t item = item0; item < item1; ++item) {
     const int64_t s = item / a.Hk;
-    const int hk = int(item % a.Hk);
-    rows_of(a, a.tables + s * a.width, hk, a.lens[s], off);
+    const int hk = int(item % a.Hk), len = a.lens[s], lo = first_seen(a, len);
+    rows_of(a, a.tables + s * a.width, hk, lo, len, off);
     for (int g0 = 0; g0 < G; g0 += 4) {  // up to 4 query heads share each key and value row read
       const int h0 = hk * G + g0;
       switch (G - g0 < 4 ? G - g0 : 4) {
-        case 4: heads<4, T, C>(a, s, h0, off, rest); break;
-        case 3: heads<3, T, C>(a, s, h0, off, rest); break;
-        case 2: heads<2, T, C>(a, s, h0, off, rest); break;
-        default: heads<1, T, C>(a, s, h0, off, rest);
+        case 4: heads<4, T, C>(a, s, h0, len - lo, off, rest); break;
+        case 3: heads<3, T, C>(a, s, h0, len - lo, off, rest); break;
+        case 2: heads<2, T, C>(a, s, h0, len - lo, off, rest); break;
+        default: heads<1, T, C>(a, s, h0, len - lo, off, rest);
       }
     }
   }

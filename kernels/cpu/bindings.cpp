@@ -29,11 +29,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &wsq::decode_attention,
         "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("isa"), nogil());
+        py::arg("isa"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil());
   m.def("rope_store_decode", &wsq::rope_store_decode,
         "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
+        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil());
   py::class_<wsq::MoeLayer, std::shared_ptr<wsq::MoeLayer>>(m, "MoeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t,
                     bool, double, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t,

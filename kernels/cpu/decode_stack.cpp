@@ -58,11 +58,23 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
         }
         break;
       }
-      case kAttention:
+      case kAttention: {
         s.t = {tensor(), tensor()};
         s.a = r.next();
         s.f = number();
+        s.var.window = r.next();
+        s.var.softcap = number();
+        const int64_t sinks = r.next();
+        TORCH_CHECK(s.var.window >= 0 && s.var.softcap >= 0.0, "DecodeStack: window and softcap must not be negative");
+        TORCH_CHECK(sinks < int64_t(tensors_.size()), "DecodeStack: sinks index ", sinks, " out of range");
+        if (sinks >= 0) {
+          const torch::Tensor& t = tensors_[sinks];
+          TORCH_CHECK(t.dim() == 1 && t.size(0) == s.a && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+                      "DecodeStack: sinks must be float32 [num_heads]");
+          s.var.sinks = t;
+        }
         break;
+      }
       case kSiluMul:
         break;
       case kScale:
@@ -114,8 +126,8 @@ void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInpu
         x = linear(s, x, in);
         break;
       case kAttention:
-        x = rope_store_decode(x, in.cos, in.sin, tensors_[s.t[0]], tensors_[s.t[1]], in.slots, s.a, in.tables, in.lens,
-                              s.f, in.isa);
+        x = rope_store_decode_v(x, in.cos, in.sin, tensors_[s.t[0]], tensors_[s.t[1]], in.slots, s.a, in.tables,
+                                in.lens, s.f, in.isa, s.var);
         break;
       case kSiluMul:
         x = silu_mul(x, in.isa);

@@ -7,7 +7,8 @@
 // The program: ints, each op its code then its arguments; tensors and floats by index.
 //   kNorm       w eps                     x, residual = add_rms_norm(x, residual) (none yet: residual = x)
 //   kLinear     parts bias lora (t qtype n)*parts   x = x @ W^T (+ bias) (+ the adapters' deltas of key lora)
-//   kAttention  k v heads scale           x = rope_store_decode(x): rotary, KV store, paged attention
+//   kAttention  k v heads scale window softcap sinks   x = rope_store_decode(x): rotary, KV store, paged
+//                                         attention with the layer's variant (attention.h; sinks -1: none)
 //   kSiluMul                              x = silu(gate) * up
 //   kScale      m                         x = x * m
 //   kQkNorm     qw kw eps q_size kv_size  x's q and k parts RMS-normed in place, rows of qw's (kw's) width
@@ -19,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention.h"
 #include "lora_weights.h"
 #include "moe_layer.h"
 #include "qlinear.h"
@@ -34,6 +36,7 @@ struct StackStep {
   int64_t bias = -1, lora = -1;   // kLinear: the bias tensor (-1: none), the LoRA key (-1: none)
   int64_t a = 0, b = 0;           // kAttention: heads; kQkNorm: q_size, kv_size; kMoe: the layer
   double f = 0;                     // eps, scale or multiplier
+  AttnVariant var;                  // kAttention: window, softcap, sinks
 };
 
 // The step's per-row inputs, shared by every attention op.

@@ -32,7 +32,17 @@ struct DecodeArgs {
   int q_type;             // ElemType of q and out
   int kv_type;            // ElemType of the caches
   void* out;              // [n, H * D]
+  // The layer's attention variant (kernels/paged_attention.py), each off by default: a row
+  // sees its last `window` positions (0: all; the blocks before are never read), scores are
+  // softcap * tanh(s / softcap) (0: as they are), and sinks[h] (float32 [H]; null: none) is one
+  // more logit in each query head's softmax denominator.
+  int window = 0;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
 };
+
+// The first position row s sees: its last `window` positions of len.
+inline int first_seen(const DecodeArgs& a, int len) { return a.window > 0 && len > a.window ? len - a.window : 0; }
 
 // Work items are (sequence, kv head) pairs, item = seq * Hk + kv head; scratch holds
 // decode_scratch_floats(a) floats for the caller's thread, 8-byte aligned: each position's

@@ -17,10 +17,18 @@ constexpr int kRows = 16;          // output rows per group
 constexpr int kUnit = kRows * 4;   // bytes of a unit: 4 quant bytes of each row
 
 // Numbering shared with kernels/quant.py (QTYPES order).
-enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, kNumQTypes = 6 };
+enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, kNumQTypes = 7 };
 enum Isa : int { kAvx512Vnni = 0, kAvx2 = 1, kScalar = 2 };
 
-constexpr int block_values(int qt) { return qt >= Q4_K ? 256 : 32; }
+constexpr int block_values(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K ? 256 : 32; }
+
+// MXFP4: the doubled E2M1 value of each nibble (quant_formats.MXFP4_VALUES), and the same plus
+// 12 (0 .. 24, unsigned: the vector dots' first operand; 12 * sum(x) is taken out again).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr uint8_t kMxfp4Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+// Its E8M0 exponent byte as the float 2 ** (e - 128), exactly (ggml's e8m0_to_fp32_half: the bits
+// (e - 1) << 23, below e = 2 the subnormals (e + 1) << 21).
+inline uint32_t e8m0_half_bits(uint32_t e) { return e < 2 ? (e + 1) << 21 : (e - 1) << 23; }
 
 // Byte offsets of the fields inside one (group, block), FIELDS' order in quant_formats.py:
 // fp16 scales take 2 * kRows bytes, byte-per-row scales kRows per sub-block, quants units.
@@ -34,7 +42,8 @@ constexpr Off offsets(int qt) {
          : qt == Q4_K ? Off{0, 2 * kRows, 4 * kRows, 12 * kRows, -1, 20 * kRows, 20 * kRows + 32 * kUnit}
          : qt == Q5_K ? Off{0, 2 * kRows, 4 * kRows, 12 * kRows, 20 * kRows, 20 * kRows + 8 * kUnit,
                             20 * kRows + 40 * kUnit}
-                      : Off{0, -1, 2 * kRows, -1, 18 * kRows + 32 * kUnit, 18 * kRows, 18 * kRows + 48 * kUnit};
+         : qt == Q6_K ? Off{0, -1, 2 * kRows, -1, 18 * kRows + 32 * kUnit, 18 * kRows, 18 * kRows + 48 * kUnit}
+                      : Off{0, -1, -1, -1, -1, kRows, kRows + 4 * kUnit};  // MXFP4: d is the exponent bytes
 }
 constexpr int packed_bytes(int qt) { return offsets(qt).bytes; }
 

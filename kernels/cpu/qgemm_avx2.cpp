@@ -47,6 +47,16 @@ struct Vec {
   WSQ_TARGET static VI shl16(VI v, int n) { return _mm256_slli_epi16(v, n); }
   WSQ_TARGET static VI shr16(VI v, int n) { return _mm256_srli_epi16(v, n); }
   WSQ_TARGET static VI and8(VI v, int m) { return _mm256_and_si256(v, _mm256_set1_epi8(char(m))); }
+  WSQ_TARGET static VI mxfp4(VI nibbles) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Plus12));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nibbles);
+  }
+  WSQ_TARGET static VF e8m0(const uint8_t* p) {  // 2 ** (e - 128), as e8m0_half_bits
+    const VI e = u8(p);
+    const VI normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const VI tiny = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(1)), 21);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  }
   WSQ_TARGET static VI u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }

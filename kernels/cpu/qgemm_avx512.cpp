@@ -42,6 +42,16 @@ struct Vec {
   WSQ_TARGET static VI shl16(VI v, int n) { return _mm512_slli_epi16(v, n); }
   WSQ_TARGET static VI shr16(VI v, int n) { return _mm512_srli_epi16(v, n); }
   WSQ_TARGET static VI and8(VI v, int m) { return _mm512_and_si512(v, _mm512_set1_epi8(char(m))); }
+  WSQ_TARGET static VI mxfp4(VI nibbles) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Plus12));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), nibbles);
+  }
+  WSQ_TARGET static VF e8m0(const uint8_t* p) {  // 2 ** (e - 128), as e8m0_half_bits
+    const VI e = u8(p);
+    const VI normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const VI tiny = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(1)), 21);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+  }
   WSQ_TARGET static VI u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -27,6 +27,14 @@ inline float h2f(const uint8_t* p) {
   return f;
 }
 
+// MXFP4's exponent byte as its float scale (qgemm.h: e8m0_half_bits).
+inline float e8m0f(uint8_t e) {
+  const uint32_t bits = e8m0_half_bits(e);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Byte e of row r in a field stored as units of 4 bytes per row.
 inline uint8_t ub(const uint8_t* field, int r, int e) { return field[(e >> 2) * kUnit + r * 4 + (e & 3)]; }
 
@@ -39,6 +47,9 @@ int32_t block_int(const uint8_t* blk, int r, const int8_t* x, const int32_t* s16
     if (QT == Q4_0) sumi -= 8 * (s16[0] + s16[1]);
   } else if (QT == Q8_0) {
     for (int l = 0; l < 32; ++l) sumi += int8_t(ub(blk + o.qs, r, l)) * x[l];
+  } else if (QT == MXFP4) {
+    for (int l = 0; l < 16; ++l)
+      sumi += kMxfp4Values[ub(blk + o.qs, r, l) & 15] * x[l] + kMxfp4Values[ub(blk + o.qs, r, l) >> 4] * x[16 + l];
   } else if (QT == Q4_K || QT == Q5_K) {
     *msum = 0;
     for (int j = 0; j < 8; ++j) {
@@ -75,7 +86,7 @@ void group_kernel(const uint8_t* g, const Act& a, int m0, int mt, float* out) {
   for (int b = 0; b < a.nb; ++b) {
     const uint8_t* blk = g + (size_t)b * PB;
     for (int r = 0; r < kRows; ++r) {
-      const float dw = h2f(blk + o.d + 2 * r);
+      const float dw = QT == MXFP4 ? e8m0f(blk[o.d + r]) : h2f(blk + o.d + 2 * r);
       const float mw = o.m >= 0 ? h2f(blk + o.m + 2 * r) : 0.0f;
       for (int i = 0; i < mt; ++i) {
         const float dx = a.dx(m0 + i)[b];
@@ -98,8 +109,13 @@ void dequant(const uint8_t* g, int nb, int r, float* out) {
   constexpr Off o = offsets(QT);
   for (int b = 0; b < nb; ++b, out += BV) {
     const uint8_t* blk = g + (size_t)b * PB;
-    const float d = h2f(blk + o.d + 2 * r);
-    if (QT == Q8_0) {
+    const float d = QT == MXFP4 ? e8m0f(blk[o.d + r]) : h2f(blk + o.d + 2 * r);
+    if (QT == MXFP4) {
+      for (int l = 0; l < 16; ++l) {
+        out[l] = d * float(kMxfp4Values[ub(blk + o.qs, r, l) & 15]);
+        out[16 + l] = d * float(kMxfp4Values[ub(blk + o.qs, r, l) >> 4]);
+      }
+    } else if (QT == Q8_0) {
       for (int l = 0; l < 32; ++l) out[l] = float(int8_t(ub(blk + o.qs, r, l))) * d;
     } else if (QT == Q4_0 || QT == Q4_1) {
       const float m = QT == Q4_1 ? h2f(blk + o.m + 2 * r) : 0.0f;
@@ -133,8 +149,8 @@ void dequant(const uint8_t* g, int nb, int r, float* out) {
   }
 }
 
-const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>,
-                                    group_kernel<Q4_K>, group_kernel<Q5_K>, group_kernel<Q6_K>};
+const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>, group_kernel<Q4_K>,
+                                    group_kernel<Q5_K>, group_kernel<Q6_K>, group_kernel<MXFP4>};
 
 }  // namespace
 
@@ -142,8 +158,8 @@ const GroupFn* kernels_scalar() { return kTable; }
 
 void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out) {
   using Fn = void (*)(const uint8_t*, int, int, float*);
-  static const Fn table[kNumQTypes] = {dequant<Q4_0>, dequant<Q4_1>, dequant<Q8_0>,
-                                       dequant<Q4_K>, dequant<Q5_K>, dequant<Q6_K>};
+  static const Fn table[kNumQTypes] = {dequant<Q4_0>, dequant<Q4_1>, dequant<Q8_0>, dequant<Q4_K>,
+                                       dequant<Q5_K>, dequant<Q6_K>, dequant<MXFP4>};
   table[qt](group, nb, r, out);
 }
 

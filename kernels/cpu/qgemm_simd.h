@@ -12,6 +12,7 @@
 //   u8, s8, f16     L per-row scales (bytes, signed bytes, fp16) widened to lanes
 //   pairs(u, s)    int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1] (vpmaddubsw); add16, madd16
 //                  (int16 pairs times int16 pairs, summed into int32: vpmaddwd)
+//   mxfp4(v)       nibbles (bytes 0 .. 15) -> kMxfp4Plus12's bytes; e8m0(p) L exponent bytes -> floats
 //   scale16u/s(p)  L per-row scale bytes (unsigned / signed), each in both int16 halves of its lane
 //   pair16u/s(a, b) two rows of L scale bytes, lane r = (a[r], b[r]) as int16; shl32
 //   add, sub, mullo, set1 on VI; cvt, fmul, fadd, fsub, fset1, fzero, store on VF
@@ -30,6 +31,7 @@ constexpr int L = Vec::L, R = kRows / Vec::L;
 // it adds is taken out with the block's sums of x, as Q4_0's 8 * sum(x). The same integers.
 constexpr bool kQ8Offset = Vec::kQ8Offset;
 
+// Q4_0, Q4_1, Q8_0 and MXFP4 (whose nibbles become their E2M1 values plus 12 by a byte shuffle)
 template <int MT, int QT>
 WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
   constexpr Off o = offsets(QT);
@@ -46,8 +48,8 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
       VI lo[R], hi[R];
       for (int h = 0; h < R; ++h) {
         const VI w = Vec::load(blk + o.qs + v * kUnit + h * L * 4);
-        lo[h] = QT == Q8_0 ? (kQ8Offset ? Vec::flip(w) : w) : Vec::lo4(w);
-        hi[h] = QT == Q8_0 ? w : Vec::hi4(w);
+        lo[h] = QT == Q8_0 ? (kQ8Offset ? Vec::flip(w) : w) : QT == MXFP4 ? Vec::mxfp4(Vec::lo4(w)) : Vec::lo4(w);
+        hi[h] = QT == Q8_0 ? w : QT == MXFP4 ? Vec::mxfp4(Vec::hi4(w)) : Vec::hi4(w);
       }
       for (int i = 0; i < MT; ++i) {
         const int8_t* x = a.qrow(m0 + i) + b * 32;
@@ -63,12 +65,13 @@ WSQ_TARGET void block32(const uint8_t* g, const Act& a, int m0, VF (*acc)[R]) {
       }
     }
     for (int h = 0; h < R; ++h) {
-      const VF dw = Vec::f16(blk + o.d + h * L * 2);
+      const VF dw = QT == MXFP4 ? Vec::e8m0(blk + o.d + h * L) : Vec::f16(blk + o.d + h * L * 2);
       const VF mw = QT == Q4_1 ? Vec::f16(blk + o.m + h * L * 2) : Vec::fzero();
       for (int i = 0; i < MT; ++i) {
         const VF dx = Vec::fset1(a.dx(m0 + i)[b]);
         const int32_t xsum = a.sums(m0 + i)[2 * b] + a.sums(m0 + i)[2 * b + 1];
         const VI si = QT == Q4_0               ? Vec::sub(s[i][h], Vec::set1(8 * xsum))
+                      : QT == MXFP4             ? Vec::sub(s[i][h], Vec::set1(12 * xsum))
                       : QT == Q8_0 && kQ8Offset ? Vec::sub(s[i][h], Vec::set1(128 * xsum))
                                                 : s[i][h];
         VF t = Vec::fmul(Vec::fmul(dw, dx), Vec::cvt(si));
@@ -332,8 +335,8 @@ WSQ_TARGET void group_kernel(const uint8_t* g, const Act& a, int m0, int mt, flo
   }
 }
 
-const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>,
-                                    group_kernel<Q4_K>, group_kernel<Q5_K>, group_kernel<Q6_K>};
+const GroupFn kTable[kNumQTypes] = {group_kernel<Q4_0>, group_kernel<Q4_1>, group_kernel<Q8_0>, group_kernel<Q4_K>,
+                                    group_kernel<Q5_K>, group_kernel<Q6_K>, group_kernel<MXFP4>};
 
 // x rows m0 .. m1 - 1 -> int8 blocks, the scalar quantize_rows of qgemm.cpp in vectors (the same
 // bits: the block's amax is exact in any order, x * (1 / d) is one rounding, and the conversion

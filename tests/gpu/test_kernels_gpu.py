@@ -85,6 +85,36 @@ def test_prefill_matches_reference(
     _close(out, paged_attention.paged_prefill_attention_ref(*case.prefill_args()), dtype)
 
 
+# paged_attention.py's variants: a window (the cases' blocks before it are NaN), a soft-cap, sinks
+VARIANTS = {
+    "window": {"window": 20},
+    "softcap": {"softcap": 1.5},
+    "sinks": {"sinks": True},
+    "all": {"window": 20, "softcap": 1.5, "sinks": True},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_variants_match_reference(num_splits: int | None, variant: str, dtype: torch.dtype) -> None:
+    case = make_paged_case(edge_lens(16), None, 16, 2, 4, 128, dtype, CUDA, seed=3, **VARIANTS[variant])
+    out = paged_attention.paged_decode_attention_triton(
+        *case.decode_args(), **case.variant(), num_splits=num_splits
+    )
+    _close(out, paged_attention.paged_decode_attention_ref(*case.decode_args(), **case.variant()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("scenario", PREFILL_SCENARIOS)
+def test_prefill_variants_match_reference(scenario: str, variant: str, dtype: torch.dtype) -> None:
+    lens, q_lens = prefill_batch(scenario, 16)
+    case = make_paged_case(lens, q_lens, 16, 2, 4, 128, dtype, CUDA, seed=4, **VARIANTS[variant])
+    out = paged_attention.paged_prefill_attention_triton(*case.prefill_args(), **case.variant())
+    _close(out, paged_attention.paged_prefill_attention_ref(*case.prefill_args(), **case.variant()), dtype)
+
+
 def test_decode_replays_in_a_cuda_graph() -> None:
     # The launch plan reads shapes only, so one captured graph serves any seq_lens
     # that fit the block table.

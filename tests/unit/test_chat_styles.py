@@ -232,6 +232,29 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, object]]]]] = [
     ),
     ("pythonic", '[f("positional")]', '[f("positional")]', []),
     ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),  # cut by max_tokens
+    (  # gpt-oss: reasoning, a preamble to the user, a call (the recipient in the role's part)
+        "harmony",
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>Let me look.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary "
+        '<|constrain|>json<|message|>{"city": "Oslo", "days": 2}<|call|>',
+        "Let me look.",
+        [("get_weather", {"city": "Oslo", "days": 2})],
+    ),
+    (  # reasoning and the final answer; `<|return|>` ends it
+        "harmony",
+        "<|channel|>analysis<|message|>Simple sum.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "2 + 2 = 4.<|return|>",
+        "2 + 2 = 4.",
+        [],
+    ),
+    (  # broken: arguments that are no JSON object, then a header that is none
+        "harmony",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{city: Oslo}<|call|>"
+        "<|start|>Hello, I am text.",
+        "{city: Oslo}\nHello, I am text.",
+        [],
+    ),
+    ("harmony", "Plain text, no channels.", "Plain text, no channels.", []),
 ]
 
 
@@ -256,8 +279,9 @@ def feed(parser: str, pieces: list[str]) -> Parsed:
         got = stream.feed(piece)
         out.content += got.content
         out.calls += got.calls
+        out.reasoning += got.reasoning
     end = stream.finish()
-    return Parsed(out.content + end.content, out.calls + end.calls)
+    return Parsed(out.content + end.content, out.calls + end.calls, out.reasoning + end.reasoning)
 
 
 def feed_in_pieces(parser: str, text: str, rng: random.Random) -> Parsed:
@@ -388,21 +412,27 @@ FORCED_OUTPUTS = {
     "<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>\n"
     "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
     "pythonic": '[get_weather(city="Oslo", unit="C"), get_time()]',
+    # over the special tokens (the parallel calls where <|call|> is no stop token)
+    "harmony": "<|channel|>analysis<|message|>Two calls.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|><|start|>assistant'
+    "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}",
 }
 
 
 @pytest.fixture(scope="module")
-def codec(smollm_dir: Path) -> TextCodec:
-    return TextCodec(str(smollm_dir))
+def codecs(smollm_dir: Path, tiny_harmony_dir: Path) -> dict[str, TextCodec]:
+    """SmolLM2's tokenizer; harmony's constraint needs its special tokens (gpt-oss's shape)."""
+    return {"": TextCodec(str(smollm_dir)), "harmony": TextCodec(str(tiny_harmony_dir))}
 
 
 @pytest.mark.parametrize("parser", list(STYLES))
-def test_the_constraint_holds_exactly_the_parser_s_calls(codec: TextCodec, parser: str) -> None:
+def test_the_constraint_holds_exactly_the_parser_s_calls(codecs: dict[str, TextCodec], parser: str) -> None:
     """With llguidance (the structured-output backend): the constraint compiles,
     accepts two calls in the style (which the parser reads back), and refuses prose."""
     llguidance = pytest.importorskip("llguidance")
     hf = pytest.importorskip("llguidance.hf")
 
+    codec = codecs.get(parser, codecs[""])
     tok = hf.from_tokenizer(codec.hf)
     text = FORCED_OUTPUTS[parser]
     assert len(parse_tool_calls(parser, text).calls) == 2

@@ -169,6 +169,50 @@ def test_prefill_bf16_smoke() -> None:
     _close(out, pa.paged_prefill_attention_ref(*case.prefill_args()), torch.bfloat16)
 
 
+# ------------------------------------------------------- attention variants
+
+# paged_attention.py's window, soft-cap and sinks; the cases' blocks before a window are NaN
+VARIANTS = {
+    "window": {"window": 20},
+    "softcap": {"softcap": 1.5},
+    "sinks": {"sinks": True},
+    "all": {"window": 20, "softcap": 1.5, "sinks": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_variants_match_reference(variant: str) -> None:
+    # 5 splits of the 300-token row (the window's 20 in one); sinks counted once in the merge
+    case = make_paged_case(edge_lens(16), None, 16, 2, 3, 64, torch.float32, seed=9, **VARIANTS[variant])
+    out = pa.paged_decode_attention_triton(*case.decode_args(), **case.variant())
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args(), **case.variant()), torch.float32)
+
+
+@pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.float32), (33, HALF)], ids=["single", "33-fp16"])
+def test_decode_variants_in_one_split_and_many(num_splits: int, dtype: torch.dtype) -> None:
+    case = make_paged_case(
+        edge_lens(8), None, 8, 1, 8, 64, dtype, seed=10, window=37, softcap=2.0, sinks=True
+    )
+    out = pa.paged_decode_attention_triton(*case.decode_args(), **case.variant(), num_splits=num_splits)
+    _close(out, pa.paged_decode_attention_ref(*case.decode_args(), **case.variant()), dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_variants_match_reference_across_the_window(variant: str) -> None:
+    # chunks of 37 and 9 queries whose windows start inside earlier blocks, decodes, a fresh prompt
+    lens, q_lens = prefill_batch("chunked", 8)
+    case = make_paged_case(lens, q_lens, 8, 2, 3, 64, torch.float32, seed=11, **VARIANTS[variant])
+    out = pa.paged_prefill_attention_triton(*case.prefill_args(), **case.variant())
+    _close(out, pa.paged_prefill_attention_ref(*case.prefill_args(), **case.variant()), torch.float32)
+
+
+def test_prefill_variants_fp16_with_fresh_prompts_longer_than_the_window() -> None:
+    lens, q_lens = prefill_batch("prefill", 16)
+    case = make_paged_case(lens, q_lens, 16, 1, 8, 128, HALF, seed=12, window=24, softcap=2.0, sinks=True)
+    out = pa.paged_prefill_attention_triton(*case.prefill_args(), **case.variant())
+    _close(out, pa.paged_prefill_attention_ref(*case.prefill_args(), **case.variant()), HALF)
+
+
 # ----------------------------------------------------------------- dispatch
 
 

@@ -17,18 +17,23 @@ from gguf import quants
 from wsllm.kernels import quant
 from wsllm.kernels.quant_formats import BLOCK
 
-GGUF_CAN_QUANTIZE = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_CAN_QUANTIZE = ("Q4_0", "Q4_1", "Q8_0")  # quant.quantize's formats, byte for byte gguf's
+GGUF_QUANTIZES = (*GGUF_CAN_QUANTIZE, "MXFP4")  # the formats whose test bytes gguf quantizes
 # where each format keeps its fp16 scales in a GGUF block
 SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """GGUF bytes of an [n, k] tensor: gguf's own quantization where it has one, else random
-    bytes with finite fp16 scales (every bit pattern of the other fields is valid)."""
+    bytes with finite fp16 scales (every bit pattern of the other fields is valid). MXFP4's
+    first blocks get the exponents of its subnormal scales (0, 1) and its first normal one (2)."""
     g = torch.Generator().manual_seed(seed)
-    if qtype in GGUF_CAN_QUANTIZE:
+    if qtype in GGUF_QUANTIZES:
         w = torch.randn(n, k, generator=g) * 0.05
-        return torch.from_numpy(quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]))
+        raw = torch.from_numpy(quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]))
+        if qtype == "MXFP4":
+            raw.view(n, k // 32, 17)[:3, 0, 0] = torch.tensor([0, 1, 2], dtype=torch.uint8)
+        return raw
     bs, ts = BLOCK[qtype]
     raw = torch.randint(0, 256, (n, k // bs, ts), dtype=torch.uint8, generator=g)
     for off in SCALE_OFFSETS[qtype]:
@@ -89,6 +94,23 @@ def test_qlinear_equals_reference(qtype: str, isa_path: str) -> None:
                 assert rel_err(y, ref) <= 1e-5, (qtype, isa_path, m, dtype)
 
 
+@pytest.mark.parametrize("isa_path", ["avx512_vnni", "avx2", "scalar"], indirect=True)
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_each_row_has_the_same_bits_whatever_the_batch(qtype: str, isa_path: str) -> None:
+    """A row of x gives the same bits alone and in batches of any size (the tiles of 4, 3, 2
+    and 1 rows, and the threads, compute every row alike); MXFP4 the reference's bits too."""
+    n, k = shape_for(qtype)
+    w = quant.pack(qtype, gguf_bytes(qtype, n, k, seed=5), (n, k))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(6))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        whole = quant.qlinear(xs, w)
+        for lo, hi in ((0, 1), (3, 5), (4, 11), (0, 7)):
+            assert torch.equal(quant.qlinear(xs[lo:hi], w), whole[lo:hi]), (qtype, isa_path, dtype, lo, hi)
+        if qtype == "MXFP4":
+            assert torch.equal(whole, quant.qlinear_reference(xs, w))
+
+
 # each path and the CPU flags it needs (Linux's names in /proc/cpuinfo)
 NEEDS = {
     "avx512_vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
@@ -144,6 +166,18 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype: str) -> None:
     read_only.setflags(write=False)
     assert torch.equal(quant.pack(qtype, read_only, (n, k)).packed, w.packed)
     assert np.array_equal(w.dequantize().numpy(), expected)  # native when built
+    assert np.array_equal(w.dequantize_torch().numpy(), expected)
+
+
+def test_mxfp4_every_exponent_and_nibble_dequantizes_as_gguf() -> None:
+    """All 256 E8M0 exponents (the subnormal scales below 2, infinities from 2 ** 125 * 12 on)
+    times all 16 E2M1 values, on the native and the torch path."""
+    raw = torch.zeros(16, 16, 17, dtype=torch.uint8)  # 16 rows of 16 blocks: one per exponent
+    raw[..., 0] = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    raw[..., 1:] = torch.arange(16, dtype=torch.uint8) | (torch.arange(15, -1, -1, dtype=torch.uint8) << 4)
+    expected = quants.dequantize(raw.reshape(16, -1).numpy(), gguf.GGMLQuantizationType.MXFP4)
+    w = quant.pack("MXFP4", raw, (16, 512))
+    assert np.array_equal(w.dequantize().numpy(), expected)
     assert np.array_equal(w.dequantize_torch().numpy(), expected)
 
 

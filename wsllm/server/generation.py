@@ -112,7 +112,7 @@ class Generation:
         self.choices = [
             _Choice(
                 i,
-                svc.codec.detokenizer(prompt_ids),
+                svc.codec.detokenizer(prompt_ids, output is not None and output.whole_answer),
                 StopMatcher(stops) if stops else None,
                 ChoiceOutput(output, f"{request_id}/{i}", in_think) if output is not None else None,
             )

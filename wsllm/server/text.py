@@ -156,8 +156,9 @@ class TextCodec:
                 ids += _encode(self._literal, messages[int(part)]["content"], False)
         return ids
 
-    def detokenizer(self, prompt_token_ids: list[int]) -> Detokenizer:
-        return Detokenizer(self.backend, prompt_token_ids)
+    def detokenizer(self, prompt_token_ids: list[int], special_tokens: bool = False) -> Detokenizer:
+        """`special_tokens`: keep them in the text (a style that reads them: harmony's markers)."""
+        return Detokenizer(self.backend, prompt_token_ids, special_tokens)
 
     def token_strs(self, ids: list[int]) -> list[str | None]:
         """The vocabulary's own strings of `ids` (byte-level: "Ġworld" for " world"). A list
@@ -205,9 +206,11 @@ class Detokenizer:
 
     __slots__ = ("_backend", "_stream")
 
-    def __init__(self, backend: Tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(self, backend: Tokenizer, prompt_token_ids: list[int], special_tokens: bool = False) -> None:
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=True)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=not special_tokens
+        )
 
     def feed(self, token_ids: list[int]) -> str:
         """Text completed by these tokens; "" while a character is still partial."""

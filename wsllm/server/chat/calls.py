@@ -33,10 +33,12 @@ class ToolCall:
 
 @dataclass(slots=True)
 class Parsed:
-    """What a piece of output turned into: content text and completed calls."""
+    """What a piece of output turned into: content text and completed calls (and the
+    reasoning, from a style that reads the whole answer: ToolStyle.WHOLE_ANSWER)."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class BracketScan:
@@ -129,7 +131,7 @@ class ToolStream:
         """The whole output at once (a fresh stream)."""
         out = self.feed(text)
         end = self.finish()
-        return Parsed(out.content + end.content, out.calls + end.calls)
+        return Parsed(out.content + end.content, out.calls + end.calls, out.reasoning + end.reasoning)
 
     def _step(self, final: bool) -> None:
         raise NotImplementedError

@@ -1,6 +1,7 @@
 """What a chat answer's text becomes, per choice: the `<think>` block split off as
 reasoning (reasoning.py), then tool calls parsed out of the rest by the request's
-tool-call style (styles/, by name from registry.py).
+tool-call style (styles/, by name from registry.py); a style that reads the whole
+answer (harmony's channels) gives the reasoning too, and no `<think>` splitter runs.
 
 `ChoiceOutput.feed(text, final)` takes the text after stop strings and returns a
 `Piece`: content, reasoning and OpenAI-shaped `tool_calls` deltas. A call goes out as
@@ -37,6 +38,11 @@ class OutputOptions:
     def __post_init__(self) -> None:
         if self.tool_parser is not None and self.tool_parser not in STYLES:
             raise ValueError(f"unknown tool parser {self.tool_parser!r}")
+
+    @property
+    def whole_answer(self) -> bool:
+        """The style reads the whole answer from text with its special tokens (ToolStyle.WHOLE_ANSWER)."""
+        return self.tool_parser is not None and STYLES[self.tool_parser].WHOLE_ANSWER
 
     def to_context(self) -> dict[str, Any]:
         ctx: dict[str, Any] = {"tool_parser": self.tool_parser, "reasoning": self.reasoning}
@@ -91,7 +97,7 @@ class ChoiceOutput:
     __slots__ = ("_think", "_tools", "num_calls")
 
     def __init__(self, opts: OutputOptions, id_seed: str, in_think: bool = False) -> None:
-        self._think = ThinkSplitter(in_think) if opts.reasoning else None
+        self._think = ThinkSplitter(in_think) if opts.reasoning and not opts.whole_answer else None
         self._tools: ToolStream | None = (
             get_style(opts.tool_parser).stream(id_seed, opts.arg_types) if opts.tool_parser else None
         )
@@ -113,11 +119,12 @@ class ChoiceOutput:
             end = self._tools.finish()
             parsed.content += end.content
             parsed.calls += end.calls
+            parsed.reasoning += end.reasoning
         deltas = []
         for call in parsed.calls:
             deltas += call_deltas(self.num_calls, call)
             self.num_calls += 1
-        return Piece(parsed.content, reasoning, deltas)
+        return Piece(parsed.content, reasoning + parsed.reasoning, deltas)
 
     def finish_reason(self, engine_reason: str) -> str:
         """What the client is told: `tool_calls` when the choice ended on its own

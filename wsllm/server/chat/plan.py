@@ -39,9 +39,11 @@ def plan_chat(req: ChatRequest, codec: TextCodec, model_name: str, tool_parser: 
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
         }
+    style = choose_style(tool_parser, codec.chat_template, model_name)
+    if style.WHOLE_ANSWER:  # its answers are read by the style, tools or not (harmony)
+        plan.output = OutputOptions(tool_parser=style.name, arg_types=style.arg_types(tools or []))
     if not tools:
         return plan
-    style = choose_style(tool_parser, codec.chat_template, model_name)
     plan.template |= {"tools": tools, "tool_prompt": style}
     plan.output = OutputOptions(tool_parser=style.name, arg_types=style.arg_types(tools))
     forced = req.forced_tool

@@ -9,6 +9,7 @@ whose template marks another's contains comes first (Qwen3-Coder's templates als
 from __future__ import annotations
 
 from wsllm.server.chat.style import ToolStyle
+from wsllm.server.chat.styles.harmony import HarmonyStyle
 from wsllm.server.chat.styles.hermes import HermesStyle
 from wsllm.server.chat.styles.llama3_json import Llama3JsonStyle
 from wsllm.server.chat.styles.mistral import MistralStyle
@@ -16,6 +17,7 @@ from wsllm.server.chat.styles.pythonic import PythonicStyle
 from wsllm.server.chat.styles.qwen3_coder import Qwen3CoderStyle
 
 STYLES: dict[str, type[ToolStyle]] = {
+    HarmonyStyle.name: HarmonyStyle,
     Qwen3CoderStyle.name: Qwen3CoderStyle,
     HermesStyle.name: HermesStyle,
     MistralStyle.name: MistralStyle,

@@ -10,7 +10,9 @@ per style (chat/styles/, listed in chat/registry.py) owns all of it:
   which the output is calls in the style and nothing else (tool_choice "required" or a
   named function);
 - reading: `STREAM`, its incremental parser (chat/calls.py), with `arg_types()` for a
-  style that writes arguments untyped and needs the tools' schemas to read them.
+  style that writes arguments untyped and needs the tools' schemas to read them; a style
+  whose answers are all structure (harmony's channels) reads the whole answer
+  (`WHOLE_ANSWER`).
 
 A style holds no state: an instance is a handle on its class."""
 
@@ -83,6 +85,9 @@ class ToolStyle:
     NAME_MARKS: ClassVar[tuple[str, ...]] = ()
     #: the style's incremental parser
     STREAM: ClassVar[type[ToolStream]]
+    #: its stream reads the whole answer: reasoning, content and calls, tools offered or not,
+    #: from text that keeps the special tokens (the `<think>` splitter then stays out)
+    WHOLE_ANSWER: ClassVar[bool] = False
 
     @classmethod
     def speaks(cls, chat_template: str) -> bool:
