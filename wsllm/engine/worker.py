@@ -26,8 +26,7 @@ from typing import Any, Protocol
 
 from wsllm.engine.commands import apply_commands, held_adapters
 from wsllm.engine.live import LiveRequests
-from wsllm.engine.outputs import EngineStats
-from wsllm.prefix_hash import request_root
+from wsllm.engine.outputs import EngineStats, RequestOutput
 from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_ENGINE_STALLED,
@@ -35,10 +34,11 @@ from wsllm.types import (
     ERR_INVALID_REQUEST,
     ERR_QUEUE_TIMEOUT,
     ERR_WORKER_LOST,
+    AdapterCommand,
+    AdapterReply,
     EngineBusy,
     EngineInfo,
     GenerateRequest,
-    SamplingParams,
     TokenEvent,
     WireError,
 )
@@ -52,24 +52,16 @@ class Engine(Protocol):
 
     model_name: str
     max_model_len: int
+    adapters: Any  # its LoRA adapters (commands.AdapterRegistry); None where it serves none
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_root: bytes | None = None,
-        lora: str = "",
-    ) -> None: ...
+    def add_request(self, request: GenerateRequest) -> None: ...
     def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
     def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[Any]: ...
+    def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
     def free_capacity(self) -> int: ...
     def stats(self) -> EngineStats: ...
+    def cached_prefix(self) -> tuple[int, list[bytes]]: ...
 
 
 class BrokerSide(Protocol):
@@ -87,6 +79,10 @@ class BrokerSide(Protocol):
     def deregister(self, engine_id: str) -> None: ...
     def dead_letter(self, item: object, reason: str) -> None: ...
     def release(self, request_ids: list[str]) -> list[str]: ...
+    def commands(self) -> list[AdapterCommand]: ...
+    def reply(self, reply: AdapterReply) -> None: ...
+    def routes_by_prefix(self) -> bool: ...
+    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None: ...
 
 
 class EngineWorker:
@@ -262,11 +258,7 @@ class EngineWorker:
             return None
         try:
             # The gateway's arrival time: queue time then counts the broker's queue too.
-            self.engine.add_request(
-                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant,
-                cache_root=request_root(r),
-                lora=r.lora,
-            )  # fmt: skip
+            self.engine.add_request(r)
         except EngineBusy as e:
             return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
         except ValueError as e:
@@ -376,17 +368,15 @@ class EngineWorker:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
         engine caches: when they changed and a request ended (its conversation's next
         turn may come at once) or a heartbeat is due, and at least once per heartbeat."""
-        publish = getattr(self.broker, "publish_prefix", None)
-        cached = getattr(self.engine, "cached_prefix", None)
         now = time.monotonic()
-        if publish is None or cached is None or not (finished or now - self._prefix_at >= self.heartbeat_s):
+        if not self.broker.routes_by_prefix() or not (finished or now - self._prefix_at >= self.heartbeat_s):
             return
-        block_size, keys = cached()
+        block_size, keys = self.engine.cached_prefix()
         sig = (len(keys), keys[0] if keys else b"", keys[-1] if keys else b"")
         if sig == self._prefix_sig and now - self._prefix_at < self.heartbeat_s:
             return
         self._prefix_sig, self._prefix_at = sig, now
-        publish(block_size, keys)
+        self.broker.publish_prefix(block_size, keys)
 
     def info(self) -> EngineInfo:
         e = self.engine
