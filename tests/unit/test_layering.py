@@ -212,6 +212,22 @@ def test_the_websocket_imports_no_route_module() -> None:
         assert not wings, f"{f.name} imports {wings}"
 
 
+def test_the_websocket_owns_only_the_socket() -> None:
+    """ws.py runs every request as a wing's kind (its dispatch table, wing.WsKind): it imports
+    no module of a request's own messages (the OpenAI wing's ws_kinds.py, once ws_chat.py) and
+    the gateway has no path that starts a request for it (an admitted call starts its own:
+    `Admission.start`)."""
+    from wsllm.server.gateway import Gateway
+
+    names = every_import(ROOT / "wsllm" / "server" / "ws.py")
+    assert not [n for n in names if n.endswith(("ws_chat", "ws_kinds")) or n.startswith("wsllm.server.api")]
+    assert not (ROOT / "wsllm" / "server" / "ws_chat.py").exists()
+    assert not hasattr(Gateway, "start") and not hasattr(Gateway, "_submit")
+    tree = ast.parse((ROOT / "wsllm" / "server" / "ws.py").read_text())
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert "start" not in called and "resume" in called  # a kind's own resume, not the gateway's
+
+
 def test_the_checks_above_see_an_import_they_forbid() -> None:
     text = "from wsllm.server.api.messages import render\ndef later():\n    from ..responses import run\n"
     names = every_import(WINGS / "openai" / "x.py", text)
