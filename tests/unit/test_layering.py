@@ -224,7 +224,9 @@ def test_the_websocket_owns_only_the_socket() -> None:
     assert not (ROOT / "wsllm" / "server" / "ws_chat.py").exists()
     assert not hasattr(Gateway, "start") and not hasattr(Gateway, "_submit")
     tree = ast.parse((ROOT / "wsllm" / "server" / "ws.py").read_text())
-    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    called = {
+        n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
     assert "start" not in called and "resume" in called  # a kind's own resume, not the gateway's
 
 
