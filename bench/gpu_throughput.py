@@ -107,12 +107,13 @@ def random_dir(name: str) -> Path:
 def random_wsllm_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
     """Random weights made on the device in their dtype: an 8B model in seconds, never on the host."""
     from wsllm import kernels
-    from wsllm.models.llama import LlamaForCausalLM, ModelConfig
+    from wsllm.models.causal_lm import CausalLM
     from wsllm.models.loader import read_hf_config
+    from wsllm.models.registry import model_config
 
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    cfg = model_config(read_hf_config(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -4,8 +4,9 @@ llama-server, on the same machine, in the same run.
 Each server is started, waited for, measured and stopped in turn; never two at once (on a 2-core
 machine two servers measure each other). Each is driven by the project's own load generator,
 `wsllm bench`, over SSE on /v1/chat/completions: the same chat prompts for every server (made
-from a fixed seed; a fresh set per concurrency level, so no level reuses another's prefixes),
-64 output tokens each, greedy, `ignore_eos`. The table (output tokens/s per level, TTFT p50 at
+from a fixed seed; a fresh set per concurrency level and sampling setting, so no run reuses
+another's prefixes), 64 output tokens each, `ignore_eos`, under each sampling setting of
+serving_report.SAMPLINGS (greedy; temperature 0.7 with top_p 0.9; Qwen's 0.7 / 0.8 / top_k 20). The table (output tokens/s per level, TTFT p50 at
 the first level, ratios of wsllm to each peer) goes into its own section of docs/benchmarks.md,
 replaced on each run, with the command, the date and the CPU's flags.
 
@@ -21,6 +22,7 @@ names one; the table says both.
     python bench/serving_peers.py                                # all three, 32 requests per level
     python bench/serving_peers.py --servers wsllm,vllm --wsllm-args="--dtype bfloat16"
     python bench/serving_peers.py --smoke                        # 4 requests per level; docs say so
+    python bench/serving_peers.py --servers wsllm,llamacpp --sampling greedy,qwen
     python bench/serving_peers.py --no-write-docs                # print the table only
 """
 
@@ -220,12 +222,23 @@ def running(server: Server, port: int, log: Path) -> Iterator[tuple[float, int]]
 # -- load ---------------------------------------------------------------------------------------
 
 
-def bench_level(port: int, level: int, prompts: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One `wsllm bench` run at one concurrency level; its JSON's only run."""
+def sampling_flags(setting: str) -> list[str]:
+    """`wsllm bench`'s flags for a setting of serving_report.SAMPLINGS."""
+    return [
+        a
+        for k, v in serving_report.SAMPLINGS[setting].items()
+        for a in (f"--{k.replace('_', '-')}", f"{v:g}")
+    ]
+
+
+def bench_level(
+    port: int, level: int, prompts: Path, args: argparse.Namespace, out: Path, setting: str = "greedy"
+) -> dict[str, Any]:
+    """One `wsllm bench` run at one concurrency level under one sampling setting; its JSON's only run."""
     cmd = [str(Path(sys.executable).parent / "wsllm"), "bench", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "chat", "--prompts", str(prompts), "--num-requests", str(args.num_requests),
            "--concurrency", str(level), "--output-len", str(args.output_len), "--ignore-eos",
-           "--temperature", "0", "--seed", str(args.seed), "--json", str(out)]  # fmt: skip
+           *sampling_flags(setting), "--seed", str(args.seed), "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=_bench_env())
     if r.returncode not in (0, 1) or not out.exists():  # 1: some requests failed; the table says so
         raise RuntimeError(f"wsllm bench failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -261,23 +274,28 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> serving_report.R
             f"  {name}: resident {rss_load:.0f} MB loaded, {rss_request:.0f} MB after one request",
             file=sys.stderr,
         )
-        runs = {}
-        for i, level in enumerate(args.levels):
-            print(f"  {name}: concurrency {level}, {args.num_requests} requests", file=sys.stderr)
-            runs[level] = bench_level(
-                port, level, work / f"prompts-{i}.jsonl", args, work / f"{name}-c{level}.json"
-            )
+        runs: dict[str, dict[int, dict[str, Any]]] = {}
+        for j, setting in enumerate(args.samplings):
+            runs[setting] = {}
+            for i, level in enumerate(args.levels):
+                print(
+                    f"  {name}: {setting}, concurrency {level}, {args.num_requests} requests", file=sys.stderr
+                )
+                prompts = work / f"prompts-{j * len(args.levels) + i}.jsonl"
+                out = work / f"{name}-{setting}-c{level}.json"
+                runs[setting][level] = bench_level(port, level, prompts, args, out, setting)
     kv = llama_context(args)[1] if name in ("wsllm", "llamacpp") else None
     return serving_report.Row(
         name, server.label, ready_s, runs, load_before, os.getloadavg()[0], (rss_load, rss_request), kv
     )
 
 
-def write_prompts(args: argparse.Namespace, work: Path) -> None:
-    """One JSONL per level, each its own slice of one seeded pool: the same files for every server."""
+def write_prompts(args: argparse.Namespace, work: Path, sets: int = 1) -> None:
+    """`prompts-{k}.jsonl`, one per level of each of `sets` runs (k = set * levels + level), each its own
+    slice of one seeded pool: the same files for every server, and no run reuses another's prefixes."""
     n = args.num_requests
-    chats = chat_prompts(n * len(args.levels), args.seed)
-    for i in range(len(args.levels)):
+    chats = chat_prompts(n * len(args.levels) * sets, args.seed)
+    for i in range(len(args.levels) * sets):
         lines = [json.dumps({"messages": m}) for m in chats[i * n : (i + 1) * n]]
         (work / f"prompts-{i}.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -290,6 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32", help="comma list of levels")
     p.add_argument("--num-requests", type=int, default=None, help="per level (default 32; 4 with --smoke)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--sampling",
+        default=",".join(serving_report.SAMPLINGS),
+        help=f"comma list of settings, each run at every level: {', '.join(serving_report.SAMPLINGS)}",
+    )
     p.add_argument("--seed", type=int, default=0, help="picks the prompts")
     p.add_argument(
         "--wsllm-args", default="", help='extra args for wsllm serve, e.g. --wsllm-args="--dtype bfloat16"'
@@ -319,9 +342,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--concurrency takes a comma list of integers, got {args.concurrency!r}")
     if not args.levels or min(args.levels) < 1:
         p.error("--concurrency levels must be >= 1")
+    args.samplings = [x.strip() for x in args.sampling.split(",") if x.strip()]
+    if not args.samplings or set(args.samplings) - set(serving_report.SAMPLINGS):
+        p.error(f"--sampling takes a comma list of {', '.join(serving_report.SAMPLINGS)}")
     args.num_requests = args.num_requests or (4 if args.smoke else 32)
-    if args.num_requests * len(args.levels) > len(_TOPICS) * len(_TEMPLATES):
-        p.error(f"--num-requests × levels may be at most {len(_TOPICS) * len(_TEMPLATES)} (distinct prompts)")
+    if args.num_requests * len(args.levels) * len(args.samplings) > len(_TOPICS) * len(_TEMPLATES):
+        p.error(
+            f"--num-requests × levels × settings may be at most {len(_TOPICS) * len(_TEMPLATES)} (distinct prompts)"
+        )
     return args
 
 
@@ -331,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         work = args.out_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving-peers-")))
         work.mkdir(parents=True, exist_ok=True)
-        write_prompts(args, work)
+        write_prompts(args, work, len(args.samplings))
         rows = [measure(name, args, work) for name in args.servers]
     text = serving_report.section(rows, args, command, datetime.date.today().isoformat())
     print(text)

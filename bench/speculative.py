@@ -2,7 +2,7 @@
 same machine, one server at a time.
 
 Two workloads, each at concurrency 1 and 32, driven by `wsllm bench` over SSE on
-`/v1/chat/completions`, greedy:
+`/v1/chat/completions`, greedy (or at `--temperature`, which writes a section of its own):
 - *quoting*: a prompt that holds a few hundred tokens of this repository's own code or docs and asks
   for it back with a small change (up to `--quote-len` tokens, stopping where the model stops);
 - *free*: plain one-turn chat questions (bench/serving_peers.py's), `--free-len` tokens, `ignore_eos`.
@@ -81,10 +81,12 @@ def write_prompts(path: Path, chats: list[list[dict[str, str]]]) -> Path:
     return path
 
 
-def bench(port: int, prompts: Path, level: int, n: int, length: int, eos: bool, out: Path) -> dict[str, Any]:
+def bench(
+    port: int, prompts: Path, level: int, n: int, length: int, eos: bool, out: Path, temperature: float = 0.0
+) -> dict[str, Any]:
     cmd = [str(Path(sys.executable).parent / "wsllm"), "bench", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "chat", "--prompts", str(prompts), "--num-requests", str(n), "--concurrency",
-           str(level), "--output-len", str(length), "--temperature", "0", "--json", str(out)]  # fmt: skip
+           str(level), "--output-len", str(length), "--temperature", f"{temperature:g}", "--json", str(out)]  # fmt: skip
     if not eos:
         cmd.append("--ignore-eos")
     r = subprocess.run(cmd, capture_output=True, text=True, env=sp._bench_env())
@@ -108,9 +110,8 @@ def run_server(name: str, extra: list[str], args: argparse.Namespace, work: Path
             n = args.requests_c1 if level == 1 else args.requests_c32
             prompts = work / f"{kind}-{level}.jsonl"
             length = args.quote_len if kind == "quoting" else args.free_len
-            run = bench(
-                port, prompts, level, n, length, kind == "quoting", work / f"{tag}-{kind}-{level}.json"
-            )
+            out = work / f"{tag}-{kind}-{level}.json"
+            run = bench(port, prompts, level, n, length, kind == "quoting", out, args.temperature)
             counters = run.get("speculation") or {}  # wsllm bench read the server's /metrics
             tps = serving_report.tokens_per_s(run)
             print(f"  {tag} {kind} c={level}: {tps:.1f} tokens/s {counters or ''}", file=sys.stderr)
@@ -154,6 +155,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     return rows
 
 
+def section_title(temperature: float) -> str:
+    """Greedy runs keep the section they always had; a sampled run gets one of its own."""
+    return TITLE if temperature == 0 else f"{TITLE} at temperature {temperature:g}"
+
+
 def report(rows: dict[str, dict], args: argparse.Namespace, command: str) -> str:
     head = "| server | " + " | ".join(f"{k} c={c}" for k, c in CELLS) + " |"
     lines = [head, "| --- |" + " ---: |" * len(CELLS)]
@@ -180,8 +186,9 @@ def report(rows: dict[str, dict], args: argparse.Namespace, command: str) -> str
             accept.append(f"{c[0]} c={c[1]}: none drafted")
     return "\n".join(
         [
-            f"## {TITLE}\n",
-            "`bench/speculative.py` (its docstring says how): output tokens/s, each server alone, the best of "
+            f"## {section_title(args.temperature)}\n",
+            ("Greedy. " if args.temperature == 0 else f"Every request at temperature {args.temperature:g}. ")
+            + "`bench/speculative.py` (its docstring says how): output tokens/s, each server alone, the best of "
             f"{args.repeat} alternating runs for wsllm; quoting prompts hold a passage of this repository "
             f"(code or docs) and ask it back with one rename (up to {args.quote_len} tokens, to the model's "
             f"own end); free prompts are one-turn chat questions ({args.free_len} tokens, `ignore_eos`); "
@@ -205,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quote-len", type=int, default=320, help="most output tokens of a quoting request")
     p.add_argument("--free-len", type=int, default=128, help="output tokens of a free request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sent with every request (0: greedy); its own docs section",
+    )
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="wsllm only")
     p.add_argument("--peers-dir", type=Path, default=None)
     p.add_argument("--out-dir", type=Path, default=None, help="keep logs and bench JSON here")
@@ -227,8 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.write_docs:
         path = ROOT / "docs" / "benchmarks.md"
-        path.write_text(serving_report.replace_section(path.read_text(), TITLE, text))
-        print(f"wrote the '{TITLE}' section of {path.relative_to(ROOT)}", file=sys.stderr)
+        title = section_title(args.temperature)
+        path.write_text(serving_report.replace_section(path.read_text(), title, text))
+        print(f"wrote the '{title}' section of {path.relative_to(ROOT)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

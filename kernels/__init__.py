@@ -16,7 +16,7 @@ import torch
 
 from . import activation, cpu_ops, kv_store, norms, paged_attention, rotary
 from .cpu_attention import CpuAttentionPlan, cpu_attention_block, cpu_paged_attention, plan_cpu_attention
-from .cpu_ops import decode_stack
+from .decode_stack import StackProgram
 from .rotary import compute_cos_sin_cache
 
 _BACKEND = "auto"
@@ -127,5 +127,5 @@ __all__ = list(_OPS) + [
     "cpu_attention_block",
     "cpu_paged_attention",
     "plan_cpu_attention",
-    "decode_stack",
+    "StackProgram",
 ]

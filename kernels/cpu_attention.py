@@ -49,7 +49,7 @@ from .cpu_ops import native_cache, native_cache_pair, native_ext, native_isa
 # A prompt row of this many tokens or fewer (a long prompt's chunk beside running streams, at the
 # step pacer's floor) runs each token as a decode row of the native kernel; a step of such rows and
 # decodes is then decode-shaped, so the model runs it in its one-call decode stack
-# (LlamaForCausalLM.forward) instead of layer by layer: 16 SmolLM2 streams beside a 4-8 token
+# (CausalLM.forward) instead of layer by layer: 16 SmolLM2 streams beside a 4-8 token
 # chunk of a 1,500-token prompt, one thread of a 2-core AVX2 EPYC, took a forward of ~95 ms
 # against ~115 (alternating runs). Each row reads its whole context, so past a few dozen queries
 # at a long context the gather and SDPA below is cheaper (2.96 against 1.81 ms a layer for 32

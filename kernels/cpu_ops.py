@@ -86,38 +86,6 @@ def native_isa() -> int:
     return _modules[1].isa_index()
 
 
-def decode_stack(
-    norms: list[torch.Tensor],  # per layer: input and post-attention RMSNorm weights
-    projections: list[list[Any]],  # per layer: qkv, o, gate_up, down, each its parts (quant.QuantWeight)
-    qkv_bias: list[torch.Tensor | None],  # per layer, in the activations' dtype
-    caches: list[torch.Tensor],  # per layer: k, v
-    num_heads: int,
-    eps: float,
-    scale: float,
-) -> Any:
-    """A model's decode layers as one native call (kernels/cpu/qgemm.cpp: DecodeStack), the
-    ops of each layer in the order the Python layer calls them (a projection of several parts
-    as SplitLinear runs them), so the same results; or None without the native build.
-    `.forward(x, cos, sin, slots, tables, lens, isa)` -> (out, residual)."""
-    ext = native_ext()
-    if ext is None:
-        return None
-    quant = _modules[1]
-    weights = [w for parts in projections for w in parts]
-    return ext.DecodeStack(
-        norms,
-        [w.packed for w in weights],
-        [quant.QTYPES.index(w.qtype) for w in weights],
-        [w.out_features for w in weights],
-        [len(parts) for parts in projections],
-        [torch.empty(0) if b is None else b for b in qkv_bias],
-        caches,
-        num_heads,
-        eps,
-        scale,
-    )
-
-
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [num_tokens, hidden]
     ext = native_rows(x, weight)

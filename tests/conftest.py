@@ -135,9 +135,13 @@ def make_lora_adapter(
 
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     cfg = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
-        use_rslora=rslora, lora_dropout=0.0,
-    )  # fmt: skip
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -176,8 +180,16 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) 
 
 # llama.cpp's formats for a tiny GGUF: the attention and gate/up parts in Q4_0 but
 # attn_v and ffn_down in Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K), the embedding Q8_0.
-TINY_GGUF_FORMATS = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_0",
-                     "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}  # fmt: skip
+TINY_GGUF_FORMATS = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q8_0",
+    "token_embd": "Q8_0",
+}
 
 
 @functools.cache
@@ -235,9 +247,17 @@ def make_tiny_gguf(
     def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    names = {
+        "q_proj": "attn_q",
+        "k_proj": "attn_k",
+        "v_proj": "attn_v",
+        "o_proj": "attn_output",
+        "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up",
+        "down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         x = t.float().numpy()
         parts = name.removeprefix("model.").split(".")
@@ -437,3 +457,249 @@ def any_redis(request: pytest.FixtureRequest) -> Any:
     """The session's redis-server, then its Redis Cluster: a test that takes this runs
     on both."""
     return request.getfixturevalue("redis_server" if request.param == "one" else "redis_cluster")
+
+
+# -- mixtures of experts: tiny random-weight models of each MoE family, and their GGUFs -------------
+
+#: each family's tiny model: an odd number of experts, top-k >= 2, untied embeddings (a tied
+#: table makes a tiny model repeat its last token), 2048 tokens (the first of SmolLM2's)
+MOE_KINDS: dict[str, dict[str, Any]] = {
+    "olmoe": dict(num_experts=5, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        num_experts=5,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        head_dim=32,
+        mlp_only_layers=[0],
+    ),
+    "mixtral": dict(num_local_experts=5, num_experts_per_tok=2),
+    "granitemoeshared": dict(
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        embedding_multiplier=1.5,
+        residual_multiplier=0.7,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+    ),
+}
+MOE_VOCAB = 2048
+
+
+def make_tiny_moe_model(path: Path, tokenizer_dir: Path, kind: str) -> Path:
+    """A tiny random-weight mixture of experts of `kind` (MOE_KINDS), saved by transformers."""
+    over = dict(vocab_size=MOE_VOCAB, hidden_size=64, intermediate_size=64, tie_word_embeddings=False)
+    return make_tiny_model(path, tokenizer_dir, kind, **over, **MOE_KINDS[kind])
+
+
+# GGUF architecture, whether llama.cpp permutes its Q/K rows
+_MOE_GGUF_ARCH = {
+    "olmoe": ("olmoe", False),
+    "qwen3_moe": ("qwen3moe", False),
+    "mixtral": ("llama", True),
+    "granitemoeshared": ("granitemoe", True),
+}
+# the formats of a tiny MoE GGUF: both Q4_0 and Q8_0 in every file, experts included
+MOE_GGUF_FORMATS = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q8_0",
+    "ffn_gate_exps": "Q4_0",
+    "ffn_up_exps": "Q4_0",
+    "ffn_gate_up_exps": "Q4_0",
+    "ffn_down_exps": "Q8_0",
+    "ffn_gate_shexp": "Q8_0",
+    "ffn_up_shexp": "Q8_0",
+    "ffn_down_shexp": "Q4_0",
+    "token_embd": "Q8_0",
+    "output": "Q8_0",
+}
+
+
+def _moe_tensors(kind: str, state: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The HF tensors of a tiny MoE as llama.cpp names them (numpy fp32, row order): experts
+    stacked [E, rows, cols]; Granite's fused gate_up kept fused (ffn_gate_up_exps)."""
+    import numpy as np
+
+    arch, permuted = _MOE_GGUF_ARCH[kind]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(x: Any, n: int) -> Any:  # llama.cpp's convert_hf_to_gguf
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {
+        "q_proj": "attn_q",
+        "k_proj": "attn_k",
+        "v_proj": "attn_v",
+        "o_proj": "attn_output",
+        "q_norm": "attn_q_norm",
+        "k_norm": "attn_k_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up",
+        "down_proj": "ffn_down",
+        "gate": "ffn_gate_inp",
+        "layer": "ffn_gate_inp",
+    }
+    expert_names = {
+        "gate_proj": "ffn_gate_exps",
+        "w1": "ffn_gate_exps",
+        "up_proj": "ffn_up_exps",
+        "w3": "ffn_up_exps",
+        "down_proj": "ffn_down_exps",
+        "w2": "ffn_down_exps",
+    }
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[int, Any]] = {}
+    for name, t in state.items():
+        x = t.float().numpy()
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] != "layers":
+            out[
+                {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[parts[0]]
+                + ".weight"
+            ] = x
+            continue
+        blk = f"blk.{parts[1]}."
+        if "experts" in parts:  # layers.N.(mlp|block_sparse_moe).experts.E.<proj>.weight
+            e = int(parts[parts.index("experts") + 1])
+            experts.setdefault(blk + expert_names[parts[-2]], {})[e] = x
+        elif parts[-2] == "input_linear":  # Granite: [E, 2I, H] experts, or the shared expert's [2S, H]
+            if parts[2] == "shared_mlp":
+                g, u = np.split(x, 2)
+                out[blk + "ffn_gate_shexp.weight"], out[blk + "ffn_up_shexp.weight"] = g, u
+            else:
+                out[blk + "ffn_gate_up_exps.weight"] = x
+        elif parts[-2] == "output_linear":
+            out[blk + ("ffn_down_shexp.weight" if parts[2] == "shared_mlp" else "ffn_down_exps.weight")] = x
+        else:
+            short = names[parts[-2]]
+            if permuted and short in ("attn_q", "attn_k"):
+                x = permute(x, heads if short == "attn_q" else kv_heads)
+            out[f"{blk}{short}.weight"] = x
+    for gname, per in experts.items():
+        out[gname + ".weight"] = np.stack([per[e] for e in sorted(per)])
+    return out
+
+
+def make_tiny_moe_gguf(path: Path, hf_dir: Path, kind: str, tokenizer_gguf: Path, change: Any = None) -> Path:
+    """The tiny MoE in `hf_dir` as llama.cpp writes its GGUF: its names and metadata, Q/K rows
+    permuted where llama.cpp permutes them, linear weights and experts in MOE_GGUF_FORMATS, the
+    router and norms F32, the first MOE_VOCAB tokens of SmolLM2's tokenizer. `change(name, fp32
+    array)` returns what to write instead, or None to leave the tensor out; it may also set
+    metadata: `change("(metadata)", writer)`."""
+    import json
+
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch, _ = _MOE_GGUF_ARCH[kind]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if "norm_topk_prob" in cfg:
+        w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    if cfg.get("mlp_only_layers"):
+        w.add_leading_dense_block_count(len(cfg["mlp_only_layers"]))
+    if kind == "granitemoeshared":
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    _add_tokenizer(w, tokenizer_gguf, cfg["vocab_size"])
+    if change is not None:
+        change("(metadata)", w)
+    for name, x in _moe_tensors(kind, load_file(str(hf_dir / "model.safetensors")), cfg).items():
+        if change is not None and (x := change(name, x)) is None:
+            continue
+        qtype = MOE_GGUF_FORMATS.get(name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0])
+        if qtype is None:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tokenizer(w: Any, tokenizer_gguf: Path, vocab: int) -> None:
+    """The first `vocab` tokens of the GGUF's tokenizer, with the merges among them."""
+    f = _tokenizer_fields(str(tokenizer_gguf))
+    tokens = list(f["tokens"][:vocab])
+    known = set(tokens)
+    merges = [
+        m for m in f["merges"] if (p := m.split(" ")) and len(p) == 2 and {p[0], p[1], p[0] + p[1]} <= known
+    ]
+    w.add_tokenizer_model(f["model"])
+    w.add_tokenizer_pre(f["pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(list(f["token_type"][:vocab]))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(f["chat_template"])
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Any:
+    """`tiny_moe(kind)`: the kind's tiny MoE HF directory, made once a session."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_tiny_moe_model(tmp_path_factory.mktemp(f"tiny-{kind}"), smollm_dir, kind)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_moe: Any) -> Any:
+    """`tiny_moe_gguf(kind)`: the kind's tiny MoE as a GGUF (MOE_GGUF_FORMATS), made once a session."""
+    from wsllm.models.loader import default_gguf_path
+
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{kind}-gguf") / f"tiny-{kind}.gguf"
+            made[kind] = make_tiny_moe_gguf(path, tiny_moe(kind), kind, default_gguf_path())
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def moe_gguf_like(tiny_moe: Any) -> Any:
+    """`like(path, kind, change)`: a kind's tiny MoE GGUF with make_tiny_moe_gguf's `change`."""
+    from wsllm.models.loader import default_gguf_path
+
+    return lambda path, kind, change: make_tiny_moe_gguf(
+        path, tiny_moe(kind), kind, default_gguf_path(), change
+    )

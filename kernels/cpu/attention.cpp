@@ -1,5 +1,7 @@
 // Paged decode attention's entry point (kernels/cpu_attention.py): checks, the threaded loop
 // over (sequence, kv head) pairs, the ISA choice, and the scalar path.
+#include "attention.h"
+
 #include "fvec.h"
 
 #include <torch/extension.h>
@@ -136,10 +138,7 @@ void run(Prepared& p, int64_t n, void* out) {
 
 }  // namespace
 
-// q [n, H, D] (rows may be strided: the q part of the fused qkv), caches [blocks, bs, Hk, D] of
-// q's dtype or a half type (float16; bfloat16 under float32 q), tables int32 [n, width], lens
-// int32 [n] -> [n, H * D] in q's dtype. isa: the path quant.isa_index() chose, checked against
-// the CPU there (D not a multiple of the vector width takes the scalar path).
+// D not a multiple of the vector width takes the scalar path.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                                torch::Tensor lens, double scale, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.is_cpu() && q.stride(2) == 1 && q.stride(1) == q.size(2),
@@ -152,9 +151,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-// A decode-only step's attention in one call: rope_store (rowops.h) on qkv [n, (H + 2 Hk) D],
-// then decode_attention of its rotated q rows -> [n, H * D]. Everything is checked before the
-// cache is written.
 torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
                                 torch::Tensor lens, double scale, int64_t isa) {

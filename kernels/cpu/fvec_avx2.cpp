@@ -6,6 +6,7 @@
 #include "fvec.h"
 #include "lora.h"
 #include "sample.h"
+#include "moe.h"
 
 #define WSQ_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -83,10 +84,12 @@ struct FV {
 #include "rows_simd.h"
 #include "lora_simd.h"
 #include "sample_simd.h"
+#include "moe_simd.h"
 
 }  // namespace fvec256
 
 DecodeFn decode_attention_avx2() { return fvec256::decode_items; }
+RouterFn router_logits_avx2() { return fvec256::router_logits; }
 SiluFn silu_mul_avx2(bool bf16) { return fvec256::silu_rows(bf16); }
 NormFn norm_rows_avx2(bool bf16) { return fvec256::norm_rows(bf16); }
 LoraTileFn lora_tile_avx2(bool x_bf16, bool w_bf16, int rows) { return fvec256::lora_tile(x_bf16, w_bf16, rows); }

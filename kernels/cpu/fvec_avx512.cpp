@@ -6,6 +6,7 @@
 #include "fvec.h"
 #include "lora.h"
 #include "sample.h"
+#include "moe.h"
 
 #define WSQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
@@ -75,10 +76,12 @@ struct FV {
 #include "rows_simd.h"
 #include "lora_simd.h"
 #include "sample_simd.h"
+#include "moe_simd.h"
 
 }  // namespace fvec512
 
 DecodeFn decode_attention_avx512() { return fvec512::decode_items; }
+RouterFn router_logits_avx512() { return fvec512::router_logits; }
 SiluFn silu_mul_avx512(bool bf16) { return fvec512::silu_rows(bf16); }
 NormFn norm_rows_avx512(bool bf16) { return fvec512::norm_rows(bf16); }
 LoraTileFn lora_tile_avx512(bool x_bf16, bool w_bf16, int rows) { return fvec512::lora_tile(x_bf16, w_bf16, rows); }

@@ -1,6 +1,6 @@
-// The quantized matmul's entry point: checks, activation quantization, the threaded loop over
-// groups of output rows, and the run-time choice of ISA. Python: wsllm.kernels.quant.qlinear.
-#include <torch/extension.h>
+// The quantized matmul's entry points (qlinear.h): checks, activation quantization, the threaded loop
+// over groups of output rows, and the run-time choice of ISA. Python: wsllm.kernels.quant.qlinear.
+#include "qlinear.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,19 +9,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "lora_weights.h"
+#include "fvec.h"
+#include "isa.h"
 #include "qgemm.h"
-#include "rowops.h"
 #include "team.h"
-
-namespace wsq {
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                               torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
-torch::Tensor rope_store_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, torch::Tensor tables,
-                                torch::Tensor lens, double scale, int64_t isa);  // attention.cpp
-void register_sampling(pybind11::module& m);  // sample.cpp
-}  // namespace wsq
 
 namespace wsq {
 
@@ -30,44 +21,10 @@ int prefetch_k45 = kPrefetchK45, prefetch_q6k = kPrefetchQ6K;
 
 namespace {
 
-bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case kAvx512Vnni:
-      return kernels_avx512() != nullptr && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case kAvx2:
-      return kernels_avx2() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-    case kScalar:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// x rows -> int8 blocks, as quant_ref.quantize_activations: d = amax * (1/127), q = round(x / d)
-// written round(x * (1 / d)), ties to even (nearbyint under the default rounding mode).
+// x rows m0 .. m1 - 1 (float32 or bfloat16 bits, made float32 exactly) -> int8 blocks, the scalar
+// statement of the vector quantizers (qgemm_simd.h: quantize_rows), the same bits.
 template <class T>
-struct Buffer {  // uninitialised (std::vector would zero what is written next anyway)
-  std::unique_ptr<T[]> p;
-  void resize(size_t n) { p.reset(new T[n]); }
-  T* data() { return p.get(); }
-  T& operator[](size_t i) { return p[i]; }
-};
-
-struct ActBuffers {
-  Buffer<float> d;
-  Buffer<int32_t> s16;
-  Buffer<int8_t> q;
-  Buffer<int32_t> s16p;
-};
-
-// x rows m0 .. m1 - 1 (float32 or bfloat16, made float32 exactly) -> int8 blocks.
-template <class T>
-void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers& buf) {
+void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActRows& a) {
   const float inv127 = float(1.0 / 127.0);
   const int nb = K / bv;
   std::unique_ptr<float[]> row(std::is_same<T, float>::value ? nullptr : new float[K]);
@@ -76,16 +33,16 @@ void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers
     if constexpr (std::is_same<T, float>::value) {
       xr = x + m * K;
     } else {
-      for (int l = 0; l < K; ++l) row[l] = float(x[m * K + l]);
+      for (int l = 0; l < K; ++l) row[l] = widen(x[m * K + l]);
       xr = row.get();
     }
-    int8_t* q = buf.q.data() + m * K;
+    int8_t* q = a.q.get() + m * K;
     for (int b = 0; b < nb; ++b) {
       float amax = 0.0f;
       for (int l = 0; l < bv; ++l) amax = std::fmax(amax, std::fabs(xr[b * bv + l]));
       const float d = amax * inv127;
       const float id = d == 0.0f ? 0.0f : 1.0f / d;
-      buf.d[m * nb + b] = d;
+      a.d[m * nb + b] = d;
       for (int l = 0; l < bv; ++l) {
         const float v = std::nearbyint(xr[b * bv + l] * id);
         q[b * bv + l] = int8_t(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
@@ -94,7 +51,7 @@ void quantize_rows(const T* x, int64_t m0, int64_t m1, int K, int bv, ActBuffers
     for (int g = 0; g < K / 16; ++g) {
       int32_t s = 0;
       for (int l = 0; l < 16; ++l) s += q[g * 16 + l];
-      buf.s16[m * (K / 16) + g] = s;
+      a.s16[m * (K / 16) + g] = s;
     }
   }
 }
@@ -125,6 +82,52 @@ void run_groups(GroupFn fn, const Act& a, const uint8_t* wp, size_t group_bytes,
   });
 }
 
+}  // namespace
+
+void ActRows::alloc(int64_t rows, int k, int block, bool pairs) {
+  M = rows;
+  K = k;
+  bv = block;
+  d.reset(new float[rows * (k / block)]);
+  s16.reset(new int32_t[rows * (k / 16)]);
+  q.reset(new int8_t[rows * k]);
+  s16p.reset(pairs ? new int32_t[rows * (k / 32)] : nullptr);
+}
+
+Act ActRows::view(int64_t row) const {
+  Act a;
+  a.K = K;
+  a.nb = K / bv;
+  a.d = d.get() + row * a.nb;
+  a.s16 = s16.get() + row * (K / 16);
+  a.q = q.get() + row * K;
+  a.s16p = s16p ? s16p.get() + row * (K / 32) : nullptr;
+  return a;
+}
+
+QuantizeFn quantizer(int64_t isa) {
+  return isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
+}
+
+GroupFn group_kernel(int64_t isa, int qtype) {
+  return (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
+}
+
+void quantize_act(const void* x, bool bf16, int64_t m0, int64_t m1, int64_t isa, ActRows& a) {
+  const QuantizeFn qfn = quantizer(isa);
+  if (qfn != nullptr)
+    qfn(x, bf16, m0, m1, a.K, a.bv, a.d.get(), a.s16.get(), a.q.get());
+  else if (bf16)
+    quantize_rows(static_cast<const uint16_t*>(x), m0, m1, a.K, a.bv, a);
+  else
+    quantize_rows(static_cast<const float*>(x), m0, m1, a.K, a.bv, a);
+  if (a.s16p) {  // Q6_K: the -32 offsets' x sums, two per broadcast (qgemm_simd.h: block_q6k)
+    const int32_t* s = a.s16.get();
+    for (int64_t i = m0 * (a.K / 32); i < m1 * (a.K / 32); ++i)
+      a.s16p[i] = int32_t(uint32_t(uint16_t(s[2 * i])) | (uint32_t(uint16_t(s[2 * i + 1])) << 16));
+  }
+}
+
 // x [M, K] float32 or bfloat16 -> [M, n] in x's dtype, or float32 when out_float (kernels/quant.py:
 // qlinear). Runs without the GIL, as torch's own ops do: the gateway's thread serves meanwhile.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t n,
@@ -139,39 +142,17 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   const int bv = block_values(int(qtype)), pb = packed_bytes(int(qtype));
   TORCH_CHECK(K % bv == 0 && packed.size(1) == K / bv && packed.size(2) == pb, "packed weights do not fit x");
   TORCH_CHECK(n > (groups - 1) * kRows && n <= groups * kRows, "n does not fit the packed groups");
-  TORCH_CHECK(cpu_has(int(isa)), "this CPU cannot run the requested kernel path");
+  TORCH_CHECK(cpu_has(isa), "this CPU cannot run the requested kernel path");
   torch::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_cpu(), "bias must be a CPU vector [n]");
     bias32 = bias->to(torch::kFloat32).contiguous();
   }
-  const GroupFn fn = (isa == kAvx512Vnni ? kernels_avx512() : isa == kAvx2 ? kernels_avx2() : kernels_scalar())[qtype];
-
-  ActBuffers buf;
-  buf.d.resize(M * (K / bv));
-  buf.s16.resize(M * (K / 16));
-  buf.q.resize(M * K);
-  const QuantizeFn qfn = isa == kAvx512Vnni ? quantizer_avx512() : isa == kAvx2 ? quantizer_avx2() : nullptr;
-  parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    if (qfn != nullptr)
-      qfn(x.data_ptr(), bf16, m0, m1, int(K), bv, buf.d.data(), buf.s16.data(), buf.q.data());
-    else if (bf16)
-      quantize_rows(x.data_ptr<at::BFloat16>(), m0, m1, int(K), bv, buf);
-    else
-      quantize_rows(x.data_ptr<float>(), m0, m1, int(K), bv, buf);
-  });
-  Act a;
-  a.K = int(K);
-  a.nb = int(K / bv);
-  a.d = buf.d.data();
-  a.s16 = buf.s16.data();
-  a.q = buf.q.data();
-  if (qtype == Q6_K) {  // the -32 offsets' x sums, two per broadcast (qgemm_simd.h: block_q6k)
-    buf.s16p.resize(M * (K / 32));
-    for (int64_t i = 0; i < M * (K / 32); ++i)
-      buf.s16p[i] = int32_t(uint32_t(uint16_t(buf.s16[2 * i])) | (uint32_t(uint16_t(buf.s16[2 * i + 1])) << 16));
-    a.s16p = buf.s16p.data();
-  }
+  const GroupFn fn = group_kernel(isa, int(qtype));
+  ActRows buf;
+  buf.alloc(M, int(K), bv, qtype == Q6_K);
+  parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { quantize_act(x.data_ptr(), bf16, m0, m1, isa, buf); });
+  const Act a = buf.view();
 
   auto out = torch::empty({M, n}, out_float ? x.options().dtype(torch::kFloat32) : x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -181,6 +162,16 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
   else
     run_groups(fn, a, wp, size_t(K / bv) * pb, groups, M, n, bp, out.data_ptr<float>());
   return out;
+}
+
+torch::Tensor project(const torch::Tensor& x, const std::vector<QPart>& parts, const c10::optional<torch::Tensor>& bias,
+                      int64_t isa) {
+  TORCH_CHECK(!parts.empty(), "a projection has at least one part");
+  if (parts.size() == 1) return qlinear(x, parts[0].packed, parts[0].qtype, parts[0].n, bias, isa, false);
+  std::vector<torch::Tensor> ys;
+  for (const QPart& p : parts) ys.push_back(qlinear(x, p.packed, p.qtype, p.n, c10::nullopt, isa, false));
+  auto y = torch::cat(ys, -1);
+  return bias.has_value() ? y + *bias : y;
 }
 
 // rows int64 [R] -> float32 [R, K]: embedding lookups and whole-weight dequantization.
@@ -218,166 +209,4 @@ int64_t parallel_threads() {
   return __builtin_popcountll(seen.load());
 }
 
-}  // namespace
-
-// The decode layers of a model over quantized weights in one call (kernels/quant.py: DecodeStack):
-// per layer the calls wsllm/models/llama.py's DecoderLayer makes one by one (add_rms_norm, the
-// qkv matmul, rope_store_decode, o, add_rms_norm, gate/up, silu_mul, down), in the same order on
-// the same kernels, so the same bits; what goes is the Python and pybind between them (~8 calls
-// a layer, a few microseconds each: a tenth of a batch-1 step of a small model).
-class DecodeStack {
- public:
-  // per layer: norms (input, post-attention); the projections qkv, o, gate_up, down, each in
-  // `parts` pieces (1, or a split projection's formats: SplitLinear), whose packed weights,
-  // qtypes and output widths ns follow in order; qkv_bias (an empty tensor: none); caches (k, v).
-  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<int64_t> qtypes,
-              std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> qkv_bias,
-              std::vector<torch::Tensor> caches, int64_t num_heads, double eps, double scale)
-      : norms_(std::move(norms)),
-        packed_(std::move(packed)),
-        qtypes_(std::move(qtypes)),
-        ns_(std::move(ns)),
-        parts_(std::move(parts)),
-        caches_(std::move(caches)),
-        num_heads_(num_heads),
-        eps_(eps),
-        scale_(scale) {
-    layers_ = int64_t(norms_.size()) / 2;
-    TORCH_CHECK(int64_t(norms_.size()) == 2 * layers_ && int64_t(parts_.size()) == 4 * layers_ &&
-                    int64_t(qkv_bias.size()) == layers_ && int64_t(caches_.size()) == 2 * layers_,
-                "DecodeStack: 2 norms, 4 projections, 1 qkv bias and 2 caches per layer");
-    int64_t at = 0;
-    for (int64_t k : parts_) {
-      TORCH_CHECK(k >= 1, "DecodeStack: a projection has at least one part");
-      first_.push_back(at);
-      at += k;
-    }
-    TORCH_CHECK(int64_t(packed_.size()) == at && int64_t(qtypes_.size()) == at && int64_t(ns_.size()) == at,
-                "DecodeStack: one packed weight, qtype and width per part");
-    for (auto& b : qkv_bias) {
-      if (b.numel())
-        bias_.emplace_back(b);
-      else
-        bias_.emplace_back(c10::nullopt);
-    }
-  }
-
-  int64_t num_layers() const { return layers_; }
-
-  // x [n, hidden] (the embeddings) -> (the last layer's output, its residual), as the layers'
-  // loop in LlamaForCausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the
-  // step's adapters and their rows (lora_weights.h), added after each projection as the Python
-  // layers add them.
-  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                     torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,
-                                     const std::vector<torch::Tensor>& lora_rows) {
-    torch::Tensor residual;
-    run_as_team([&] { layers(x, residual, cos, sin, slots, tables, lens, isa, lora, lora_rows); });
-    return {x, residual};
-  }
-
- private:
-  // the layers, on the calling thread's team (team.h): one OpenMP region for the whole stack
-  void layers(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& cos, const torch::Tensor& sin,
-              const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens, int64_t isa,
-              const LoraList& lora, const std::vector<torch::Tensor>& lora_rows) {
-    for (int64_t l = 0; l < layers_; ++l) {
-      torch::Tensor h;
-      if (l == 0) {
-        residual = x;
-        h = add_rms_norm(x, c10::nullopt, norms_[2 * l], eps_, isa)[0];
-      } else {
-        auto r = add_rms_norm(x, residual, norms_[2 * l], eps_, isa);
-        h = r[0];
-        residual = r[1];
-      }
-      const int64_t p = 4 * l;
-      auto qkv = project(h, p, bias_[l], isa, lora, lora_rows);
-      auto o = rope_store_decode(qkv, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, num_heads_, tables, lens,
-                                 scale_, isa);
-      auto r = add_rms_norm(project(o, p + 1, c10::nullopt, isa, lora, lora_rows), residual, norms_[2 * l + 1],
-                            eps_, isa);
-      residual = r[1];
-      auto gate_up = project(r[0], p + 2, c10::nullopt, isa, lora, lora_rows);
-      x = project(silu_mul(gate_up, isa), p + 3, c10::nullopt, isa, lora, lora_rows);
-    }
-  }
-
-  // the projection, and the step's adapters' deltas on their rows (none: nothing more)
-  torch::Tensor project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                        const LoraList& lora, const std::vector<torch::Tensor>& rows) {
-    auto y = base_project(x, p, bias, isa);
-    if (!lora.empty()) lora_apply(y, x, p, lora, rows, isa);
-    return y;
-  }
-
-  // QuantLinear.forward, or SplitLinear.forward (the parts side by side, then + bias)
-  torch::Tensor base_project(const torch::Tensor& x, int64_t p, const c10::optional<torch::Tensor>& bias, int64_t isa) {
-    const int64_t i = first_[p];
-    if (parts_[p] == 1) return qlinear(x, packed_[i], qtypes_[i], ns_[i], bias, isa, false);
-    std::vector<torch::Tensor> ys;
-    for (int64_t k = i; k < i + parts_[p]; ++k) ys.push_back(qlinear(x, packed_[k], qtypes_[k], ns_[k], c10::nullopt, isa, false));
-    auto y = torch::cat(ys, -1);
-    return bias.has_value() ? y + *bias : y;
-  }
-
-  std::vector<torch::Tensor> norms_, packed_;
-  std::vector<int64_t> qtypes_, ns_, parts_, first_;
-  std::vector<c10::optional<torch::Tensor>> bias_;
-  std::vector<torch::Tensor> caches_;
-  int64_t num_heads_, layers_ = 0;
-  double eps_, scale_;
-};
-
 }  // namespace wsq
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "wsllm's quantized CPU kernels (GGUF blocks); see kernels/quant.py";
-  wsq::register_lora(m);  // LoraWeights first: DecodeStack.forward takes a list of them
-  wsq::register_sampling(m);
-  using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("qlinear", &wsq::qlinear, "x [M, K] float32/bfloat16 @ packed weights (+ bias) -> [M, n] in x's dtype", py::arg("x"),
-        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"), py::arg("isa"), py::arg("out_float") = false,
-        nogil());
-  m.def("dequant_rows", &wsq::dequant_rows, "packed weights of n rows, rows int64 [R] -> float32 [R, K]", nogil());
-  m.def("add_rms_norm", &wsq::add_rms_norm, "(rms_norm(x + residual) * weight, x + residual); see rowops.h",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("isa") = 2);
-  m.def("silu_mul", &wsq::silu_mul, "[T, 2 d] -> silu(gate) * up [T, d]", py::arg("x"), py::arg("isa") = 2);
-  m.def("rope_store", &wsq::rope_store, "rotary on qkv's q and k in place, k and v into the caches");
-  m.def("decode_attention", &wsq::decode_attention,
-        "q [n, H, D] against the paged caches through tables [n, width] and lens [n] -> [n, H * D]; see fvec.h",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("isa"), nogil());
-  m.def("rope_store_decode", &wsq::rope_store_decode,
-        "rope_store then decode_attention of qkv's rotated q rows -> [n, H * D]: a decode-only step's attention",
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("num_heads"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("isa"), nogil());
-  py::class_<wsq::DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double,
-                    double>(),
-           py::arg("norms"), py::arg("packed"), py::arg("qtypes"), py::arg("ns"), py::arg("parts"), py::arg("qkv_bias"),
-           py::arg("caches"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"))
-      .def_property_readonly("num_layers", &wsq::DecodeStack::num_layers)
-      .def("forward", &wsq::DecodeStack::forward,
-           "a decode-only step's layers: x [n, hidden] -> (out, residual); see kernels/quant.py",
-           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
-           py::arg("isa"), py::arg("lora") = wsq::LoraList(), py::arg("lora_rows") = std::vector<torch::Tensor>(),
-           nogil());
-  m.def(
-      "set_prefetch_ahead", [](int64_t bytes) { wsq::prefetch_ahead = int(bytes); },
-      "bench/quantized_linear.py: how far ahead of its loads the 32-value formats' batch-1 stream prefetches (0: off)");
-  m.def(
-      "set_prefetch_k",
-      [](int64_t k45, int64_t q6k) {
-        wsq::prefetch_k45 = int(k45);
-        wsq::prefetch_q6k = int(q6k);
-      },
-      "bench/quantized_linear.py: bytes ahead that Q4_K/Q5_K (batch 1) and Q6_K prefetch (0: off)", py::arg("k45"),
-      py::arg("q6k"));
-  m.def("set_teams", &wsq::set_teams, "the decode stack on one team of threads (team.h) or an at::parallel_for a loop",
-        py::arg("on") = true, py::arg("hold_helpers") = false);
-  m.def("team_threads", &wsq::team_threads, "threads that took chunks of a team's loop", nogil());
-  m.def("parallel_threads", &wsq::parallel_threads, "threads an at::parallel_for here runs on");
-  m.def("cpu_has", &wsq::cpu_has, "can this CPU run the ISA path (0 avx512_vnni, 1 avx2, 2 scalar)?");
-}

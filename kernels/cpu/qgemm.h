@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace wsq {
 
@@ -51,6 +52,19 @@ struct Act {
   const int32_t* pairs(int m) const { return s16p + (size_t)m * (K / 32); }
 };
 
+// x's rows quantized once for the matmuls (qgemm.cpp: quantize_act), owning what an Act views.
+struct ActRows {
+  int64_t M = 0;
+  int K = 0, bv = 32;
+  std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> s16, s16p;
+  std::unique_ptr<int8_t[]> q;
+  // room for M rows of K values in blocks of bv (pairs: Q6_K's s16 pairs too)
+  void alloc(int64_t rows, int k, int block, bool pairs);
+  // the kernels' view of rows `row` .. M - 1 (a group kernel's m0 counts from `row`)
+  Act view(int64_t row = 0) const;
+};
+
 // One group of kRows output rows for x rows m0 .. m0 + mt - 1 (mt <= kMaxTile):
 // out[i * kRows + r] = x row m0 + i times the group's row r, summed over the blocks.
 constexpr int kMaxTile = 4;
@@ -80,6 +94,13 @@ using QuantizeFn = void (*)(const void* x, bool bf16, int64_t m0, int64_t m1, in
                             int32_t* s16, int8_t* q);
 QuantizeFn quantizer_avx2();
 QuantizeFn quantizer_avx512();
+
+// The quantizer and the group kernel of an ISA path (Isa) and a format.
+QuantizeFn quantizer(int64_t isa);  // null: the scalar loop of qgemm.cpp
+GroupFn group_kernel(int64_t isa, int qtype);
+// Rows m0 .. m1 - 1 of x [M, K] (float32, or bfloat16 bits when bf16) into `a`'s blocks on the ISA's
+// quantizer, as quant_ref.quantize_activations: d = amax * (1/127), q = round-to-even(x * (1 / d)).
+void quantize_act(const void* x, bool bf16, int64_t m0, int64_t m1, int64_t isa, ActRows& a);
 
 // Row r of a group -> nb * block_values floats, bit-equal to gguf.quants.dequantize.
 void dequant_row(int qt, const uint8_t* group, int nb, int r, float* out);

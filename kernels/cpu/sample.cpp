@@ -21,6 +21,7 @@
 
 #include "qgemm.h"
 #include "sample.h"
+#include "sample_rows.h"
 #include "team.h"
 
 namespace wsq {

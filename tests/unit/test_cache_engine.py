@@ -12,7 +12,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.engine.cache_engine import bytes_per_block, kv_cache_dtype, num_kv_blocks
 from wsllm.engine.engine import LLMEngine
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 from wsllm.types import GenerateRequest, SamplingParams
 
 MC = ModelConfig(

@@ -15,16 +15,17 @@ import torch
 from wsllm.kernels import quant_formats
 
 from wsllm.models import gguf_weights
+from wsllm.models.config import ModelConfig
 from wsllm.models.gguf_checks import GGUFError, check_tensors, expected_shape, required
-from wsllm.models.llama import ModelConfig
 from wsllm.models.loader import convert_gguf, read_hf_config, shared_gguf_readers
+from wsllm.models.registry import model_config
 
 
 def test_a_repack_in_chunks_of_rows_caches_what_one_in_whole_tensors_does(
     tiny_gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with shared_gguf_readers():  # the file's metadata parsed once for the three
-        cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
+        cfg = model_config(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
         monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", 1 << 30)  # every tensor in one piece
         gguf_weights.repack(tiny_gguf_path, tmp_path / "whole", cfg)
         monkeypatch.setattr(gguf_weights, "_CHUNK_ROWS", quant_formats.ROWS)  # one group of rows at a time
@@ -60,7 +61,7 @@ def _mapped_from(path: Path) -> list[tuple[int, int]]:
 def test_the_cached_weights_are_a_map_of_the_file_not_a_copy(tiny_gguf_path: Path, tmp_path: Path) -> None:
     """Resident only as read, like llama.cpp's mmap: an 8B model's 5 GB are not copied onto
     the heap at start."""
-    cfg = ModelConfig.from_hf(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
+    cfg = model_config(read_hf_config(convert_gguf(tiny_gguf_path, weights=False)))
     ckpt = gguf_weights.load_gguf_weights(tiny_gguf_path, tmp_path / "cache", cfg)
     ranges = _mapped_from((tmp_path / "cache" / "weights.bin").resolve())
     weights = [p.packed for parts in ckpt.linears.values() for p in parts if not isinstance(p, torch.Tensor)]
@@ -83,7 +84,7 @@ def test_a_gguf_whose_tensors_disagree_with_its_config_does_not_load(
 ) -> None:
     """An embedding table 32 rows short of the vocabulary loaded, and a token id in the
     gap then failed a whole engine step; now the file is refused, naming the tensor."""
-    cfg = ModelConfig.from_hf(read_hf_config(tiny_gguf_source))  # what the file's metadata says
+    cfg = model_config(read_hf_config(tiny_gguf_source))  # what the file's metadata says
     v = cfg.vocab_size
     short = _refused(
         tmp_path, tiny_gguf_like, cfg, "short", lambda n, x: x[:-32] if n == "token_embd.weight" else x

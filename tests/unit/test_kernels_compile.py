@@ -72,6 +72,7 @@ def _launch_everything() -> None:
     from wsllm.kernels import (
         activation,
         kv_store,
+        moe_triton,
         norms,
         paged_attention,
         paged_decode,
@@ -85,6 +86,7 @@ def _launch_everything() -> None:
 
     paged_decode.dot_flags = cuda_flags
     paged_prefill.dot_flags = cuda_flags
+    moe_triton.dot_flags = cuda_flags
     for dtype, group, head_dim in ((torch.bfloat16, 4, 128), (torch.float32, 3, 80)):
         case = make_paged_case(edge_lens(16), None, 16, 2, group, head_dim, dtype)
         paged_attention.paged_decode_attention_triton(*case.decode_args(), num_splits=1)
@@ -103,15 +105,19 @@ def _launch_everything() -> None:
     activation.silu_and_mul_triton(torch.randn(3, 2 * 8192).to(dt))
     cache = torch.zeros(4, 16, 4, 128, dtype=dt)
     kv_store.store_kv_triton(qkv[:, 8:12], qkv[:, 12:], cache, cache.clone(), torch.arange(3))
+    for dtype in (torch.bfloat16, torch.float32):  # the experts' grouped GEMMs (8 experts, top-2)
+        ids = torch.tensor([[0, 3], [1, 7], [3, 5]])
+        gate_up, down = torch.randn(8, 2 * 96, 128).to(dtype), torch.randn(8, 128, 96).to(dtype)
+        moe_triton.moe_experts_triton(torch.randn(3, 128).to(dtype), ids, torch.rand(3, 2), gate_up, down)
 
 
 def _every_kernel() -> set[str]:
     """Every Triton kernel of wsllm.kernels: a @triton.jit function named `*_kernel` (the
     others are device functions the kernels call)."""
     from triton.runtime.jit import JITFunction
-    from wsllm.kernels import _triton_common, elementwise, paged_decode, paged_prefill
+    from wsllm.kernels import _triton_common, elementwise, moe_triton, paged_decode, paged_prefill
 
-    modules = (_triton_common, elementwise, paged_decode, paged_prefill)
+    modules = (_triton_common, elementwise, paged_decode, paged_prefill, moe_triton)
     return {
         n for m in modules for n, f in vars(m).items() if isinstance(f, JITFunction) and n.endswith("_kernel")
     }

@@ -142,6 +142,25 @@ def test_the_fused_decode_stack_gives_the_layer_by_layer_logits(tiny_gguf_path: 
         quant.force_isa(None)
 
 
+def test_the_decode_stack_runs_the_layers_the_model_describes(tiny_qwen3_dir: Path) -> None:
+    """The stack's program comes from the model's own layers (`native_ops`): a Qwen3's QK-norm
+    is a step of its program, so its decode-only steps run in the one native call and give the
+    layer-by-layer logits, bit for bit."""
+    ok, why = quant.native_status()
+    if not ok:
+        pytest.skip(why)
+    got = {}
+    for fused in (True, False):
+        engine = make_engine(tiny_qwen3_dir, quantization="q8_0", enable_prefix_caching=False)
+        model = engine.runner.model
+        model.fused_decode = fused
+        got[fused] = run_recording_logits(engine)
+        assert (model._stack is not None and model._stack[2] is not None) == fused
+    assert got[True][0] == got[False][0]
+    for a, b in zip(got[True][1], got[False][1], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_quantized_logits_are_close_to_the_dequantized_model(
     smollm_quant: LLMEngine, smollm_dir: Path, chat_ids: list[list[int]]
 ) -> None:

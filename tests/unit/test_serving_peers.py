@@ -40,16 +40,28 @@ def run(tok_s: float, ttft_ms: float, out_tokens: list[int], usage: bool = True)
 
 
 def rows() -> list[Any]:
-    ws = report.Row("wsllm", "wsllm", 5.0, {1: run(20, 100, [64] * 4), 8: run(90, 300, [64] * 4)}, 1, 1)
-    vl = report.Row("vllm", "vLLM", 150.0, {1: run(10, 200, [64] * 4), 8: run(120, 400, [64] * 4)}, 1, 1)
+    ws = report.Row("wsllm", "wsllm", 5.0, {"greedy": {1: run(20, 100, [64] * 4), 8: run(90, 300, [64] * 4)},
+                                            "qwen": {1: run(18, 100, [64] * 4), 8: run(99, 300, [64] * 4)}}, 1, 1)  # fmt: skip
+    vl = report.Row(
+        "vllm", "vLLM", 150.0, {"greedy": {1: run(10, 200, [64] * 4), 8: run(120, 400, [64] * 4)}}, 1, 1
+    )
     # a server that stopped at EOS despite ignore_eos and sent no usage
-    lc = report.Row("llamacpp", "llama", 2.0, {1: run(40, 50, [64, 12]), 8: run(30, 60, [64], False)}, 1, 1)
+    lc = report.Row("llamacpp", "llama", 2.0, {"greedy": {1: run(40, 50, [64, 12]), 8: run(30, 60, [64], False)},
+                                               "qwen": {1: run(9, 50, [64] * 4), 8: run(33, 60, [64] * 4)}}, 1, 1)  # fmt: skip
     return [ws, vl, lc]
 
 
 def args(**kw: Any) -> argparse.Namespace:
     return argparse.Namespace(
-        **{"levels": [1, 8], "seed": 0, "num_requests": 4, "output_len": 64, "smoke": False, **kw}
+        **{
+            "levels": [1, 8],
+            "seed": 0,
+            "num_requests": 4,
+            "output_len": 64,
+            "smoke": False,
+            "samplings": ["greedy", "qwen"],
+            **kw,
+        }  # fmt: skip
     )
 
 
@@ -84,9 +96,17 @@ def test_section_in_the_middle_keeps_what_follows() -> None:
 
 def test_table_shows_ratios_and_unhonoured_ignore_eos() -> None:
     text = report.section(rows(), args(), "cmd", "2026-01-01")
-    assert "| wsllm / vLLM | 2.00x | 0.75x | 0.50x |" in text  # 20/10, 90/120; TTFT 100/200
-    assert "| wsllm / llama-server | 0.50x | 3.00x | 2.00x |" in text
-    lines = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "| wsllm / vLLM | greedy | 2.00x | 0.75x | 0.50x |" in text  # 20/10, 90/120; TTFT 100/200
+    assert "| wsllm / llama-server | greedy | 0.50x | 3.00x | 2.00x |" in text
+    assert "| wsllm / llama-server | qwen | 2.00x | 3.00x | 2.00x |" in text  # 18/9, 99/33
+    assert "wsllm / vLLM | qwen" not in text  # vLLM ran greedy only
+    # what sampling costs each server against its own greedy run
+    assert "| wsllm | qwen | 0.90x | 1.10x |" in text and "| llama | qwen | 0.23x | 1.10x |" in text
+    assert "`qwen` (temperature 0.7, top_p 0.8, top_k 20)" in text
+    lines: dict[str, str] = {}
+    for ln in text.splitlines():  # the first line of a server: its greedy row of the main table
+        if ln.startswith("| "):
+            lines.setdefault(ln.split(" | ")[0], ln)
     assert " | 64 | 5.0 |" in lines["| wsllm"]  # every request ran its 64 tokens
     assert " | 12–64 (chunks; no usage) | 2.0 |" in lines["| llama"]
     assert "flags" in text and "```\ncmd\n```" in text
@@ -100,6 +120,8 @@ def test_prompts_are_fixed_distinct_and_shared_by_every_level(tmp_path: Path) ->
         m[0]["role"] == "user" and t.endswith(("?", ".")) for m, t in zip(a, texts, strict=True)
     )
     ns = peers.parse_args(["--concurrency", "1,8,32", "--num-requests", "32"])
-    peers.write_prompts(ns, tmp_path)
-    files = [(tmp_path / f"prompts-{i}.jsonl").read_text().splitlines() for i in range(3)]
-    assert [len(f) for f in files] == [32, 32, 32] and len(set(sum(files, []))) == 96
+    assert ns.samplings == ["greedy", "t0.7-p0.9", "qwen"]  # every setting by default
+    peers.write_prompts(ns, tmp_path, len(ns.samplings))
+    files = [(tmp_path / f"prompts-{i}.jsonl").read_text().splitlines() for i in range(9)]
+    assert [len(f) for f in files] == [32] * 9 and len(set(sum(files, []))) == 288  # no run shares a prompt
+    assert peers.sampling_flags("qwen") == ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from wsllm.config import EngineConfig
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 from wsllm.models.lora import AdapterError, LoraAdapter, load_adapter
 from wsllm.prefix_hash import cache_root
 

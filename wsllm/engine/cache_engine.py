@@ -11,7 +11,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.kernels import cpu_ops
 from wsllm.models.build import DTYPES
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from wsllm.engine.speculative import build as build_speculator
 from wsllm.engine.speculative.draft import load_draft
 from wsllm.engine.static_step import make_static_step
 from wsllm.engine.step_cost import StepCost, attention_span
-from wsllm.models.build import DEFAULT_POOLING, build_model
-from wsllm.models.llama import LlamaForCausalLM
+from wsllm.models.build import build_model
+from wsllm.models.causal_lm import CausalLM
 from wsllm.prefix_hash import request_root
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_dir: Path,
         model_name: str,
         eos_token_ids: list[int],
@@ -65,7 +65,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         mc = model.config
         self.vocab_size = mc.vocab_size
-        self.pooling = DEFAULT_POOLING.get(mc.arch, "last") if config.pooling == "auto" else config.pooling
+        self.pooling = mc.pooling if config.pooling == "auto" else config.pooling
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )

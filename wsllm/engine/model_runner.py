@@ -36,7 +36,8 @@ from wsllm.engine.prompt_logprobs import entries, prompt_logprob_parts
 from wsllm.engine.sampler import Plan, RowView, Sampler, row_views
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.static_step import StaticStep
-from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from wsllm.models.causal_lm import CausalLM
+from wsllm.models.layers.attention import AttentionMetadata
 from wsllm.models.lora import LoraBatch
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,

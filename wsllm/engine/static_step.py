@@ -27,7 +27,8 @@ import torch
 
 from wsllm.config import EngineConfig
 from wsllm.engine.sequence import Sequence
-from wsllm.models.llama import AttentionMetadata, LlamaForCausalLM
+from wsllm.models.causal_lm import CausalLM
+from wsllm.models.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class StaticStep:
     """Runs decode-only steps over StaticInputs: a plain call, or a CUDA graph's replay."""
 
     def __init__(
-        self, model: LlamaForCausalLM, mode: str, max_num_seqs: int, max_model_len: int, block_size: int
+        self, model: CausalLM, mode: str, max_num_seqs: int, max_model_len: int, block_size: int
     ) -> None:
         self.model = model
         self.mode = mode  # "graphs" | "plain"
@@ -226,7 +227,7 @@ class StaticStep:
 
 
 def make_static_step(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig, model: CausalLM, max_model_len: int, device: torch.device
 ) -> StaticStep | None:
     """The engine's static decode step, or None where decode steps run eagerly. Made before
     the KV cache: on CUDA it measures what its graphs will take (`reserved_bytes`)."""

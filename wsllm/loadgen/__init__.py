@@ -49,6 +49,8 @@ class BenchConfig:
         metadata={"help": "send ignore_eos (vLLM / wsllm extension) so every request runs output_len tokens"},
     )
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature sent with each request"})
+    top_p: float = field(default=1.0, metadata={"help": "top_p sent with each request (1: not sent)"})
+    top_k: int = field(default=0, metadata={"help": "top_k sent with each request (0: not sent)"})
     seed: int = field(default=0, metadata={"help": "seed for prompts and arrival times"})
     timeout_s: float = field(
         default=600.0, metadata={"help": "give up on one request after this many seconds"}
@@ -67,6 +69,8 @@ class BenchConfig:
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
         if self.num_requests < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError("num_requests, input_len and output_len must be >= 1")
+        if not 0 < self.top_p <= 1 or self.top_k < 0 or self.temperature < 0:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         levels = self.levels()

@@ -75,6 +75,10 @@ class _Timing:
 
 def request_body(cfg: BenchConfig, model: str | None, prompt: Prompt) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": prompt.max_tokens, "temperature": cfg.temperature}
+    if cfg.top_p < 1:
+        body["top_p"] = cfg.top_p
+    if cfg.top_k > 0:
+        body["top_k"] = cfg.top_k  # an extension of vLLM's, llama-server's and wsllm's
     if model:
         body["model"] = model
     if cfg.endpoint == "chat":

@@ -23,9 +23,10 @@ import torch
 from wsllm import kernels
 from wsllm.config import QUANTIZE_AT_LOAD, EngineConfig
 from wsllm.kernels import quant
-from wsllm.models import cpu_linear, loader
-from wsllm.models.gguf_weights import load_gguf_weights
-from wsllm.models.llama import LlamaForCausalLM, ModelConfig
+from wsllm.models import cpu_linear, loader, registry
+from wsllm.models.causal_lm import CausalLM
+from wsllm.models.config import ModelConfig
+from wsllm.models.gguf_weights import QuantCheckpoint, load_gguf_float, load_gguf_weights
 from wsllm.models.quant_linear import install, quantize_model
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,10 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # where a CPU computes bf16 matmul
 
 @dataclass(slots=True)
 class BuiltModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     model_dir: Path  # the HF directory: config, tokenizer (and weights unless quantized)
     name: str  # the name clients know it by, by default
     eos_token_ids: list[int]
-
-
-#: EngineConfig.pooling "auto", per family: every family served here is a decoder-only chat
-#: model, whose last token has seen the whole prompt (vLLM pools those the same way)
-DEFAULT_POOLING = {"llama": "last", "mistral": "last", "qwen2": "last", "qwen3": "last"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -108,20 +104,30 @@ def weight_mode(asked: str, gguf: Path | None, device: torch.device, dtype: torc
     return "gguf" if asked == "auto" else asked
 
 
-def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tuple[LlamaForCausalLM, str]:
+def load_gguf_quantized(gguf: Path, model_dir: Path, dtype: torch.dtype) -> tuple[CausalLM, str]:
     """A model over `gguf`'s blocks (repacked once, cached); never holds the
     de-quantized weights. Returns it and the formats kept."""
-    cfg = ModelConfig.from_hf(loader.read_hf_config(model_dir))
+    cfg = registry.model_config(loader.read_hf_config(model_dir))
     ckpt = load_gguf_weights(gguf, loader.quant_cache_path(gguf), cfg)
-    formats = ckpt.describe()
+    return _installed(cfg, ckpt, dtype), ckpt.describe()
+
+
+def load_gguf_dequantized(gguf: Path, model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A float model of `gguf`'s weights, de-quantized from the file (every family's GGUF, with
+    the loader's own names and Q/K un-permutation)."""
+    cfg = registry.model_config(loader.read_hf_config(model_dir))
+    return _installed(cfg, load_gguf_float(gguf, cfg), dtype).to(device)
+
+
+def _installed(cfg: ModelConfig, ckpt: QuantCheckpoint, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     install(model, ckpt, dtype)
     cs = kernels.compute_cos_sin_cache(
         cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
     )
     model.cos_sin_cache = cs  # stays fp32
-    return model.eval(), formats
+    return model.eval()
 
 
 def apply_gil_switch(config: EngineConfig) -> None:
@@ -150,6 +156,10 @@ def build_model(config: EngineConfig) -> BuiltModel:
         with loader.shared_gguf_readers():  # a first start reads the file once, not four times
             model_dir = loader.resolve_model_dir(config.model, weights=False)
             model, formats = load_gguf_quantized(gguf, model_dir, dtype)
+    elif gguf is not None:
+        with loader.shared_gguf_readers():
+            model_dir = loader.resolve_model_dir(config.model, weights=False)
+            model = load_gguf_dequantized(gguf, model_dir, device, dtype)
     else:
         model_dir = loader.resolve_model_dir(config.model)
         model = loader.load_model(model_dir, device, dtype)

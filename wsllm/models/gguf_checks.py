@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 
 
 class GGUFError(ValueError):
@@ -30,43 +30,48 @@ class GGUFError(ValueError):
         self.path, self.tensor = str(path), tensor
 
 
-_LAYER_TENSORS = (
-    "attn_norm",
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_output",
-    "ffn_norm",
-    "ffn_gate",
-    "ffn_up",
-    "ffn_down",
-)
+_ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_DENSE = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each layer tensor's shape in row order ([out_features, in_features] for a weight)."""
-    h, q, kv, ff = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    return {
+def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s tensors' shapes in row order ([out_features, in_features] for a weight;
+    [experts, out, in] for the experts' projections)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.weight": (h,),
         "ffn_norm.weight": (h,),
         "attn_q.weight": (q, h),
         "attn_k.weight": (kv, h),
         "attn_v.weight": (kv, h),
         "attn_output.weight": (h, q),
-        "ffn_gate.weight": (ff, h),
-        "ffn_up.weight": (ff, h),
-        "ffn_down.weight": (h, ff),
         "attn_q.bias": (q,),
         "attn_k.bias": (kv,),
         "attn_v.bias": (kv,),
-        "attn_q_norm.weight": (cfg.head_dim,),
-        "attn_k_norm.weight": (cfg.head_dim,),
+        "attn_q_norm.weight": (q,) if cfg.qk_norm == "full" else (cfg.head_dim,),
+        "attn_k_norm.weight": (kv,) if cfg.qk_norm == "full" else (cfg.head_dim,),
     }
+    m = cfg.moe
+    if m is None or not cfg.layer(layer).moe:
+        ff = cfg.intermediate_size
+        return shapes | {"ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h), "ffn_down.weight": (h, ff)}
+    e, i, s = m.num_experts, m.intermediate_size, m.shared_intermediate_size
+    shapes |= {
+        "ffn_gate_inp.weight": (e, h),
+        "exp_probs_b.bias": (e,),
+        "ffn_gate_exps.weight": (e, i, h),
+        "ffn_up_exps.weight": (e, i, h),
+        "ffn_gate_up_exps.weight": (e, 2 * i, h),
+        "ffn_down_exps.weight": (e, h, i),
+    }
+    if s:
+        shapes |= {
+            "ffn_gate_shexp.weight": (s, h),
+            "ffn_up_shexp.weight": (s, h),
+            "ffn_down_shexp.weight": (h, s),
+        }
+        shapes |= {"ffn_gate_inp_shexp.weight": (h,)} if m.shared_gate else {}
+    return shapes
 
 
 def expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
@@ -83,21 +88,33 @@ def expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
         raise KeyError("not a tensor of this model")
     if int(parts[1]) >= cfg.num_layers:
         raise KeyError(f"layer {parts[1]} of a model of {cfg.num_layers} layers")
-    shape = _layer_shapes(cfg).get(parts[2])
+    shape = _layer_shapes(cfg, int(parts[1])).get(parts[2])
     if shape is None:
         raise KeyError("not a tensor of this model")
     return shape
 
 
-def required(cfg: ModelConfig) -> list[str]:
-    """The tensors a model of `cfg` cannot do without (`output` may be tied to
-    `token_embd`)."""
-    names = ["token_embd.weight", "output_norm.weight"]
+def required(cfg: ModelConfig, names: set[str] | None = None) -> list[str]:
+    """The tensors a model of `cfg` cannot do without (`output` may be tied to `token_embd`;
+    an MoE layer's gate and up experts come apart or fused: `names`, the file's, says which)."""
+    out = ["token_embd.weight", "output_norm.weight"]
     extra = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if cfg.qkv_bias else []
-    extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm else []
+    extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm != "none" else []
+    m = cfg.moe
     for i in range(cfg.num_layers):
-        names += [f"blk.{i}.{t}.weight" for t in _LAYER_TENSORS] + [f"blk.{i}.{t}" for t in extra]
-    return names
+        blk = f"blk.{i}."
+        out += [f"{blk}{t}.weight" for t in _ATTENTION] + [blk + t for t in extra]
+        if m is None or not cfg.layer(i).moe:
+            out += [f"{blk}{t}.weight" for t in _DENSE]
+            continue
+        fused = names is not None and f"{blk}ffn_gate_up_exps.weight" in names
+        experts = ["ffn_gate_up_exps"] if fused else ["ffn_gate_exps", "ffn_up_exps"]
+        out += [f"{blk}{t}.weight" for t in ["ffn_gate_inp", *experts, "ffn_down_exps"]]
+        out += [f"{blk}exp_probs_b.bias"] if m.selection_bias else []
+        if m.shared_intermediate_size:
+            out += [f"{blk}{t}.weight" for t in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+            out += [f"{blk}ffn_gate_inp_shexp.weight"] if m.shared_gate else []
+    return out
 
 
 def check_tensors(
@@ -113,13 +130,20 @@ def check_tensors(
         except KeyError as e:
             raise GGUFError(path, name, str(e).strip("'\"")) from None
         if want is not None and tuple(shape) != want:
-            raise GGUFError(path, name, f"shape {list(shape)}, but the model's config says {list(want)}")
+            m, what = cfg.moe, ""
+            if m is not None and "_exps." in name:
+                what = (
+                    f" ({m.num_experts} experts, each {m.intermediate_size} wide, by the file's own counts)"
+                )
+            raise GGUFError(
+                path, name, f"shape {list(shape)}, but the model's config says {list(want)}{what}"
+            )
         if have < need:
             raise GGUFError(
                 path, name, f"{have} bytes of the {need} its shape {list(shape)} needs (a truncated file?)"
             )
         seen.add(name)
-    missing = [n for n in required(cfg) if n not in seen]
+    missing = [n for n in required(cfg, seen) if n not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise GGUFError(path, missing[0], f"missing from the file{more}")

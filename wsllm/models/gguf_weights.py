@@ -1,20 +1,17 @@
-"""A GGUF file's weights in their quantized blocks, under the model's own names.
-
-Linear weights in a format the quantized kernels run (`quant.QTYPES`) stay in their
-blocks; everything else (norms, biases, F16/F32 tensors, formats without a kernel)
-becomes fp32. llama.cpp stores the rows of Q and K permuted for its rotary layout
-(pairs (i, i + d/2) interleaved as (2i, 2i + 1)); that permutation moves whole rows,
-so it is undone on the raw rows of blocks, exactly as transformers' GGUF loader undoes
-it on de-quantized values. q/k/v and gate/up are fused into one weight where the parts
-share a format (a Q4_K_M file mixes Q4_K and Q6_K inside attention: those stay apart).
+"""A GGUF file's weights in their quantized blocks, under the model's own names (gguf_plan.py maps
+the names and reads what is small); q/k/v and gate/up are fused into one weight where the parts
+share a format (a Q4_K_M file mixes Q4_K and Q6_K inside attention: those stay apart); each
+experts module's gate, up and down are one weight each over every expert's rows.
 
 The repacked weights are cached once beside the converted HF directory: one flat file of
 tensors (`weights.bin`, each 64-byte aligned) and `index.json` saying where each lies.
 The repack streams: one module at a time (a long tensor in chunks of rows) from the GGUF's
 memory map to the file, so that an 8B model is repacked in a few hundred MB, never held
 whole. Loading maps the file: the weights are resident as the OS pages them in (as
-llama.cpp's mmap), not copied onto the heap. Shapes are checked against the config
-first (`gguf_checks.py`); every failure is a GGUFError naming the file and the tensor.
+llama.cpp's mmap), not copied onto the heap: each expert is in memory once. Shapes are checked
+against the config first (`gguf_checks.py`); every failure is a GGUFError naming the file and
+the tensor. `load_gguf_float` reads the same plan de-quantized (the float model: `--quantization
+none`, CUDA), uncached.
 """
 
 from __future__ import annotations
@@ -36,9 +33,10 @@ import numpy as np
 import torch
 
 from wsllm.kernels import quant, quant_formats
-from wsllm.models import gguf_checks
-from wsllm.models.gguf_checks import GGUFError, check_tensors, open_reader
-from wsllm.models.llama import ModelConfig
+from wsllm.models import gguf_checks, gguf_plan
+from wsllm.models.config import ModelConfig
+from wsllm.models.gguf_checks import GGUFError, open_reader
+from wsllm.models.gguf_plan import Source
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +46,16 @@ _CHUNK_ROWS = 256 * quant_formats.ROWS  # rows packed at a time (whole groups of
 # One linear's weight: blocks kept as they are, or an fp32 [rows, in_features] tensor.
 LinearPart = quant.QuantWeight | torch.Tensor
 
-# GGUF tensor (in a block) -> (the model's module, which part of it in row order)
-_LAYER_LINEARS = {
-    "attn_q": ("self_attn.qkv_proj", 0),
-    "attn_k": ("self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.qkv_proj", 2),
-    "attn_output": ("self_attn.o_proj", 0),
-    "ffn_gate": ("mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", 0),
-}
-_LAYER_NORMS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_GLOBAL = {"token_embd": ("embed_tokens", 0), "output": ("lm_head", 0)}
-_SKIPPED = ("rope_freqs",)  # llama3's rotary factors: computed from the config instead
+
+@dataclass(slots=True)
+class ExpertParts:
+    """An experts module's projections: gate and up [E * I, H], down [E * H, I], each kept in its
+    blocks or fp32."""
+
+    num_experts: int
+    gate: LinearPart
+    up: LinearPart
+    down: LinearPart
 
 
 @dataclass(slots=True)
@@ -76,6 +66,7 @@ class QuantCheckpoint:
     # weight in row order: one part when fused or single, else one per projection
     linears: dict[str, list[LinearPart]] = field(default_factory=dict)
     floats: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> fp32 (norms, biases)
+    experts: dict[str, ExpertParts] = field(default_factory=dict)  # "layers.N.mlp.experts" -> its projections
     tied: bool = False  # lm_head is embed_tokens' weight (one copy)
     counts: dict[str, int] = field(default_factory=dict)  # GGUF tensors kept quantized, per format
 
@@ -83,123 +74,11 @@ class QuantCheckpoint:
         return ", ".join(f"{k} x {v}" for k, v in sorted(self.counts.items())) or "none"
 
 
-def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rotary permutation of Q/K rows (any trailing shape: values or
-    raw block bytes): per head, rows [d/2, 2] -> [2, d/2]."""
-    n = rows.shape[0]
-    half = n // n_head // 2
-    return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _target(name: str) -> tuple[str, int, str] | None:
-    """GGUF tensor name -> (module or parameter, part index, "weight" | "bias" | "norm")."""
-    base, _, kind = name.rpartition(".")
-    parts = base.split(".")
-    if parts[0] == "blk":
-        layer, what = parts[1], parts[2]
-        if what in _LAYER_LINEARS:
-            mod, i = _LAYER_LINEARS[what]
-            return f"layers.{layer}.{mod}", i, kind
-        if what in _LAYER_NORMS:
-            return f"layers.{layer}.{_LAYER_NORMS[what]}.{kind}", 0, "norm"
-    elif base in _GLOBAL:
-        mod, i = _GLOBAL[base]
-        return mod, i, kind
-    elif base == "output_norm":
-        return "norm.weight", 0, "norm"
-    if base in _SKIPPED:
-        return None
-    raise KeyError(f"unexpected GGUF tensor {name!r}")
-
-
-def _as_float(t: Any, shape: tuple[int, ...]) -> np.ndarray:
-    from gguf import quants
-
-    return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-
-
-@dataclass(slots=True)
-class _Source:
-    """One GGUF tensor that becomes (part of) a linear weight; read when written."""
-
-    qtype: str  # a kernel format kept as it is, or "F32" (de-quantized)
-    tensor: Any  # gguf's ReaderTensor: a view of the memory-mapped file
-    shape: tuple[int, int]  # [rows, in_features]
-    n_head: int | None  # un-permute Q/K rows over this many heads
-    name: str = ""  # its name in the file, for an error
-
-    def rows(self) -> np.ndarray:
-        """[rows, bytes] of blocks (a view of the map unless un-permuted) or fp32 [rows, cols]."""
-        if self.qtype == "F32":
-            raw = _as_float(self.tensor, self.shape)
-        else:
-            raw = np.asarray(self.tensor.data).reshape(self.shape[0], -1)
-        return raw if self.n_head is None else _unpermute_rows(raw, self.n_head)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """What a GGUF holds, before any weight is read: linear parts per module, norms and
-    biases (small: read now), kernel formats counted."""
-
-    linears: dict[str, dict[int, _Source]] = field(default_factory=dict)
-    floats: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-
-
-def _plan(path: Path, reader: Any, cfg: ModelConfig) -> _Plan:
-    """What `path` holds, its shapes checked against `cfg` first; GGUFError naming the tensor."""
-    check_tensors(
-        path, ((t.name, _shape(t), int(t.data.nbytes), int(t.n_bytes)) for t in reader.tensors), cfg
-    )
-    try:
-        return _plan_checked(reader, cfg)
-    except Exception as e:
-        raise GGUFError(path, getattr(e, "tensor", "?"), str(e)) from e
-
-
-def _plan_checked(reader: Any, cfg: ModelConfig) -> _Plan:
-    arch_field = reader.fields.get("general.architecture")
-    permuted = arch_field is not None and arch_field.contents() == "llama"
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    plan = _Plan()
-    biases: dict[str, dict[int, np.ndarray]] = {}
-    for t in reader.tensors:
-        target = _target(t.name)
-        if target is None:
-            continue
-        mod, idx, kind = target
-        shape = _shape(t)
-        what = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        n_head = heads.get(what) if permuted else None
-        if kind == "norm" or kind == "bias":
-            v = _read(t, lambda t=t, shape=shape: _as_float(t, shape))
-            v = v if n_head is None else _unpermute_rows(v, n_head)
-            if kind == "norm":
-                plan.floats[mod] = torch.from_numpy(v.copy())
-            else:
-                biases.setdefault(mod, {})[idx] = v
-            continue
-        qtype = t.tensor_type.name
-        if qtype in quant.QTYPES and len(shape) == 2:
-            plan.counts[qtype] = plan.counts.get(qtype, 0) + 1
-        else:  # a float tensor, or a format without a kernel: fp32
-            qtype = "F32"
-        plan.linears.setdefault(mod, {})[idx] = _Source(qtype, t, (shape[0], shape[1]), n_head, t.name)
-    for mod, bs in biases.items():
-        plan.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
-    return plan
-
-
-def _runs(parts: list[_Source]) -> list[list[_Source]]:
+def _runs(parts: list[Source]) -> list[list[Source]]:
     """Neighbouring parts of one kernel format become one packed weight (their rows of
     blocks concatenated): q/k/v of a Q4_0 file give one, those of a Q4_K_M file two
     (q and k in Q4_K, v in Q6_K). Float parts stay fp32 tensors, one each."""
-    runs: list[list[_Source]] = []
+    runs: list[list[Source]] = []
     for part in parts:
         if runs and part.qtype == runs[-1][0].qtype and part.qtype != "F32":
             runs[-1].append(part)
@@ -245,7 +124,7 @@ class _Blob:
         self.pos += arr.nbytes
 
 
-def _write_run(blob: _Blob, run: list[_Source]) -> dict[str, Any]:
+def _write_run(blob: _Blob, run: list[Source]) -> dict[str, Any]:
     """One linear part into `blob`, packed chunk by chunk; its index entry."""
     qtype, cols = run[0].qtype, run[0].shape[1]
     offset = blob.begin()
@@ -262,15 +141,7 @@ def _write_run(blob: _Blob, run: list[_Source]) -> dict[str, Any]:
     return {"qtype": qtype, "shape": [n, cols], "offset": offset, "layout": layout}
 
 
-def _read(t: Any, read: Any) -> Any:
-    try:  # an error tagged with the tensor's name, for the GGUFError
-        return read()
-    except Exception as e:
-        e.tensor = t.name  # type: ignore[attr-defined]
-        raise
-
-
-def _read_run(path: Path, blob: _Blob, run: list[_Source]) -> dict[str, Any]:
+def _read_run(path: Path, blob: _Blob, run: list[Source]) -> dict[str, Any]:
     """`_write_run`, a failure (a truncated file's short tensor) a GGUFError naming it."""
     try:
         return _write_run(blob, run)
@@ -293,10 +164,10 @@ def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
     from tqdm import tqdm
 
     reader = open_reader(path)
-    plan = _plan(path, reader, cfg)
+    plan = gguf_plan.plan(path, reader, cfg)
     index: dict[str, Any] = {"version": CACHE_VERSION, "layout": _layout_tag(), "source": str(path),
                              "tied": "lm_head" not in plan.linears, "counts": plan.counts,
-                             "floats": {}, "linears": {}}  # fmt: skip
+                             "floats": {}, "linears": {}, "experts": {}}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
@@ -309,6 +180,12 @@ def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
                 runs = _runs([parts[i] for i in sorted(parts)])
                 index["linears"][mod] = [_read_run(path, blob, run) for run in runs]
                 _drop_pages(reader)
+            for mod, ex in tqdm(plan.experts.items(), desc=f"repacking {path.name}'s experts", unit="layer"):
+                entry: dict[str, Any] = {"num_experts": plan.num_experts[mod]}
+                for which in ("gate", "up", "down"):
+                    entry[which] = _read_run(path, blob, [ex[which]])
+                    _drop_pages(reader)
+                index["experts"][mod] = entry
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
         try:
             os.rename(tmp, out)
@@ -325,7 +202,7 @@ def _layout_tag() -> str:
     kernels/quant_formats.py defines (one layout for every ISA path), and how this
     module names, fuses and un-permutes."""
     h = hashlib.sha256()
-    for f in (quant_formats.__file__, __file__, gguf_checks.__file__):
+    for f in (quant_formats.__file__, __file__, gguf_checks.__file__, gguf_plan.__file__):
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -359,24 +236,25 @@ def _read_cache(out: Path, index: dict[str, Any]) -> QuantCheckpoint:
             raise ValueError(f"{path} is shorter than its index says")
         return blob[offset : offset + n].view(dtype).view(shape)
 
+    def part(e: dict[str, Any]) -> LinearPart:
+        if e["qtype"] == "F32":
+            return view(e["offset"], e["shape"], torch.float32)
+        n, k = e["shape"]
+        bs = quant_formats.BLOCK[e["qtype"]][0]
+        groups = -(-n // quant_formats.ROWS)
+        packed = view(
+            e["offset"], [groups, k // bs, quant_formats.packed_block_bytes(e["qtype"])], torch.uint8
+        )
+        state = {"packed": packed, "layout": torch.tensor(e["layout"], dtype=torch.int32)}
+        return quant.QuantWeight.from_state(e["qtype"], (n, k), state)
+
     ckpt = QuantCheckpoint(tied=index["tied"], counts=index["counts"])
     for name, e in index["floats"].items():
         ckpt.floats[name] = view(e["offset"], e["shape"], torch.float32)
     for mod, entries in index["linears"].items():
-        parts: list[LinearPart] = []
-        for e in entries:
-            if e["qtype"] == "F32":
-                parts.append(view(e["offset"], e["shape"], torch.float32))
-                continue
-            n, k = e["shape"]
-            bs = quant_formats.BLOCK[e["qtype"]][0]
-            groups = -(-n // quant_formats.ROWS)
-            packed = view(
-                e["offset"], [groups, k // bs, quant_formats.packed_block_bytes(e["qtype"])], torch.uint8
-            )
-            state = {"packed": packed, "layout": torch.tensor(e["layout"], dtype=torch.int32)}
-            parts.append(quant.QuantWeight.from_state(e["qtype"], (n, k), state))
-        ckpt.linears[mod] = parts
+        ckpt.linears[mod] = [part(e) for e in entries]
+    for mod, e in index.get("experts", {}).items():
+        ckpt.experts[mod] = ExpertParts(e["num_experts"], part(e["gate"]), part(e["up"]), part(e["down"]))
     return ckpt
 
 
@@ -392,4 +270,28 @@ def load_gguf_weights(path: Path, cache: Path, cfg: ModelConfig) -> QuantCheckpo
     ckpt = load_cache(cache)
     if ckpt is None:
         raise RuntimeError(f"the weights repacked into {cache} cannot be read back")
+    return ckpt
+
+
+def load_gguf_float(path: Path, cfg: ModelConfig) -> QuantCheckpoint:
+    """`path`'s weights de-quantized to fp32 (Q/K rows un-permuted), read from the file itself, not
+    cached: the float model's (`--quantization none`, CUDA, no native build)."""
+    reader = open_reader(path)
+    plan = gguf_plan.plan(path, reader, cfg, dequantize=True)
+    ckpt = QuantCheckpoint(tied="lm_head" not in plan.linears, floats=plan.floats)
+
+    def rows(sources: list[Source]) -> torch.Tensor:
+        try:
+            return torch.from_numpy(
+                np.concatenate([s.rows() for s in sources]).astype(np.float32, copy=False)
+            )
+        except Exception as e:
+            raise GGUFError(path, " + ".join(s.name for s in sources), str(e)) from e
+
+    for mod, parts in plan.linears.items():
+        ckpt.linears[mod] = [rows([parts[i] for i in sorted(parts)])]
+    for mod, ex in plan.experts.items():
+        ckpt.experts[mod] = ExpertParts(
+            plan.num_experts[mod], *(rows([ex[w]]) for w in ("gate", "up", "down"))
+        )
     return ckpt

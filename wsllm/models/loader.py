@@ -32,7 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wsllm.models.llama import LlamaForCausalLM, ModelConfig
+from wsllm.models import registry
+from wsllm.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +117,23 @@ def shared_gguf_readers() -> Iterator[None]:
 
 
 def _write_gguf_config(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """The GGUF's config.json (its family's reading of the metadata: wsllm/models/registry.py),
+    tokenizer and generation config, in an HF directory."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from wsllm.models.gguf_checks import open_reader
 
     log.info("reading the config and tokenizer of %s (once; cached in %s)", gguf.name, out)
+    reader = open_reader(gguf)
+    hf = registry.gguf_hf_config(gguf, reader.fields, {t.name for t in reader.tensors})
+    registry.model_config(hf)  # what the layers cannot run is refused now, not at the first load
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = _gguf_tokenizer(gguf)
+        config = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
         cfg = config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
+        cfg["architectures"] = hf["architectures"]
         cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
@@ -139,6 +145,22 @@ def _write_gguf_config(gguf: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _gguf_tokenizer(gguf: Path) -> Any:
+    """The GGUF's tokenizer, by transformers' converter of GGUF vocabularies, whatever the file's
+    architecture (AutoTokenizer's GGUF path reads the config too, and refuses architectures it has
+    no model for: OLMoE, Granite-MoE)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:  # an older transformers: its own path (the architectures it knows)
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+    arch, vocab, settings = get_gguf_tokenizer(str(gguf))
+    backend, more = convert_gguf_tokenizer(arch, vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **more)
 
 
 def _write_gguf_weights(gguf: Path, out: Path) -> None:
@@ -224,17 +246,20 @@ def _iter_weights(model_dir: Path):  # type: ignore[no-untyped-def]
                 yield name, st.get_tensor(name)
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The HF checkpoint in `model_dir`, its family's (wsllm/models/registry.py)."""
+    hf = read_hf_config(model_dir)
+    family = registry.for_hf(hf)
+    cfg = family.config(hf)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     # In the dtype it runs in before any memory is taken: each checkpoint tensor is rounded as
     # it is copied in (as a cast afterwards would round it). Built in fp32 and cast, an 8B
     # model took 32 GB and then 16 more, and the 32 stayed in torch's allocator.
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(_iter_weights(model_dir))
+    model.load_weights((family.weight_name(n), t) for n, t in _iter_weights(model_dir))
     from wsllm import kernels
 
     cs = kernels.compute_cos_sin_cache(

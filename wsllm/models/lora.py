@@ -5,7 +5,8 @@ An adapter is PEFT's: `adapter_config.json` and `adapter_model.safetensors`. It 
 q, k, v, o, gate, up and down projections of any layers, with PEFT's scaling (`lora_alpha /
 r`, or `lora_alpha / sqrt(r)` with `use_rslora`). Everything else PEFT can save is refused
 at load with a message that names it: DoRA, LoRA biases, `modules_to_save`, patterns of
-ranks or alphas, other target modules (embeddings, the LM head), a rank over
+ranks or alphas, other target modules (embeddings, the LM head, a mixture's experts or router: LoRA
+runs on the attention projections and dense MLPs), a rank over
 `--max-lora-rank`, weights whose shapes do not fit the base, a missing file.
 
 The pieces are float32, or bfloat16 under a bfloat16 model (`kernels/lora.py`): A as it is, B
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from wsllm import kernels
 from wsllm.kernels import lora as klora
 from wsllm.kernels.lora import SLOTS, LoraPiece, NativeLora
-from wsllm.models.llama import ModelConfig
+from wsllm.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -60,6 +61,10 @@ _UNSUPPORTED = {
     "use_bdlora": "use_bdlora",
 }
 _WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+#: a weight of a mixture's experts, router or shared expert (refused: LoRA runs on attention and dense MLPs)
+_EXPERTS = re.compile(
+    r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts|gate|router|shared_expert\w*|input_linear|output_linear)\."
+)
 #: an adapter's name: it travels on the wire and names a Redis waiting set
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
 
@@ -112,6 +117,7 @@ def read_config(path: Path) -> dict[str, Any]:
             raise AdapterError(
                 f"{path} has no {fname} (a PEFT adapter directory has {CONFIG_FILE} and {WEIGHTS_FILE})"
             )
+    _refuse_experts(path)
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -136,6 +142,18 @@ def read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _refuse_experts(path: Path) -> None:
+    """AdapterError when the adapter adapts a mixture's experts or router (before its options: PEFT
+    writes a rank_pattern for such targets, which would be refused with a less useful reason)."""
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as st:
+        for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if _EXPERTS.search(key):
+                raise AdapterError(
+                    f"{path}: weight {key!r} adapts a mixture's experts (or its router), which LoRA here does "
+                    "not run: an adapter may target the attention projections, and the MLP of a dense layer"
+                )
+
+
 def _read_weights(
     path: Path, c: ModelConfig, max_rank: int
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
@@ -153,6 +171,11 @@ def _read_weights(
             if layer >= c.num_layers:
                 raise AdapterError(
                     f"{path}: {key!r} is for layer {layer}; the base has {c.num_layers} layers"
+                )
+            if MODULES[module][0] >= 2 and c.layer(layer).moe:
+                raise AdapterError(
+                    f"{path}: {key!r} adapts layer {layer}'s MLP, but its feed-forward is a mixture of experts, "
+                    "which LoRA here does not run"
                 )
             found.setdefault((layer, module), {})[which] = st.get_tensor(key)
     if not found:

@@ -12,9 +12,11 @@ import logging
 import torch
 from torch import nn
 
+from wsllm.kernels import moe as kmoe
 from wsllm.kernels import quant
-from wsllm.models.gguf_weights import LinearPart, QuantCheckpoint
-from wsllm.models.llama import LlamaForCausalLM
+from wsllm.models.causal_lm import CausalLM
+from wsllm.models.gguf_weights import ExpertParts, LinearPart, QuantCheckpoint
+from wsllm.models.layers.moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,10 @@ class QuantLinear(nn.Module):
         """forward() as float32, from the kernel's sums (the LM head: logits not rounded to bf16)."""
         return quant.qlinear(x, self.qweight, self.qbias, torch.float32)
 
+    def native_parts(self) -> tuple[list[quant.QuantWeight], torch.Tensor | None]:
+        """What the decode stack runs for forward() (kernels/decode_stack.py)."""
+        return [self.qweight], self.qbias
+
     def extra_repr(self) -> str:
         return f"{self.qweight.qtype}, in={self.in_features}, out={self.out_features}"
 
@@ -55,6 +61,14 @@ class SplitLinear(nn.Module):
         y = torch.cat([p.forward(x) for p in self.parts], dim=-1)
         return y if self.qbias is None else y + self.qbias
 
+    def native_parts(self) -> tuple[list[quant.QuantWeight], torch.Tensor | None] | None:
+        """What the decode stack runs for forward(): every part quantized without a bias of its
+        own; None otherwise (a float part: layer by layer)."""
+        ws = [getattr(p, "qweight", None) for p in self.parts]
+        if any(w is None for w in ws) or any(getattr(p, "qbias", None) is not None for p in self.parts):
+            return None
+        return ws, self.qbias  # type: ignore[return-value]
+
 
 class QuantEmbedding(nn.Module):
     """Token embeddings read from quantized rows (shared with a tied lm_head)."""
@@ -66,6 +80,37 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         return self.qweight.select_rows(ids).to(self.dtype)
+
+
+class QuantExpertsModule(nn.Module):
+    """A mixture's experts kept in their quantized blocks (kernels/moe.py: QuantExperts): the MoE
+    layer runs them natively; `forward` is the torch reference of that pass."""
+
+    def __init__(self, qexperts: kmoe.QuantExperts) -> None:
+        super().__init__()
+        self.qexperts = qexperts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return kmoe.experts_quant_ref(x, ids, weights, self.qexperts)
+
+    def extra_repr(self) -> str:
+        q = self.qexperts
+        return f"{q.num_experts} experts, {q.gate.qtype}/{q.up.qtype}/{q.down.qtype}, I={q.intermediate_size}"
+
+
+def _experts(ex: ExpertParts, dtype: torch.dtype) -> nn.Module:
+    """Quantized experts as they are; experts with a float part all float (Experts)."""
+    parts = (ex.gate, ex.up, ex.down)
+    if all(isinstance(p, quant.QuantWeight) for p in parts):
+        return QuantExpertsModule(kmoe.QuantExperts(ex.num_experts, *parts))  # type: ignore[arg-type]
+    g, u, d = (p.dequantize() if isinstance(p, quant.QuantWeight) else p for p in parts)
+    e, h = ex.num_experts, g.shape[1]
+    i = g.shape[0] // e
+    m = Experts(e, h, i).to(dtype)
+    with torch.no_grad():
+        m.gate_up.copy_(torch.cat([g.reshape(e, i, h), u.reshape(e, i, h)], dim=1))
+        m.down.copy_(d.reshape(e, h, i))
+    return m
 
 
 def _linear(part: LinearPart, dtype: torch.dtype, bias: torch.Tensor | None) -> nn.Module:
@@ -85,7 +130,7 @@ def _module(parts: list[LinearPart], dtype: torch.dtype, bias: torch.Tensor | No
     return SplitLinear([_linear(p, dtype, None) for p in parts], bias)
 
 
-def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) -> None:
+def install(model: CausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) -> None:
     """Put `ckpt` into `model`, built on the meta device: quantized modules in place of
     the linear layers and the embedding, then the float parameters (norms) in `dtype`."""
     for name, parts in ckpt.linears.items():
@@ -94,12 +139,17 @@ def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) 
         if name == "embed_tokens":
             continue
         model.set_submodule(name, _module(parts, dtype, bias))
+    for name, ex in ckpt.experts.items():
+        model.set_submodule(name, _experts(ex, dtype))
     emb = ckpt.linears["embed_tokens"][0]
     if isinstance(emb, torch.Tensor):
         model.embed_tokens = nn.Embedding.from_pretrained(emb.to(dtype), freeze=True)
     else:
         model.embed_tokens = QuantEmbedding(emb, dtype)
-    if ckpt.tied:  # one copy of the blocks, read by rows and by the lm_head's matmul
+    if ckpt.tied and isinstance(emb, torch.Tensor):  # one float copy, the embedding's
+        model.lm_head = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        model.lm_head.weight = model.embed_tokens.weight
+    elif ckpt.tied:  # one copy of the blocks, read by rows and by the lm_head's matmul
         model.lm_head = _linear(emb, dtype, None)
     params = dict(model.named_parameters())
     for name, p in params.items():
@@ -114,7 +164,7 @@ def install(model: LlamaForCausalLM, ckpt: QuantCheckpoint, dtype: torch.dtype) 
         raise KeyError(f"unexpected weights: {sorted(ckpt.floats)[:5]}")
 
 
-def quantize_model(model: LlamaForCausalLM, qtype: str) -> dict[str, int]:
+def quantize_model(model: CausalLM, qtype: str) -> dict[str, int]:
     """Quantize a loaded float model's linear layers to `qtype` ("q8_0" | "q4_0") in
     place; the embedding and lm_head (tied or not) become Q8_0, as llama.cpp keeps its
     output layer at a higher precision. A layer whose input width is not a multiple
@@ -133,6 +183,10 @@ def quantize_model(model: LlamaForCausalLM, qtype: str) -> dict[str, int]:
             bias = None if mod.bias is None else mod.bias.detach()
             model.set_submodule(name, QuantLinear(qw, bias))
             counts[fmt] = counts.get(fmt, 0) + 1
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, Experts) and min(mod.gate_up.shape[2], mod.down.shape[2]) % _BLOCK[qtype] == 0:
+                model.set_submodule(name, QuantExpertsModule(_quantize_experts(mod, fmt)))
+                counts[fmt] = counts.get(fmt, 0) + 3
         emb, head = model.embed_tokens.weight, model.lm_head.weight
         if emb.shape[1] % _BLOCK["q8_0"] == 0:
             qe = _q8(emb)
@@ -140,6 +194,18 @@ def quantize_model(model: LlamaForCausalLM, qtype: str) -> dict[str, int]:
             model.embed_tokens = QuantEmbedding(qe, emb.dtype)
             counts["Q8_0"] = counts.get("Q8_0", 0) + (1 if head is emb else 2)
     return counts
+
+
+def _quantize_experts(m: Experts, fmt: str) -> kmoe.QuantExperts:
+    e, i2, h = m.gate_up.shape
+    gu = m.gate_up.detach().float()
+    parts = [
+        gu[:, : i2 // 2].reshape(-1, h),
+        gu[:, i2 // 2 :].reshape(-1, h),
+        m.down.detach().float().reshape(-1, i2 // 2),
+    ]
+    gate, up, down = (quant.pack(fmt, quant.quantize(w, fmt), tuple(w.shape)) for w in parts)
+    return kmoe.QuantExperts(e, gate, up, down)
 
 
 def _q8(w: torch.Tensor) -> quant.QuantWeight:

@@ -1,0 +1,155 @@
+"""A model's shape and the knobs that tell one family from another, read once when the layers are
+built: `ModelConfig` (and `MoeConfig` for the mixture-of-experts layer). A family file reads its HF
+config into these fields (`hf_base` reads the fields every family spells the same way); no layer
+asks which family it belongs to.
+
+A new knob is a field here with the default that leaves every other family as it was, read where
+the layer is built (`Attention`, `DecoderLayer`, `MoE`); per-layer differences (a layer that is
+dense in a mixture of experts; later windows or rotary bases) are answered by `ModelConfig.layer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the feed-forward activations the layers run ("silu": SwiGLU, silu(gate) * up)
+ACTIVATIONS = ("silu",)
+#: how a router turns its logits into the chosen experts' weights (MoeConfig.gating)
+GATINGS = ("softmax", "sigmoid", "softmax_topk")
+#: QK-norm (ModelConfig.qk_norm): none; "head": RMSNorm over head_dim on each head of q and k
+#: (Qwen3); "full": over the whole width of q and of k (OLMoE)
+QK_NORMS = ("none", "head", "full")
+
+
+@dataclass(slots=True, frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward: every routing knob of llama.cpp's build_moe_ffn, once.
+
+    Per row: logits = x . router^T [E] (+ router bias); scores = softmax or sigmoid of them
+    ("softmax_topk": the logits themselves); the top_k experts by score (+ the selection bias,
+    which chooses but never weighs); their weights are the scores (softmax_topk: a softmax over
+    the k chosen logits), divided by their sum when `renormalize`, times `routed_scale`. The
+    output is sum_j weight_j * expert_j(x), plus a shared expert on every row (times
+    sigmoid(x . shared_gate) when it has a gate)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    gating: str = "softmax"  # GATINGS
+    renormalize: bool = False  # the k chosen weights divided by their sum (HF: norm_topk_prob)
+    routed_scale: float = 1.0  # the chosen weights times this (DeepSeek's routed_scaling_factor)
+    selection_bias: bool = False  # a per-expert bias added to the scores to choose, not to weigh
+    shared_intermediate_size: int = 0  # a shared expert run on every row (0: none)
+    shared_gate: bool = False  # the shared expert's output times sigmoid(x . w) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (leading dense, mlp_only_layers)
+    activation: str = "silu"  # the experts' (ACTIVATIONS)
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"a mixture of {self.num_experts} experts cannot choose {self.top_k} of them a token"
+            )
+        if self.gating not in GATINGS:
+            raise ValueError(f"expert gating {self.gating!r} is not supported (one of {', '.join(GATINGS)})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r} is not supported")
+
+
+@dataclass(slots=True, frozen=True)
+class LayerSpec:
+    """What one layer is, where layers differ (ModelConfig.layer)."""
+
+    moe: bool  # its feed-forward is the mixture of experts (else the dense MLP)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    family: str = "llama"  # the registry's name for it (wsllm/models/registry.py): logs and errors only
+    pooling: str = "last"  # EngineConfig.pooling "auto": how an embedding request pools its hidden states
+    qk_norm: str = "none"  # QK_NORMS
+    attention_scale: float | None = (
+        None  # q.k's scale (None: head_dim ** -0.5; Granite's attention_multiplier)
+    )
+    embedding_multiplier: float = 1.0  # the embeddings times this (Granite)
+    residual_multiplier: float = 1.0  # each branch's output times this before the residual add (Granite)
+    logits_scaling: float = 1.0  # the logits divided by this (Granite)
+    hidden_act: str = "silu"  # the dense MLP's (ACTIVATIONS)
+    moe: MoeConfig | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # what a family keeps for itself (not read by layers)
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported (only {', '.join(ACTIVATIONS)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads} attention heads do not group into {self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def scale(self) -> float:
+        """q.k's scale."""
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def layer(self, i: int) -> LayerSpec:
+        """Layer i's own shape."""
+        moe = self.moe is not None and i not in self.moe.dense_layers
+        return LayerSpec(moe=moe)
+
+
+def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, scaling or None) from an HF config: transformers 4's `rope_theta` and
+    `rope_scaling`, or 5's `rope_parameters`."""
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+    return float(theta), scaling
+
+
+def hf_base(cfg: dict[str, Any], family: str, **knobs: Any) -> ModelConfig:
+    """The fields every family's HF config spells the same way, and the family's `knobs`
+    (ModelConfig's other fields) on top. Refuses what no layer here runs."""
+    if cfg.get("use_sliding_window"):  # Qwen2/3 configs carry it, off in every released model
+        raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+    theta, scaling = hf_rope(cfg)
+    heads = cfg["num_attention_heads"]
+    fields: dict[str, Any] = dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size") or 0,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        family=family,
+        hidden_act=_activation(cfg.get("hidden_act", "silu")),
+    )
+    fields.update(knobs)
+    return ModelConfig(**fields)
+
+
+def _activation(name: str) -> str:
+    return "silu" if name in ("silu", "swish") else name
