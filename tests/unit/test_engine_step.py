@@ -9,12 +9,15 @@ a broker is probed with getattr in wsllm/engine/. Each count is checked to see w
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 from pathlib import Path
 
 from wsllm.engine import fake, model_runner, worker
 from wsllm.engine.engine import LLMEngine
+from wsllm.engine.model_output import ModelOutput
+from wsllm.engine.scheduler import Scheduler
 
 ENGINE = Path(__file__).resolve().parents[2] / "wsllm" / "engine"
 
@@ -98,6 +101,15 @@ def test_one_step_cost_model() -> None:
 
 def test_the_runner_returns_a_typed_output_and_requests_come_whole() -> None:
     assert inspect.signature(model_runner.ModelRunner.run).return_annotation == "ModelOutput"
+    # a dataclass of named results, each a list of its own typed records (no tuple to unpack)
+    fields = {f.name: f.type for f in dataclasses.fields(ModelOutput)}
+    assert fields == {
+        "sampled": "list[Sampled]",
+        "prompt_logprobs": "list[PromptLogprobs]",
+        "pooled": "list[Pooled]",
+    }
+    update = inspect.signature(Scheduler.update_from_output).parameters
+    assert update["output"].annotation == "ModelOutput"
     for add in (LLMEngine.add_request, fake.FakeEngine.add_request, worker.Engine.add_request):
         params = inspect.signature(add).parameters
         assert list(params) == ["self", "request"] and params["request"].annotation == "GenerateRequest", add

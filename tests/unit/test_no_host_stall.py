@@ -12,8 +12,15 @@ a beam search, prompt logprobs and an embedding. It runs twice with the device i
   raises: the part completes and hands back only meta tensors;
 - on the CPU under a dispatch mode that records every op that needs a value on the host
   (`_local_scalar_dense`, which `.item()` and `bool()` reach, and the ops of data-dependent
-  shape): it records none, and its tokens are those of the CPU's native implementation for
-  every row whose draw is determined (greedy, seeded, beams; logprobs equal).
+  shape, indexing by a boolean mask among them): it records none, and its tokens are those of
+  the CPU's native implementation for every row whose draw is determined (greedy, seeded,
+  beams; logprobs equal). (`.tolist()`, `.cpu()` and `.numpy()` of a CPU tensor are no ops
+  there: the meta run is the one that catches them.)
+
+Checked by hand: an `.item()` or a `bool()` of a tensor put into `Sampler.draw` fails the
+dispatch mode's assertion; a `.tolist()` in `logits_processors.apply_penalties` fails the meta
+run; a `.cpu()` of the hidden states in `ModelRunner.after_forward` raises there. The last
+test below checks that both watches see each kind of read.
 
 The step is then finished through the packed copy (`to_host`, as on CUDA) and the engine serves
 every request to its end with no block left behind.
@@ -52,13 +59,25 @@ HOST_READS = {
 }
 
 
+# indexing by a boolean mask (x[mask], x[mask] = v): nonzero inside the op, so also a read
+MASKED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def reads_a_value(func: Any, args: Any) -> bool:
+    if func.overloadpacket in HOST_READS:
+        return True
+    if func.overloadpacket in MASKED and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
+
+
 class HostReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket in HOST_READS:
+        if reads_a_value(func, args):
             self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
 
@@ -202,3 +221,27 @@ def test_the_steps_device_part_reads_nothing_back(engine: LLMEngine) -> None:
     )
     assert set(done) == set(DECODING) | set(ARRIVING) and not [o for o in done.values() if o.error]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_two_watches_see_each_kind_of_host_read() -> None:
+    """What the test above relies on: the dispatch mode records `.item()`, a tensor's `bool()`
+    and an op of data-dependent shape; the meta device raises on each read of a value."""
+    t = torch.arange(6.0)
+    with HostReads() as reads:
+        t.sum().item()
+        bool((t > 2).any())
+        t[t > 2]  # a boolean mask: its shape needs the values
+        t[t > 2] = 0.0
+        torch.nonzero(t)
+        t[torch.tensor([0, 2])] = t.argmax(dim=-1).float()  # device ops, indices by position: no read
+    assert [s.split(".")[1] for s in reads.seen] == [
+        "_local_scalar_dense",
+        "_local_scalar_dense",
+        "index",
+        "index_put_",
+        "nonzero",
+    ]
+    m = torch.ones(3, device="meta")
+    for read in (lambda: m.sum().item(), lambda: m.tolist(), lambda: m.cpu(), lambda: m.numpy()):
+        with pytest.raises((RuntimeError, NotImplementedError, TypeError)):
+            read()
