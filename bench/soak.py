@@ -1,18 +1,25 @@
 """The soak: a Redis deployment (one gateway, two engines, one redis-server, each a
-process) held at twice its measured capacity for N minutes, with faults, checked for
+process; the second engine is the child of a `wsllm serve --broker redis://`, which
+supervises it) held at twice its measured capacity for N minutes, with faults, checked for
 what a long run shows and a short test does not: a request that never ends, a KV block
 or a Redis key left behind, memory that creeps, latency that drifts.
 
     python bench/soak.py --minutes 30          # the record (docs/reliability.md)
-    python bench/soak.py --smoke               # 40 s of load, under 2 minutes in all (make test)
+    python bench/soak.py --smoke               # 90 s of load, about 3 minutes in all (make test)
 
 1. Start the deployment (the bundled SmolLM2 unless `--model`), wait until it is ready.
 2. Measure its capacity: closed-loop clients of the whole mix, answers per second.
 3. Warm up, then run open-loop (Poisson) arrivals at twice that rate for the run, the mix
    of bench/soak_load.py: chat, completions, responses, messages, embeddings, structured
    output, n > 1, beams, streams cancelled, clients that leave mid-stream, WebSocket
-   resumes. At 35% of the run one engine is killed (SIGKILL) and restarted 2 s later
-   (its supervisor); at 65% Redis is restarted (SIGTERM, then the same AOF).
+   resumes. The faults, at fractions of the run (`FAULTS`): a request of death (its prompt
+   holds the token of the engines' test-only hold, `WSLLM_TEST_HOLD_STEP_TOKEN`: every
+   step that runs it stalls its engine), which must end with `engine_stalled` after at
+   most two engines, both restarted by their supervisors (this script for `wsllm engine`,
+   restarting an engine that exits 2 s later, as compose's restart policy would; `wsllm
+   serve` for its child); serve's engine child killed (SIGKILL), which serve restarts;
+   the other engine killed (SIGKILL) and restarted 2 s later; Redis restarted (SIGTERM,
+   then the same AOF).
 4. Stop the arrivals and wait for every request to end; then for the engines to be idle
    and the request keys to expire.
 
@@ -28,7 +35,10 @@ the end. And it checks, exiting 1 when one fails:
   over its first window (or 2 MB: Redis's allocator moves by a megabyte of its 20; a
   restarted process counts from its first whole window after it served again; memory
   that goes down is no leak);
-- p99 latency of the admitted requests in the last window within 1.5x of the first.
+- p99 latency of the admitted requests in the last window within 1.5x of the first (not
+  in the smoke: its short windows all hold faults and their restarts);
+- the request of death ended with `engine_stalled`, and no more than two engines exited
+  with status 3 (a stall) for it.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -67,7 +78,11 @@ KEYS_FILE = '[tenants.alice]\nkeys = ["sk-soak-alice"]\n\n[tenants.bob]\nkeys = 
 BROKER_FLAGS = ["--lease-s", "3", "--engine-heartbeat-s", "0.3", "--engine-ttl-s", "3",
                 "--stream-retention-s", "3", "--resume-grace-s", "3", "--history-flush-s", "0.5",
                 "--drain-timeout-s", "1"]  # fmt: skip
-ENGINE_FLAGS = ["--threads", "1", "--max-num-seqs", "16", "--num-kv-blocks", "512", "--stall-timeout-s", "60"]
+# the stall timeout bounds what the request of death costs: the mix's steps take well under it
+ENGINE_FLAGS = ["--threads", "1", "--max-num-seqs", "16", "--num-kv-blocks", "512", "--stall-timeout-s", "10"]
+DEATH_TOKEN = 49151  # the engines' test-only hold: every step running a prompt with it stalls
+# the faults, at these fractions of the run (apart: an engine's restart takes 5-15 s on a loaded machine)
+FAULTS = {"death": 0.05, "kill_engine": 0.3, "kill_serve_child": 0.55, "restart_redis": 0.8}
 GATEWAY_FLAGS = ["--no-frontend", "--max-queue-depth", "24", "--queue-timeout-s", "30",
                  "--orphan-timeout-s", "15", "--response-ttl-s", "20", "--max-requests-per-socket", "8"]  # fmt: skip
 # the mix: kind -> weight
@@ -98,6 +113,7 @@ class Proc:
 
     def start(self) -> Proc:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env["WSLLM_TEST_HOLD_STEP_TOKEN"] = str(DEATH_TOKEN)  # what the engines (only) read
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.started = time.monotonic()
@@ -120,11 +136,13 @@ class Proc:
 
 
 class Deployment:
-    """redis-server, two `wsllm engine` and one `wsllm gateway`, each a process."""
+    """redis-server, a `wsllm engine` (engine-1), a `wsllm serve --broker redis://` whose
+    engine child is the second engine, and one `wsllm gateway`, each a process. This
+    script supervises engine-1 as compose would: started again 2 s after it exits."""
 
     def __init__(self, workdir: Path, model: str | None) -> None:
         self.dir, self.model = workdir, model
-        self.redis_port, self.port = free_port(), free_port()
+        self.redis_port, self.port, self.serve_port = free_port(), free_port(), free_port()
         self.url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.base = f"http://127.0.0.1:{self.port}"
         self.procs: list[Proc] = []  # every incarnation, for the memory report
@@ -157,10 +175,16 @@ class Deployment:
     def start_engine(self, i: int) -> None:
         self._start(f"engine-{i}", self._wsllm("engine", "--engine-id", f"soak-e{i}", *ENGINE_FLAGS))
 
+    def start_serve(self) -> None:
+        """`wsllm serve --broker redis://`: a gateway of its own and the engine child soak-e2."""
+        keys = str(self.dir / "keys.toml")
+        flags = ["--port", str(self.serve_port), "--engine-id", "soak-e2", "--api-keys-file", keys]
+        self._start("serve", self._wsllm("serve", *flags, *ENGINE_FLAGS, *GATEWAY_FLAGS))
+
     def start(self) -> None:
         self.start_redis()
-        for i in (1, 2):
-            self.start_engine(i)
+        self.start_engine(1)
+        self.start_serve()
         keys = str(self.dir / "keys.toml")
         self._start(
             "gateway",
@@ -168,6 +192,29 @@ class Deployment:
         )
         self.wait_ready(2)
         threading.Thread(target=self._sample, daemon=True).start()
+        threading.Thread(target=self._supervise, daemon=True).start()
+
+    def _supervise(self) -> None:
+        """engine-1's supervisor: started again 2 s after it exits by itself (a stall)."""
+        while not self._stop.wait(0.2):
+            proc = self.live.get("engine-1")
+            if proc is None or proc.alive() or proc.stopped is not None or proc.popen is None:
+                continue
+            proc.stopped = time.monotonic()
+            time.sleep(2.0)
+            self.start_engine(1)
+            self.live["engine-1"].ready = time.monotonic() + 10  # its load, roughly
+
+    def stalls_of(self, message: str) -> int:
+        """How many engines stalled holding the request that `message` (its error) names:
+        the engines' logs name what each stalled engine handed back or ended."""
+        named = re.search(r"request (\S+) is not handed", message)
+        if named is None:
+            return 0
+        logs = [(self.dir / f"{name}.log").read_text(errors="replace") for name in ("engine-1", "serve")]
+        return sum(
+            1 for log in logs for line in log.splitlines() if "handed back" in line and named[1] in line
+        )
 
     def wait_ready(self, engines: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
@@ -177,7 +224,8 @@ class Deployment:
                 r = httpx.get(f"{self.base}/ready", headers=headers, timeout=2)
                 if r.status_code == 200 and r.json()["engines"] >= engines:
                     return
-            dead = [p.name for p in self.live.values() if not p.alive()]
+            # engines and Redis may be down a while (a fault): only the gateways must live
+            dead = [p.name for name, p in self.live.items() if not p.alive() and name in ("gateway", "serve")]
             assert not dead and time.monotonic() < deadline, f"not ready; exited: {dead}; see {self.dir}"
             time.sleep(0.2)
 
@@ -193,9 +241,29 @@ class Deployment:
         it takes up what it held)."""
         self.live[f"engine-{i}"].stop(signal.SIGKILL)
         time.sleep(down_s)
-        self.start_engine(i)
+        if not self.live[f"engine-{i}"].alive():  # unless the supervisor thread did already
+            self.start_engine(i)
         self.wait_ready(2)
         self.live[f"engine-{i}"].ready = time.monotonic()
+
+    def kill_serve_child(self) -> None:
+        """SIGKILL serve's engine child once it serves (a stall may have restarted it just
+        before); serve starts it again by itself."""
+        serve = self.live["serve"]
+        assert serve.popen is not None
+        from procmem import tree
+
+        deadline = time.monotonic() + 120
+        while not _healthy(f"http://127.0.0.1:{self.serve_port}"):
+            assert time.monotonic() < deadline and serve.alive(), (
+                f"serve's engine never served; see {self.dir}"
+            )
+            time.sleep(0.2)
+        child = [p for p in tree(serve.popen.pid) if p != serve.popen.pid][0]
+        os.kill(child, signal.SIGKILL)
+        time.sleep(1.0)
+        self.wait_ready(2)
+        serve.ready = time.monotonic()  # its tree's memory counts again from here
 
     def restart_redis(self) -> None:
         """Redis stops (SIGTERM: the AOF is flushed) and starts again on its data."""
@@ -205,9 +273,28 @@ class Deployment:
 
     def stop(self) -> None:
         self._stop.set()
-        for name in ("gateway", "engine-1", "engine-2", "redis"):
+        for name in ("gateway", "engine-1", "serve", "redis"):
             if name in self.live:
                 self.live[name].stop()
+
+
+def request_of_death(dep: Deployment, model: str) -> dict[str, Any]:
+    """A request that stalls every engine it reaches: its answer (a clear engine_stalled)."""
+    body = {"model": model, "prompt": [DEATH_TOKEN, 5, 6, 7], "max_tokens": 8}
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    try:
+        r = httpx.post(f"{dep.base}/v1/completions", json=body, headers=headers, timeout=120)
+        err = r.json().get("error") or {}
+        return {"status": r.status_code, "code": err.get("code"), "message": err.get("message", "")}
+    except (httpx.HTTPError, ValueError) as e:
+        return {"status": None, "code": None, "message": f"{type(e).__name__}: {e}"}
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _pings(url: str) -> bool:
@@ -348,7 +435,8 @@ def memory(procs: list[Proc], t0: float, window_s: float, n: int) -> dict[str, l
 
 
 def checks(ends: dict[str, int], failed: list[Outcome], stats: dict[str, Any], left: dict[str, int],
-           rss: dict[str, list[float | None]], lat: list[dict[str, float]]) -> dict[str, str]:  # fmt: skip
+           rss: dict[str, list[float | None]], lat: list[dict[str, float]],
+           death: dict[str, Any], smoke: bool) -> dict[str, str]:  # fmt: skip
     """Each invariant: "" when it holds, else why not."""
     out = {
         "every request ended": ""
@@ -371,7 +459,16 @@ def checks(ends: dict[str, int], failed: list[Outcome], stats: dict[str, Any], l
     out["memory no more than 5% over the first window"] = "; ".join(creep)
     first, last = lat[0]["p99"], lat[-1]["p99"]
     ok = not (math.isnan(first) or math.isnan(last)) and last <= 1.5 * first
-    out["p99, last window within 1.5x of the first"] = "" if ok else f"{first:.2f} s -> {last:.2f} s"
+    if not smoke:  # the smoke's windows all hold faults and their restarts: no steady ones to compare
+        out["p99, last window within 1.5x of the first"] = "" if ok else f"{first:.2f} s -> {last:.2f} s"
+    stalled = death.get("stalls", 0)
+    # engine_stalled; or worker_lost when every engine was down past --orphan-timeout-s
+    # meanwhile (a clear end too): never more than two engines stalled holding it
+    lost = death.get("code") == "worker_lost" and "no engine of this model" in death.get("message", "")
+    ok = (death.get("code") == "engine_stalled" and 1 <= stalled <= 2) or (lost and stalled <= 2)
+    out["the request of death: engine_stalled, at most two engines stalled"] = (
+        "" if ok else f"it ended {death.get('status')} {death.get('code')!r}, {stalled} engines stalled"
+    )
     return out
 
 
@@ -395,6 +492,9 @@ def report(result: dict[str, Any]) -> str:
     free = {e: f"{s['num_free_blocks']}/{s['num_total_blocks']}" for e, s in result["engines"].items()}
     lines += ["", f"free KV blocks at the end: {free}; leftover Redis keys: {result['leftovers'] or 'none'} "
               f"(settled in {result['settle_s']:.1f} s)", ""]  # fmt: skip
+    death = result.get("death", {})
+    lines += [f"the request of death: {death.get('status')} {death.get('code')}, {death.get('stalls')} engines "
+              "stalled by it", ""]  # fmt: skip
     lines += [f"- {'ok' if not why else 'FAILED'}: {name}{'' if not why else ': ' + why}"
               for name, why in result["checks"].items()]  # fmt: skip
     return "\n".join(lines)
@@ -409,11 +509,18 @@ async def soak(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         run_s = args.minutes * 60
         await open_loop(load, rate, args.warm_s, [])  # warm up (not counted)
         t0 = time.monotonic()
-        faults = [(0.35, lambda: dep.kill_engine(1)), (0.65, dep.restart_redis)]
-        outcomes = await open_loop(load, rate, run_s, faults)
+        death: dict[str, Any] = {}
+        calls = {
+            "death": lambda: death.update(request_of_death(dep, load.model)),
+            "kill_engine": lambda: dep.kill_engine(1),
+            "kill_serve_child": dep.kill_serve_child,
+            "restart_redis": dep.restart_redis,
+        }
+        outcomes = await open_loop(load, rate, run_s, [(FAULTS[name], call) for name, call in calls.items()])
     finally:
         await load.aclose()
     stats, left, waited = await asyncio.to_thread(settle, dep, 60)
+    death["stalls"] = dep.stalls_of(death.get("message", ""))
     n = 3 if args.smoke else WINDOWS
     window_s = run_s / n
     ends: dict[str, int] = {}
@@ -429,15 +536,15 @@ async def soak(dep: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     failed = [o for o in outcomes if o.failed]
     return {"capacity_per_s": cap, "rate_per_s": rate, "run_s": run_s, "window_s": window_s,
             "requests": len(outcomes), "ends": ends, "by_kind": by_kind, "latency": lat, "rss_mb": rss, "engines": stats,
-            "leftovers": left, "settle_s": waited, "failed": [asdict(o) for o in failed[:50]],
-            "checks": checks(ends, failed, stats, left, rss, lat)}  # fmt: skip
+            "leftovers": left, "settle_s": waited, "failed": [asdict(o) for o in failed[:50]], "death": death,
+            "checks": checks(ends, failed, stats, left, rss, lat, death, args.smoke)}  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0, help="the measured run (30 for the record)")
     p.add_argument(
-        "--smoke", action="store_true", help="40 s of load and short warm-up: under 2 minutes in all"
+        "--smoke", action="store_true", help="90 s of load and short warm-up: about 3 minutes in all"
     )
     p.add_argument("--model", default=None, help="the model the engines serve (default: the bundled SmolLM2)")
     p.add_argument(
@@ -452,7 +559,7 @@ def main() -> int:
     )
     args = p.parse_args()
     if args.smoke:
-        args.minutes = 40 / 60
+        args.minutes = 1.5  # room for four faults, each with its restart, one after the other
     args.capacity_s = args.capacity_s or (6.0 if args.smoke else 60.0)
     args.warm_s = args.warm_s or (10.0 if args.smoke else 120.0)
     workdir = Path(tempfile.mkdtemp(prefix="wsllm-soak-"))

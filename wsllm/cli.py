@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn_config(app, gcfg, log_level=lcfg.log_level))
         stalled.append(server)
         for w in workers:
-            Watchdog(w, ecfg.stall_timeout_s, on_stall).start()
+            Watchdog(w, ecfg.stall_timeout_s, on_stall, ecfg.stall_factor).start()
         host = "localhost" if gcfg.host in ("0.0.0.0", "::") else gcfg.host
         print(f"wsllm: serving {', '.join(dirs)} at http://{host}:{gcfg.port}/", flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once it has shut down
@@ -91,7 +90,9 @@ def serve(args: argparse.Namespace) -> int:
             if not w.stalled:  # a stuck one never stops: the process exits around it
                 w.stop()
         broker.close()
-    return EXIT_STALLED if len(stalled) > 1 else 0
+    if len(stalled) > 1:  # a stuck engine thread: no interpreter teardown around it (see _exit_now)
+        _exit_now(EXIT_STALLED, f"exiting: {stalled[1]}")
+    return 0
 
 
 def _configs(args: argparse.Namespace, *classes: type) -> tuple[Any, ...]:
@@ -207,7 +208,7 @@ def engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"wsllm: engine {engine_id} serving {llm.model_name} from {redacted(url)}", flush=True)
-    Watchdog(worker, ecfg.stall_timeout_s, _exit_stalled(broker, engine_id)).start()
+    Watchdog(worker, ecfg.stall_timeout_s, _exit_stalled(broker, engine_id), ecfg.stall_factor).start()
     try:
         worker.run()
     finally:
@@ -222,11 +223,19 @@ def _exit_stalled(broker: Any, engine_id: str) -> Callable[[str], None]:
 
     def exit_now(reason: str) -> None:
         broker.deregister(engine_id)
-        print(f"wsllm: exiting: {reason}", file=sys.stderr, flush=True)
-        logging.shutdown()
-        os._exit(EXIT_STALLED)
+        _exit_now(EXIT_STALLED, f"exiting: {reason}")
 
     return exit_now
+
+
+def _exit_now(status: int, why: str) -> None:
+    """Exit with `status` now, past the interpreter's teardown: a thread stuck in the
+    engine's native code would meet its libraries' destructors (a C++ runtime then aborts
+    the process, "terminate called without an active exception": SIGABRT, not `status`)."""
+    print(f"wsllm: {why}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
@@ -253,21 +262,22 @@ def _build_engine(ecfg: EngineConfig, mcfg: ModelRefConfig) -> Any:
 def _serve_redis(
     ecfg: EngineConfig, gcfg: GatewayConfig, rcfg: RedisConfig, mcfg: ModelRefConfig, lcfg: LogConfig
 ) -> int:
-    """`wsllm serve --broker redis://...`: one engine child process per model and the
-    gateway here, which starts serving once every engine has registered (as `serve`
-    does in memory)."""
+    """`wsllm serve --broker redis://...`: one engine child process per model, supervised
+    (restarted when it exits: wsllm/supervisor.py), and the gateway here, which starts
+    serving once every engine has registered (as `serve` does in memory) and answers
+    /health with 503 while a child is down."""
     from wsllm.broker.redis_gateway import RedisGateway
+    from wsllm.supervisor import Supervisor, engine_child
 
     url = rcfg.url()
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    children = []
+    for i, m in enumerate(mcfg.model or [None]):
+        engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
+        engine_id += f"-{i}" if len(mcfg.model) > 1 else ""
+        one = dataclasses.replace(mcfg, model=[m] if m else [])
+        children.append(engine_child(url, dataclasses.replace(rcfg, engine_id=engine_id), ecfg, one, lcfg))
+    supervisor = Supervisor(url, rcfg, children)
     try:
-        for i, m in enumerate(mcfg.model or [None]):
-            engine_id = rcfg.engine_id or f"{socket.gethostname()}-serve-{os.getpid()}"
-            engine_id += f"-{i}" if len(mcfg.model) > 1 else ""
-            one = dataclasses.replace(mcfg, model=[m] if m else [])
-            cmd, env = engine_child(url, dataclasses.replace(rcfg, engine_id=engine_id), ecfg, one, lcfg)
-            pdeath = _die_with_parent if sys.platform == "linux" else None
-            children.append((engine_id, subprocess.Popen(cmd, env=env, preexec_fn=pdeath)))
         default = mcfg.served_name or _tokenizer_and_name((mcfg.model or [None])[0], None)[1]
         broker = RedisGateway(
             url,
@@ -277,74 +287,17 @@ def _serve_redis(
             max_queue_share=gcfg.max_queue_share,
         )
         try:
-            if not all(_wait_registered(url, rcfg, eid, child) for eid, child in children):
+            if not supervisor.start():
                 return 1
             app, names = _gateway_app(gcfg, mcfg, broker)
+            app.state.process_health = supervisor.unhealthy
+            supervisor.watch()
             _run_gateway(app, gcfg, names, lcfg.log_level)
         finally:
             broker.close()
     finally:
-        for _, child in children:
-            child.send_signal(signal.SIGTERM)
-        for _, child in children:
-            try:
-                child.wait(rcfg.drain_timeout_s + 10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        supervisor.stop()
     return 0
-
-
-def engine_child(
-    url: str, rcfg: RedisConfig, ecfg: EngineConfig, mcfg: ModelRefConfig, lcfg: LogConfig
-) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of `serve --broker redis://`'s engine child.
-    The Redis URL (it may hold a password) goes in the environment: a command line is
-    readable by every user of the machine (`ps`)."""
-    flags = _flags(dataclasses.replace(rcfg, broker="memory")) + _flags(ecfg) + _flags(mcfg) + _flags(lcfg)
-    env = {k: v for k, v in os.environ.items() if k not in ("WSLLM_BROKER", "WSLLM_REDIS_URL")}
-    env["WSLLM_BROKER"] = url
-    return [sys.executable, "-m", "wsllm", "engine", *flags], env
-
-
-def _die_with_parent() -> None:
-    """In the engine child (Linux): SIGTERM it when this process dies, even by SIGKILL."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _wait_registered(url: str, rcfg: RedisConfig, engine_id: str, child: subprocess.Popen[bytes]) -> bool:
-    """Until the engine child's heartbeat is in Redis; False if the child exits first."""
-    import time
-
-    from wsllm.broker.health import engine_alive
-
-    while child.poll() is None:
-        with contextlib.suppress(Exception):  # Redis may still be starting too
-            if engine_alive(url, rcfg, engine_id):
-                return True
-        time.sleep(0.2)
-    print(f"wsllm: the engine process exited ({child.returncode}) before it registered", file=sys.stderr)
-    return False
-
-
-def _flags(cfg: Any) -> list[str]:
-    """CLI flags that rebuild `cfg` (fields left at their defaults are left out)."""
-    out: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if value is None or value == default or f.metadata.get("flag", True) is False:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            out += [x for v in value for x in (flag, str(v))]
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 @dataclass(frozen=True)

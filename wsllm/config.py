@@ -115,9 +115,16 @@ class EngineConfig:
     stall_timeout_s: float = field(
         default=120.0,
         metadata={
-            "help": "an engine with work that completes no step for this long is stuck: its requests go back to "
+            "help": "an engine whose step (or work between steps) runs this long is stuck: its requests go back to "
             "the queue (Redis) or fail with engine_stalled, and the process exits (code 3) for its supervisor "
             "to restart (docs/reliability.md)"
+        },
+    )
+    stall_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "and runs past this many times the longest of its last steps: a step is stuck only past "
+            "both bounds, so a long prompt's chunks, each a little longer than the last, are not"
         },
     )
     structured_index_at_start: bool = field(
@@ -216,6 +223,13 @@ class EngineConfig:
     max_lora_rank: int = field(
         default=64, metadata={"help": "the largest LoRA rank an adapter may have (1-256)"}
     )
+    allow_adapter_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "the directory POST /v1/load_lora_adapter may load adapters from (and below it); unset: "
+            "run-time loads are refused (--lora at start is always read)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_speculative()
@@ -239,6 +253,8 @@ class EngineConfig:
             raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
+        if not self.stall_factor >= 1:
+            raise ValueError(f"stall_factor must be >= 1, got {self.stall_factor}")
         for name in ("structured_compile_timeout_s", "fake_step_ms", "stall_timeout_s"):
             if (value := getattr(self, name)) is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")

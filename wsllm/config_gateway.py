@@ -37,6 +37,13 @@ class GatewayConfig:
     anonymous_max_concurrent: int = field(
         default=128, metadata={"help": "requests in flight at once of all keyless clients; 0: unlimited"}
     )
+    anonymous_operator: bool = field(
+        default=False,
+        metadata={
+            "help": "on a gateway that requires no key, every client is the operator (may load and unload LoRA "
+            "adapters); off: nobody there may"
+        },
+    )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest HTTP body"})
     max_ws_message_bytes: int = field(default=1 << 20, metadata={"help": "largest WS message"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens accepted"})
@@ -96,6 +103,24 @@ class GatewayConfig:
     )
     max_requests_per_socket: int = field(
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
+    )
+    max_sockets_per_tenant: int = field(
+        default=32,
+        metadata={
+            "help": "WebSockets one tenant may hold open on this gateway (a handshake past it: close 1013)"
+        },
+    )
+    max_sockets: int = field(
+        default=1024,
+        metadata={
+            "help": "WebSockets open on this gateway, every tenant's (about 85 KB each; past it: close 1013)"
+        },
+    )
+    metrics_cache_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "a key without the metrics role gets /metrics rendered at most this often (its view's)"
+        },
     )
     max_queue_depth: int = field(default=256, metadata={"help": "requests waiting before 429"})
     max_queue_share: float = field(
@@ -174,6 +199,8 @@ class GatewayConfig:
         positive = (
             "max_messages",
             "max_requests_per_socket",
+            "max_sockets_per_tenant",
+            "max_sockets",
             "max_buffered_events",
             "ws_outbox_messages",
             "max_embedding_inputs",
@@ -185,6 +212,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.metrics_cache_s <= 3600:
+            raise ValueError(f"metrics_cache_s must be in [0, 3600] seconds, got {self.metrics_cache_s}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError("send_timeout_s and heartbeat_s must be > 0")
         if self.text_work_threads < 1 or not 0 <= self.text_work_nice <= 19:

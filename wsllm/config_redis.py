@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: what a gateway's results stream keeps beyond what its requests' histories lack (seconds)
+RESULTS_SLACK_S = 10.0
+
 
 @dataclass(slots=True)
 class RedisConfig:
@@ -42,7 +45,18 @@ class RedisConfig:
         default=3, metadata={"help": "deliveries before a request goes to the dead-letter stream"}
     )
     stream_retention_s: float = field(
-        default=300.0, metadata={"help": "how long a finished request's events stay resumable"}
+        default=300.0,
+        metadata={
+            "help": "how long a finished request's events stay resumable, unless its client took its whole "
+            "answer (then they go at once)"
+        },
+    )
+    stream_retention_tenant_bytes: int = field(
+        default=32 << 20,
+        metadata={
+            "help": "bytes of finished requests' events one tenant keeps resumable per model: past it its own "
+            "oldest go (docs/deployment.md, Redis memory)"
+        },
     )
     request_ttl_s: float = field(
         default=3600.0,
@@ -109,6 +123,10 @@ class RedisConfig:
             )
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if self.stream_retention_tenant_bytes < 1:
+            raise ValueError(
+                f"stream_retention_tenant_bytes must be >= 1, got {self.stream_retention_tenant_bytes}"
+            )
         if min(self.stream_retention_s, self.request_ttl_s, self.engine_ttl_s) <= 0:
             raise ValueError("stream_retention_s, request_ttl_s and engine_ttl_s must be > 0")
         if self.history_flush_s <= 0:
@@ -130,10 +148,13 @@ class RedisConfig:
 
     @property
     def results_tail_s(self) -> float:
-        """How long a gateway's results stream keeps an entry: a request's events not yet
-        copied to its history (at most `history_flush_s` old) stay there for the
-        retention after it ended, so an ended request needs no last copy."""
-        return self.stream_retention_s + 2 * self.history_flush_s
+        """How long a gateway's results stream keeps an entry: what a running request's
+        history has not copied yet (at most `history_flush_s` old; an ended request's last
+        events are copied when it ends) and a slack of `RESULTS_SLACK_S` for a reader
+        that fell behind (the retention, if shorter). Not the retention: a results
+        stream holds every request's every event, so its tail is most of Redis's memory
+        (docs/deployment.md)."""
+        return min(self.stream_retention_s, RESULTS_SLACK_S) + 2 * self.history_flush_s
 
     @property
     def results_ttl_ms(self) -> int:

@@ -304,6 +304,7 @@ class Result:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None  # error code
+    error_message: str = ""
     request_id: str | None = None
     last_event_id: int = 0
     seqs: list[int] = field(default_factory=list)
@@ -336,7 +337,7 @@ async def read_sse(r: httpx.Response, res: Result, stop_after: int | None = None
             break
         chunk = orjson.loads(line[6:])
         if "error" in chunk:
-            res.error = chunk["error"]["code"]
+            res.error, res.error_message = chunk["error"]["code"], chunk["error"]["message"]
             continue
         res.request_id = chunk["id"]
         for c in chunk["choices"]:

@@ -26,6 +26,10 @@ KEYS = """
 [tenants.spent]
 keys = ["sk-spent"]
 rpm = 1
+
+[tenants.onesocket]
+keys = ["sk-onesocket"]
+rpm = 1
 """
 ADMIN = "sk-admin"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -149,10 +153,12 @@ async def _exchange(srv: Any, key: str, *msgs: dict[str, Any], until: int) -> li
 
 
 def test_a_websocket_message_past_the_rpm_is_429_before_any_work(srv: Any, work: Counter[str]) -> None:
-    spend(srv)
+    """The handshake took the tenant's one request of the minute: every message after
+    it is refused, before any work (a spent key's handshake is refused itself:
+    test_admission_order.py)."""
     seen = dict(work)
     msgs = [kind | {"id": name} for name, kind in WS_KINDS.items()]
-    got = asyncio.run(_exchange(srv, "sk-spent", *msgs, until=len(msgs)))
+    got = asyncio.run(_exchange(srv, "sk-onesocket", *msgs, until=len(msgs)))
     errors = {m["id"]: m for m in got if m["type"] == "error"}
     assert set(errors) == set(WS_KINDS), got
     assert all(e["code"] == "rate_limited" and e["retry_after_s"] >= 1 for e in errors.values())

@@ -92,7 +92,9 @@ def test_streamed_prompt_logprobs_are_sent_once_even_when_the_text_stays_empty(s
     }
     chunks = [c for c in stream_chunks(srv, body) if c["choices"]]
     tables = [c["choices"][0]["prompt_logprobs"] for c in chunks if c["choices"][0].get("prompt_logprobs")]
-    assert len(chunks) >= 12 and len(tables) == 1, f"{len(tables)} of {len(chunks)} chunks carried the table"
+    # tokens, not chunks: on a loaded machine several tokens come in one chunk
+    tokens = sum(len((c["choices"][0].get("logprobs") or {}).get("tokens") or []) for c in chunks)
+    assert tokens == 12 and len(tables) == 1, f"{len(tables)} of {len(chunks)} chunks carried the table"
     assert len(tables[0]) == len(PROMPT) and tables[0][0] is None
     assert sum(len(c["choices"][0]["text"]) for c in chunks) == 0  # the case that re-sent it
 

@@ -1,6 +1,7 @@
 """The anonymous tenant (a gateway that requires no key) has limits, settable in
 GatewayConfig: past its max_concurrent or its rpm a keyless client gets 429 with
-OpenAI's headers; being the only tenant there, it sees its own figures on /metrics."""
+OpenAI's headers; being the only tenant there, it sees its own figures on /metrics; it
+is not the operator (no adapter loads) unless `--anonymous-operator` says so."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_keyless_clients_share_the_anonymous_concurrency(srv: Any) -> None:
             time.sleep(0.01)
         assert httpx.post(url, json=BODY, timeout=60).status_code == 200
         streams[1].__exit__(None, None, None)
+
+
+def test_a_keyless_client_is_not_the_operator(srv: Any) -> None:
+    """Anyone who reaches a keyless gateway would otherwise load an adapter from any path
+    the engine can read."""
+    body = {"lora_name": "x", "lora_path": "/etc"}
+    r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", r.text
+    from wsllm.server.tenants import anonymous_tenant
+
+    assert anonymous_tenant(0, 0, 0, operator=True).operator  # --anonymous-operator
+    assert not anonymous_tenant(0, 0, 0).operator
 
 
 def test_keyless_clients_share_the_anonymous_rpm(srv: Any) -> None:

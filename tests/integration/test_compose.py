@@ -179,6 +179,30 @@ def test_stack_shape() -> None:
     assert service_env("engine-cpu", {})["WSLLM_DEVICE"] == "cpu"
 
 
+def _bytes(size: str) -> int:
+    """Redis's size notation (`1gb`, `512mb`) in bytes."""
+    m = re.fullmatch(r"(\d+)(kb|mb|gb)?", size.lower())
+    assert m, size
+    return int(m[1]) * {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, None: 1}[m[2]]
+
+
+def test_redis_maxmemory_holds_the_load_the_compose_file_names() -> None:
+    """The compose file's `maxmemory` and the bounds of what Redis keeps agree: the load its
+    comment names (7,000 tokens/s with logprobs: 20, 4 engines of 64 sequences, 8 tenants
+    at the default budgets) fits with half again to spare (docs/deployment.md)."""
+    from wsllm.broker.redis_retention import Load, redis_memory
+    from wsllm.config_gateway import GatewayConfig
+    from wsllm.config_redis import RedisConfig
+
+    argv = compose()["services"]["redis"]["command"]
+    maxmemory = _bytes(argv[argv.index("--maxmemory") + 1])
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "7,000 tokens/s" in text and "8 tenants" in text  # the load it is sized for, said there
+    load = Load(tokens_per_s=7000, bytes_per_token=459, in_flight=4 * 64, max_tokens=512, tenants=8)
+    need = redis_memory(load, RedisConfig(), GatewayConfig().response_tenant_max_bytes)
+    assert 1.5 * need <= maxmemory, (need >> 20, maxmemory >> 20)
+
+
 def test_dockerfile_shape() -> None:
     df = dockerfile()
     stages = [rest.split()[-1] for word, rest in df if word == "FROM" and " AS " in rest]

@@ -46,6 +46,7 @@ def srv(
         EngineConfig(
             model=str(tiny_model_dir), num_kv_blocks=512, max_num_seqs=16, dtype="float32",
             lora=[f"a0={adapter_dirs[0]}"], max_loras=2,
+            allow_adapter_dir=str(tmp_path_factory.getbasetemp()),  # its adapters and tiny_model_dir
         )
     )  # fmt: skip
     keys = tmp_path_factory.mktemp("lora-keys") / "keys.toml"

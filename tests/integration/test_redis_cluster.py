@@ -139,20 +139,19 @@ def test_a_resume_while_the_old_socket_still_closes_keeps_the_new_one(cluster: C
                 rest = [orjson.loads(await new.recv())]  # the resumed stream runs...
                 await old.close()  # ...when the old socket's close reaches the gateway
                 rest += await ws_messages(new, lambda m: m["type"] in ("done", "error"))
-                # the whole answer as the broker kept it (a second greedy run of the random
-                # tiny model may differ from this one where its logits nearly tie)
+                # its client took the whole answer: the broker let it go, a resume finds nothing
                 await new.send(
-                    json.dumps({"type": "resume", "id": "twice", "after_seq": -1, "resume_token": token})
+                    json.dumps({"type": "resume", "id": "again", "after_seq": -1, "resume_token": token})
                 )
-                whole = await ws_messages(new, lambda m: m["type"] in ("done", "error"))
-        return first, rest, whole
+                again = await ws_messages(new, lambda m: m["type"] in ("done", "error"))
+        return first, rest, again
 
-    first, rest, whole = asyncio.run(go())
+    first, rest, again = asyncio.run(go())
     assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "length"
     deltas = [m for m in first + rest if m["type"] == "delta"]
     assert [m["seq"] for m in deltas] == list(range(len(deltas)))
-    assert len(deltas) == len([m for m in whole if m["type"] == "delta"]) == 60  # no token twice
-    assert joined(first + rest) == joined(whole)
+    assert len(deltas) == 60  # each token once, none twice (a delta an event on a resumable broker)
+    assert again[-1]["type"] == "error" and again[-1]["code"] == "unknown_id", again[-1]
 
 
 def test_an_sse_client_resumes_on_the_other_gateway_with_last_event_id(cluster: Cluster) -> None:
@@ -333,10 +332,9 @@ def test_a_soak_of_1200_short_requests_leaves_redis_as_it_found_it(cluster: Clus
             info["total_commands_processed"],
         )  # fmt: skip
     log.info("soak: %d requests in %.1fs", n_sockets * per_socket, took)
-    # the streams of the requests that finished within the retention were there (1,000 when
-    # the soak takes a few seconds; a slow machine's soak outlasts the retention)...
-    recent = min(1000, int(n_sockets * per_socket * 4.0 / took / 2))
-    assert during["keys"] > before["keys"] + recent, (before["keys"], during["keys"], took)
+    # each client took its whole answer: its request's keys went with it at once (they no
+    # longer wait out the retention: a few of the last may still be going)...
+    assert during["keys"] <= before["keys"] + n_sockets * window, (before["keys"], during["keys"], took)
     left = sorted(after["names"] - before["names"])
     assert after["keys"] <= before["keys"] + 2, (before["keys"], after["keys"], left)  # ...and are gone
     assert after["used_memory"] < before["used_memory"] + 512 * 1024

@@ -124,3 +124,44 @@ def test_a_non_ascii_last_event_id_is_refused_before_anything_starts(redis_deplo
         assert time.monotonic() < deadline, "the cut stream was never aborted"
         time.sleep(0.05)
     dep.engine_idle()
+
+
+def test_a_stream_whose_client_took_the_whole_answer_leaves_no_key(redis_deployment: Deployment) -> None:
+    """Its done event delivered, nobody will resume it: its keys go at once (the retention,
+    30 s here, is for a client that did not get it all), over SSE, a whole answer and the
+    WebSocket, on either gateway."""
+    from wsllm.broker.redis_keys import Keys
+
+    dep = redis_deployment
+    keys, r = Keys("wsllm"), dep.redis
+
+    async def go() -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for gw in (dep.a, dep.b):
+            async with httpx.AsyncClient(timeout=60) as http:
+                streamed = Result()
+                async with http.stream(
+                    "POST", f"{gw}/v1/completions", json=completion([71], 8) | {"stream": True}
+                ) as s:
+                    token = s.headers["x-resume-token"]
+                    await read_sse(s, streamed)
+                out.append((str(streamed.request_id), token))
+                whole = await http.post(f"{gw}/v1/completions", json=completion([72], 8))
+                out.append((whole.json()["id"], ""))  # a whole answer has no resume token
+            async with websockets.connect(ws_url(gw)) as ws:
+                await ws.recv()
+                await ws.send(orjson.dumps({"type": "completion", "id": "w"} | completion([73], 8)).decode())
+                msgs = await ws_messages(ws, lambda m: m["type"] in ("done", "error"))
+                assert msgs[-1]["type"] == "done", msgs[-1]
+                out.append((msgs[0]["request_id"], msgs[0]["resume_token"]))
+        return out
+
+    done = asyncio.run(go())
+    for rid, token in done:
+        deadline = time.monotonic() + 5  # the transport's close, just after the done event
+        while r.exists(keys.out(dep.model, rid)):
+            assert time.monotonic() < deadline, f"{rid}'s stream outlived its whole answer"
+            time.sleep(0.05)
+        if token:
+            again = httpx.get(f"{dep.a}/v1/streams/{rid}", headers={"x-resume-token": token}, timeout=30)
+            assert again.status_code == 404, again.text

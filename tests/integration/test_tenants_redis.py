@@ -222,13 +222,51 @@ def test_a_client_that_leaves_keeps_its_lease_and_a_resume_takes_it_again(
         time.sleep(0.1)
 
 
+def test_another_keys_resume_with_a_streams_token_is_a_404_like_an_unknown_token(
+    gateways: tuple[str, str],
+) -> None:
+    """A resume token is its tenant's: another key that has it (a leaked log, a shared
+    proxy) gets the same 404 as for a token that names nothing, on any gateway, over SSE
+    and the WebSocket; the owner's own resume goes on."""
+    import orjson
+    import websockets
+
+    one, two = gateways
+    token = stream_until_first_chunk(one, "sk-bob", 200)  # bob's, and bob left
+    rid = token.rpartition(".")[0]
+    for url in (one, two):
+        other = httpx.get(
+            f"{url}/v1/streams/{rid}", headers={"authorization": "Bearer sk-alice", "x-resume-token": token}
+        )
+        assert other.status_code == 404 and other.json()["error"]["code"] == "unknown_id", other.text
+
+    async def ws_resume(key: str) -> dict[str, Any]:
+        ws_base = two.replace("http", "ws", 1)
+        async with websockets.connect(
+            f"{ws_base}/v1/ws", additional_headers={"authorization": f"Bearer {key}"}
+        ) as ws:
+            await ws.recv()  # hello
+            msg = {"type": "resume", "id": "r", "resume_token": token, "after_seq": -1}
+            await ws.send(orjson.dumps(msg).decode())
+            while True:
+                msg = orjson.loads(await ws.recv())
+                if msg["type"] in ("error", "delta"):
+                    return dict(msg)
+
+    refused = asyncio.run(ws_resume("sk-alice"))
+    assert refused["type"] == "error" and refused["code"] == "unknown_id", refused
+    assert asyncio.run(ws_resume("sk-bob"))["type"] == "delta"  # the owner's
+
+
 def test_a_resume_takes_one_request_of_rpm(gateways: tuple[str, str]) -> None:
     one, two = gateways
-    token = stream_until_first_chunk(one, "sk-erin", 4, read_all=True)  # 1 of erin's 3
+    token = stream_until_first_chunk(one, "sk-erin", 4)  # 1 of erin's 3, and the client left
     rid = token.rpartition(".")[0]
     headers = {"authorization": "Bearer sk-erin", "x-resume-token": token}
     replays = [httpx.get(f"{two}/v1/streams/{rid}", headers=headers, timeout=60) for _ in range(3)]
-    assert [r.status_code for r in replays] == [200, 200, 429]
+    # the first replay takes the whole answer (its stream then goes: the second finds nothing,
+    # its request of rpm taken all the same), the third is past the rpm
+    assert [r.status_code for r in replays] == [200, 404, 429]
     assert replays[2].json()["error"]["code"] == "rate_limited"
     assert "data: [DONE]" in replays[0].text
 

@@ -57,7 +57,7 @@ def test_a_held_step_ends_its_streams_with_engine_stalled_and_health_says_why(
     srv: Any, held: HeldSteps
 ) -> None:
     stalls: list[str] = []
-    dog = Watchdog(srv.worker, STALL_S, stalls.append).start()
+    dog = Watchdog(srv.worker, STALL_S, stalls.append, 4.0).start()
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     assert httpx.get(f"{srv.base_url}/health").status_code == 200
     error: dict[str, Any] = {}
@@ -89,7 +89,9 @@ def test_a_stuck_engine_hands_its_request_back_and_exits_for_its_supervisor(
     redis_server.client().flushdb()
     cluster = Cluster(redis_server.url, smollm_dir, tmp_path)
     try:
-        cluster.start_engine("stuck", "--fake-step-ms", "4000", "--stall-timeout-s", str(STALL_S))
+        # factor 1: its first step (a fresh engine's) is stuck past the timeout alone
+        flags = ["--fake-step-ms", "4000", "--stall-timeout-s", str(STALL_S), "--stall-factor", "1"]
+        cluster.start_engine("stuck", *flags)
         base = cluster.start_gateway()
         cluster.wait_ready(engines=1)
 

@@ -263,9 +263,9 @@ def _engine_side_classes() -> list[type]:
 
 @pytest.mark.parametrize("side", _engine_side_classes(), ids=lambda c: c.__name__)
 def test_every_engine_side_offers_what_the_worker_calls(side: type) -> None:
-    """The worker declares the broker it uses (worker.BrokerSide) and does not import
+    """The worker declares the broker it uses (worker_contract.BrokerSide) and does not import
     the broker package: each engine side must take the same calls, argument for argument."""
-    from wsllm.engine.worker import BrokerSide
+    from wsllm.engine.worker_contract import BrokerSide
 
     wanted = [n for n, v in vars(BrokerSide).items() if callable(v) and not n.startswith("_")]
     assert {"pull", "aborts", "publish", "heartbeat", "release"} <= set(wanted)

@@ -25,7 +25,7 @@ FORBIDDEN = {
         "wsllm.models",
         "wsllm.config",
     ),
-    # the worker sees the broker only through the Protocol it declares (worker.BrokerSide)
+    # the worker sees the broker only through the Protocol it declares (worker_contract.BrokerSide)
     "wsllm/engine": ("wsllm.server", "wsllm.broker", "asyncio"),
     "wsllm/models": ("wsllm.server", "wsllm.broker", "wsllm.engine"),
     "kernels": ("wsllm.server", "wsllm.broker", "wsllm.engine", "wsllm.models"),

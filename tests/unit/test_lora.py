@@ -198,7 +198,7 @@ def test_the_stalled_heartbeat_names_the_adapters_a_command_just_changed(
     engine = LLMEngine.from_config(
         EngineConfig(
             model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
-            lora=[f"all8={adapters['all8']}"], max_loras=2,
+            lora=[f"all8={adapters['all8']}"], max_loras=2, allow_adapter_dir=str(adapters["qv2"].parent),
         )
     )  # fmt: skip
     broker = MemoryBroker()

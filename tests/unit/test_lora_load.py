@@ -1,5 +1,5 @@
 """Adapters refused at load with a message that says why (a base they do not fit, a rank over
-`--max-lora-rank`, a missing file, unknown target modules, DoRA), at start and at run time, the
+`--max-lora-rank`, a missing file, unknown target modules, DoRA, a malformed file), at start and at run time, the
 engine serving on with nothing held; and the grouped LoRA kernels: the native pass on every ISA
 path and the Triton kernels (interpreter) equal the torch reference, and a row's native result
 does not depend on the other rows of its batch."""
@@ -23,8 +23,15 @@ from wsllm.models.lora import AdapterError
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.02, max_lora_rank=8)
+def llm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    allowed = str(tmp_path_factory.getbasetemp())  # every adapter these tests write
+    return LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_gb=0.02,
+        max_lora_rank=8,
+        allow_adapter_dir=allowed,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +90,61 @@ def test_bad_adapters_are_refused_at_run_time_and_the_engine_serves_on(
         adapters.unload("good")
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished()
+
+
+def test_a_run_time_load_reads_only_below_the_allowed_directory(
+    tiny_model_dir: Path, good: Path, tmp_path: Path
+) -> None:
+    """Without --allow-adapter-dir a run-time load is refused; with it, a path outside it
+    (or a link that leads out of it) is refused too; --lora at start is read wherever."""
+    from wsllm.engine.commands import apply_one
+    from wsllm.engine.engine import LLMEngine
+    from wsllm.types import AdapterCommand
+
+    def engine(allow: str | None) -> Any:
+        c = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, max_num_seqs=1,
+                         lora=[f"boot={good}"], allow_adapter_dir=allow)  # fmt: skip
+        return LLMEngine.from_config(c)
+
+    off = engine(None)
+    assert off.adapters.names() == ["boot"]
+    reply = apply_one(off, AdapterCommand("c1", "load", "x", str(good)), "e1")
+    assert reply.status == 403 and "--allow-adapter-dir" in reply.error, reply
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "link").symlink_to(good, target_is_directory=True)  # leads out of it
+    shutil.copytree(good, allowed / "inside")
+    on = engine(str(allowed))
+    for path in (good, allowed / "link", allowed / "inside" / ".." / ".." / good.name):
+        reply = apply_one(on, AdapterCommand("c2", "load", "x", str(path)), "e1")
+        assert reply.status == 403 and "not below --allow-adapter-dir" in reply.error, (path, reply)
+    assert apply_one(on, AdapterCommand("c3", "load", "x", str(allowed / "inside")), "e1").status == 200
+    assert sorted(on.adapters.names()) == ["boot", "x"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "bad-config"])
+def test_a_malformed_adapter_file_is_a_clear_400_at_run_time(
+    llm: LLM, good: Path, tmp_path: Path, damage: str
+) -> None:
+    """What the operator's load route answers (engine/commands.py): a file that is not
+    what it says (not safetensors, cut short, a config that is not JSON) is the operator's
+    400 naming the file, never a 500; the engine serves on."""
+    from wsllm.engine.commands import apply_one
+    from wsllm.types import AdapterCommand
+
+    bad = tmp_path / damage
+    shutil.copytree(good, bad)
+    weights, config = bad / "adapter_model.safetensors", bad / "adapter_config.json"
+    if damage == "garbage":
+        weights.write_bytes(b"this is not a safetensors file" * 8)
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        config.write_text("{not json")
+    reply = apply_one(llm.engine, AdapterCommand("c1", "load", damage, str(bad)), "e1")
+    assert reply.status == 400, reply
+    assert ("safetensors" if damage != "bad-config" else "adapter_config.json") in reply.error
+    assert damage not in llm.engine.adapters.names()
 
 
 def test_a_bad_adapter_stops_the_start_and_bad_flags_are_refused(tiny_model_dir: Path, good: Path) -> None:

@@ -44,6 +44,7 @@ def engines(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> list[Any]:
                 max_num_seqs=4,
                 dtype="float32",
                 lora=[f"{name}={adapter_dirs[name]}"],
+                allow_adapter_dir=str(adapter_dirs[name].parent),
             )
         )  # fmt: skip
         for name in ("a", "b")

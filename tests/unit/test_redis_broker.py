@@ -196,6 +196,72 @@ def test_an_engine_hands_its_requests_back_and_another_resumes_them(brokers) -> 
     assert [(e.seq, e.token_ids) for e in events] == [(0, [21]), (1, [22])]
 
 
+def test_a_hand_back_keeps_the_request_deliveries_and_it_is_dead_lettered_past_the_max(brokers) -> None:
+    """Engines that each take a request and hand it back (a drain): its delivery count
+    goes on across the new queue entries, so a request that no engine can finish ends
+    after `max_deliveries` instead of going round for ever."""
+    gw = brokers()
+    asyncio.run(gw.submit(req("r5b", temperature=0.8)))
+    for i in range(LEASE.max_deliveries):
+        engine = brokers(f"engine-{i}")
+        assert pull_until(engine)[0].request_id == "r5b"
+        assert engine.release(["r5b"]) == []
+    assert pull_for(brokers("engine-last"), 1.0) == []
+    (err,) = asyncio.run(read(gw, "r5b"))
+    assert err.error_code == "worker_lost" and "dead-letter" in (err.error or ""), err
+
+
+def test_a_request_a_stalled_engine_handed_on_is_not_handed_on_by_a_second(brokers) -> None:
+    gw, a, b, c = brokers(), brokers("engine-a"), brokers("engine-b"), brokers("engine-c")
+    asyncio.run(gw.submit(req("r5c")))
+    pull_until(a)
+    assert a.release(["r5c"], stalled=True) == []  # the first stall hands it on, marked
+    pull_until(b)
+    assert b.held.get("r5c").stalls == 1
+    assert b.release(["r5c"], stalled=True) == ["r5c"]  # the second keeps it: the worker ends it
+    assert pull_for(c, 1.0) == []  # never a third engine
+
+
+def test_requests_waiting_for_an_adapter_every_engine_unloaded_are_refused_at_once(brokers) -> None:
+    """A request for adapter A waits in A's set, which only A's holders take from: once an
+    unload took A from every engine that answered, nothing would ever take it (it waited
+    out --queue-timeout-s): it is refused then, as the memory broker's engine refuses it."""
+    import threading
+
+    from wsllm.types import AdapterCommand, AdapterReply
+
+    gw, engine = brokers(), brokers("engine-a")
+    assert engine.pull(1, timeout=0.05) == []  # it started (and from now on is full)
+    engine.heartbeat(EngineInfo("engine-a", "m", 2048, adapters=["A"]))
+    asyncio.run(gw.submit(replace(req("wA"), lora="A")))
+    stop = threading.Event()
+
+    def engine_loop() -> None:  # a full engine (takes nothing) that answers commands
+        while not stop.is_set():
+            engine.pull(0, timeout=0.05)
+            engine.aborts()
+            for c in engine.commands():
+                engine.reply(AdapterReply(c.command_id, "engine-a"))
+
+    t = threading.Thread(target=engine_loop, daemon=True)
+    t.start()
+    try:
+
+        async def unload_then_read() -> list[TokenEvent]:
+            reader = asyncio.create_task(read(gw, "wA"))
+            await gw.command("m", AdapterCommand("c1", "unload", "A"), 1, 10)
+            return await reader
+
+        t0 = time.monotonic()
+        (err,) = asyncio.run(unload_then_read())
+        assert time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+        t.join(5)
+    assert err.error_code == "invalid_request" and "'A' was unloaded" in (err.error or ""), err
+    assert asyncio.run(gw.pending()) == 0
+
+
 # -- aborts, resume, queue --------------------------------------------------------------------
 
 
@@ -446,6 +512,20 @@ def test_a_published_tokenizer_over_the_cap_is_not_read(brokers, monkeypatch: py
     assert asyncio.run(gateway.tokenizer_files("m")) == {"tokenizer.json": b"{" + bytes(500) + b"}"}
     engine.publish_tokenizer("m", {"tokenizer.json": bytes(2000)})
     assert asyncio.run(gateway.tokenizer_files("m")) is None
+
+
+def test_an_engine_that_starts_again_does_not_write_the_same_tokenizer_again(brokers, any_redis: Any) -> None:
+    """A tokenizer is megabytes (SmolLM2's: 3.4 MB): written again at every engine restart,
+    Redis's resident memory jumped with each; the same files are only touched."""
+    files = {"tokenizer.json": b"{" + bytes(5000) + b"}", "tokenizer_config.json": b"{}"}
+    brokers("e1").publish_tokenizer("m", files)
+    r = any_redis.client()
+    before = command_stats(r).get("cmdstat_hset", 0)
+    brokers("e2").publish_tokenizer("m", files)  # a restart: the same files
+    assert command_stats(r).get("cmdstat_hset", 0) == before
+    assert asyncio.run(brokers().tokenizer_files("m")) == files
+    brokers("e3").publish_tokenizer("m", files | {"tokenizer.json": b"{}"})  # new files: written
+    assert asyncio.run(brokers().tokenizer_files("m")) == files | {"tokenizer.json": b"{}"}
 
 
 def test_a_cluster_url_names_its_nodes_and_credentials() -> None:

@@ -91,6 +91,24 @@ def test_the_memory_store_drops_the_oldest_past_its_budget() -> None:
     asyncio.run(run())
 
 
+def test_the_memory_stores_total_is_paid_by_the_tenant_that_holds_the_most() -> None:
+    """Five tenants at the default budget (16 MiB each) are past the store's 64 MiB: the
+    total is kept by dropping the largest tenant's oldest records, never a small tenant's
+    because it came first."""
+
+    async def run() -> None:
+        store, budget = MemoryResponseStore(max_bytes=100), Budget(max_bytes=80, max_records=100)
+        assert await store.put("bob-1", "bob", bytes(20), 60, budget)  # the oldest record
+        for i in range(4):
+            assert await store.put(f"al-{i}", "alice", bytes(20), 60, budget)  # alice: 80, the total 100
+        assert await store.put("carol-1", "carol", bytes(20), 60, budget)  # 120: over the total
+        assert await store.get("bob-1", "bob") == bytes(20)  # bob holds little: his stays
+        assert await store.get("carol-1", "carol") == bytes(20)
+        assert await store.get("al-0", "alice") is None and store.tenant_bytes("alice") == 60
+
+    asyncio.run(run())
+
+
 def test_a_tenant_over_its_budget_loses_its_own_oldest_only(make_store: Any) -> None:
     """One key's 64 records of 1 MiB evicted everyone else's: a budget per tenant."""
     budget = Budget(max_bytes=100, max_records=3)

@@ -1,7 +1,8 @@
 """Tenants and the in-memory limiter, without a server: the keys file is checked at
 start with a message that names the tenant and the field; the token buckets refill
 continuously, refuse atomically and refund; a charge is set right after tokenizing
-(taken, given back, or a debt), an estimate over the bucket takes the whole bucket (so
+(taken, given back, or a debt), the coarse estimate is not far below the tokens of dense text or
+prompt logprobs, an estimate over the bucket takes the whole bucket (so
 concurrent ones cannot each leave a debt), and one over the whole bucket is a 429; leases end with
 `release`, and a request's own lease does not count against its resume."""
 
@@ -256,3 +257,29 @@ def test_headers_follow_openai() -> None:
         "x-ratelimit-reset-tokens": "6s",
     }
     assert ratelimit_headers(Tenant("u"), d) == {}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the quick brown fox jumps over the lazy dog " * 40,
+        "31415926535897932384626433" * 60,
+        "数据库的设计" * 80,
+    ],
+)
+def test_the_coarse_charge_is_not_below_what_the_text_tokenizes_to(smollm_dir: Path, text: str) -> None:
+    """Before tokenizing, a prompt is charged from its text: dense text (digits, which the
+    usual tokenizers split one by one; CJK) is not charged a quarter of its tokens, and
+    prompt logprobs (a second pass over the prompt, the exact charge's too) count twice."""
+    from tokenizers import Tokenizer
+
+    from wsllm.server.quota import coarse_charge, exact_charge
+    from wsllm.server.schemas import CompletionRequest
+    from wsllm.types import SamplingParams
+
+    tokens = len(Tokenizer.from_file(str(smollm_dir / "tokenizer.json")).encode(text).ids)
+    plain = coarse_charge(CompletionRequest(prompt=text, max_tokens=1), 16).estimate
+    assert tokens + 1 <= plain <= 2 * tokens + 1, (tokens, plain)
+    with_plp = coarse_charge(CompletionRequest(prompt=text, max_tokens=1, prompt_logprobs=1), 16).estimate
+    exact = exact_charge(tokens, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert exact <= with_plp, (exact, with_plp)

@@ -335,3 +335,122 @@ def test_without_tenants_the_same_queue_is_first_come_first_served(rig: Any) -> 
     worker, broker, events = rig
     waits = _steps_until_b_starts(worker, broker, events, "a")  # b's requests are a's too
     assert waits[0] >= 60 // 4 * 8, waits  # behind the other 60: 15 rounds of 8 steps
+
+
+# -- the watchdog (engine/watchdog.py) ----------------------------------------------------------
+
+
+class _Busy:
+    """A worker as the watchdog reads it: busy with `what` since 0, its steps `expected` s."""
+
+    engine_id = "e"
+
+    def __init__(self, what: str, expected: float) -> None:
+        self.what, self.expected = what, expected
+
+    def busy(self) -> tuple[float, str] | None:
+        return (0.0, self.what)
+
+    def expected_s(self) -> float:
+        return self.expected
+
+    def keepalive(self) -> None:
+        pass
+
+    def give_up(self, reason: str) -> None:
+        raise AssertionError("not called by check()")
+
+
+def test_a_step_is_stuck_only_past_the_timeout_and_past_the_factor_times_its_recent_steps() -> None:
+    """An 8,000-token prompt's chunks (3.5, 6.1, 9.1, 10.6 s) under --stall-timeout-s 8 are
+    progress, each a little longer than the last; a step far past both is not."""
+    from wsllm.engine.watchdog import Watchdog
+
+    dog = Watchdog(_Busy("one step", expected=3.0), 8.0, lambda why: None, 4.0)
+    assert dog.check(now=7.0) is None  # under the timeout
+    assert dog.check(now=11.0) is None  # past it, within 4 x the last steps' 3 s
+    why = dog.check(now=12.5)
+    assert why is not None and "in one step for 12s" in why and "up to 3.00s" in why
+    fresh = Watchdog(_Busy("one step", expected=0.0), 8.0, lambda why: None, 4.0)
+    assert fresh.check(now=31.0) is None  # no step finished yet: warming up, 4 x the timeout
+    assert fresh.check(now=33.0) is not None
+
+
+def test_the_watchdog_times_adapter_commands_too(engine: Any) -> None:
+    """An adapter load that never returns (a hung disk) stalls the engine as a step would."""
+    from wsllm.engine.watchdog import Watchdog
+    from wsllm.types import AdapterCommand
+
+    release = threading.Event()
+
+    class Adapters:
+        allow_dir = "/"
+
+        def names(self) -> list[str]:
+            return []
+
+        def load(self, name: str, path: str) -> None:
+            release.wait(30)
+
+    class WithAdapters:
+        def __init__(self) -> None:
+            self.adapters = Adapters()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+    broker = MemoryBroker()
+    worker = EngineWorker(WithAdapters(), broker, idle_wait_s=0.01)  # type: ignore[arg-type]
+    stalls: list[str] = []
+    dog = Watchdog(worker, 0.5, stalls.append, 4.0).start()
+    worker.start()
+    sender = threading.Thread(
+        target=lambda: asyncio.run(broker.command("m", AdapterCommand("c1", "load", "x", "/nowhere"), 1, 5)),
+        daemon=True,
+    )
+    sender.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not stalls:
+            assert time.monotonic() < deadline, "the watchdog never fired"
+            time.sleep(0.05)
+        assert "applying adapter commands" in stalls[0] and worker.stalled == stalls[0]
+    finally:
+        release.set()
+        dog.stop()
+        worker.stop()
+        broker.close()
+
+
+def test_a_busy_engines_heartbeat_goes_on_from_the_watchdog_from_its_first_step(engine: Any) -> None:
+    """A step that takes long (its first on a loaded machine, a long prompt's chunk) is
+    not a dead engine: the watchdog heartbeats for it, so that it stays registered and
+    (on Redis) keeps its leases, even before its first iteration ended."""
+    from wsllm.engine.watchdog import Watchdog
+
+    release = threading.Event()
+
+    class Slow:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def step(self) -> list[Any]:
+            release.wait(30)
+            return list(engine.step())
+
+    broker = MemoryBroker()
+    submit(broker, "slow")
+    worker = EngineWorker(Slow(), broker, idle_wait_s=0.01, heartbeat_s=0.2)  # type: ignore[arg-type]
+    dog = Watchdog(worker, 60.0, lambda why: None, 4.0).start()
+    worker.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not asyncio.run(broker.engines()):
+            assert time.monotonic() < deadline, "no heartbeat while the first step ran"
+            time.sleep(0.05)
+        assert worker.busy() is not None and worker.steps == 0  # still in that first step
+    finally:
+        release.set()
+        dog.stop()
+        worker.stop()
+        broker.close()

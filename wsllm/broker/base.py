@@ -52,6 +52,9 @@ def read_tokenizer_files(directory: str | Path) -> dict[str, bytes]:
     return files
 
 
+#: how many times a request held by a stalled engine is handed on to another (`release`)
+STALL_HANDOFFS = 1
+
 #: an engine's admission order for queued requests: lower goes first
 Rank = Callable[[GenerateRequest], Any]
 
@@ -132,6 +135,10 @@ class GatewayBroker(abc.ABC):
     async def reachable(self, timeout: float) -> bool:
         """Whether the broker's store answers within `timeout` seconds (`/health`)."""
         return True
+
+    async def retire(self, request_id: str, model: str, tenant: str) -> None:  # noqa: B027 - optional hook
+        """The request's client took its whole answer: nothing needs its events for a resume
+        any more (a resumable broker drops them now instead of after its retention)."""
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """This gateway stops receiving `request_id`'s events; the request goes on."""
@@ -253,10 +260,14 @@ class EngineBroker(abc.ABC):
     def reply(self, reply: AdapterReply) -> None:  # noqa: B027 - optional hook
         """Answer a command from `commands()` (the gateway waits for it)."""
 
-    def release(self, request_ids: list[str]) -> list[str]:
+    def release(self, request_ids: list[str], stalled: bool = False) -> list[str]:
         """Hand requests this engine pulled back to the queue, for another engine to
-        finish (graceful shutdown). Returns those it could not hand back; the worker
-        fails them with `worker_lost`."""
+        finish (graceful shutdown; `stalled`: the engine is stuck, its watchdog gave up on
+        it). Each keeps its count of deliveries, and of the stalled engines that held it:
+        a request a stalled engine had handed on before is not handed on again (at most
+        `STALL_HANDOFFS` times: a request of death reaches two engines, never a third).
+        Returns those it could not hand back; the worker fails them with `worker_lost`
+        (`engine_stalled` when stalled)."""
         return list(request_ids)
 
     @abc.abstractmethod

@@ -10,7 +10,10 @@ operator's load and unload commands reach a model's engines.
   every engine of the model reads each iteration anyway; each engine applies it between
   two steps and answers on the command's reply stream `{model}:cr:{command id}` (field `r`,
   expiring after `REPLY_TTL_MS`), which the gateway reads until every live engine answered
-  or its timeout passed. An engine that starts later loads only its own `--lora` flags."""
+  or its timeout passed. An engine that starts later loads only its own `--lora` flags.
+- An unload that every engine that answered applied (`refuse_waiting`): the requests still
+  waiting for the adapter are refused at once (nothing holds it, so nothing would take them
+  before their queue deadline), each with its failure event in its streams."""
 
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import time
 from typing import Any
 
 from wsllm.broker.base import BrokerUnavailable
+from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_keys import UNAVAILABLE, Keys
+from wsllm.broker.redis_scripts import REFUSE
 from wsllm.config_redis import RedisConfig
-from wsllm.types import AdapterCommand, AdapterReply, WireError
-from wsllm.wire import decode_command, decode_reply, encode_adapter
+from wsllm.types import ERR_INVALID_REQUEST, AdapterCommand, AdapterReply, TokenEvent, WireError
+from wsllm.wire import decode_command, decode_reply, encode, encode_adapter
 
 #: how long an engine's answer to a command stays readable
 REPLY_TTL_MS = 60_000
@@ -66,9 +71,30 @@ async def send_command(
 ) -> list[AdapterReply]:
     """The gateway's side: send `command` to `model`'s engines and gather their replies."""
     try:
-        return await _send(client, keys, model, command, engines, timeout, cfg.aborts_maxlen)
+        replies = await _send(client, keys, model, command, engines, timeout, cfg.aborts_maxlen)
+        gone = replies and len(replies) >= engines and all(r.status in (200, 404) for r in replies)
+        if command.action == "unload" and gone:  # no engine holds it now
+            await refuse_waiting(client, keys, model, command.name, cfg)
+        return replies
     except UNAVAILABLE as e:
         raise BrokerUnavailable(f"redis is unreachable: {e}") from None
+
+
+async def refuse_waiting(client: Any, keys: Keys, model: str, adapter: str, cfg: RedisConfig) -> list[str]:
+    """Refuse the requests waiting for `adapter`, which no engine holds any more."""
+    message = f"the LoRA adapter {adapter!r} was unloaded while this request waited"
+    before, after = encode([TokenEvent.failure("\0", ERR_INVALID_REQUEST, message, 0)]).split(b'"\\u0000"')
+    retention_ms = int(cfg.stream_retention_s * 1000)
+    args = [
+        adapter_target(adapter),
+        keys.out(model, ""),
+        retention_ms,
+        before,
+        after,
+        keys.model_tag(model) + ":",
+    ]
+    refused = await eval_script(client, REFUSE, [keys.queue(model)], args)
+    return [r.decode() if isinstance(r, bytes) else str(r) for r in refused or []]
 
 
 async def _send(

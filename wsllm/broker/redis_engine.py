@@ -228,7 +228,7 @@ class RedisEngine(EngineBroker):
         out = []
         for d in decisions:
             if d.request is not None and d.plan in (Plan.FRESH, Plan.REPLAY):
-                if self.hold(d.entry_id, d.request, d.replay, d.fields):
+                if self.hold(d.entry_id, d.request, d.replay, d.fields, d.marks):
                     out.append(d.request)
             elif d.plan is Plan.DEAD:
                 self.dead.request_entry(d.entry_id, d.fields, d.reason, final=d.final)
@@ -245,9 +245,10 @@ class RedisEngine(EngineBroker):
         req: GenerateRequest,
         replay: Replay | None = None,
         fields: dict[bytes, bytes] | None = None,
+        marks: tuple[int, int] = (1, 0),
     ) -> bool:
         results, start = results_of(fields or {}, entry_id, self.keys.model_tag(self.model))
-        if not self.held.hold(entry_id, req, replay, results, start):  # delivered twice: run it once
+        if not self.held.hold(entry_id, req, replay, results, start, marks):  # delivered twice: run it once
             log.warning("%s: %s is already running here", self.consumer, req.request_id)
             return False
         return True
@@ -338,8 +339,8 @@ class RedisEngine(EngineBroker):
     def deregister(self, engine_id: str) -> None:
         self.registration.deregister(engine_id)
 
-    def release(self, request_ids: list[str]) -> list[str]:
-        return self.registration.release(request_ids)
+    def release(self, request_ids: list[str], stalled: bool = False) -> list[str]:
+        return self.registration.release(request_ids, stalled)
 
     def dead_letter(self, item: object, reason: str) -> None:
         self.dead.item(item, reason)

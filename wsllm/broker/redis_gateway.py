@@ -8,7 +8,7 @@ resumed request is read from its history stream and the results stream it went
 through. Every event's `seq` is checked per choice, so a duplicate (a retried
 publish, or the history's copy) is dropped and a gap ends the request with
 `worker_lost` instead of wrong text. An entry it cannot read ends its own request
-with `worker_lost` and nothing else. When Redis comes back after an outage it checks
+with `worker_lost` and nothing else. When Redis comes back after an outage its readers check
 that each followed request still exists (Redis may have restarted empty) and ends
 those that do not.
 """
@@ -41,6 +41,7 @@ from wsllm.broker.redis_queue import Positions
 from wsllm.broker.redis_reader import READ_BLOCK_MS, ModelReader, sid
 from wsllm.broker.redis_registry import RegistryReader
 from wsllm.broker.redis_responses import RedisResponseStore
+from wsllm.broker.redis_retention import retire
 from wsllm.broker.redis_scripts import ABORT, SUBMIT
 from wsllm.broker.response_store import ResponseStore
 from wsllm.config_redis import RedisConfig
@@ -180,6 +181,12 @@ class RedisGateway(GatewayBroker):
         attached = "" if attach is None else str(attach)
         args = [request_id, retention, marker, attached, self._results_ttl_ms, self.cfg.aborts_maxlen]
         return bool(await self._call(ABORT, keys, args) == 1)
+
+    async def retire(self, request_id: str, model: str, tenant: str) -> None:
+        try:
+            await retire(self.client(), self.keys, model, request_id, tenant)
+        except UNAVAILABLE as e:  # its keys expire after the retention instead
+            log.warning("could not drop the keys of %s at once: %s", request_id, e)
 
     async def model_of(self, request_id: str) -> str | None:
         """The model whose slot holds the request's result stream: known for a request
@@ -326,21 +333,6 @@ class RedisGateway(GatewayBroker):
             reader = ModelReader(self, model)
             task = asyncio.get_running_loop().create_task(reader.run(self._out), name=f"wsllm-read-{model}")
             self._readers[model] = (reader, task)
-
-    async def check_followed(self, model: str) -> list[TokenEvent]:
-        """After an outage: end the followed requests that Redis no longer knows."""
-        rids = [r for r, f in self._follows.items() if f.model == model]
-        if not rids:
-            return []
-        pipe = self.client().pipeline(transaction=False)
-        for rid in rids:
-            pipe.xrange(self.keys.out(model, rid), count=1)
-        lost = []
-        for rid, first in zip(rids, await pipe.execute(), strict=True):
-            if not first or b"m" not in first[0][1]:
-                self.forget(rid)
-                lost.append(TokenEvent.lost(rid, "the broker restarted and lost this request"))
-        return lost
 
     # -- registry and queue ----------------------------------------------------------------
 

@@ -30,6 +30,9 @@ class Held:
     flushed_at: float = 0.0
     dropped: bool = False  # not ours any more (lost lease, handed back): publish nothing
     aborted: bool = False  # the worker was told to abort it
+    history_bytes: int = 0  # of its events written to its history stream by this engine
+    deliveries: int = 1  # to any engine, this one's included (kept across hand-backs: `dv`)
+    stalls: int = 0  # stalled engines that held it before and handed it on (`x`)
 
 
 class HeldRequests:
@@ -44,14 +47,21 @@ class HeldRequests:
         self._aborts: list[str] = []  # requests to stop, for the worker's next `aborts()`
 
     def hold(
-        self, entry_id: str, req: GenerateRequest, replay: Replay | None, results: str, start: str
+        self,
+        entry_id: str,
+        req: GenerateRequest,
+        replay: Replay | None,
+        results: str,
+        start: str,
+        marks: tuple[int, int] = (1, 0),
     ) -> bool:
-        """Hold a pulled request; False when it is held already (delivered twice)."""
+        """Hold a pulled request (`marks`: its deliveries and stalls so far, this one's
+        included); False when it is held already (delivered twice)."""
         with self.lock:
             if req.request_id in self.by_id:
                 return False
-            held = Held(entry_id, req.params.n, req, set(), replay, results, start)
-            held.flushed_at = time.monotonic()
+            held = Held(entry_id, req.params.n, req, set(), replay, results, start, deliveries=marks[0])
+            held.stalls, held.flushed_at = marks[1], time.monotonic()
             self.by_id[req.request_id] = held
         return True
 

@@ -22,6 +22,8 @@ or script touches:
     {p}:{model}:att:{rid}   how many times a client resumed the request: a grace abort goes
                             ahead only if nobody resumed it since the client it waits for left
     {p}:{model}:w:{gateway} a gateway's wake-up stream for this model (a new request to read)
+    {p}:{model}:kept:{tenant} the tenant's ended requests whose history streams are kept for a
+                            resume, by end time; `:b` their bytes, within the tenant's budget
     {p}:{model}:dead        dead-letter stream: queue and abort entries no engine can serve,
                             with the reason
     {p}:{model}:tok         the model's tokenizer files, published by its engines
@@ -118,6 +120,12 @@ class Keys:
 
     def wake(self, model: str, gateway_id: str) -> str:
         return f"{self.model_tag(model)}:w:{gateway_id}"
+
+    def retained(self, model: str, tenant: str) -> str:
+        """The ended requests of `tenant` whose history streams stay resumable (sorted set
+        by end time; with `:b`, the hash of their bytes and `_` their sum:
+        `redis_retention.py`)."""
+        return f"{self.model_tag(model)}:kept:{tenant}"
 
     def dead(self, model: str) -> str:
         return f"{self.model_tag(model)}:dead"

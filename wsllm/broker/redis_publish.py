@@ -1,8 +1,8 @@
 """An engine step's events into Redis (the engine side's `publish`): one pipelined
 round trip per step: one `XADD` per gateway (its results stream: that step's events
 of all its requests), a copy of a request's events to its own history stream every
-`history_flush_s` and when it ends, plus `XACK` + `XDEL` (+ expiry) for the requests
-that ended. While Redis is down it retries until Redis is back or the broker closes
+`history_flush_s` and when it ends, plus `XACK` + `XDEL` (+ expiry, and their
+tenants' retention: redis_retention.py) for the requests that ended. While Redis is down it retries until Redis is back or the broker closes
 (gateways drop a repeated event by its `seq`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from wsllm.broker.redis_held import Held, HeldRequests
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
 from wsllm.broker.redis_queue import taken_key
 from wsllm.broker.redis_recovery import results_of
+from wsllm.broker.redis_retention import retain
 from wsllm.config_redis import RedisConfig
 from wsllm.types import TokenEvent
 from wsllm.wire import encode
@@ -52,6 +53,7 @@ class Publisher:
         live: dict[str, list[TokenEvent]] = {}  # results stream -> this step's events for it
         history: list[tuple[str, bytes]] = []  # (request id, its events), in XADD order
         ended: list[tuple[str, str]] = []
+        kept: dict[str, list[tuple[str, int]]] = {}  # tenant -> its ended requests' history bytes
         now = time.monotonic()
         with self.held.lock:
             for rid, evs in by_request.items():
@@ -60,7 +62,8 @@ class Publisher:
                     history.append((rid, encode(evs)))
                     continue
                 evs = self._filter(held, evs)
-                if self._ended(held, evs):
+                done = self._ended(held, evs)
+                if done:
                     del self.held.by_id[rid]
                     if not held.dropped:
                         ended.append((held.entry_id, rid))
@@ -69,19 +72,25 @@ class Publisher:
                 if evs and held.results:
                     live.setdefault(held.results, []).extend(evs)
                 held.unflushed.extend(evs)
-                # The history gets a copy now and then; an ended request's last events stay
-                # in the results stream for the retention (RedisConfig.results_tail_s).
-                if held.unflushed and (not held.results or now - held.flushed_at >= self.cfg.history_flush_s):
-                    history.append((rid, encode(held.unflushed)))
+                # The history gets a copy now and then, and the last events when the request
+                # ends: the results stream keeps a short tail only (RedisConfig.results_tail_s).
+                flush = done or not held.results or now - held.flushed_at >= self.cfg.history_flush_s
+                if held.unflushed and flush:
+                    data = encode(held.unflushed)
+                    history.append((rid, data))
+                    held.history_bytes += len(data)
                     held.unflushed, held.flushed_at = [], now
+                if done:
+                    kept.setdefault(held.request.tenant, []).append((rid, held.history_bytes))
         if live or history or ended:
-            self._write(live, history, ended)
+            self._write(live, history, ended, kept)
 
     def _write(
         self,
         live: dict[str, list[TokenEvent]],
         history: list[tuple[str, bytes]],
         ended: list[tuple[str, str]],
+        kept: dict[str, list[tuple[str, int]]],
     ) -> None:
         tail_s = self.cfg.results_tail_s
         min_id = f"{max(0, int((time.time() - tail_s) * 1000))}-0"
@@ -97,6 +106,7 @@ class Publisher:
             for key in expire:  # the stream of a gateway gone for good goes away
                 pipe.pexpire(key, self.cfg.results_ttl_ms)
             self._add_acks(pipe, ended)
+            retain(pipe, self.keys, self.cfg, self.model, kept)  # after their expiry is set
 
         # One pipeline, no MULTI: each gateway's read wakes once anyway (one entry per step).
         results = self._execute(build)

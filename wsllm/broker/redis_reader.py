@@ -88,6 +88,22 @@ class ModelReader:
                     r.cursors[f.results] = f.tail_id
         return r
 
+    async def _check_followed(self) -> list[TokenEvent]:
+        """After an outage: end the followed requests that Redis no longer knows (it may
+        have restarted empty)."""
+        rids = [rid for rid, _ in self.gw.follows_of(self.model)]
+        if not rids:
+            return []
+        pipe = self.gw.client().pipeline(transaction=False)
+        for rid in rids:
+            pipe.xrange(self.gw.keys.out(self.model, rid), count=1)
+        lost = []
+        for rid, first in zip(rids, await pipe.execute(), strict=True):
+            if not first or b"m" not in first[0][1]:
+                self.gw.forget(rid)
+                lost.append(TokenEvent.lost(rid, "the broker restarted and lost this request"))
+        return lost
+
     async def run(self, out: asyncio.Queue[list[Read]]) -> None:
         reader: Any = None
         wake_id = "$"
@@ -115,7 +131,7 @@ class ModelReader:
                     if broken:
                         broken = False
                         log.warning("redis is back; checking the followed requests of %s", self.model)
-                        lost = await self.gw.check_followed(self.model)
+                        lost = await self._check_followed()
                         if lost:
                             out.put_nowait([(ev, None) for ev in lost])
                 except UNAVAILABLE as e:

@@ -53,6 +53,7 @@ class Decision:
     replay: Replay | None = None  # Plan.REPLAY: drops what the client already has
     final: TokenEvent | None = None  # Plan.LOST / DEAD: the request's last event
     reason: str = ""  # Plan.DEAD: why, for the dead-letter stream
+    marks: tuple[int, int] = (1, 0)  # its deliveries (this one's included) and stalls so far
 
 
 class Recovery:
@@ -112,11 +113,14 @@ class Recovery:
             if stream is not None and self._results_of(fields, entry_id)[0]:
                 stream = (stream, next(results))
             pend = next(results)
-            deliveries = int(pend[0]["times_delivered"]) if pend else 1
+            before, stalls = marks_of(fields)  # a hand-back's new entry counts from its first
+            deliveries = before + (int(pend[0]["times_delivered"]) if pend else 1)
             if not isinstance(req, GenerateRequest):
                 out.append(Decision(entry_id, fields, Plan.DEAD, reason=f"invalid request entry: {req}"))
             else:
-                out.append(self._decide_one(entry_id, fields, req, stream or [], deliveries))
+                d = self._decide_one(entry_id, fields, req, stream or [], deliveries)
+                d.marks = (deliveries, stalls)
+                out.append(d)
         return out
 
     def _decide_one(
@@ -176,6 +180,18 @@ class Recovery:
             if not self.r.exists(self.keys.engine(name)):
                 self.r.xgroup_delconsumer(self.queue, GROUP, name)
                 log.info("%s: removed the consumer of gone engine %s", self.consumer, name)
+
+
+def marks_of(fields: dict[bytes, bytes]) -> tuple[int, int]:
+    """What a handed-back entry carries of its request's past (`redis_registry.release`):
+    its deliveries before this entry (`dv`) and the stalled engines that held it and
+    handed it on (`x`); (0, 0) for a new entry, or marks that are not counts."""
+
+    def count(key: bytes) -> int:
+        raw = fields.get(key, b"0")
+        return int(raw) if raw.isdigit() and len(raw) < 6 else 0
+
+    return count(b"dv"), count(b"x")
 
 
 def results_of(fields: dict[bytes, bytes], entry_id: str, tag: str) -> tuple[str, str]:

@@ -9,6 +9,7 @@ requests (`redis_held.py`), which it is given."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import weakref
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 import redis.exceptions
 
-from wsllm.broker.base import MAX_TOKENIZER_BYTES, TOKENIZER_FILES
+from wsllm.broker.base import MAX_TOKENIZER_BYTES, STALL_HANDOFFS, TOKENIZER_FILES
 from wsllm.broker.redis_conn import eval_script
 from wsllm.broker.redis_held import HeldRequests
 from wsllm.broker.redis_keys import GROUP, UNAVAILABLE, Keys
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 ENGINES_CACHE_S = 1.0
 # A model's published tokenizer outlives its last engine by this much (milliseconds).
 _TOKENIZER_TTL_MS = 24 * 3600 * 1000
+# The field of a published tokenizer that holds its files' digest (no tokenizer file is named so).
+_DIGEST = "_sha256"
 
 
 class Registry:
@@ -81,12 +84,18 @@ class Registry:
 
     def publish_tokenizer(self, files: dict[str, bytes]) -> None:
         """Store this model's tokenizer files for the gateways (kept while any engine of
-        the model heartbeats, then for a day)."""
+        the model heartbeats, then for a day), with their digest (`_DIGEST`): an engine
+        that starts again finds the same files there and only refreshes their TTL, instead
+        of writing megabytes again at every restart (Redis's memory jumps with each)."""
         key = self.keys.tokenizer(self.model)
+        digest = hashlib.sha256(b"".join(n.encode() + b"\0" + files[n] for n in sorted(files))).hexdigest()
+        if files and self.r.hget(key, _DIGEST) == digest.encode():
+            self.r.pexpire(key, _TOKENIZER_TTL_MS)
+            return
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(key)
         if files:
-            pipe.hset(key, mapping=files)
+            pipe.hset(key, mapping={**files, _DIGEST: digest})
             pipe.pexpire(key, _TOKENIZER_TTL_MS)
         pipe.execute()
 
@@ -106,17 +115,20 @@ class Registry:
         except redis.exceptions.ResponseError:
             pass
 
-    def release(self, request_ids: list[str]) -> list[str]:
+    def release(self, request_ids: list[str], stalled: bool = False) -> list[str]:
         """Re-queue held requests (marked `h`: their result streams are checked when
-        they are pulled again; counted as waiting until a take delivers them) and ack
-        the old entries, atomically per request; then wake the model's engines."""
+        they are pulled again; counted as waiting until a take delivers them; with their
+        deliveries so far, `dv`, and, `x`, the stalled engines that held them, this one
+        too when `stalled`) and ack the old entries, atomically per request; then wake the
+        model's engines. A stalled engine keeps what a stalled engine handed on before."""
         left = []
         for rid in request_ids:
             held = self.held.get(rid)
-            if held is None or held.dropped:
+            if held is None or held.dropped or (stalled and held.stalls >= STALL_HANDOFFS):
                 left.append(rid)
                 continue
-            fields = {"r": encode(held.request), "h": "1", "s": held.results, "st": held.start}
+            marks = {"dv": held.deliveries, "x": held.stalls + stalled}
+            fields = {"r": encode(held.request), "h": "1", "s": held.results, "st": held.start} | marks
             pipe = self.r.pipeline(transaction=True)
             pipe.xadd(self.queue, fields)
             pipe.xack(self.queue, GROUP, held.entry_id)

@@ -2,8 +2,8 @@
 script that uses a library's functions is run as the library's text followed by its
 own. Each file says what it does, its KEYS and ARGV, and what it returns; the Python
 around them is `redis_queue.py` (the queue), `redis_limits.py` (the tenants' buckets),
-`redis_engine.py` / `redis_gateway.py` (the registry, leases) and
-`redis_responses.py`. Every key a script touches is in one cluster slot: its KEYS."""
+`redis_engine.py` / `redis_gateway.py` (the registry, leases), `redis_retention.py`
+and `redis_responses.py`. Every key a script touches is in one cluster slot: its KEYS."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ TAKE = lua("queue_lib", "queue_take")
 EXPIRE = lua("queue_lib", "queue_sets", "queue_expire")
 POSITIONS = lua("queue_sets", "queue_positions")
 ABORT = lua("queue_lib", "queue_abort")
+REFUSE = lua("queue_lib", "queue_refuse")
 # The engine registry and an engine's leases on the entries it holds.
 ENGINES = lua("engines")
 REFRESH = lua("lease_refresh")
@@ -37,3 +38,7 @@ LIMIT_REFRESH = lua("limit_refresh")
 # (redis_responses.py).
 RESPONSE_PUT = lua("response_put")
 RESPONSE_DELETE = lua("response_delete")
+# Finished requests' history streams: kept within their tenant's bytes, gone once their
+# client took the whole answer (redis_retention.py).
+STREAM_RETAIN = lua("stream_retain")
+STREAM_RETIRE = lua("stream_retire")

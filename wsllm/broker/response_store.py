@@ -13,7 +13,8 @@ lives: a background response still running when its client deleted it cannot sto
 itself again (it is stopped too, by the wing).
 
 The broker a gateway runs on hands it the matching store (`Broker.response_store()`):
-this in-process one, also bounded by its total size (the oldest records go first), or
+this in-process one, also bounded by its total size (past it, the oldest records of the
+tenant that holds the most go first: a tenant within its budget never pays for others), or
 the Redis one (`redis_responses.py`), whose total Redis's `maxmemory` bounds
 (docker-compose.yml, docs/deployment.md)."""
 
@@ -93,12 +94,13 @@ class MemoryResponseStore(ResponseStore):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._tenants: dict[str, OrderedDict[str, int]] = {}  # tenant -> its records' ids -> bytes
+        self._held: dict[str, int] = {}  # tenant -> the sum of its records' bytes
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self._tenants.values())
 
     def tenant_bytes(self, tenant: str) -> int:
-        return sum(self._tenants.get(tenant, {}).values())
+        return self._held.get(tenant, 0)
 
     async def put(
         self, response_id: str, tenant: str, record: bytes, ttl_s: float, budget: Budget = UNBOUNDED
@@ -116,7 +118,8 @@ class MemoryResponseStore(ResponseStore):
         self._bytes += e.cost
         mine = self._tenants.setdefault(tenant, OrderedDict())
         mine[response_id] = len(record)
-        while len(mine) > budget.max_records or sum(mine.values()) > budget.max_bytes:
+        self._held[tenant] = self._held.get(tenant, 0) + len(record)
+        while len(mine) > budget.max_records or self._held[tenant] > budget.max_bytes:
             self._drop(next(iter(mine)))  # the tenant's oldest, never another's
         self._sweep()
         return True
@@ -145,15 +148,25 @@ class MemoryResponseStore(ResponseStore):
             return
         self._bytes -= e.cost
         mine = self._tenants.get(e.tenant)
-        if mine is not None and mine.pop(response_id, None) is not None and not mine:
-            del self._tenants[e.tenant]
+        size = mine.pop(response_id, None) if mine is not None else None
+        if size is not None:
+            self._held[e.tenant] -= size
+            if not mine:
+                del self._tenants[e.tenant], self._held[e.tenant]
 
     def _sweep(self) -> None:
-        """Expired records and tombstones from the oldest end, then the oldest while over
-        budget (records usually share one TTL, so the oldest expire first)."""
+        """Expired records and tombstones from the oldest end (records usually share one
+        TTL, so the oldest expire first); then, while over the total, the oldest records
+        of the tenant that holds the most bytes (tombstones alone: the oldest entries)."""
         now = time.monotonic()
         while self._entries:
             rid, e = next(iter(self._entries.items()))
-            if e.expires > now and self._bytes <= self.max_bytes:
-                return
+            if e.expires > now:
+                break
             self._drop(rid)
+        while self._bytes > self.max_bytes and self._entries:
+            if not self._tenants:
+                self._drop(next(iter(self._entries)))
+                continue
+            largest = max(self._held, key=self._held.__getitem__)
+            self._drop(next(iter(self._tenants[largest])))

@@ -61,6 +61,8 @@ class Adapters:
         self.dtype = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
         self._paths: dict[str, str] = {}  # every registered adapter: name -> its directory
         self._held: OrderedDict[str, LoraAdapter] = OrderedDict()  # the resident, least recent first
+        #: where run-time loads may read from (engine/commands.py checks; None: nowhere)
+        self.allow_dir = config.allow_adapter_dir
         for name, path in config.lora_specs().items():
             self.load(name, path)
 

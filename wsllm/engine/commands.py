@@ -2,7 +2,13 @@
 applied by the worker between two steps: each command the broker delivered is applied to
 the engine's adapters (engine/adapters.py), the engine's heartbeat is sent at once (so that
 the gateways see its adapters change before the answers reach them), then each command is
-answered. A command that fails costs nothing else: the engine serves on.
+answered. A command that fails costs nothing else: the engine serves on. A refusal the
+operator can fix (a bad path or file, a rank over the limit) is a 400 saying why; only
+what the engine did not foresee is a 500.
+
+A run-time load reads only below `--allow-adapter-dir` (the path resolved, symlinks
+followed); without it every run-time load is refused (403): the operator's key must not
+make the engine read any file the process can.
 
 Loading reads and checks the adapter on the step thread: the engine's steps pause for as
 long as that takes (a few milliseconds for a rank-8 adapter of a small model)."""
@@ -11,7 +17,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
+
+from safetensors import SafetensorError
 
 from wsllm.types import AdapterCommand, AdapterReply
 
@@ -69,6 +78,9 @@ def apply_one(engine: ServesAdapters, command: AdapterCommand, engine_id: str) -
     if adapters is None:
         reply.status, reply.error = 400, "this engine serves no LoRA adapters"
         return reply
+    if command.action == "load" and (refusal := _refused_path(command.path, adapters.allow_dir)):
+        reply.status, reply.error = 403, refusal
+        return reply
     try:
         if command.action == "load":
             adapters.load(command.name, command.path)
@@ -80,7 +92,22 @@ def apply_one(engine: ServesAdapters, command: AdapterCommand, engine_id: str) -
         reply.status, reply.error = 404, str(e)
     except ValueError as e:  # models/lora.py: AdapterError, and the registry's refusals
         reply.status, reply.error = 400, str(e)
+    except SafetensorError as e:  # a weights file that is not what it says: the operator's to fix
+        reply.status, reply.error = 400, f"{command.path}: its weights (safetensors) cannot be read: {e}"
+    except OSError as e:
+        reply.status, reply.error = 400, f"{command.path}: the adapter cannot be read: {e}"
     except Exception:
         log.exception("adapter command %s %s failed", command.action, command.name)
         reply.status, reply.error = 500, f"{command.action} of {command.name!r} failed; see the engine's log"
     return reply
+
+
+def _refused_path(path: str, allow_dir: str | None) -> str | None:
+    """Why a run-time load may not read `path`; None when it is below `allow_dir`."""
+    if allow_dir is None:
+        return "run-time adapter loads are off on this engine: --allow-adapter-dir names where they may come from"
+    try:
+        inside = Path(path).expanduser().resolve().is_relative_to(Path(allow_dir).expanduser().resolve())
+    except (OSError, RuntimeError, ValueError):
+        inside = False
+    return None if inside else f"{path!r} is not below --allow-adapter-dir ({allow_dir})"

@@ -81,7 +81,7 @@ class FakeEngine:
         self.num_aborted_total = 0
         self.adapters = None  # it holds no LoRA adapter
 
-    # -- the Engine contract (wsllm.engine.worker.Engine) ----------------------------
+    # -- the Engine contract (wsllm.engine.worker_contract.Engine) ----------------------------
 
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request; ValueError on what LLMEngine would refuse too, EngineBusy

@@ -2,87 +2,41 @@
 own thread, in a deployment it is the engine process's main loop.
 
 One iteration:
-  1. pull as many requests as the engine can admit now (`free_capacity()`), check each
-     against the wire schema (`wire.check_request`; what fails goes to the broker's
-     dead letters) and add it; a request the engine refuses, or that fails while it
-     is added, becomes an error event for that request only, never a crash;
+  1. pull as many requests as the engine can admit now (`free_capacity()`) and hand
+     them to the intake (intake.py: checked, added, or each its own error event);
   2. apply aborts (after the adds: one that raced a pull still lands) and adapter commands;
   3. step the engine and publish one batch of TokenEvents for the whole step.
 
 `drain_gracefully()` (SIGTERM in `wsllm engine`) stops pulling, lets the engine finish
 what it holds for a while, then hands the rest back to the broker for another engine
 (`BrokerSide.release`); what the broker cannot take back ends with `worker_lost`.
+The engine and the broker side it uses are Protocols (worker_contract.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
-from typing import Any, Protocol
+from typing import Any
 
 from wsllm.engine.commands import apply_commands, held_adapters
+from wsllm.engine.intake import Intake
 from wsllm.engine.live import LiveRequests
-from wsllm.engine.outputs import EngineStats, RequestOutput
-from wsllm.types import (
-    ERR_ENGINE_BUSY,
-    ERR_ENGINE_STALLED,
-    ERR_INTERNAL,
-    ERR_INVALID_REQUEST,
-    ERR_QUEUE_TIMEOUT,
-    ERR_WORKER_LOST,
-    AdapterCommand,
-    AdapterReply,
-    EngineBusy,
-    EngineInfo,
-    GenerateRequest,
-    TokenEvent,
-    WireError,
-)
-from wsllm.wire import check_request
+from wsllm.engine.worker_contract import BrokerSide, Engine
+from wsllm.types import ERR_ENGINE_STALLED, ERR_INTERNAL, ERR_WORKER_LOST, EngineInfo, TokenEvent
 
 log = logging.getLogger(__name__)
 
-
-class Engine(Protocol):
-    """The part of LLMEngine the worker uses."""
-
-    model_name: str
-    max_model_len: int
-    adapters: Any  # its LoRA adapters (commands.AdapterRegistry); None where it serves none
-
-    def add_request(self, request: GenerateRequest) -> None: ...
-    def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
-    def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished(self) -> bool: ...
-    def free_capacity(self) -> int: ...
-    def stats(self) -> EngineStats: ...
-    def cached_prefix(self) -> tuple[int, list[bytes]]: ...
-
-
-class BrokerSide(Protocol):
-    """The engine's side of a broker, as this worker uses it. The broker package
-    declares the same calls (`broker.base.EngineBroker`, whose docstrings say what
-    each promises); every broker satisfies this Protocol without the engine importing
-    the broker (tests/unit/test_broker_contract.py checks it)."""
-
-    def pull(
-        self, max_n: int, timeout: float = 0.0, rank: Callable[[GenerateRequest], Any] | None = None
-    ) -> list[GenerateRequest]: ...
-    def aborts(self) -> list[str]: ...
-    def publish(self, events: list[TokenEvent]) -> None: ...
-    def heartbeat(self, info: EngineInfo) -> None: ...
-    def deregister(self, engine_id: str) -> None: ...
-    def dead_letter(self, item: object, reason: str) -> None: ...
-    def release(self, request_ids: list[str]) -> list[str]: ...
-    def commands(self) -> list[AdapterCommand]: ...
-    def reply(self, reply: AdapterReply) -> None: ...
-    def routes_by_prefix(self) -> bool: ...
-    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None: ...
+#: what `busy()` says of an engine step
+STEP = "one step"
+#: the steps whose longest is what a step of this engine takes (`expected_s`)
+STEP_TIMES = 16
 
 
 class EngineWorker:
@@ -104,6 +58,7 @@ class EngineWorker:
         self.heartbeat_s = heartbeat_s
         self.steps = 0  # engine steps taken; tests wait on it instead of sleeping
         self._live = LiveRequests()
+        self._intake = Intake(engine, broker, self._live)
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._drain_deadline = 0.0
@@ -111,7 +66,9 @@ class EngineWorker:
         self._stepped = threading.Condition()
         self._last_heartbeat = 0.0
         self._last_info: EngineInfo | None = None
-        self._step_since: float | None = None  # time.monotonic() the step in progress began
+        # what the engine is doing now, since when (time.monotonic()): the watchdog's reading
+        self._busy: tuple[float, str] | None = None
+        self._step_s: deque[float] = deque(maxlen=STEP_TIMES)  # the last steps' seconds
         self._gate = threading.Lock()  # a step's publish, or a watchdog's give_up: one at a time
         self.stalled: str | None = None  # why the watchdog gave up on this engine
         self._prefix_at = 0.0  # when the cached prefix blocks were last published
@@ -214,9 +171,18 @@ class EngineWorker:
         if room > 0:  # a broker that can choose takes the engine's order: priority, then fairness
             ranker = self.engine.admission_rank()
             rank = lambda r: ranker(r.priority, r.tenant)  # noqa: E731
-        events = self._admit(self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank))
-        self._apply_aborts(self.broker.aborts())
-        apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
+        pulled = self.broker.pull(room, 0.0 if busy else self.idle_wait_s, rank=rank)
+        # The engine's work is timed for the watchdog, the broker's calls are not (a Redis
+        # outage is not a stall: the leases and the orphan deadline cover it).
+        with self._working("adding requests"):
+            events = self._intake.admit(pulled)
+        aborts = self.broker.aborts()
+        with self._working("applying aborts"):
+            self._apply_aborts(aborts)
+        with self._working("applying adapter commands"):
+            apply_commands(self.engine, self.broker, self.engine_id, self._heartbeat)
+        if self._given_up():
+            return 0
         if self.engine.has_unfinished():
             events += self._step()
         self._maybe_publish_prefix(any(e.finish_reason for e in events))  # before the answers end
@@ -226,51 +192,6 @@ class EngineWorker:
                 self.on_publish(events)
         self._maybe_heartbeat()
         return len(events)
-
-    def _admit(self, requests: list[GenerateRequest]) -> list[TokenEvent]:
-        errors: list[TokenEvent] = []
-        for r in requests:
-            try:
-                r = check_request(r)
-            except WireError as e:  # nobody can serve it; fail it if it names a request
-                self.broker.dead_letter(r, f"invalid request: {e}")
-                rid = getattr(r, "request_id", None)
-                if isinstance(rid, str) and rid and rid not in self._live:
-                    errors.append(_error_event(rid, ERR_INVALID_REQUEST, f"the engine cannot serve it: {e}"))
-                continue
-            if r.expired(time.time()):  # it waited in the broker past its deadline
-                errors.append(
-                    _error_event(r.request_id, ERR_QUEUE_TIMEOUT, "no engine took this request in time")
-                )
-                continue
-            error = self._add(r)
-            if error is None:
-                self._live.add(r.request_id)
-            else:
-                errors.append(error)
-        return errors
-
-    def _add(self, r: GenerateRequest) -> TokenEvent | None:
-        """Add one request to the engine; its error event when that failed. Whatever
-        goes wrong costs this request only: the engine is left without it."""
-        if r.request_id in self._live:  # delivered twice: the first copy runs
-            log.warning("request %s is already running here", r.request_id)
-            return None
-        try:
-            # The gateway's arrival time: queue time then counts the broker's queue too.
-            self.engine.add_request(r)
-        except EngineBusy as e:
-            return _error_event(r.request_id, ERR_ENGINE_BUSY, str(e))
-        except ValueError as e:
-            return _error_event(r.request_id, ERR_INVALID_REQUEST, str(e))
-        except Exception:
-            log.exception("adding request %s failed; failing it alone", r.request_id)
-            try:
-                self.engine.abort(r.request_id)
-            except Exception:
-                log.exception("and aborting it failed too")
-            return _error_event(r.request_id, ERR_INTERNAL, "the engine failed while admitting this request")
-        return None
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -282,22 +203,29 @@ class EngineWorker:
             except Exception:
                 log.exception("aborting %s failed", rid)
 
-    def _step(self) -> list[TokenEvent]:
-        self._step_since = time.monotonic()
+    @contextlib.contextmanager
+    def _working(self, what: str) -> Iterator[None]:
+        self._busy = (time.monotonic(), what)
         try:
+            yield
+        finally:
+            self._busy = None
+
+    def _step(self) -> list[TokenEvent]:
+        started = time.monotonic()
+        self._busy = (started, STEP)
+        try:
+            if self._intake.holds_step():  # test only (intake.HOLD_STEP_ENV): a request of death
+                self._stop.wait()
             outputs = self.engine.step()
         except Exception:  # keep serving: fail what the engine held, not the process
             log.exception("engine step failed; failing %d requests", len(self._live))
             return self._fail_all(ERR_INTERNAL, "the engine failed while serving this request")
         finally:
-            self._step_since = None
-        with self._gate:
-            if self.stalled is not None:  # given up on meanwhile: its requests are elsewhere now
-                for rid in self._live.ids():
-                    self.engine.abort(rid)
-                    self._live.drop(rid)
-                self._stop.set()
-                return []
+            self._busy = None
+        if self._given_up():
+            return []
+        self._step_s.append(time.monotonic() - started)
         with self._stepped:
             self.steps += 1
             self._stepped.notify_all()
@@ -305,6 +233,18 @@ class EngineWorker:
         for out in outputs:
             events.extend(self._live.events_of(out))
         return events
+
+    def _given_up(self) -> bool:
+        """The watchdog gave up on the engine meanwhile: its requests are elsewhere now;
+        what the engine still holds is dropped and the loop ends."""
+        with self._gate:
+            if self.stalled is None:
+                return False
+            for rid in self._live.ids():
+                self.engine.abort(rid)
+                self._live.drop(rid)
+            self._stop.set()
+            return True
 
     def _fail_all(self, code: str, message: str) -> list[TokenEvent]:
         events = []
@@ -340,29 +280,58 @@ class EngineWorker:
 
     # -- the watchdog (watchdog.py), from its own thread ---------------------------------
 
-    def step_started(self) -> float | None:
-        """When the step in progress began (time.monotonic()); None between steps."""
-        return self._step_since
+    def busy(self) -> tuple[float, str] | None:
+        """(since when, what): the engine's work in progress (`STEP`, or adding requests,
+        applying aborts or adapter commands); None while the worker waits on its broker."""
+        return self._busy
+
+    def expected_s(self) -> float:
+        """What a step of this engine takes, by its last `STEP_TIMES` steps: the longest
+        (a long prompt's next chunk costs about what its last one did); 0 before any."""
+        return max(self._step_s, default=0.0)
+
+    def keepalive(self) -> None:
+        """From the watchdog's thread while the engine is busy and not given up on: its
+        last heartbeat again, when one is due (a Redis engine's leases are refreshed with
+        it), so that a long step does not pass for a dead engine whose requests another
+        engine reclaims; whether the engine is stuck is the watchdog's to say, and only a
+        process that died loses its leases."""
+        if self._busy is None or time.monotonic() - self._last_heartbeat < self.heartbeat_s:
+            return
+        with self._gate:
+            if self.stalled is None:
+                self._last_heartbeat = time.monotonic()
+                self.broker.heartbeat(self._last_info or self._first_info())
+
+    def _first_info(self) -> EngineInfo:
+        """What a worker stuck in its first iteration says of itself (its engine's stats
+        cannot be read from another thread while it works)."""
+        return EngineInfo(
+            self.engine_id, self.engine.model_name, self.engine.max_model_len, aliases=self.aliases
+        )
 
     def give_up(self, reason: str) -> None:
-        """The engine is stuck in a step: hand its requests back to the broker (another
-        engine takes them), end those it cannot take back with `engine_stalled`, and
+        """The engine is stuck: hand its requests back to the broker, marked as held by a
+        stalled engine (another engine takes them; one it had already handed on after a
+        stall stays, `BrokerSide.release`), end those that stay with `engine_stalled`, and
         heartbeat once more with `stats["stalled"]` (the gateway's /health reads it).
         Called from the watchdog's thread while this worker's is stuck in the engine;
-        if the step ever returns, its results are dropped and the loop ends."""
+        if the engine ever returns, its results are dropped and the loop ends."""
         with self._gate:
             self.stalled = reason
             ids = self._live.ids()
-            stays = set(self.broker.release(ids)) if ids else set()  # what could not go back
-            message = f"the engine stopped making progress: {reason}"
-            events = [self._live.failure(rid, ERR_ENGINE_STALLED, message) for rid in ids if rid in stays]
+            stays = set(self.broker.release(ids, stalled=True)) if ids else set()  # not handed on
+            events = [
+                self._live.failure(rid, ERR_ENGINE_STALLED, _stalled(rid, reason))
+                for rid in ids
+                if rid in stays
+            ]
             if events:
                 self.broker.publish(events)
-            last = self._last_info or EngineInfo(
-                self.engine_id, self.engine.model_name, self.engine.max_model_len
-            )
+            last = self._last_info or self._first_info()
             self.broker.heartbeat(replace(last, stats=last.stats | {"stalled": reason}))
-            log.critical("%s: %d requests handed back, %d ended", reason, len(ids) - len(events), len(events))
+            handed, ended = [rid for rid in ids if rid not in stays], sorted(stays)
+            log.critical("%s: handed back %s, ended %s", reason, handed[:16], ended[:16])
 
     def _maybe_publish_prefix(self, finished: bool) -> None:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
@@ -386,5 +355,8 @@ class EngineWorker:
         )  # fmt: skip
 
 
-def _error_event(request_id: str, code: str, message: str, seq: int = 0) -> TokenEvent:
-    return TokenEvent.failure(request_id, code, message, seq=seq)
+def _stalled(request_id: str, reason: str) -> str:
+    return (
+        f"the engine stopped making progress: {reason}; request {request_id} is not handed to another "
+        "engine (a request held by a stalled engine is handed to another engine at most once)"
+    )

@@ -85,6 +85,7 @@ class Admission:
         svc, tenant = self.model.svc, self.tenant
         gen = Generation(svc, rid, prep.prompt_ids, prep.params, prep.context)
         gen.resume_token, prep.context.token_sha256 = new_token(rid)
+        prep.context.tenant = tenant.name  # its resume is this tenant's alone
         now = time.time()
         deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
         request = GenerateRequest(

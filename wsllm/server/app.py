@@ -44,6 +44,7 @@ from wsllm.server.middleware import (
     JsonBodyMiddleware,
     SecurityHeadersMiddleware,
 )
+from wsllm.server.sockets import SocketCaps
 from wsllm.server.tenants import Tenants, anonymous_tenant
 from wsllm.server.text import TextCodec
 from wsllm.server.wing import Wing
@@ -139,7 +140,9 @@ def create_app(
     textwork.configure(cfg.text_work_threads, cfg.text_work_nice)
     programs.configure(cfg.template_threads, cfg.spec_check_workers, cfg.text_work_nice)
     tenants = Tenants.from_settings(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops here
-    anonymous = anonymous_tenant(cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent)
+    anonymous = anonymous_tenant(
+        cfg.anonymous_rpm, cfg.anonymous_tpm, cfg.anonymous_max_concurrent, cfg.anonymous_operator
+    )
     gw = Gateway(
         cfg,
         broker,
@@ -173,6 +176,8 @@ def create_app(
     )
     app.state.gateway = gw
     app.state.ws_kinds = {kind: k for w in wings for kind, k in w.ws.items()}
+    app.state.sockets = SocketCaps(cfg.max_sockets_per_tenant, cfg.max_sockets)
+    app.state.anonymous = anonymous  # a keyless gateway's one tenant (status.py: /metrics)
     return app
 
 

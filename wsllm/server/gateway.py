@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from wsllm.broker.base import BrokerUnavailable, GatewayBroker
-from wsllm.broker.limits import Limiter
+from wsllm.broker.limits import Decision, Limiter
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
 from wsllm.server.errors import from_broker
@@ -50,6 +50,7 @@ from wsllm.server.quota import (
     counted,
     meter_call,
     take_lease,
+    take_request,
 )
 from wsllm.server.resume import Api, ResumeContext, split_token
 from wsllm.server.router import Router
@@ -86,23 +87,32 @@ class Gateway:
         return Services(codec, metrics, self.broker, self.router, self.abort_later)
 
     @contextlib.asynccontextmanager
-    async def admitted(self, tenant: Tenant, api: Api, charge: Charge) -> AsyncIterator[Admission]:
+    async def admitted(
+        self, tenant: Tenant, api: Api, charge: Charge, paid: Decision | None = None
+    ) -> AsyncIterator[Admission]:
         """Admit a call of `tenant` (whom its API key names) through `api`: resolve its
         model (404, 503), check its priority (400), then take each coarse charge of
-        `charge` (429 past the tenant's limits), all before any work for it. What the
-        call neither submits nor settles is given back when it leaves this block."""
+        `charge` (429 past the tenant's limits), all before any work for it (`paid`: its
+        first request of rpm, taken before its body was read). What the call neither
+        submits nor settles is given back when it leaves this block."""
         model, max_len = await self.models.resolve(charge.model, tenant)
         check_priority(charge.priority, tenant, self.cfg.max_priority)
         tickets: list[Ticket] = []
         adm = Admission(model, max_len, tenant, api, charge.priority, tickets, self.cfg)
         try:
             with counted(model.svc.metrics, tenant):
-                for c in charge.coarse:
+                for i, c in enumerate(charge.coarse):
                     rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-                    tickets.append(await admit(self.limiter, tenant, rid, c.estimate, c.least))
+                    first = paid if i == 0 else None
+                    tickets.append(await admit(self.limiter, tenant, rid, c.estimate, c.least, first))
             yield adm
         finally:
             await adm.release_rest()
+
+    async def pay_request(self, tenant: Tenant) -> Decision | None:
+        """A call's first request of `tenant`'s rpm, before its body is read (429 past it)."""
+        with counted(self.metrics, tenant):
+            return await take_request(self.limiter, tenant)
 
     async def meter(self, tenant: Tenant, metrics: Metrics | None = None) -> dict[str, str]:
         """One request of `tenant`'s rpm for a resume, taken before its replay; its
@@ -127,7 +137,7 @@ class Gateway:
             if found is None:
                 return None
             ctx = ResumeContext.decode(found.context)
-            if not ctx.matches(secret):
+            if not ctx.matches(secret, tenant.name):  # a wrong token, or another tenant's
                 return None
             model = await self.models.served(ctx.model or self.model_name)
             ticket = await take_lease(self.limiter, tenant, found.request_id)

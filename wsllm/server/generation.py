@@ -131,6 +131,7 @@ class Generation:
         self.cached_tokens = 0
         self.drafted = (0, 0)  # speculative decoding: (draft tokens verified, accepted), the latest
         self.finished = False
+        self._retired = False  # its events dropped from the broker (`_retire`)
         self._final: list[Delta] = []  # deltas produced by cancel(), handed out by next()
         self._timing = _Timing(time.monotonic())
         self._inbox = svc.router.open(request_id, ctx.model)
@@ -204,9 +205,12 @@ class Generation:
     async def cancel(self) -> None:
         """The client asked to stop (or went away, and the request cannot outlive its
         connection): free the engine request now. The abort is with the broker when
-        this returns."""
+        this returns. A transport calls it (or `leave`) once it sent what it had: a
+        finished request's whole answer is then with its client, and its events go from
+        the broker (`retire`: nobody will resume it)."""
         if self.finished:
             await self._release(self.usage.total_tokens)
+            await self._retire()
             return
         self._final = [Delta(c.index, "", FINISH_ABORT) for c in self.choices if c.finish_reason is None]
         for c in self.choices:
@@ -244,6 +248,16 @@ class Generation:
             self.detach()
             return
         await self.cancel()
+
+    async def _retire(self) -> None:
+        whole = all(c.finish_reason not in (None, FINISH_ABORT) for c in self.choices)
+        if not whole or self._retired:
+            return
+        self._retired = True
+        try:
+            await self.svc.broker.retire(self.request_id, self.context.model, self.context.tenant)
+        except Exception as e:  # its events expire after the retention instead
+            log.warning("request %s: could not drop its events (%s)", self.request_id, e)
 
     async def _release(self, used_tokens: int | None) -> None:
         release, self.on_release = self.on_release, None

@@ -1,7 +1,8 @@
-"""The route skeleton every HTTP API shares, written once (`route`): read the body
-(413 past --max-body-bytes), validate it (inline, or off the event loop when large),
-**admit** it (its tenant's rpm, concurrency and coarse token charge, through
-`Gateway.admitted`, before any work), run it, answer it whole or as Server-Sent Events
+"""The route skeleton every HTTP API shares, written once (`route`): take one request of
+its tenant's rpm (429 before the body is read), read the body (413 past
+--max-body-bytes), validate it (inline, or off the event loop when large), **admit** it
+(its tenant's concurrency and coarse token charge, through `Gateway.admitted`, before
+any work), run it, answer it whole or as Server-Sent Events
 (499 when the client left first; whatever still runs is cancelled however the call
 ends), and answer a failure in the API's own error shape.
 
@@ -115,11 +116,13 @@ def route(endpoint: Endpoint[Req]) -> Callable[[Request], Awaitable[Response]]:
 
     async def handle(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
+        tenant = request_tenant(request.state)
         try:
+            paid = await gw.pay_request(tenant)  # a key past its rpm: refused before its body is read
             raw = await read_body(request, gw.cfg.max_body_bytes)
             req = await validated(endpoint.validate, raw, gw.cfg)
             charge = endpoint.charge(req, gw.cfg)
-            async with gw.admitted(request_tenant(request.state), endpoint.api, charge) as adm:
+            async with gw.admitted(tenant, endpoint.api, charge, paid) as adm:
                 answer = await endpoint.run(adm, req)
             return await respond(request, gw, answer)
         except BrokerError as e:

@@ -16,8 +16,10 @@ lease. A request whose client left while it runs on for a resume (Redis) keeps i
 lease until its grace abort, and is not refunded: its tokens are still being made.
 A call that generates nothing (`/tokenize`, `count_tokens`) is admitted the same way,
 with its prompt's coarse charge, and settles at its exact token count (`Ticket.settle`).
-Resumes take one request from rpm (`meter_call`) and the lease again. The rules of the
-buckets are in `wsllm/broker/limits.py`."""
+Resumes take one request from rpm (`meter_call`) and the lease again. An HTTP call takes its
+first request of rpm before its body is read (`take_request`: a key past its rpm costs the
+gateway no read and no validation), a WebSocket one at its handshake; admission then takes
+the rest (`admit(..., paid=)`). The rules of the buckets are in `wsllm/broker/limits.py`."""
 
 from __future__ import annotations
 
@@ -46,8 +48,12 @@ from wsllm.types import ERR_RATE_LIMITED, SamplingParams
 log = logging.getLogger(__name__)
 
 # The coarse estimate of a text's tokens: about 4 bytes a token for English with the
-# usual BPE vocabularies; the exact charge after tokenizing corrects it either way.
+# usual BPE vocabularies, a token a digit (they split numbers digit by digit: a digit string
+# charged at 4 bytes a token reached 4.5x a key's tpm in a burst) and 2 bytes a token of
+# other scripts (a CJK character, 3 bytes, is 1-1.5 tokens); the exact charge after
+# tokenizing corrects it either way.
 _BYTES_PER_TOKEN = 4
+_NON_ASCII_BYTES_PER_TOKEN = 2
 _MESSAGE_OVERHEAD_TOKENS = 4  # a chat message's role and template markers
 
 
@@ -74,7 +80,7 @@ class Charge:
 def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int) -> Coarse:
     """A request's token charge before tokenizing: its prompt's size in tokens,
     estimated from the text (exact for token ids; a fill-in-the-middle `suffix` counts
-    too), plus `width x max_tokens` (the client's, or the default; the context may lower
+    too), twice with prompt logprobs, plus `width x max_tokens` (the client's, or the default; the context may lower
     it, which the exact charge tells)."""
     if isinstance(req, CompletionRequest):
         p = req.single
@@ -83,6 +89,8 @@ def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int)
         prompt += text_tokens(req.suffix) if req.suffix is not None else 0
     else:
         known, prompt = 0, chat_prompt_tokens(req)
+    if getattr(req, "prompt_logprobs", None) is not None:  # a second pass over the prompt, as exact_charge
+        known, prompt = 2 * known, 2 * prompt
     max_tokens = req.requested_max_tokens
     width = req.n or 1
     if isinstance(req, CompletionRequest) and req.use_beam_search:
@@ -98,8 +106,13 @@ def chat_prompt_tokens(req: ChatRequest) -> int:
 
 
 def text_tokens(text: str) -> int:
-    """A text's tokens, estimated from its bytes."""
-    return -(-len(text.encode("utf-8", "surrogatepass")) // _BYTES_PER_TOKEN)
+    """A text's tokens, estimated from its bytes: never far below what the usual
+    tokenizers make of it (digits and other scripts are denser than English)."""
+    raw = text.encode("utf-8", "surrogatepass")
+    digits = sum(1 for c in text if "0" <= c <= "9")
+    wide = len(raw) - len(text.encode("ascii", "ignore"))  # the bytes of non-ASCII characters
+    rest = len(raw) - wide - digits
+    return digits + -(-wide // _NON_ASCII_BYTES_PER_TOKEN) + -(-rest // _BYTES_PER_TOKEN)
 
 
 def prompt_charge(tokens: int, exact: bool = False) -> Coarse:
@@ -256,7 +269,12 @@ class Ticket:
 
 
 async def admit(
-    limiter: Limiter, tenant: Tenant, request_id: str, tokens: int, least: int | None = None
+    limiter: Limiter,
+    tenant: Tenant,
+    request_id: str,
+    tokens: int,
+    least: int | None = None,
+    paid: Decision | None = None,
 ) -> Ticket:
     """Take the request's share of the tenant's limits, or raise a 429 APIError. A
     charge that is an estimate (`least`: what the exact one cannot be below) is refused
@@ -264,13 +282,23 @@ async def admit(
     bucket, `min(estimate, tpm)`, for now (the prompt is often fewer tokens than its
     bytes tell), and `Ticket.refine` decides. Taking less would let every concurrent
     request of the tenant in on almost nothing and drive the bucket into a debt once
-    per request when their exact charges come (tpm 1,000, 8 at once: -5,656)."""
+    per request when their exact charges come (tpm 1,000, 8 at once: -5,656). `paid`: its
+    request of rpm was taken already (`take_request`), whose figures its headers carry."""
     err = too_large(tenant, tokens if least is None else least)
     if err is not None:
         raise err
     tpm = tenant.limits.tpm
     take = min(tokens, tpm) if tpm is not None else tokens
-    return await _take(limiter, tenant, tenant.limits, request_id, take)
+    limits = tenant.limits if paid is None else dataclasses.replace(tenant.limits, rpm=None)
+    ticket = await _take(limiter, tenant, limits, request_id, take)
+    if paid is not None:
+        ticket.decision = dataclasses.replace(
+            ticket.decision,
+            remaining_requests=paid.remaining_requests,
+            reset_requests_s=paid.reset_requests_s,
+        )
+        ticket.headers = ratelimit_headers(tenant, ticket.decision)
+    return ticket
 
 
 def check_priority(priority: int, tenant: Tenant, default_cap: int) -> None:
@@ -295,10 +323,17 @@ def counted(metrics: Metrics, tenant: Tenant) -> Iterator[None]:
 async def meter_call(limiter: Limiter, tenant: Tenant) -> dict[str, str]:
     """Take one request from the tenant's rpm for a resume's replay, or raise a 429
     APIError. Its x-ratelimit-* headers."""
+    paid = await take_request(limiter, tenant)
+    return {} if paid is None else ratelimit_headers(tenant, paid)
+
+
+async def take_request(limiter: Limiter, tenant: Tenant) -> Decision | None:
+    """One request of the tenant's rpm, before anything is read or done for the call, or
+    a 429 APIError; None for a tenant without an rpm."""
     if tenant.limits.rpm is None:
-        return {}
+        return None
     ticket = await _take(limiter, tenant, Limits(rpm=tenant.limits.rpm), "", 0)
-    return ticket.headers
+    return ticket.decision
 
 
 async def take_lease(limiter: Limiter, tenant: Tenant, request_id: str) -> Ticket:

@@ -96,6 +96,8 @@ class ResumeContext:
     lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
     #: what else its SSE chunks carry, by the API's own names (vLLM's `token_ids`, ...)
     extras: list[str] = field(default_factory=list)
+    #: the tenant whose key started it: only that tenant resumes it (set at submission)
+    tenant: str = ""
 
     @property
     def served_as(self) -> str:
@@ -127,15 +129,18 @@ class ResumeContext:
             include_usage,
         )
 
-    def matches(self, secret: str) -> bool:
-        """Whether `secret` is the one its resume token was made with (constant time)."""
-        return bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
+    def matches(self, secret: str, tenant: str) -> bool:
+        """Whether `secret` is the one its resume token was made with (constant time),
+        shown by the tenant that started it (another key with the token is refused as a
+        wrong token is: it learns nothing)."""
+        ok = bool(self.token_sha256) and hmac.compare_digest(self.token_sha256, _digest(secret))
+        return ok and hmac.compare_digest(self.tenant.encode(), tenant.encode())
 
     def encode(self) -> dict[str, Any]:
-        """A plain dict of JSON values (what the broker stores); `lora` and `extras` only when
-        set, so that a gateway that predates them reads the rest as ever."""
+        """A plain dict of JSON values (what the broker stores); `lora`, `extras` and `tenant`
+        only when set, so that a gateway that predates them reads the rest as ever."""
         d = asdict(self) | {"api": self.api.value, "output": self.output and self.output.to_context()}
-        for key in ("lora", "extras"):
+        for key in ("lora", "extras", "tenant"):
             if not d[key]:
                 del d[key]
         return d
@@ -169,4 +174,5 @@ class ResumeContext:
             get("token_sha256", "", lambda x: isinstance(x, str)),
             get("lora", "", lambda x: isinstance(x, str)),
             get("extras", [], lambda x: isinstance(x, list) and all(isinstance(e, str) for e in x)),
+            get("tenant", "", lambda x: isinstance(x, str)),
         )

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import time
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -39,19 +42,26 @@ async def health(request: Request) -> Response:
     is down would leave every request hanging), its broker answers (a Redis that
     does not would fail every submit), and no engine it sees is stuck in a step (the
     watchdog's reason, from that engine's last heartbeat: in-process, the engine is
-    this process, which exits for its supervisor to restart it)."""
-    why = None
-    gw = _gateway(request)
-    if not _reader_running(request):
-        why = "the event reader is not running (it restarts by itself)"
-    elif not await gw.broker.reachable(_HEALTH_PING_S):
-        why = f"the broker did not answer within {_HEALTH_PING_S:g}s"
-    else:
-        stalled = [str(e.stats["stalled"]) for e in await gw.models.engines() if e.stats.get("stalled")]
-        why = stalled[0] if stalled else None
+    this process, which exits for its supervisor to restart it), and no engine child
+    of this process is down (`wsllm serve --broker redis://`: `process_health`, the
+    supervisor's reason while it restarts one)."""
+    why = await _unhealthy(request)
     if why is not None:
         return JSONResponse({"status": "unhealthy", "reason": why}, 503, {"retry-after": "1"})
     return JSONResponse({"status": "ok"})
+
+
+async def _unhealthy(request: Request) -> str | None:
+    gw = _gateway(request)
+    process: Callable[[], str | None] | None = getattr(request.app.state, "process_health", None)
+    if process is not None and (why := process()) is not None:
+        return why
+    if not _reader_running(request):
+        return "the event reader is not running (it restarts by itself)"
+    if not await gw.broker.reachable(_HEALTH_PING_S):
+        return f"the broker did not answer within {_HEALTH_PING_S:g}s"
+    stalled = [str(e.stats["stalled"]) for e in await gw.models.engines() if e.stats.get("stalled")]
+    return stalled[0] if stalled else None
 
 
 async def ready(request: Request) -> Response:
@@ -69,14 +79,33 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """The page of the key's view. A key without the metrics role gets its view's page
+    rendered at most once per `--metrics-cache-s` (a page costs a few ms of the gateway's
+    CPU: its scrapes, however many, cost no more); an operator's is rendered fresh."""
     gw = _gateway(request)
-    await gw.models.refresh_gauges()
-    gw.metrics.buffered_events.set(gw.router.buffered_events())
-    gw.metrics.reader_restarts.set(gw.router.restarts)
     tenant = request_tenant(request.state)
-    # the models a key may use only; tenant names and every model: operators only
-    page = gw.metrics.render(None if tenant.operator else tenant.may_use, tenants=tenant.operator)
+    # the models a key may use only; tenant names and every model: operators only (and the
+    # keyless gateway's anonymous tenant, the only tenant there: its own figures)
+    sees_all = tenant.operator or tenant is getattr(request.app.state, "anonymous", None)
+    view = ("*", "tenants") if sees_all else tenant.models
+    pages: dict[tuple[str, ...], tuple[float, bytes]] = _pages(request)
+    at, page = pages.get(view, (-math.inf, b""))
+    if sees_all or time.monotonic() - at >= gw.cfg.metrics_cache_s:
+        await gw.models.refresh_gauges()
+        gw.metrics.buffered_events.set(gw.router.buffered_events())
+        gw.metrics.reader_restarts.set(gw.router.restarts)
+        page = gw.metrics.render(None if sees_all else tenant.may_use, tenants=sees_all)
+        pages[view] = (time.monotonic(), page)
     return Response(page, media_type=CONTENT_TYPE_LATEST)
+
+
+def _pages(request: Request) -> dict[tuple[str, ...], tuple[float, bytes]]:
+    """The app's rendered /metrics pages, by view: (when, page)."""
+    state = request.app.state
+    if not hasattr(state, "metrics_pages"):
+        state.metrics_pages = {}
+    pages: dict[tuple[str, ...], tuple[float, bytes]] = state.metrics_pages
+    return pages
 
 
 async def usage(request: Request) -> Response:

@@ -15,7 +15,8 @@
 `--api-key K` alone is one unlimited tenant, `default`, the operator's own key (it has
 the `metrics` role); with a keys file too, it is added as that tenant. No key at all:
 every client is the tenant `anonymous`, limited by `--anonymous-rpm`, `--anonymous-tpm`
-and `--anonymous-max-concurrent` (`anonymous_tenant`), and alone on /metrics.
+and `--anonymous-max-concurrent` (`anonymous_tenant`), alone on /metrics, and not the
+operator unless `--anonymous-operator`.
 The file is read once, at start; a bad file stops the start with a message that names
 the file, the tenant and the field.
 
@@ -77,11 +78,12 @@ class Tenant:
 ANONYMOUS = Tenant(ANONYMOUS_TENANT)
 
 
-def anonymous_tenant(rpm: int, tpm: int, max_concurrent: int) -> Tenant:
-    """Every client of a gateway that requires no key, with these limits (0: none).
-    It is the only tenant there, so it sees its own figures on /metrics."""
+def anonymous_tenant(rpm: int, tpm: int, max_concurrent: int, operator: bool = False) -> Tenant:
+    """Every client of a gateway that requires no key, with these limits (0: none). It is
+    the only tenant there, so it sees its own figures on /metrics (status.py); it is the
+    operator (adapter loads) only when `operator` says so (`--anonymous-operator`)."""
     limits = Limits(rpm or None, tpm or None, max_concurrent or None)
-    return Tenant(ANONYMOUS_TENANT, limits, roles=frozenset({ROLE_METRICS}))
+    return Tenant(ANONYMOUS_TENANT, limits, roles=frozenset({ROLE_METRICS}) if operator else frozenset())
 
 
 def _digest(key: str) -> bytes:

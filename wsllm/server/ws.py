@@ -35,6 +35,7 @@ from wsllm.server.generation import GenerationError
 from wsllm.server.http import VALIDATE_INLINE_BYTES
 from wsllm.server.middleware import request_tenant
 from wsllm.server.schemas import WsCancel, parse_json, validate_ws
+from wsllm.server.sockets import SocketCaps
 from wsllm.server.wing import WsKind
 from wsllm.types import ERR_INTERNAL
 
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN = 1013  # refused at the handshake: a cap or the rpm; the reason says which
+_MAX_REASON_BYTES = 123  # a close frame's reason
 _CLOSE_WAIT_S = 1.0  # how long a close frame may wait on a client that does not read
 
 
@@ -60,12 +63,43 @@ def origin_allowed(headers: Headers, cfg: GatewayConfig) -> bool:
 
 
 async def ws_endpoint(websocket: WebSocket) -> None:
+    """The handshake is admitted before the session starts: the tenant's socket caps
+    (sockets.py), then one request of its rpm; a refusal closes the socket with 1013
+    (try again later) and the reason."""
     gw: Gateway = websocket.app.state.gateway
     if not origin_allowed(websocket.headers, gw.cfg):
         await websocket.close(CLOSE_POLICY)  # before accept: the handshake gets 403
         return
+    tenant = request_tenant(websocket.state)
+    sockets: SocketCaps = websocket.app.state.sockets
+    try:
+        sockets.open(tenant.name)
+    except APIError as e:
+        await _refuse(websocket, gw, e)
+        return
+    try:
+        try:
+            await gw.meter(tenant)
+        except APIError as e:
+            await _refuse(websocket, gw, e)
+            return
+        except BrokerError as e:
+            await _refuse(websocket, gw, from_broker(e))
+            return
+        await websocket.accept()
+        await WsSession(websocket, gw, websocket.app.state.ws_kinds).run()
+    finally:
+        sockets.close(tenant.name)
+
+
+async def _refuse(websocket: WebSocket, gw: Gateway, err: APIError) -> None:
+    """Accept and close at once with 1013 and the reason (a browser sees both; a refused
+    handshake would tell it nothing)."""
+    gw.metrics.error(err.code)
     await websocket.accept()
-    await WsSession(websocket, gw, websocket.app.state.ws_kinds).run()
+    reason = err.message.encode()[:_MAX_REASON_BYTES].decode(errors="ignore")
+    with contextlib.suppress(Exception):
+        await websocket.close(CLOSE_TRY_AGAIN, reason)
 
 
 class SendTimeout(Exception):
@@ -139,9 +173,10 @@ class WsSession:
         # `bounds`: every sampling parameter's range, as declared once (bounds.SAMPLING_BOUNDS);
         # `limits`: the operator's, tighter (the UI takes both from here)
         limits = await self._limits()
-        await self.send(
-            {"type": "hello", "model": self.gw.model_name, "limits": limits, "bounds": bounds_table()}
-        )
+        default = (
+            self.gw.model_name if self.tenant.may_use(self.gw.model_name) else None
+        )  # none it may not use
+        await self.send({"type": "hello", "model": default, "limits": limits, "bounds": bounds_table()})
         limit = self.cfg.max_ws_message_bytes
         while True:
             message = await self.ws.receive()
