@@ -37,6 +37,7 @@ import websockets
 from tqdm import tqdm
 
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from wsllm.types import GenerateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_TEXT = " the"  # one token in SmolLM2's vocabulary: each token is 4 characters
@@ -59,22 +60,18 @@ class FakeEngine:
     pace_s: float
     model_name: str = "fake"
     max_model_len: int = 4096
+    adapters: Any = None  # it serves no LoRA adapter
     emits: dict[str, list[float]] = field(default_factory=dict)
     _reqs: dict[str, _Req] = field(default_factory=dict)
     _aborted: list[str] = field(default_factory=list)
     _next_step: float = 0.0
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: Any,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-    ) -> None:
-        self._reqs[request_id] = _Req(list(prompt_token_ids), params.max_tokens)
-        self.emits[request_id] = []
+    def add_request(self, request: GenerateRequest) -> None:
+        self._reqs[request.request_id] = _Req(list(request.prompt_token_ids), request.params.max_tokens)
+        self.emits[request.request_id] = []
+
+    def cached_prefix(self) -> tuple[int, list[bytes]]:
+        return 0, []  # no prefix cache
 
     def admission_rank(self) -> Any:
         return lambda priority, tenant: (priority, 0.0)  # first come, first served

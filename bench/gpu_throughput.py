@@ -143,7 +143,7 @@ def sync(device: torch.device) -> None:
 def run_wsllm(args: argparse.Namespace, prompts: list[list[int]], outs: list[int], cell: Cell) -> None:
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     dev = torch.device(args.device)
     started = time.perf_counter()
@@ -166,10 +166,14 @@ def run_wsllm(args: argparse.Namespace, prompts: list[list[int]], outs: list[int
     greedy = dict(temperature=0.0, ignore_eos=True)
     # warm-up: mixed prompt and decode steps compile what the timed run launches
     for i in range(4):
-        eng.add_request(f"w{i}", prompts[i][: 64 + 50 * i], SamplingParams(max_tokens=4, **greedy))
+        eng.add_request(
+            GenerateRequest(f"w{i}", prompts[i][: 64 + 50 * i], SamplingParams(max_tokens=4, **greedy))
+        )
     while eng.has_unfinished():
         eng.step()
-    eng.add_request("b1", prompts[0][:128], SamplingParams(max_tokens=args.b1_tokens, **greedy))
+    eng.add_request(
+        GenerateRequest("b1", prompts[0][:128], SamplingParams(max_tokens=args.b1_tokens, **greedy))
+    )
     times = []
     while eng.has_unfinished():
         t = time.perf_counter()
@@ -180,7 +184,7 @@ def run_wsllm(args: argparse.Namespace, prompts: list[list[int]], outs: list[int
     cell.step_b1_ms = decode[len(decode) // 2] * 1e3
     t = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=o, **greedy))
+        eng.add_request(GenerateRequest(str(i), p, SamplingParams(max_tokens=o, **greedy)))
     while eng.has_unfinished():
         eng.step()
     sync(dev)

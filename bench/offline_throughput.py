@@ -62,18 +62,22 @@ def run_wsllm(
 ) -> float:
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     engine = LLMEngine.from_config(
         EngineConfig(model=model_dir, max_num_seqs=max_num_seqs, kv_cache_gb=2.0, dtype=dtype)
     )
     # warm-up
-    engine.add_request("w", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest("w", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    )
     while engine.has_unfinished():
         engine.step()
     t = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+        engine.add_request(
+            GenerateRequest(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+        )
     bar = tqdm(total=sum(outs), desc="wsllm", unit="tok")
     while engine.has_unfinished():
         for r in engine.step():

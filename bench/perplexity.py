@@ -37,7 +37,7 @@ from wsllm.kernels import quant  # noqa: E402
 
 from wsllm.config import EngineConfig  # noqa: E402
 from wsllm.engine.engine import LLMEngine  # noqa: E402
-from wsllm.types import SamplingParams  # noqa: E402
+from wsllm.types import GenerateRequest, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Perplexity: quantized blocks against de-quantized fp32"
@@ -82,7 +82,7 @@ def score(
     nll, count, t = 0.0, 0, time.time()
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     for i, (start, end, first) in enumerate(tqdm(windows(len(ids), window, stride), desc=label)):
-        engine.add_request(f"w{i}", ids[start:end], params)
+        engine.add_request(GenerateRequest(f"w{i}", ids[start:end], params))
         got = None
         while engine.has_unfinished():
             for o in engine.step():

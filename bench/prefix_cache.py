@@ -44,7 +44,7 @@ def run(model_dir: str, caching: bool, convs: int, turns: int, out_len: int) -> 
 
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = LLMEngine.from_config(
@@ -64,7 +64,7 @@ def run(model_dir: str, caching: bool, convs: int, turns: int, out_len: int) -> 
             )
             rid = f"{turn}-{c}"
             starts[rid] = time.perf_counter()
-            engine.add_request(rid, ids, params)
+            engine.add_request(GenerateRequest(rid, ids, params))
         answers: dict[str, list[int]] = {}
         seen: set[str] = set()
         while engine.has_unfinished():

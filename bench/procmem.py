@@ -137,7 +137,7 @@ def stages(num_kv_blocks: int) -> None:
     from wsllm.models.build import build_model
     from wsllm.models.loader import release_freed_heap
     from wsllm.server.app import create_app
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     stage("import wsllm (engine, gateway, transformers)")
     cfg = EngineConfig(num_kv_blocks=num_kv_blocks)
@@ -150,12 +150,16 @@ def stages(num_kv_blocks: int) -> None:
     stage("the gateway (its tokenizer)")
     release_freed_heap()
     stage("release_freed_heap")
-    engine.add_request("one", list(range(100, 140)), SamplingParams(max_tokens=24, temperature=0.0))
+    engine.add_request(
+        GenerateRequest("one", list(range(100, 140)), SamplingParams(max_tokens=24, temperature=0.0))
+    )
     while engine.has_unfinished():
         engine.step()
     stage("one request (40 prompt tokens, 24 out)")
     engine.add_request(
-        "s", list(range(100, 140)), SamplingParams(max_tokens=8, structured={"regex": "[a-z]+"})
+        GenerateRequest(
+            "s", list(range(100, 140)), SamplingParams(max_tokens=8, structured={"regex": "[a-z]+"})
+        )
     )
     while engine.has_unfinished():
         engine.step()

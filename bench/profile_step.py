@@ -141,11 +141,9 @@ def profile_batch(args: argparse.Namespace, batch: int, extra: dict[str, Any], f
     timer.wrap(engine.runner, "_prepare", "input preparation")
     timer.wrap(engine.runner.model, "forward", "model forward")
     timer.wrap(engine.runner.model, "compute_logits", "logits (lm_head)")
-    if hasattr(engine.sampler, "sample_isolated"):
-        timer.wrap(engine.sampler, "sample_isolated", "sampler")
-    else:  # engines before the sampler isolated its rows called the sampler itself
-        timer.wrap(engine, "sampler", "sampler")
-    timer.wrap(engine.scheduler, "finish_step", "postprocess")
+    for phase in ("prepare", "draw", "read"):  # the token stage's three phases
+        timer.wrap(engine.runner.sampler, phase, "sampler")
+    timer.wrap(engine.scheduler, "update_from_output", "postprocess")
     timer.wrap(engine, "_collect", "postprocess")
     timer.wrap(engine, "step", "engine.step")
     timer.wrap(worker.broker, "publish", "publish")

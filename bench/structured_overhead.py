@@ -38,12 +38,14 @@ TOPICS = ["rainbows", "bread", "chess", "cats", "tides", "volcanoes", "bees", "g
 
 
 def run(engine: Any, prompts: list[list[int]], structured: bool, max_tokens: int) -> tuple[float, int]:
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     spec = {"json": SCHEMA} if structured else None
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=spec)
     for i, p in enumerate(prompts):
-        engine.add_request(f"{'s' if structured else 'p'}{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(
+            GenerateRequest(f"{'s' if structured else 'p'}{time.monotonic_ns()}-{i}", p, params)
+        )
     t0, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
         for o in engine.step():

@@ -73,6 +73,15 @@ class EngineConfig:
             "--prefill-tokens-while-decoding bounds it"
         },
     )
+    prefill_ms_alone: float = field(
+        default=1000.0,
+        metadata={
+            "help": "about how long a step of prompt work with nothing decoding beside it may take, in ms, "
+            "as estimated from the steps before, a chunk priced by its tokens and the context its "
+            "attention reads (a lone long prompt is prefilled in steps this long, not in steps that grow "
+            "with its context); 0: only --max-num-batched-tokens bounds it"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap; default: the model's"}
     )
@@ -238,6 +247,8 @@ class EngineConfig:
             raise ValueError("prefill_tokens_while_decoding must be >= 1")
         if not self.prefill_ms_while_decoding >= 0:
             raise ValueError(f"prefill_ms_while_decoding must be >= 0, got {self.prefill_ms_while_decoding}")
+        if not self.prefill_ms_alone >= 0:
+            raise ValueError(f"prefill_ms_alone must be >= 0, got {self.prefill_ms_alone}")
         if not 0 <= self.gil_switch_ms <= 1000:
             raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:

@@ -10,7 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from wsllm.config import EngineConfig
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class LLM:
             for prompt, p, name in zip(prompts, plist, loras, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, lora=name)
+                self.engine.add_request(GenerateRequest(rid, ids, p, lora=name))
                 added.append(rid)
                 order.append(rid)
                 results[rid] = GenerationResult(rid, ids)

@@ -49,14 +49,16 @@ def make_engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
 
 
 def greedy(engine, n: int, seed: int) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     for i in range(n):
         length = int(torch.randint(1, 700, (1,), generator=g))  # contexts from 1 to ~710 tokens
         prompt = torch.randint(3, 2048, (length,), generator=g).tolist()
         engine.add_request(
-            f"{seed}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            GenerateRequest(
+                f"{seed}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            )
         )
     out: dict[str, list[int]] = {}
     while engine.has_unfinished():
@@ -81,13 +83,15 @@ def test_graph_replay_equals_eager_in_every_bucket(model_dir: Path) -> None:
 
 
 def test_a_padded_bucket_writes_no_kv(model_dir: Path) -> None:
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     engine = make_engine(model_dir, num_kv_blocks=64, block_size=16)
     g = torch.Generator(device="cuda").manual_seed(3)
     for i, n in enumerate((5, 19, 33)):
         prompt = list(range(3 + i, 3 + i + n))
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.add_request(
+            GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        )
     engine.step()  # the three prompts
     for k, v in engine.cache.kv_caches:  # noise in every unused slot: a stray write shows
         for cache in (k, v):

@@ -23,7 +23,7 @@ def test_smollm2_greedy_on_cuda_matches_hf(smollm_dir: Path, dtype: str) -> None
 
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))
     hf = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=getattr(torch, dtype)).cuda().eval()
@@ -32,7 +32,7 @@ def test_smollm2_greedy_on_cuda_matches_hf(smollm_dir: Path, dtype: str) -> None
     )
     prompts = [tok.encode(p) for p in PROMPTS]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=24))
+        engine.add_request(GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=24)))
     got: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():

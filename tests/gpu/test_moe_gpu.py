@@ -44,7 +44,7 @@ def test_moe_greedy_on_cuda_in_graphs_matches_hf(tmp_path: Path, kind: str) -> N
 
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
-    from wsllm.types import SamplingParams
+    from wsllm.types import GenerateRequest, SamplingParams
 
     path = tiny(tmp_path / kind, kind)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
@@ -57,7 +57,9 @@ def test_moe_greedy_on_cuda_in_graphs_matches_hf(tmp_path: Path, kind: str) -> N
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        engine.add_request(
+            GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        )
     got: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():

@@ -13,7 +13,7 @@ from wsllm.config import EngineConfig
 from wsllm.engine.cache_engine import bytes_per_block, kv_cache_dtype, num_kv_blocks
 from wsllm.engine.engine import LLMEngine
 from wsllm.models.config import ModelConfig
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 MC = ModelConfig(
     vocab_size=100,
@@ -71,7 +71,7 @@ def _greedy(engine: LLMEngine, waves: list[list[list[int]]], params: SamplingPar
     out: dict[str, list] = {}
     for w, prompts in enumerate(waves):
         for i, p in enumerate(prompts):
-            engine.add_request(f"w{w}r{i}", p, params)
+            engine.add_request(GenerateRequest(f"w{w}r{i}", p, params))
             out[f"w{w}r{i}"] = []
         while engine.has_unfinished():
             for o in engine.step():

@@ -10,8 +10,8 @@ import torch
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
-from wsllm.engine.pacing import MIN_UNITS
-from wsllm.types import SamplingParams
+from wsllm.engine.step_cost import MIN_UNITS
+from wsllm.types import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module", params=["dense", "quantized"])
@@ -29,7 +29,7 @@ def run_all(
     engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
 ) -> dict[str, list[int]]:
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", p, sp)
+        engine.add_request(GenerateRequest(f"r{i}", p, sp))
     out: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -44,7 +44,7 @@ def run_with_top2(
     """Greedy runs with each step's two best tokens and their logprobs."""
     assert params.logprobs == 2
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(GenerateRequest(f"r{i}", p, params))
     out: dict[str, list[tuple[int, dict[int, float]]]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for o in engine.step():
@@ -129,8 +129,12 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(engine: LLMEngine) -> N
 def test_abort_frees_blocks_before_next_step_returns(engine: LLMEngine) -> None:
     bm = engine.block_manager
     free0 = bm.num_free_blocks
-    engine.add_request("a", prompts_of([40])[0], SamplingParams(max_tokens=100, ignore_eos=True))
-    engine.add_request("b", prompts_of([30])[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest("a", prompts_of([40])[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    )
+    engine.add_request(
+        GenerateRequest("b", prompts_of([30])[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    )
     engine.step()
     engine.step()
     assert "a" in {s.request_id for s in engine.scheduler.running}
@@ -167,7 +171,7 @@ def test_sampling_params_reject_nonsense(kwargs: dict[str, object], field: str) 
 @pytest.mark.parametrize(
     "rid,prompt,params,match",
     [
-        ("x", [], SamplingParams(), "empty"),
+        ("x", [], SamplingParams(), "token ids"),  # the wire type refuses it: GenerateRequest
         ("x", [1, 2, 49152], SamplingParams(), "token ids"),
         ("x", [1, -1], SamplingParams(), "token ids"),
         ("x", [1] * 10, SamplingParams(max_tokens=5000), "context"),
@@ -178,10 +182,10 @@ def test_bad_requests_leave_engine_unchanged(
     engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, match: str
 ) -> None:
     if rid == "dup":
-        engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+        engine.add_request(GenerateRequest("dup", [5, 6, 7], SamplingParams(max_tokens=2)))
     before = (engine.stats(), len(engine._requests), engine.block_manager.num_free_blocks)
     with pytest.raises(ValueError, match=match):
-        engine.add_request(rid, prompt, params)
+        engine.add_request(GenerateRequest(rid, prompt, params))
     assert (engine.stats(), len(engine._requests), engine.block_manager.num_free_blocks) == before
     while engine.has_unfinished():
         engine.step()
@@ -222,7 +226,7 @@ def test_a_request_whose_sampling_fails_ends_alone(
     monkeypatch.setattr(sampler_mod, "sample_rows", failing)
     bad = SamplingParams(temperature=0.8, top_k=7, max_tokens=12, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, [good, good, bad], strict=True)):
-        engine.add_request(f"r{i}", p, sp)
+        engine.add_request(GenerateRequest(f"r{i}", p, sp))
     outs: dict[str, object] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -259,17 +263,21 @@ def test_the_engines_process_hands_the_gil_over_within_its_setting() -> None:
 
 def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[int], list[float]]:
     """A stream decodes, then a 200-token prompt arrives: (the prompt's chunk each step it
-    ran, the stream's new tokens in those steps, and the prompt units the pacer's measured
-    times allowed for each of them: max(floor, a decode-only step's ms / a unit's ms))."""
+    ran, the stream's new tokens in those steps, and the prompt tokens the step-cost model's
+    measured times allowed for each of them: max(floor, a decode-only step's ms / a unit's ms,
+    in tokens at the prompt's context))."""
     engine = make_engine(path, kv_cache_gb=0.05, max_num_batched_tokens=512, **kw)
     scheduled: list[dict[str, int]] = []
     allowed: list[float] = []
-    schedule, pacer = engine.scheduler.schedule, engine.scheduler.pacer
+    schedule, cost = engine.scheduler.schedule, engine.cost
 
     def watched() -> object:
-        if pacer.ms_per_unit and pacer.target_ms > 0:  # the bound, from the times it measured
-            allowed.append(max(MIN_UNITS, max(pacer.target_ms, pacer.decode_ms or 0.0) / pacer.ms_per_unit))
-        elif pacer.target_ms > 0 and pacer.decode_ms is not None:  # no unit measured beside decodes yet
+        long = [q for q in [*engine.scheduler.running, *engine.scheduler.waiting] if q.request_id == "long"]
+        ctx = long[0].num_computed_tokens if long else 0
+        if cost.ms_per_unit and cost.target_ms > 0:  # the bound, from the times it measured
+            units = max(MIN_UNITS, max(cost.target_ms, cost.decode_ms or 0.0) / cost.ms_per_unit)
+            allowed.append(max(MIN_UNITS, cost.tokens_within(units, ctx)))
+        elif cost.target_ms > 0 and cost.decode_ms is not None:  # no unit measured beside decodes yet
             allowed.append(MIN_UNITS)
         else:
             allowed.append(math.inf)
@@ -279,10 +287,12 @@ def _chunks_beside_a_stream(path: Path, **kw: object) -> tuple[list[int], list[i
 
     engine.scheduler.schedule = watched  # type: ignore[method-assign]
     p = SamplingParams(max_tokens=80, ignore_eos=True)
-    engine.add_request("stream", prompts_of([32])[0], p)
+    engine.add_request(GenerateRequest("stream", prompts_of([32])[0], p))
     for _ in range(3):  # its prompt, then two decodes (the decodes' measured time)
         engine.step()
-    engine.add_request("long", prompts_of([200], seed=3)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest("long", prompts_of([200], seed=3)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    )
     scheduled.clear()
     allowed.clear()
     while any(o.request_id != "long" or not o.finished for o in engine.step()):

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from wsllm import kernels  # noqa: E402
 from wsllm.config import EngineConfig  # noqa: E402
 from wsllm.engine.engine import LLMEngine  # noqa: E402
-from wsllm.types import SamplingParams  # noqa: E402
+from wsllm.types import GenerateRequest, SamplingParams  # noqa: E402
 
 
 def make(path: Path, backend: str, **kw: object) -> LLMEngine:
@@ -33,7 +33,7 @@ def greedy_tokens(path: Path, backend: str, prompts: list[list[int]]) -> dict[st
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(GenerateRequest(f"r{i}", p, params))
     out: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():

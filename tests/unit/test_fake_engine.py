@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wsllm.engine.fake import FakeEngine, fake_token_ids
-from wsllm.types import EngineBusy, SamplingParams
+from wsllm.types import EngineBusy, GenerateRequest, SamplingParams
 
 
 @pytest.fixture
@@ -18,8 +18,8 @@ def fake(smollm_dir: Path) -> FakeEngine:
 
 
 def test_tokens_run_to_max_tokens_and_room_comes_back(fake: FakeEngine, smollm_dir: Path) -> None:
-    fake.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, n=2))
-    fake.add_request("b", [1], SamplingParams(max_tokens=12))
+    fake.add_request(GenerateRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, n=2)))
+    fake.add_request(GenerateRequest("b", [1], SamplingParams(max_tokens=12)))
     assert fake.free_capacity() == 0
     got: dict[tuple[str, int], list[int]] = {}
     finish = {}
@@ -35,7 +35,7 @@ def test_tokens_run_to_max_tokens_and_room_comes_back(fake: FakeEngine, smollm_d
 
 
 def test_an_abort_is_reported_by_the_next_step(fake: FakeEngine) -> None:
-    fake.add_request("a", [1], SamplingParams(max_tokens=100))
+    fake.add_request(GenerateRequest("a", [1], SamplingParams(max_tokens=100)))
     fake.step()
     assert fake.abort("a") and not fake.abort("a")
     (out,) = fake.step()
@@ -45,12 +45,12 @@ def test_an_abort_is_reported_by_the_next_step(fake: FakeEngine) -> None:
 
 def test_it_refuses_what_the_engine_refuses(fake: FakeEngine) -> None:
     with pytest.raises(ValueError, match="context"):
-        fake.add_request("long", [1] * 8190, SamplingParams(max_tokens=100))
+        fake.add_request(GenerateRequest("long", [1] * 8190, SamplingParams(max_tokens=100)))
     with pytest.raises(ValueError, match="token ids"):
-        fake.add_request("bad", [10**6], SamplingParams())
+        fake.add_request(GenerateRequest("bad", [10**6], SamplingParams()))
     for rid in ("a", "b", "c"):
-        fake.add_request(rid, [1], SamplingParams())
+        fake.add_request(GenerateRequest(rid, [1], SamplingParams()))
     with pytest.raises(ValueError, match="in use"):
-        fake.add_request("a", [1], SamplingParams())
+        fake.add_request(GenerateRequest("a", [1], SamplingParams()))
     with pytest.raises(EngineBusy):
-        fake.add_request("d", [1], SamplingParams())
+        fake.add_request(GenerateRequest("d", [1], SamplingParams()))

@@ -10,7 +10,7 @@ import torch
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module", params=["dense", "quantized"])
@@ -48,9 +48,9 @@ def test_prefix_cache_second_request_computes_only_new_tokens(
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     on = make_engine(tiny_model_dir, kv_cache_gb=0.05, block_size=16)
     step_log = record_steps(on)
-    on.add_request("a", a, greedy)
+    on.add_request(GenerateRequest("a", a, greedy))
     first = finish(on)
-    on.add_request("b", b, greedy)
+    on.add_request(GenerateRequest("b", b, greedy))
     second = finish(on)
     computed_b = sum(step.get("b/0", 0) for step in step_log)
     hit = (500 // 16) * 16
@@ -58,8 +58,8 @@ def test_prefix_cache_second_request_computes_only_new_tokens(
     assert computed_b == len(b) - hit + 15
     assert on.stats().prefix_hit_tokens >= hit
     off = make_engine(tiny_model_dir, kv_cache_gb=0.05, block_size=16, enable_prefix_caching=False)
-    off.add_request("a", a, greedy)
-    off.add_request("b", b, greedy)
+    off.add_request(GenerateRequest("a", a, greedy))
+    off.add_request(GenerateRequest("b", b, greedy))
     assert finish(off) == {**first, **second}
     on.block_manager.check_invariants()
     assert on.block_manager.num_free_blocks == on.block_manager.num_blocks
@@ -69,10 +69,12 @@ def test_n4_seeded_is_batch_invariant_shares_blocks_and_copies_on_write(tiny_mod
     prompt = rand_tokens(70, 4)  # 4 full blocks of 16 and a partial one
     p4 = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
     e = make_engine(tiny_model_dir, kv_cache_gb=0.05, block_size=16, enable_prefix_caching=False)
-    e.add_request("one", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    e.add_request(
+        GenerateRequest("one", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    )
     single_peak: list[int] = []
     finish(e, single_peak)
-    e.add_request("x", prompt, p4)
+    e.add_request(GenerateRequest("x", prompt, p4))
     peak: list[int] = []
     alone = finish(e, peak)["x"]
     assert len(alone) == 4 and len({tuple(t) for t in alone}) > 1
@@ -80,9 +82,11 @@ def test_n4_seeded_is_batch_invariant_shares_blocks_and_copies_on_write(tiny_mod
     assert max(peak) < 4 * max(single_peak)
     for i in range(8):
         e.add_request(
-            f"o{i}", rand_tokens(10 + 7 * i, 20 + i), SamplingParams(temperature=0.8, max_tokens=12)
+            GenerateRequest(
+                f"o{i}", rand_tokens(10 + 7 * i, 20 + i), SamplingParams(temperature=0.8, max_tokens=12)
+            )
         )
-    e.add_request("x", prompt, p4)
+    e.add_request(GenerateRequest("x", prompt, p4))
     assert finish(e)["x"] == alone
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
     e.block_manager.check_invariants()
@@ -97,9 +101,11 @@ def test_chunked_prefill_keeps_decodes_streaming(
     e = make_engine(tiny_model_dir, kv_cache_gb=0.1, max_num_batched_tokens=256)
     step_log = record_steps(e)
     for i, p in enumerate(shorts):
-        e.add_request(f"s{i}", p, greedy)
+        e.add_request(GenerateRequest(f"s{i}", p, greedy))
     e.step()  # the 8 prompts are computed and now decode
-    e.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    e.add_request(
+        GenerateRequest("long", long, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    )
     start = len(step_log)
     got = finish(e)
     steps = step_log[start:]
@@ -112,6 +118,8 @@ def test_chunked_prefill_keeps_decodes_streaming(
     assert sum(1 for s in prefill_steps if len([k for k in s if k.startswith("s")]) == 8) >= 5
     ref = make_engine(tiny_model_dir, kv_cache_gb=0.1, max_num_batched_tokens=4096)
     for i, p in enumerate(shorts):
-        ref.add_request(f"s{i}", p, greedy)
-    ref.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        ref.add_request(GenerateRequest(f"s{i}", p, greedy))
+    ref.add_request(
+        GenerateRequest("long", long, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    )
     assert finish(ref) == got

@@ -7,6 +7,7 @@ product file is over 400 lines; the distribution holds every package and its dat
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,6 +213,24 @@ def test_the_websocket_imports_no_route_module() -> None:
         assert not wings, f"{f.name} imports {wings}"
 
 
+def test_the_websocket_owns_only_the_socket() -> None:
+    """ws.py runs every request as a wing's kind (its dispatch table, wing.WsKind): it imports
+    no module of a request's own messages (the OpenAI wing's ws_kinds.py, once ws_chat.py) and
+    the gateway has no path that starts a request for it (an admitted call starts its own:
+    `Admission.start`)."""
+    from wsllm.server.gateway import Gateway
+
+    names = every_import(ROOT / "wsllm" / "server" / "ws.py")
+    assert not [n for n in names if n.endswith(("ws_chat", "ws_kinds")) or n.startswith("wsllm.server.api")]
+    assert not (ROOT / "wsllm" / "server" / "ws_chat.py").exists()
+    assert not hasattr(Gateway, "start") and not hasattr(Gateway, "_submit")
+    tree = ast.parse((ROOT / "wsllm" / "server" / "ws.py").read_text())
+    called = {
+        n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
+    assert "start" not in called and "resume" in called  # a kind's own resume, not the gateway's
+
+
 def test_the_checks_above_see_an_import_they_forbid() -> None:
     text = "from wsllm.server.api.messages import render\ndef later():\n    from ..responses import run\n"
     names = every_import(WINGS / "openai" / "x.py", text)
@@ -242,3 +261,32 @@ def test_every_package_and_its_data_is_in_the_distribution() -> None:
     lua = sorted((ROOT / "wsllm" / "broker" / "lua").glob("*.lua"))
     globs = setup["package-data"]["wsllm.broker"]
     assert lua and all(any(p.relative_to(ROOT / "wsllm" / "broker").match(g) for g in globs) for p in lua)
+
+
+_JS_OPENS = re.compile(
+    r"^(\s*)(?:export\s+)?(?:async\s+)?(?:function\s*\*?\s*\w*\s*\(.*\)|(?!if\b|for\b|while\b|switch\b|catch\b)\w+\s*\(.*\))\s*\{$"
+)
+
+
+def js_function_lengths(text: str) -> dict[str, int]:
+    """Lines of each function and method of a prettier-formatted ES module (its opening line
+    to the closing brace at its indentation), by its first line."""
+    lines = text.splitlines()
+    found: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        m = _JS_OPENS.match(line)
+        if m is None:
+            continue
+        close = m.group(1) + "}"
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith(close)), len(lines))
+        found[line.strip()] = end - i + 1
+    return found
+
+
+def test_the_uis_entry_point_has_no_long_function() -> None:
+    """frontend/app.js wires the page's parts; each concern is a function (or a module) of its
+    own, none over 120 lines (its `main` was 382)."""
+    lengths = js_function_lengths((ROOT / "frontend" / "app.js").read_text())
+    assert lengths and max(lengths.values()) < 120, max(lengths.items(), key=lambda kv: kv[1])
+    long = "function main() {\n" + "  x();\n" * 130 + "}\n"
+    assert js_function_lengths(long)["function main() {"] == 132

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from wsllm import LLM, SamplingParams
+from wsllm.types import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 #: four adapters unlike each other: every projection, attention only (rsLoRA), the MLP only, q and v
@@ -156,7 +157,7 @@ def test_n_beams_structured_output_and_preemption_run_under_the_adapter(
         use_beam_search=True, beam_width=2, max_tokens=12, ignore_eos=True, temperature=0.0
     )
     eng, adapter = quantized.engine, quantized.engine.adapters.get("mlp16")
-    eng.add_request("beams", ids, beams, lora="mlp16")
+    eng.add_request(GenerateRequest("beams", ids, beams, lora="mlp16"))
     widest = 0
     while eng.has_unfinished():  # every beam, forks included, runs under the adapter, in its namespace
         eng.step()

@@ -20,6 +20,7 @@ from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.models.gguf_checks import GGUFError
 from wsllm.models.quant_linear import QuantExpertsModule
+from wsllm.types import GenerateRequest
 
 KINDS = ["olmoe", "qwen3_moe", "mixtral", "granitemoeshared"]
 
@@ -43,7 +44,7 @@ def make_engine(model: Path, **kw: Any) -> LLMEngine:
 
 
 def prompt_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    engine.add_request("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    engine.add_request(GenerateRequest("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0)))
     got = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -138,7 +139,9 @@ def test_the_decode_stack_runs_an_moe_models_layers_with_their_bits(tiny_moe_ggu
         compute = model.compute_logits
         model.compute_logits = lambda h, seen=seen, compute=compute: seen.append(compute(h)) or seen[-1]  # type: ignore[method-assign]
         for i, p in enumerate(prompts((3, 9, 5))):
-            engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            engine.add_request(
+                GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            )
         while engine.has_unfinished():
             engine.step()
         assert (model._stack is not None and model._stack[2] is not None) == fused

@@ -40,7 +40,7 @@ def make_engine(path: Path, **kw: Any) -> LLMEngine:
 
 def embed_all(engine: LLMEngine, prompts: list[list[int]], pooling: str = "auto") -> dict[str, RequestOutput]:
     for i, p in enumerate(prompts):
-        engine.add_request(f"e{i}", p, SamplingParams(max_tokens=1, pooling=pooling))
+        engine.add_request(GenerateRequest(f"e{i}", p, SamplingParams(max_tokens=1, pooling=pooling)))
     outs: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -107,11 +107,11 @@ def test_batched_with_generations_changes_nothing(tiny_model_dir: Path) -> None:
     gen_prompts = prompts_of([20, 50], seed=11)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     for i, p in enumerate(gen_prompts):
-        engine.add_request(f"g{i}", p, greedy)
+        engine.add_request(GenerateRequest(f"g{i}", p, greedy))
     for _ in range(3):  # the generations are decoding when the embeddings arrive
         engine.step()
     for i, p in enumerate(prompts):
-        engine.add_request(f"e{i}", p, SamplingParams(pooling="mean"))
+        engine.add_request(GenerateRequest(f"e{i}", p, SamplingParams(pooling="mean")))
     outs: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -121,7 +121,7 @@ def test_batched_with_generations_changes_nothing(tiny_model_dir: Path) -> None:
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
     solo = make_engine(tiny_model_dir, max_num_batched_tokens=48)
     for i, p in enumerate(gen_prompts):
-        solo.add_request(f"g{i}", p, greedy)
+        solo.add_request(GenerateRequest(f"g{i}", p, greedy))
     want: dict[str, list[int]] = {}
     while solo.has_unfinished():
         want.update((o.request_id, o.outputs[0].token_ids) for o in solo.step() if o.finished)
@@ -133,9 +133,9 @@ def test_limits_and_abort(tiny_model_dir: Path) -> None:
     """An embedding may fill the whole context (no token is generated); past it is a
     ValueError; an aborted one frees its blocks and reports no vector."""
     engine = make_engine(tiny_model_dir, max_model_len=64)
-    engine.add_request("full", list(range(3, 67)), SamplingParams(pooling="last"))
+    engine.add_request(GenerateRequest("full", list(range(3, 67)), SamplingParams(pooling="last")))
     with pytest.raises(ValueError, match="context of 64"):
-        engine.add_request("over", list(range(3, 68)), SamplingParams(pooling="last"))
+        engine.add_request(GenerateRequest("over", list(range(3, 68)), SamplingParams(pooling="last")))
     assert engine.abort("full")
     (out,) = engine.step()
     assert out.embedding is None and out.outputs[0].finish_reason == "abort"
@@ -169,12 +169,12 @@ def test_preempted_embeddings_still_equal_hf(tiny_model_dir: Path, hf: Any, mode
     )
     greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts_of([40, 40], seed=13)):
-        engine.add_request(f"g{i}", p, greedy)
+        engine.add_request(GenerateRequest(f"g{i}", p, greedy))
     for _ in range(12):  # both prompts computed: the generations decode
         engine.step()
     prompts = prompts_of([60, 45], seed=17)
     for i, p in enumerate(prompts):
-        engine.add_request(f"e{i}", p, SamplingParams(pooling="mean"))
+        engine.add_request(GenerateRequest(f"e{i}", p, SamplingParams(pooling="mean")))
     outs: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)

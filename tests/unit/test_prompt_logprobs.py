@@ -13,7 +13,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 LENGTHS = [1, 2, 9, 40, 75]
 TOPS = [0, 3, 20, 5, 1]
@@ -40,7 +40,7 @@ def make_engine(path: Path, **kw: Any) -> LLMEngine:
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
     """request id -> (its outputs in order, its output tokens)."""
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", p, sp)
+        engine.add_request(GenerateRequest(f"r{i}", p, sp))
     outs: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(len(prompts))}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():

@@ -22,7 +22,7 @@ from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.models import loader
 from wsllm.models.quant_linear import QuantEmbedding, QuantLinear
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 CHATS = ["What is the capital of France?", "Write a haiku about rain.", "def fib(n):"]
 
@@ -34,7 +34,7 @@ def make_engine(model: Path | None, **kw: object) -> LLMEngine:
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(GenerateRequest(f"r{i}", p, params))
     out: dict[str, list[list[int]]] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -45,7 +45,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 
 def prompt_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """The logprob of each prompt token after the first."""
-    engine.add_request("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    engine.add_request(GenerateRequest("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0)))
     got = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -202,11 +202,11 @@ def test_without_a_compiler_the_engine_serves_dequantized_with_one_warning(
     de-quantized weights, and one warning line says why."""
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
-        "from wsllm.config import EngineConfig; from wsllm.engine.engine import LLMEngine; from wsllm.types import SamplingParams\n"
+        "from wsllm.config import EngineConfig; from wsllm.engine.engine import LLMEngine; from wsllm.types import GenerateRequest, SamplingParams\n"
         "from wsllm.models.quant_linear import QuantLinear\n"
         f"e = LLMEngine.from_config(EngineConfig(model={str(tiny_gguf_path)!r}, dtype='float32', kv_cache_gb=0.05))\n"
         "assert not any(isinstance(m, QuantLinear) for m in e.runner.model.modules())\n"
-        "e.add_request('a', [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))\n"
+        "e.add_request(GenerateRequest('a', [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4)))\n"
         "while e.has_unfinished(): e.step()\n"
         "print('served')\n"
     )
@@ -260,7 +260,7 @@ def test_a_quantized_and_a_dense_model_in_one_process(tiny_gguf_path: Path, tiny
     engines = {p: make_engine(p) for p in (tiny_gguf_path, tiny_model_dir)}
     for e in engines.values():
         for i, ids in enumerate(prompts):
-            e.add_request(f"r{i}", ids, greedy)
+            e.add_request(GenerateRequest(f"r{i}", ids, greedy))
     got: dict[Path, dict[str, list[int]]] = {p: {} for p in engines}
     while any(e.has_unfinished() for e in engines.values()):
         for p, e in engines.items():  # interleaved steps

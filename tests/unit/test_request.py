@@ -18,7 +18,7 @@ def test_choices_wait_to_fork_and_a_beam_search_starts_from_one_sequence() -> No
     beam = SamplingParams(n=2, use_beam_search=True, beam_width=2, temperature=0.0)
     searched = Request.start("b", [1, 2, 3], beam, 0.0, 0, "", [0])
     assert len(searched.seqs) == 1 and not searched.pending and searched.beam is not None
-    assert searched.beam.eos_ids == [0]
+    assert searched.beam.state.eos_ids == [0]
 
 
 def test_prompt_logprobs_come_in_order_once_every_prompt_token_has_one() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from wsllm.server.chat.output import OutputOptions
 from wsllm.server.resume import CONTEXT_TAIL, Api, ResumeContext
 from wsllm.types import SamplingParams
 
@@ -17,7 +18,7 @@ from wsllm.types import SamplingParams
 def test_a_context_survives_the_broker_as_json() -> None:
     params = SamplingParams(n=3, logprobs=2)
     prompt = list(range(100, 120))
-    ctx = ResumeContext.start(Api.WS_CHAT, "m", prompt, params, ["\n"], {"tool_parser": "hermes"}, True)
+    ctx = ResumeContext.start(Api.WS_CHAT, "m", prompt, params, ["\n"], OutputOptions("hermes"), True)
     ctx.token_sha256 = "ab" * 32
     back = ResumeContext.decode(orjson.loads(orjson.dumps(ctx.encode())))
     assert back == ctx

@@ -1,5 +1,6 @@
 """The sampler draws exactly the distribution its parameters define (wsllm/kernels/sampling.py), on
-every path: the native kernel on each ISA it can force, and the torch reference.
+every path: the native kernel on each ISA it can force, the torch reference, and the draw on the
+logits' device (engine/device_draw.py).
 
 - 20,000 draws per mode from a tiny model's logits at a fixed context fit the defined distribution
   (chi-square), and the tokens drawn are the kept set: none outside it, every kept token that is
@@ -33,8 +34,9 @@ MODES = {
 
 
 def paths() -> list[str]:
-    """The native ISA paths this machine runs, and the torch reference."""
-    found = ["torch"]
+    """The native ISA paths this machine runs, the torch reference, and the draw on the logits'
+    device (engine/device_draw.py: every row ranked, no host read; run here on the CPU)."""
+    found = ["torch", "device"]
     ok, _ = quant.native_status()
     if ok:
         found += [isa for isa in quant.ISAS if quant._cpu_has(isa)]
@@ -44,13 +46,15 @@ def paths() -> list[str]:
 @pytest.fixture(params=paths())
 def path(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """Pin one path for the test: the native kernels on a forced ISA, or the reference."""
-    if request.param == "torch":
+    if request.param in ("torch", "device"):
+        from wsllm.engine.device_draw import draw_rows
+
         real = sampling.sample_rows
         sampling.sample_rows = sampling.sample_rows_ref  # type: ignore[assignment]
         import wsllm.engine.sampler as sampler_mod
 
-        sampler_mod.sample_rows = sampling.sample_rows_ref  # type: ignore[assignment]
-        yield "torch"
+        sampler_mod.sample_rows = sampling.sample_rows_ref if request.param == "torch" else draw_rows  # type: ignore[assignment]
+        yield request.param
         sampler_mod.sample_rows = real  # type: ignore[assignment]
         sampling.sample_rows = real  # type: ignore[assignment]
         return

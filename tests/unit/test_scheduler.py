@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.pacing import MIN_UNITS, StepPacer
+from wsllm.engine.model_output import ModelOutput, Sampled
 from wsllm.engine.scheduler import Scheduler, SchedulerOutput
 from wsllm.engine.sequence import SeqStatus, Sequence
+from wsllm.engine.step_cost import MIN_UNITS, StepCost, StepWork
 from wsllm.types import SamplingParams
 
 workload = st.lists(
@@ -52,7 +53,7 @@ def test_budget_progress_and_no_leak(
         budget,
         prompt_logprob_cost=plp_cost,
         prefill_tokens_while_decoding=while_decoding,
-        prefill_ms_while_decoding=paced[0],
+        cost=StepCost(prefill_ms_while_decoding=paced[0], prompt_logprob_cost=plp_cost),
     )
     pending = [
         (
@@ -75,7 +76,7 @@ def test_budget_progress_and_no_leak(
             if arrive == step:
                 sched.add(s)
         streaming = {id(s) for s in sched.running if s.num_uncomputed <= 1}
-        paced_units = sched.pacer.units()
+        paced_units = sched.cost.prompt_units(decoding=True)
         out = sched.schedule()
         cost = sum(step_cost(s, n, plp_cost) for s, n in out.scheduled)
         assert cost <= budget
@@ -84,18 +85,17 @@ def test_budget_progress_and_no_leak(
             if while_decoding:
                 assert prompts <= while_decoding, "a step that decodes took more prompt work than allowed"
             assert prompts <= paced_units, "a step that decodes took more prompt work than fits its time"
-        sched.observe_step(out, 0.001 * len(out.scheduled) + paced[1] * cost)
+        sched.cost.observe(out.work, 0.001 * len(out.scheduled) + paced[1] * cost)
         assert len(out.scheduled) <= max_seqs
         assert len({id(s) for s, _ in out.scheduled}) == len(out.scheduled)
         for s, n in out.scheduled:
             assert n >= 1 and s.num_computed_tokens + n <= s.num_tokens
             assert len(bm.block_tables[s.seq_id]) * 8 >= s.num_computed_tokens + n
-        for s, n in out.scheduled:  # the "model": sample when caught up
-            if s.num_computed_tokens + n == s.num_tokens:
-                s.output_token_ids.append(7)
-                if len(s.output_token_ids) >= s.params.max_tokens:
-                    s.status = SeqStatus.FINISHED
-        sched.finish_step(out.scheduled)
+        model = ModelOutput()  # the "model": a token 7 for each sequence that caught up
+        model.sampled = [
+            Sampled(s, [7], [None]) for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens
+        ]
+        sched.update_from_output(out, model)
         bm.check_invariants()
         if step > 6 and not sched.has_unfinished():
             break
@@ -158,7 +158,7 @@ def _paced_chunks(unit_s: float, target_ms: float = 50.0) -> list[int]:
         64,
         512,
         prefill_tokens_while_decoding=256,
-        prefill_ms_while_decoding=target_ms,
+        cost=StepCost(prefill_ms_while_decoding=target_ms),
     )
     long = Sequence("long", 0, [2] * 1500, SamplingParams(max_tokens=4), 0.0)
     return _chunks_beside_streams(
@@ -184,13 +184,13 @@ def test_one_stalled_decode_step_does_not_make_prompt_work_look_free() -> None:
     (the first structured request's tokenizer index) became the decodes' cost in a moving
     average, every later step's prompt work looked free, and 128-row prompt-logprob chunks
     (450 ms) rode beside the streams again. The decodes' share is a median."""
-    pacer = StepPacer(50.0)
+    pacer = StepCost(50.0)
     for ms in [30, 29, 31, 30, 1261, 30]:
-        pacer.observe(0, 16, ms / 1000)
+        pacer.observe(StepWork(0, 16), ms / 1000)
     assert pacer.decode_ms == 30
     for _ in range(3):  # 20 units beside the decodes, 2 ms each
-        pacer.observe(20, 16, (30 + 20 * 2) / 1000)
-    assert pacer.units() == 25
+        pacer.observe(StepWork(20, 16), (30 + 20 * 2) / 1000)
+    assert pacer.prompt_units(decoding=True) == 25
 
 
 def test_the_first_prompt_work_beside_measured_decodes_is_the_floor() -> None:
@@ -198,14 +198,14 @@ def test_the_first_prompt_work_beside_measured_decodes_is_the_floor() -> None:
     measured takes the floor, and that step gives the estimate: the first prompt-logprobs
     chunk beside 16 streams (nothing bounding it) took 61 tokens and 116 ms, 8x their
     gap. With no decode-only step seen there is nothing to compare with: the token cap."""
-    pacer = StepPacer(20.0)
-    assert pacer.units() == math.inf  # nothing measured
+    pacer = StepCost(20.0)
+    assert pacer.prompt_units(decoding=True) == math.inf  # nothing measured
     for _ in range(5):
-        pacer.observe(0, 16, 0.015)
-    assert pacer.units() == MIN_UNITS
-    pacer.observe(MIN_UNITS, 16, (15 + MIN_UNITS * 2) / 1000)  # 2 ms a unit
-    assert pacer.units() == 10
-    assert StepPacer(0.0).units() == math.inf  # no time bound asked for
+        pacer.observe(StepWork(0, 16), 0.015)
+    assert pacer.prompt_units(decoding=True) == MIN_UNITS
+    pacer.observe(StepWork(MIN_UNITS, 16), (15 + MIN_UNITS * 2) / 1000)  # 2 ms a unit
+    assert pacer.prompt_units(decoding=True) == 10
+    assert StepCost(0.0).prompt_units(decoding=True) == math.inf  # no time bound asked for
 
 
 def test_a_quiet_stretch_forgets_a_prompt_units_cost() -> None:
@@ -213,18 +213,18 @@ def test_a_quiet_stretch_forgets_a_prompt_units_cost() -> None:
     decode-only steps, at another context and load: its first chunk beside 16 streams
     took 62 tokens and 69 ms, 1.6x the decode-only step before it (bench/amplification.py). After
     DECODE_SAMPLES decode-only steps in a row, the next prompt starts at the floor."""
-    from wsllm.engine.pacing import DECODE_SAMPLES
+    from wsllm.engine.step_cost import DECODE_SAMPLES
 
-    pacer = StepPacer(20.0)
+    pacer = StepCost(20.0)
     for _ in range(5):
-        pacer.observe(0, 16, 0.015)
-    pacer.observe(MIN_UNITS, 16, (15 + MIN_UNITS * 0.5) / 1000)  # 0.5 ms a unit: 40 units fit
-    assert pacer.units() == 40
+        pacer.observe(StepWork(0, 16), 0.015)
+    pacer.observe(StepWork(MIN_UNITS, 16), (15 + MIN_UNITS * 0.5) / 1000)  # 0.5 ms a unit: 40 units fit
+    assert pacer.prompt_units(decoding=True) == 40
     for _ in range(DECODE_SAMPLES - 1):  # a few decode-only steps between chunks: kept
-        pacer.observe(0, 16, 0.015)
-    assert pacer.units() == 40
-    pacer.observe(0, 16, 0.015)
-    assert pacer.units() == MIN_UNITS
+        pacer.observe(StepWork(0, 16), 0.015)
+    assert pacer.prompt_units(decoding=True) == 40
+    pacer.observe(StepWork(0, 16), 0.015)
+    assert pacer.prompt_units(decoding=True) == MIN_UNITS
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
@@ -236,9 +236,7 @@ def test_preemption_takes_the_newest_and_puts_it_first_in_waiting() -> None:
     sched.add(b)
     out = sched.schedule()
     assert [s.request_id for s, _ in out.scheduled] == ["a", "b"]
-    for s, _ in out.scheduled:
-        s.output_token_ids.append(5)
-    sched.finish_step(out.scheduled)
+    sched.update_from_output(out, ModelOutput([Sampled(s, [5], [None]) for s, _ in out.scheduled]))
     # both now need a third block; only... 4 blocks total, each holds 2: a grows, b goes
     for s in (a, b):
         s.output_token_ids.append(5)
@@ -255,12 +253,13 @@ def _run(
     """One step with a stand-in model (a token for every sequence that caught up): what it
     scheduled. `step_s`, when given, is the step's time, reported to the pacer."""
     out = sched.schedule()
-    for s, n in out.scheduled:
-        if s.num_computed_tokens + n == s.num_tokens:
-            s.output_token_ids.append(5)
-    sched.finish_step(out.scheduled)
+    model = ModelOutput()
+    model.sampled = [
+        Sampled(s, [5], [None]) for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens
+    ]
+    sched.update_from_output(out, model)
     if step_s is not None:
-        sched.observe_step(out, step_s(out))
+        sched.cost.observe(out.work, step_s(out))
     return out.scheduled
 
 
@@ -277,7 +276,7 @@ def test_a_higher_priority_request_goes_before_lower_ones_that_waited_longer() -
     while sched.has_unfinished():
         for s in list(sched.running):  # max_tokens=1: done after its first step
             s.status = SeqStatus.FINISHED
-        sched.finish_step([])
+        sched.update_from_output(SchedulerOutput(), ModelOutput())
         started += _step(sched)
     assert started == ["new-high", "newest-mid", "old-low", "older-low"]
 
@@ -308,7 +307,7 @@ def _admission_order(tenant_b: str) -> list[str]:
         for s in list(sched.running):
             if len(s.output_token_ids) >= 3:
                 s.status = SeqStatus.FINISHED
-        sched.finish_step([])
+        sched.update_from_output(SchedulerOutput(), ModelOutput())
         started += [r for r in _step(sched) if r not in started]
     return started
 
@@ -322,13 +321,13 @@ def test_a_batch_whose_decodes_take_longer_than_the_target_gives_prompts_as_long
     """A step that decodes may take about twice a decode-only step: 32 streams decoding in
     80 ms give a prompt 80 ms beside them, not the 50 ms target (which bounds the prompt work
     beside a small batch); the streams' gap at most about doubles either way."""
-    pacer = StepPacer(50.0)
+    pacer = StepCost(50.0)
     for _ in range(5):
-        pacer.observe(0, 32, 0.080)
-    pacer.observe(20, 32, (80 + 20 * 2) / 1000)  # 2 ms a unit beside the decodes
-    assert pacer.units() == 40
-    small = StepPacer(50.0)
+        pacer.observe(StepWork(0, 32), 0.080)
+    pacer.observe(StepWork(20, 32), (80 + 20 * 2) / 1000)  # 2 ms a unit beside the decodes
+    assert pacer.prompt_units(decoding=True) == 40
+    small = StepCost(50.0)
     for _ in range(5):
-        small.observe(0, 4, 0.020)
-    small.observe(20, 4, (20 + 20 * 2) / 1000)
-    assert small.units() == 25
+        small.observe(StepWork(0, 4), 0.020)
+    small.observe(StepWork(20, 4), (20 + 20 * 2) / 1000)
+    assert small.prompt_units(decoding=True) == 25

@@ -17,11 +17,11 @@ from wsllm.kernels.sampling import kept_probs
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
-from wsllm.engine.sampler import Sampler
+from wsllm.engine.sampler import Sampler, row_views
 from wsllm.engine.sequence import Sequence
-from wsllm.engine.speculative.policy import StepCost, choose
-from wsllm.engine.speculative.verify import verify
-from wsllm.types import SamplingParams
+from wsllm.engine.speculative.policy import choose
+from wsllm.engine.step_cost import DecodeRows
+from wsllm.types import GenerateRequest, SamplingParams
 
 GREEDY = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
 LOOPING = [1, 504, 3456, 77, 504, 3456, 77, 504]  # the tiny models repeat themselves: drafts get accepted
@@ -39,7 +39,7 @@ def serve(engine: LLMEngine, plan: list[tuple[int, str, list[int], SamplingParam
     while step == 0 or engine.has_unfinished() or any(at >= step for at, *_ in plan):
         for at, rid, prompt, params in plan:
             if at == step:
-                engine.add_request(rid, prompt, params)
+                engine.add_request(GenerateRequest(rid, prompt, params))
         for o in engine.step():
             assert o.error is None, o.error
             if o.finished:
@@ -70,7 +70,7 @@ def mixed_plan(stop_token: int) -> list[tuple[int, str, list[int], SamplingParam
 
 
 def logprobs_of(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[Any]:
-    engine.add_request("lp", prompt, params)
+    engine.add_request(GenerateRequest("lp", prompt, params))
     lps: list[Any] = []
     while engine.has_unfinished():
         for o in engine.step():
@@ -195,8 +195,15 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_words_model_dir
         for s in seqs:
             s.draft_token_ids = [draft]
         logits = torch.stack([row0, row1]).repeat(2000, 1)
-        kept, matched, bad = verify(sampler, seqs, logits, [2], 1000)
-        assert not bad and set(kept) <= {1, 2}
+        result = sampler(logits, [v for s in seqs for v in row_views(s)])  # the token stage's rows
+        rows = [
+            (result.token_ids[2 * i : 2 * i + 2], result.logprobs[2 * i : 2 * i + 2])
+            for i in range(len(seqs))
+        ]
+        kept, _, bad = zip(
+            *(s.keep_samples(t, lp, [2], 1000) for s, (t, lp) in zip(seqs, rows, strict=True)), strict=True
+        )
+        assert not any(bad) and set(kept) <= {1, 2}
         for s in seqs:
             first[s.output_token_ids[0]] += 1
             if len(s.output_token_ids) == 2:
@@ -208,31 +215,35 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_words_model_dir
 
 
 def test_the_cost_model_drafts_where_rows_are_cheap_only() -> None:
-    cheap, dear = StepCost(), StepCost()
+    cheap, dear = DecodeRows(), DecodeRows()
     for _ in range(3):
         for rows, ms in ((1, 6.0), (2, 6.2), (4, 6.8), (8, 8.0), (16, 12.0)):
             cheap.observe(rows, ms)  # one stream on a CPU: the step's fixed cost dominates
         for rows, ms in ((32, 33.0), (33, 34.1), (36, 37.5), (48, 50.0)):
             dear.observe(rows, ms)  # 32 streams: a row costs about what a token is worth
-    assert choose([8], [(0.9, 0.9)], cheap, 1) == [8]
-    assert 1 <= choose([8], [(0.5, 0.5)], cheap, 1)[0] < 8
-    assert choose([8] * 32, [(0.7, 0.7)] * 32, dear, 32) == [0] * 32
-    assert choose([8], [(0.0, 0.9)], cheap, 1) == [0]
-    assert choose([8], [(0.9, 0.9)], StepCost(), 1) == [0], "nothing measured yet: a plain step first"
+    assert choose([8], [(0.9, 0.9)], cheap.snapshot(), 1) == [8]
+    assert 1 <= choose([8], [(0.5, 0.5)], cheap.snapshot(), 1)[0] < 8
+    assert choose([8] * 32, [(0.7, 0.7)] * 32, dear.snapshot(), 32) == [0] * 32
+    assert choose([8], [(0.0, 0.9)], cheap.snapshot(), 1) == [0]
+    assert choose([8], [(0.9, 0.9)], DecodeRows().snapshot(), 1) == [0], (
+        "nothing measured yet: a plain step first"
+    )
     cheap.observe(9, 500.0)  # one slow step (a collection, a neighbour): drafting goes on
-    assert choose([8], [(0.9, 0.9)], cheap, 1)[0] >= 6
+    assert choose([8], [(0.9, 0.9)], cheap.snapshot(), 1)[0] >= 6
 
 
 def test_without_a_backlog_a_batch_drafts_only_when_its_slowest_gains() -> None:
     """Nothing waits for room: the batch ends with its slowest sequence, so while one of them
     has nothing to draft the others' drafts only make each step dearer."""
-    cost = StepCost()
+    cost = DecodeRows()
     for _ in range(3):
         for rows, ms in ((4, 10.0), (8, 11.0), (16, 13.0), (32, 17.0)):
             cost.observe(rows, ms)  # rows still cheap: drafting pays for whoever gains
     sure = (0.95, 0.95)
-    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost, 4, backlog=True)) > 0
-    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost, 4, backlog=False)) > 0
-    assert choose([8, 8, 8, 0], [sure] * 4, cost, 4, backlog=False) == [0] * 4
-    assert choose([8, 8, 8], [sure] * 3, cost, 4, backlog=False) == [0] * 3  # a fourth decodes, undrafted
-    assert sum(choose([8, 8, 8, 0], [sure] * 4, cost, 4, backlog=True)) > 0
+    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost.snapshot(), 4, backlog=True)) > 0
+    assert sum(choose([8, 8, 8, 8], [sure] * 4, cost.snapshot(), 4, backlog=False)) > 0
+    assert choose([8, 8, 8, 0], [sure] * 4, cost.snapshot(), 4, backlog=False) == [0] * 4
+    assert (
+        choose([8, 8, 8], [sure] * 3, cost.snapshot(), 4, backlog=False) == [0] * 3
+    )  # a fourth decodes, undrafted
+    assert sum(choose([8, 8, 8, 0], [sure] * 4, cost.snapshot(), 4, backlog=True)) > 0

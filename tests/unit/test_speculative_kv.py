@@ -6,7 +6,8 @@ sequence generates what it would without drafts.
 A stand-in model writes each input token into its KV slot and predicts the next token from
 the last three tokens it reads back from the cache through the block table: a rejected
 draft left where a kept token should be, or a corrupted shared block, changes what it
-predicts. The scheduler, block manager, sampler and verification are the engine's own."""
+predicts. The scheduler (its update_from_output keeps what each sequence accepted), block
+manager and sampler (a verification's rows) are the engine's own."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.sampler import Sampler
+from wsllm.engine.model_output import ModelOutput, Sampled
+from wsllm.engine.sampler import Sampler, row_views
 from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.speculative import Speculator
+from wsllm.engine.step_cost import StepCost
 from wsllm.types import SamplingParams
 
 VOCAB = 12  # few tokens: prompts share prefixes, outputs repeat
@@ -32,13 +35,13 @@ def truth(context: list[int]) -> int:
 
 
 class Stand:
-    """The engine's step without the model: schedule, 'forward', verify, settle, finish."""
+    """The engine's step without the model: schedule, 'forward' and sample, update, observe."""
 
     def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
         self.bm = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=True)
         self.scheduler = Scheduler(self.bm, max_num_seqs=6, max_num_batched_tokens=40)
         self.sampler = Sampler(VOCAB, eos_token_ids=[])
-        self.spec = Speculator(None, 8, self.sampler, [], max_model_len=10_000)
+        self.spec = Speculator(None, 8, [], 10_000, StepCost())  # its counters, of the drafts made here
         self.kv: dict[int, int] = {}
         self.rng = rng
 
@@ -77,15 +80,20 @@ class Stand:
                     rows.append(
                         torch.nn.functional.one_hot(torch.tensor(truth(self.read(seq, p + 1))), VOCAB)
                     )
+        output = ModelOutput()
         if sampled:
             logits = torch.stack(rows).float()
-            plain, rest, bad = self.spec.verify(sampled, logits)
-            assert not bad
-            if rest is not None:
-                result = self.sampler(rest, plain)
-                for seq, tok in zip(plain, result.token_ids, strict=True):
-                    seq.append_token(tok, None, [], 10_000)
-        self.scheduler.finish_step(self.spec.settle(out.scheduled, self.bm))
+            result = self.sampler(logits, [v for seq in sampled for v in row_views(seq)])
+            at = 0
+            for seq in sampled:
+                k = 1 + len(seq.draft_token_ids)
+                output.sampled.append(
+                    Sampled(seq, result.token_ids[at : at + k], result.logprobs[at : at + k])
+                )
+                at += k
+        update = self.scheduler.update_from_output(out, output)
+        assert not update.failed
+        self.spec.record(update, [])
         self.bm.check_invariants()
         for seq in self.scheduler.running:  # what the cache holds is what the sequence kept
             assert self.read(seq, seq.num_computed_tokens) == list(seq.token_ids)[: seq.num_computed_tokens]

@@ -12,7 +12,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.static_step import batch_buckets, static_mode
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 
 def make_engine(path: Path, static: str, **kw: object) -> LLMEngine:
@@ -66,7 +66,7 @@ def run(engine: LLMEngine, steps_before: dict[int, int]) -> tuple[dict[str, list
             if at == step:
                 n = 2 if i == 3 else 1  # one request of two greedy choices: they fork and share blocks
                 params = SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True, n=n)
-                engine.add_request(f"r{i}", prompts[i], params)
+                engine.add_request(GenerateRequest(f"r{i}", prompts[i], params))
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = [c.token_ids for c in o.outputs]
@@ -97,7 +97,9 @@ def test_padded_rows_change_no_kv_block(tiny_model_dir: Path) -> None:
     g = torch.Generator().manual_seed(3)
     for i, n in enumerate((5, 19, 33)):
         prompt = torch.randint(3, 49152, (n,), generator=g).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.add_request(
+            GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        )
     engine.step()  # the three prompts
     # every block's unused slots hold noise, so a stray write anywhere shows
     for k, v in engine.cache.kv_caches:

@@ -19,7 +19,7 @@ from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
 from wsllm.structured import Matchers, check_spec
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 PROMPT = [1, 504, 3456, 77, 9012]
 
@@ -42,7 +42,7 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 def run(engine: LLMEngine, params: list[SamplingParams], prompt: list[int] = PROMPT) -> list[RequestOutput]:
     """Every request at once; the final output of each, in order."""
     for i, p in enumerate(params):
-        engine.add_request(f"s{i}", prompt, p)
+        engine.add_request(GenerateRequest(f"s{i}", prompt, p))
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -249,7 +249,7 @@ def test_a_preempted_structured_sequence_stays_valid(tiny_model_dir: Path, token
     ]
     prompts = [[1] + [100 + 37 * i + j for j in range(10 + 5 * i)] for i in range(8)]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        small.add_request(f"p{i}", prompt, p)
+        small.add_request(GenerateRequest(f"p{i}", prompt, p))
     final: dict[str, RequestOutput] = {}
     while small.has_unfinished():
         for o in small.step():
@@ -266,7 +266,9 @@ def test_abort_frees_the_blocks_and_the_matcher(engine: LLMEngine) -> None:
     bm = engine.block_manager
     free0 = bm.num_free_blocks
     engine.add_request(
-        "a", PROMPT * 8, SamplingParams(n=2, max_tokens=200, structured={"regex": "[a-z]{500}"})
+        GenerateRequest(
+            "a", PROMPT * 8, SamplingParams(n=2, max_tokens=200, structured={"regex": "[a-z]{500}"})
+        )
     )
     for _ in range(3):
         engine.step()
@@ -281,8 +283,12 @@ def test_abort_frees_the_blocks_and_the_matcher(engine: LLMEngine) -> None:
 
 
 def test_a_matcher_that_fails_mid_request_ends_only_that_request(engine: LLMEngine) -> None:
-    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=20, structured={"regex": "[0-9]+"}))
-    engine.add_request("good", PROMPT, SamplingParams(max_tokens=20, structured={"regex": "[0-9]{20}"}))
+    engine.add_request(
+        GenerateRequest("bad", PROMPT, SamplingParams(max_tokens=20, structured={"regex": "[0-9]+"}))
+    )
+    engine.add_request(
+        GenerateRequest("good", PROMPT, SamplingParams(max_tokens=20, structured={"regex": "[0-9]{20}"}))
+    )
     engine.step()
     (seq,) = [s for s in engine.scheduler.running if s.request_id == "bad"]
     seq.matcher.consume_token(PROMPT[1])  # a token its grammar refuses: an error state, as a bug would
@@ -315,7 +321,7 @@ def test_a_bad_spec_is_a_clear_value_error(engine: LLMEngine, spec: dict[str, An
         check_spec(spec)
     before = (len(engine._requests), engine.block_manager.num_free_blocks)
     # the engine compiles again, off its step thread: the request ends with the error
-    engine.add_request("x", PROMPT, SamplingParams(structured=spec))
+    engine.add_request(GenerateRequest("x", PROMPT, SamplingParams(structured=spec)))
     outs = [o for _ in range(500) if engine.has_unfinished() for o in engine.step()]
     assert [(o.request_id, o.error_code) for o in outs] == [("x", "invalid_request")]
     assert re.search("(?s)" + match, outs[0].error or "")
@@ -360,7 +366,7 @@ def test_both_ways_of_unpacking_a_mask_agree() -> None:
     import numpy as np
     import torch
 
-    from wsllm.engine.sampler import unpack_bits_numpy, unpack_bits_torch
+    from wsllm.engine.logits_processors import unpack_bits_numpy, unpack_bits_torch
 
     words = np.random.default_rng(0).integers(-(2**31), 2**31, size=(3, 5), dtype=np.int32)
     words[0, 0] = 0b101  # tokens 0 and 2
@@ -392,7 +398,7 @@ def test_logit_bias_forces_and_bans_tokens(engine: LLMEngine) -> None:
     assert not set(outs[2].outputs[0].token_ids) & set(banned)
     assert outs[3].outputs[0].token_ids[0] != first
     with pytest.raises(ValueError, match="logit_bias token ids"):
-        engine.add_request("x", PROMPT, SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+        engine.add_request(GenerateRequest("x", PROMPT, SamplingParams(logit_bias={engine.vocab_size: 1.0})))
 
 
 def test_a_grammar_overrules_logit_bias_and_logprobs_list_only_allowed_tokens(
@@ -403,7 +409,7 @@ def test_a_grammar_overrules_logit_bias_and_logprobs_list_only_allowed_tokens(
     params = SamplingParams(
         max_tokens=10, temperature=0.0, logprobs=5, structured={"regex": "[0-9]{4}"}, logit_bias={eos: 100.0}
     )
-    engine.add_request("lp", PROMPT, params)
+    engine.add_request(GenerateRequest("lp", PROMPT, params))
     got: list[Any] = []
     while engine.has_unfinished():
         for o in engine.step():

@@ -25,7 +25,7 @@ from wsllm.engine.engine import LLMEngine
 from wsllm.engine.outputs import RequestOutput
 from wsllm.server import programs
 from wsllm.server.programs import ProcessPool
-from wsllm.types import SamplingParams
+from wsllm.types import GenerateRequest, SamplingParams
 
 PROMPT = [1, 504, 3456, 77, 9012]
 
@@ -58,11 +58,15 @@ def drain(engine: LLMEngine, max_step_s: list[float] | None = None) -> dict[str,
 def test_a_unique_spec_compiles_off_the_step_thread_and_the_request_still_matches(
     engine: LLMEngine,
 ) -> None:
-    engine.add_request("plain", PROMPT, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest("plain", PROMPT, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    )
     engine.step()  # its prompt
     spec = heavy_spec()
     t0 = time.monotonic()
-    engine.add_request("heavy", PROMPT, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+    engine.add_request(
+        GenerateRequest("heavy", PROMPT, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+    )
     took = time.monotonic() - t0
     assert took < 0.05, f"add_request compiled on the step thread for {took:.3f}s"
     streamed_meanwhile = 0  # the other stream's tokens while the spec compiled
@@ -85,8 +89,12 @@ def test_a_spec_that_misses_its_deadline_is_an_invalid_request_and_others_go_on(
     deadline = engine.compiling.timeout_s
     engine.compiling.timeout_s = 0.001
     try:
-        engine.add_request("plain", PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-        engine.add_request("slow", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec()))
+        engine.add_request(
+            GenerateRequest("plain", PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        )
+        engine.add_request(
+            GenerateRequest("slow", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec()))
+        )
         final = drain(engine)
     finally:
         engine.compiling.timeout_s = deadline
@@ -97,7 +105,7 @@ def test_a_spec_that_misses_its_deadline_is_an_invalid_request_and_others_go_on(
 
 
 def test_aborting_a_request_whose_spec_compiles_forgets_it(engine: LLMEngine) -> None:
-    engine.add_request("gone", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec()))
+    engine.add_request(GenerateRequest("gone", PROMPT, SamplingParams(max_tokens=8, structured=heavy_spec())))
     assert engine.abort("gone")
     final = drain(engine)
     assert final["gone"].outputs[0].finish_reason == "abort"
@@ -154,7 +162,9 @@ def test_the_tokenizer_index_is_built_by_the_first_structured_request_unless_ask
     engine.matchers._pool.submit(lambda: None).result()  # whatever warm queued has run
     assert (engine.matchers._tokenizer is not None) == at_start
     engine.add_request(
-        "s", PROMPT, SamplingParams(max_tokens=6, temperature=0, structured={"choice": ["yes", "no"]})
+        GenerateRequest(
+            "s", PROMPT, SamplingParams(max_tokens=6, temperature=0, structured={"choice": ["yes", "no"]})
+        )
     )
     out = drain(engine)["s"]
     assert out.error is None and out.outputs[0].token_ids, out

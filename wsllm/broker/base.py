@@ -244,6 +244,14 @@ class EngineBroker(abc.ABC):
         keep it there; the worker has already failed the request."""
         log.error("dead letter (%s): %r", reason, item)
 
+    def routes_by_prefix(self) -> bool:
+        """Whether this broker routes requests to the engine that caches their prefix: then
+        `publish_prefix` hears which prefix blocks this engine caches."""
+        return False
+
+    def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:  # noqa: B027 - optional hook
+        """The chain keys of the prefix blocks this engine caches (`routes_by_prefix`)."""
+
     def commands(self) -> list[AdapterCommand]:
         """Adapter commands sent to this engine's model since the last call (each once),
         for the worker to apply and answer with `reply`. Never blocks."""

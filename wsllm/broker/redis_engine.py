@@ -345,9 +345,12 @@ class RedisEngine(EngineBroker):
     def dead_letter(self, item: object, reason: str) -> None:
         self.dead.item(item, reason)
 
+    def routes_by_prefix(self) -> bool:
+        return self.cfg.routing == "prefix"
+
     def publish_prefix(self, block_size: int, keys: list[bytes]) -> None:
         """Which prefix blocks this engine caches, for prefix-aware routing (the worker
-        calls it when the broker has it)."""
+        calls it where `routes_by_prefix`)."""
         if self.cfg.routing == "prefix" and not self.closed.is_set():
             self._prefix.send(self.r, self.queue, self.consumer, self.cfg.engine_ttl_s, block_size, keys)
 

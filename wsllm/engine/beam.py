@@ -1,9 +1,12 @@
 """Beam search over shared KV blocks.
 
-The beams of a request are sequences. Each step, the top candidates over all
-beams are chosen the way Hugging Face `generate(num_beams=...)` chooses them; a
-beam that continues in several ways is forked (its blocks shared by reference
-count, copied on write), and a beam that does not continue is freed.
+The beams of a request are sequences. Each step, the token stage hands back each beam's
+best next tokens and their logprobs (its `k` candidates: the search's top `k` over all
+beams are among them, since a beam's score adds the same to each of its own); once every
+running beam has them, the top candidates are chosen the way Hugging Face
+`generate(num_beams=...)` chooses them; a beam that continues in several ways is forked
+(its blocks shared by reference count, copied on write), and a beam that does not continue
+is freed (`advance`, called by `Scheduler.update_from_output` with its own fork and remove).
 
 The selection rules mirror transformers' beam search: keep the top
 `max(2, 1 + num_eos) * width` candidates by summed log-probability; the best
@@ -16,13 +19,11 @@ the search ends when no running beam can beat the worst finished one (the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import torch
+import numpy as np
 
-from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import SeqStatus, Sequence
 
 NEG = -1.0e9
@@ -56,19 +57,28 @@ class BeamState:
     done: bool = False
     generated: int = 0  # tokens generated so far by every running beam
 
-    def step(self, logits: torch.Tensor, outputs: list[list[int]]) -> list[Candidate]:
-        """One search step. logits: [num_beams, vocab] for the running beams (in the
-        order of `scores`); outputs: each beam's generated tokens so far.
-        Returns the candidates that keep running (best first)."""
-        lp = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(self.scores)[:, None]
-        vocab = lp.shape[1]
-        k = max(2, 1 + len(self.eos_ids)) * self.width
-        top_v, top_i = lp.flatten().topk(min(k, lp.numel()))
+    @property
+    def k(self) -> int:
+        """Candidates a step keeps: the top `max(2, 1 + num_eos) * width` (transformers')."""
+        return max(2, 1 + len(self.eos_ids)) * self.width
+
+    def step(self, candidates: list[list[tuple[int, float]]], outputs: list[list[int]]) -> list[Candidate]:
+        """One search step. candidates: each running beam's best next tokens and their
+        logprobs (in the order of `scores`, at least `k` each where the vocabulary has them);
+        outputs: each beam's generated tokens so far. Returns the candidates that keep
+        running (best first)."""
+        # summed in fp32, as a [beams, vocab] tensor of logprobs plus the scores would be;
+        # ties to the lower flat index (beam, then token)
+        flat = [
+            (float(np.float32(v) + np.float32(self.scores[b])), b, tok)
+            for b, row in enumerate(candidates)
+            for tok, v in row
+        ]
+        flat.sort(key=lambda c: (-c[0], c[1], c[2]))
         g = self.generated + 1  # generated length after this token
-        cands = []
-        for v, i in zip(top_v.tolist(), top_i.tolist(), strict=True):
-            beam, tok = divmod(i, vocab)
-            cands.append(Candidate(beam, tok, v, tok in self.eos_ids or g >= self.max_tokens))
+        cands = [
+            Candidate(b, tok, v, tok in self.eos_ids or g >= self.max_tokens) for v, b, tok in flat[: self.k]
+        ]
         self._update_finished(cands, outputs, g)
         running = sorted((c for c in cands if not c.hits_stop), key=lambda c: c.logprob, reverse=True)[
             : self.width
@@ -111,68 +121,58 @@ class BeamState:
         return self.finished[:n]
 
 
-class BeamHost(Protocol):
-    """What the search needs of an engine's request."""
+@dataclass(slots=True)
+class BeamGroup:
+    """One request's search: its state, its running beams (the request's `seqs`, the same
+    list: it changes in place) and the candidates of the beams that ran this round."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]  # the running beams
-    beam: BeamState | None
-    beam_logits: dict[int, torch.Tensor]  # seq_id -> next-token logits, this round
+    state: BeamState
+    beams: list[Sequence]
+    found: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # seq_id -> candidates
+
+    @property
+    def k(self) -> int:
+        return self.state.k
 
 
-class BeamSearcher:
-    """Runs beam-search requests over the scheduler: collects each beam's logits and,
-    once every running beam of a request has them, takes one search step (fork the
-    beams that continue in several ways, free the ones that stop)."""
-
-    def __init__(self, scheduler: Scheduler, vocab_size: int) -> None:
-        self.scheduler = scheduler
-        self.vocab_size = vocab_size
-
-    def split(
-        self, seqs: list[Sequence], logits: torch.Tensor, requests: Mapping[str, BeamHost]
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[BeamHost]]:
-        """Take beam rows out of the batch. Returns the other rows, their logits, and
-        the requests whose search advanced (check `beam.done`)."""
-        keep: list[int] = []
-        advanced: list[BeamHost] = []
-        for i, seq in enumerate(seqs):
-            req = requests.get(seq.request_id)
-            if req is None or req.beam is None:
-                keep.append(i)
-                continue
-            req.beam_logits[seq.seq_id] = logits[i]
-            if len(req.beam_logits) == len(req.seqs):
-                self._advance(req)
-                advanced.append(req)
-        if len(keep) == len(seqs):
-            return seqs, logits, advanced
-        rest = logits[torch.tensor(keep, dtype=torch.long)] if keep else None
-        return [seqs[i] for i in keep], rest, advanced
-
-    def _advance(self, req: BeamHost) -> None:
-        assert req.beam is not None
-        beams = req.seqs
-        rows = torch.stack([req.beam_logits[s.seq_id] for s in beams])
-        req.beam_logits.clear()
-        chosen = req.beam.step(rows[:, : self.vocab_size], [s.output_token_ids for s in beams])
-        used: set[int] = set()
-        new_beams: list[Sequence] = []
-        for c in chosen:  # fork first, from the parents' current state
-            parent = beams[c.beam]
-            if c.beam in used:
-                child = Sequence(req.request_id, 0, req.prompt_token_ids, parent.params, parent.arrival_time)
-                self.scheduler.fork(parent, child)
-                new_beams.append(child)
-            else:
-                used.add(c.beam)
-                new_beams.append(parent)
-        for i, seq in enumerate(beams):
-            if i not in used:
-                self.scheduler.remove(seq)
-                seq.status = SeqStatus.FINISHED
-        for seq, c in zip(new_beams, chosen, strict=True):
-            seq.output_token_ids.append(c.token)
-        if new_beams:  # when the search is done none continue; the old beams stay for its output
-            req.seqs = new_beams
+def advance(
+    group: BeamGroup,
+    seq: Sequence,
+    candidates: list[tuple[int, float]],
+    fork: Callable[[Sequence, Sequence], None],
+    remove: Callable[[Sequence], None],
+) -> bool:
+    """Keep `seq`'s candidates; once every running beam of its group has them, take one
+    search step: fork the beams that continue in several ways, free the ones that stop,
+    append each chosen token. True when the search took a step (`group.state.done` says
+    whether it ended)."""
+    group.found[seq.seq_id] = candidates
+    beams = group.beams
+    if len(group.found) < len(beams):
+        return False
+    rows = [group.found[s.seq_id] for s in beams]
+    group.found.clear()
+    chosen = group.state.step(rows, [s.output_token_ids for s in beams])
+    used: set[int] = set()
+    new_beams: list[Sequence] = []
+    for c in chosen:  # fork first, from the parents' current state
+        parent = beams[c.beam]
+        if c.beam in used:
+            child = Sequence(
+                parent.request_id, 0, parent.prompt_token_ids, parent.params, parent.arrival_time
+            )
+            fork(parent, child)
+            child.beam = group
+            new_beams.append(child)
+        else:
+            used.add(c.beam)
+            new_beams.append(parent)
+    for i, s in enumerate(beams):
+        if i not in used:
+            remove(s)
+            s.status = SeqStatus.FINISHED
+    for s, c in zip(new_beams, chosen, strict=True):
+        s.output_token_ids.append(c.token)
+    if new_beams:  # when the search is done none continue; the old beams stay for its output
+        beams[:] = new_beams
+    return True

@@ -1,17 +1,18 @@
 """What the engine refuses before a request enters it: each refusal a ValueError (or
-EngineBusy) whose message a client can act on, leaving the engine as it was."""
+EngineBusy) whose message a client can act on, leaving the engine as it was. The wire's
+own check (`wire.check_request`: the request's shape and bounds) came before, in the
+worker; this one checks what only the engine knows: its vocabulary, context, blocks and room."""
 
 from __future__ import annotations
 
 from wsllm.config import EngineConfig
 from wsllm.engine.block_manager import BlockManager
-from wsllm.types import EngineBusy, SamplingParams
+from wsllm.types import EngineBusy, GenerateRequest, SamplingParams
 
 
-def check_request(
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
+def check_admissible(
+    request: GenerateRequest,
+    params: SamplingParams,  # the request's, its pooling resolved to the model's
     *,
     in_use: bool,  # the id names a request the engine holds
     held: int,  # requests the engine holds
@@ -20,6 +21,7 @@ def check_request(
     bm: BlockManager,
     config: EngineConfig,
 ) -> None:
+    request_id, prompt = request.request_id, request.prompt_token_ids
     if not isinstance(request_id, str) or not request_id:
         raise ValueError("request_id must be a non-empty string")
     if in_use:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from safetensors import SafetensorError
 
@@ -27,16 +27,39 @@ from wsllm.types import AdapterCommand, AdapterReply
 log = logging.getLogger(__name__)
 
 
-def held_adapters(engine: Any) -> list[str]:
+class AdapterRegistry(Protocol):
+    """What an engine's adapters offer the operator's commands (engine/adapters.py: Adapters)."""
+
+    def load(self, name: str, path: str) -> Any: ...
+    def unload(self, name: str) -> None: ...
+    def names(self) -> list[str]: ...
+
+
+class ServesAdapters(Protocol):
+    """An engine, as its adapter commands see it."""
+
+    #: the LoRA adapters it serves; None for an engine that serves none (a fake one)
+    adapters: AdapterRegistry | None
+
+
+class CommandSource(Protocol):
+    """The broker's side of the commands (broker.base.EngineBroker declares both; a broker that
+    carries none hands none)."""
+
+    def commands(self) -> list[AdapterCommand]: ...
+    def reply(self, reply: AdapterReply) -> None: ...
+
+
+def held_adapters(engine: ServesAdapters) -> list[str]:
     """The names of the adapters `engine` holds (none for an engine without adapters)."""
-    adapters = getattr(engine, "adapters", None)
-    return [] if adapters is None else list(adapters.names())
+    return [] if engine.adapters is None else list(engine.adapters.names())
 
 
-def apply_commands(engine: Any, broker: Any, engine_id: str, heartbeat: Callable[[], None]) -> int:
+def apply_commands(
+    engine: ServesAdapters, broker: CommandSource, engine_id: str, heartbeat: Callable[[], None]
+) -> int:
     """Apply and answer the commands waiting for this engine; returns how many."""
-    take = getattr(broker, "commands", None)
-    commands = take() if take is not None else []
+    commands = broker.commands()
     if not commands:
         return 0
     replies = [apply_one(engine, c, engine_id) for c in commands]
@@ -49,8 +72,8 @@ def apply_commands(engine: Any, broker: Any, engine_id: str, heartbeat: Callable
     return len(replies)
 
 
-def apply_one(engine: Any, command: AdapterCommand, engine_id: str) -> AdapterReply:
-    adapters = getattr(engine, "adapters", None)
+def apply_one(engine: ServesAdapters, command: AdapterCommand, engine_id: str) -> AdapterReply:
+    adapters = engine.adapters
     reply = AdapterReply(command.command_id, engine_id)
     if adapters is None:
         reply.status, reply.error = 400, "this engine serves no LoRA adapters"

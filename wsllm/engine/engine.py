@@ -1,6 +1,12 @@
-"""LLMEngine: one step = schedule -> run the model -> postprocess (sample, append, report).
+"""LLMEngine: one step = schedule -> run -> update, three calls (vLLM's EngineCore.step).
 
-Contract: `add_request`, `abort`, `step() -> list[RequestOutput]`,
+`scheduler.schedule()` (the speculator's drafts already in the running sequences),
+`runner.run(...) -> ModelOutput` (the forward pass and the token stage on the logits' device:
+only sampled ids and asked-for logprobs come back, once), `scheduler.update_from_output(...)`
+(what each sequence computed, appended, forked, finished). Then the step's time goes to the one
+step-cost model, and each request reports.
+
+Contract: `add_request(GenerateRequest)`, `abort`, `step() -> list[RequestOutput]`,
 `has_unfinished()`, `free_capacity()`. Queues, blocks and tensors stay private.
 The engine is not thread-safe: one thread (the worker) drives it.
 """
@@ -13,33 +19,32 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from wsllm.config import EngineConfig
 from wsllm.engine.adapters import Adapters, adapter_root
-from wsllm.engine.beam import BeamSearcher
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
-from wsllm.engine.checks import check_request
-from wsllm.engine.model_runner import ModelRunner, Pooled, PromptLogprobs
+from wsllm.engine.checks import check_admissible
+from wsllm.engine.model_output import ModelOutput
+from wsllm.engine.model_runner import ModelRunner
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from wsllm.engine.request import Request
 from wsllm.engine.sampler import Sampler
-from wsllm.engine.scheduler import Scheduler
+from wsllm.engine.scheduler import Scheduler, StepUpdate
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.speculative import build as build_speculator
 from wsllm.engine.speculative.draft import load_draft
 from wsllm.engine.static_step import make_static_step
+from wsllm.engine.step_cost import StepCost, attention_span
 from wsllm.models.build import build_model
 from wsllm.models.causal_lm import CausalLM
+from wsllm.prefix_hash import request_root
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
-    ERR_INTERNAL,
     ERR_INVALID_REQUEST,
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
-    SamplingParams,
+    GenerateRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -73,15 +78,23 @@ class LLMEngine:
         num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device, static.reserved_bytes if static else 0)
         self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
         self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
-        self.scheduler = Scheduler.from_config(self.block_manager, config, num_cpu)
-        self.sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed)
+        # the one step-cost model: the scheduler's pacing and the speculator's policy read it
+        self.cost = StepCost(
+            config.prefill_ms_while_decoding,
+            config.prefill_ms_alone,
+            attention_span(mc),
+            config.prompt_logprob_cost,
+        )
+        self.scheduler = Scheduler.from_config(
+            self.block_manager, config, num_cpu, self.cost, eos_token_ids, self.max_model_len
+        )
         self.spec = build_speculator(
-            config, self.sampler, eos_token_ids, self.max_model_len, draft, num_blocks * bs
+            config, self.cost, eos_token_ids, self.max_model_len, draft, num_blocks * bs
         )
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
-        self.beams = BeamSearcher(self.scheduler, mc.vocab_size)
-        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static)
+        sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed, device)
+        self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static, sampler)
         self.adapters = Adapters(config, mc, model_name, device, self.runner.dtype)  # LoRA (docs/lora.md)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -95,36 +108,31 @@ class LLMEngine:
         return cls(config, built.model, built.model_dir, built.name, built.eos_token_ids)
 
     # -- contract -----------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_root: bytes | None = None,
-        lora: str = "",
-    ) -> None:
-        """Queue a request. Raises ValueError, leaving the engine as it was, on bad input.
-        A higher `priority` is admitted first; within a priority, `tenant`s share the
-        batch by tokens served (see Scheduler). `cache_root`: the prefix cache namespace
-        its blocks are shared in (prefix_hash.cache_root; None: the common one), which its
-        LoRA adapter `lora` (a name `adapters` holds; "": the base) extends."""
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request as it came from the wire. Raises ValueError, leaving the engine as
+        it was, on what it cannot serve. A higher `priority` is admitted first; within a
+        priority, `tenant`s share the batch by tokens served (see Scheduler). Its blocks are
+        shared in its prefix-cache namespace (`prefix_hash.request_root`: its `cache_salt`),
+        which its LoRA adapter `lora` (a name `adapters` holds; "": the base) extends."""
+        params = request.params
         if params.pooling == "auto":  # an embedding request: this model's pooling
             params = dataclasses.replace(params, pooling=self.pooling)
-        check_request(
-            request_id, prompt_token_ids, params, in_use=request_id in self._requests, held=len(self._requests),
+        rid = request.request_id
+        check_admissible(
+            request, params, in_use=rid in self._requests, held=len(self._requests),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, bm=self.block_manager, config=self.config,
         )  # fmt: skip
-        adapter = self.adapters.get(lora) if lora else None
-        now = arrival_time if arrival_time is not None else time.time()
-        req = Request.start(request_id, prompt_token_ids, params, now, priority, tenant, self.eos_token_ids)
+        adapter = self.adapters.get(request.lora) if request.lora else None
+        now = request.arrival_time or time.time()  # the gateway's: queue time counts the broker's
+        req = Request.start(
+            rid, request.prompt_token_ids, params, now, request.priority, request.tenant, self.eos_token_ids
+        )
+        root = adapter_root(request_root(request), adapter)
         for seq in req.seqs:
-            seq.cache_root, seq.lora = adapter_root(cache_root, adapter), adapter
-        self._requests[request_id] = req
+            seq.cache_root, seq.lora = root, adapter
+        self._requests[rid] = req
         if params.structured is not None:  # compiled off this thread; step() schedules it when done
-            self.compiling.add(request_id, self.matchers.start(params.structured))
+            self.compiling.add(rid, self.matchers.start(params.structured))
         else:
             self.scheduler.add(req.seqs[0])
 
@@ -165,18 +173,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._flush_aborted() + self._admit_compiled()
         started = time.perf_counter()
-        self.spec.propose(self.scheduler.running, bool(self.scheduler.waiting or self.scheduler.swapped))
+        self.spec.propose(self.scheduler)  # drafts into the running sequences, where they pay
         sched = self.scheduler.schedule()
-        self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
         if sched.scheduled:
-            want = self._want_prompt_logprobs(sched.scheduled)
-            pool = {q.seq_id: q.params.pooling for q, _ in sched.scheduled if q.params.pooling}
-            tables = self.block_manager.block_tables
-            seqs, logits, prompt, pooled = self.runner.run(sched.scheduled, tables, want, pool or None)
-            outputs += self._postprocess(sched.scheduled, seqs, logits, prompt, pooled)
-            seconds = time.perf_counter() - started
-            self.scheduler.observe_step(sched, seconds)
-            self.spec.observe_step(sched.num_tokens, not sched.prefill_cost, seconds)
+            self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
+            want, pool = self._want(sched.scheduled)
+            output = self.runner.run(sched.scheduled, self.block_manager.block_tables, want, pool)
+            self._keep(output)  # prompt logprobs and pooled vectors, before the blocks move
+            update = self.scheduler.update_from_output(sched, output)
+            self.spec.record(update, [seq for seq, _ in sched.scheduled if seq.finished])
+            self.cost.observe(sched.work, time.perf_counter() - started)
+            outputs += self._report(sched.scheduled, output, update)
         self.num_steps += 1
         return outputs
 
@@ -208,78 +215,45 @@ class LLMEngine:
             spec_verifications=self.spec.stats.verifications,
         )
 
-    # -- one step's postprocess ----------------------------------------------
-    def _postprocess(
-        self,
-        scheduled: list[tuple[Sequence, int]],
-        seqs: list[Sequence],
-        logits: torch.Tensor | None,
-        prompt: list[PromptLogprobs],
-        pooled: list[Pooled],
-    ) -> list[RequestOutput]:
-        """After the forward pass: keep the prompt logprobs computed, end the embedding
-        requests whose prompt is computed, give the rows that caught up their next token,
-        advance the scheduler, and report every request that got tokens or ended."""
-        for c in prompt:
-            if (req := self._requests.get(c.seq.request_id)) is not None:
-                req.keep_prompt_logprobs(c.first, c.entries)
-        embedded = []
-        for p in pooled:
-            req = self._requests.get(p.seq.request_id)
-            if req is not None and req.keep_pooled(p.start, p.num_tokens, p.vector, p.caught_up):
-                embedded.append(self._requests.pop(req.request_id))
-        outputs: list[RequestOutput] = []
-        if logits is not None:
-            seqs, rest, bad = self.spec.verify(seqs, logits)  # the rows that verify drafts
-            if rest is not None:
-                seqs, rest, searched = self.beams.split(seqs, rest, self._requests)
-                outputs += [self._beam_output(r) for r in searched if r.beam and r.beam.done]  # type: ignore[arg-type]
-            if rest is not None and seqs:
-                seqs, rest = self._fork_children(seqs, rest)
-                bad += self._sample(seqs, rest)
-            outputs += self._fail_each(bad)
-        scheduled = self.spec.settle(scheduled, self.block_manager)  # rejected drafts: not computed
-        self.scheduler.finish_step(scheduled)  # offers the embeddings' full blocks to the prefix cache
-        for req in embedded:
-            self._end(req, FINISH_STOP)  # never sampled; its blocks are freed now
-        return outputs + self._collect(scheduled) + [r.output() for r in embedded]
-
-    def _want_prompt_logprobs(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int] | None:
-        """seq_id -> top N, for the sequences whose prompt logprobs are not all computed."""
+    # -- around the step's three calls -------------------------------------------
+    def _want(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> tuple[dict[int, int] | None, dict[int, str] | None]:
+        """seq_id -> top N for the sequences whose prompt logprobs are not all computed, and
+        seq_id -> pooling for the embedding requests (None where none)."""
         want: dict[int, int] = {}
+        pool: dict[int, str] = {}
         for seq, _ in scheduled:
+            if seq.params.pooling:
+                pool[seq.seq_id] = seq.params.pooling
             req = self._requests.get(seq.request_id)
             if req is not None and seq.params.prompt_logprobs is not None and req.wants_prompt_logprobs():
                 want[seq.seq_id] = seq.params.prompt_logprobs
-        return want or None
+        return want or None, pool or None
 
-    def _fork_children(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor]:
-        """n > 1: when the first choice finishes its prompt, the other choices fork
-        from it, sharing its blocks, and sample their first token from its logits."""
-        rows: list[int] = []
-        out: list[Sequence] = []
-        for i, seq in enumerate(seqs):
-            req = self._requests.get(seq.request_id)
-            children = [] if req is None else req.fork_pending(seq, self.scheduler)
-            rows += [i] * (1 + len(children))
-            out += [seq, *children]
-        if len(out) == len(seqs):
-            return seqs, logits
-        return out, logits[torch.tensor(rows)]
+    def _keep(self, output: ModelOutput) -> None:
+        """The prompt logprobs and pooled chunks this step computed, kept by their requests."""
+        for c in output.prompt_logprobs:
+            if (req := self._requests.get(c.seq.request_id)) is not None:
+                req.keep_prompt_logprobs(c.first, c.entries)
+        for p in output.pooled:
+            if (req := self._requests.get(p.seq.request_id)) is not None:
+                req.keep_pooled(p.start, p.num_tokens, p.vector, p.caught_up)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, str, str]]:
-        """Sample each row's next token and append it to its sequence, which decides
-        whether it stops. Returns the sequences whose request must fail, with a code and why."""
-        result, failed = self.sampler.sample_isolated(logits, seqs)
-        bad = [(seqs[i], ERR_INTERNAL, reason) for i, reason in failed.items()]
-        for i, (seq, tok, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs, strict=True)):
-            if i not in failed and (
-                error := seq.append_token(tok, lp, self.eos_token_ids, self.max_model_len)
-            ):
-                bad.append((seq, ERR_INVALID_REQUEST, error))
-        return bad
+    def _report(
+        self, scheduled: list[tuple[Sequence, int]], output: ModelOutput, update: StepUpdate
+    ) -> list[RequestOutput]:
+        """Every request that got tokens or ended in this step: the failed ones, finished
+        beam searches and embeddings (their blocks freed now), then the others' new tokens."""
+        outputs = self._fail_each(update.failed)
+        outputs += [self._beam_output(self._requests[r]) for r in update.searched if r in self._requests]
+        for p in output.pooled:
+            req = self._requests.get(p.seq.request_id)
+            if req is not None and p.caught_up:  # never sampled: its blocks are freed now
+                del self._requests[req.request_id]
+                self._end(req, FINISH_STOP)
+                outputs.append(req.output())
+        return outputs + self._collect(scheduled)
 
     def _beam_output(self, req: Request) -> RequestOutput:
         del self._requests[req.request_id]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from wsllm.types import FINISH_ABORT, FINISH_LENGTH, EngineBusy, SamplingParams
+from wsllm.types import FINISH_ABORT, FINISH_LENGTH, EngineBusy, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +79,20 @@ class FakeEngine:
         self._aborted: list[_Req] = []
         self.num_steps = 0
         self.num_aborted_total = 0
+        self.adapters = None  # it holds no LoRA adapter
 
     # -- the Engine contract (wsllm.engine.worker_contract.Engine) ----------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_root: bytes | None = None,
-        lora: str = "",
-    ) -> None:
+    def add_request(self, request: GenerateRequest) -> None:
         """Queue a request; ValueError on what LLMEngine would refuse too, EngineBusy
         when full. Priority and tenant were used by the broker's ranking already; a fake
-        engine caches no prefix (`cache_root` is ignored) and holds no LoRA adapter."""
+        engine caches no prefix (`cache_salt` is ignored) and holds no LoRA adapter."""
+        request_id, prompt_token_ids, params, lora = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.lora,
+        )
         if lora:
             raise ValueError(f"the LoRA adapter {lora!r} is not loaded on this engine (a fake one)")
         if not prompt_token_ids:
@@ -114,10 +111,14 @@ class FakeEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_num_seqs:
             raise EngineBusy("the engine is full; retry later")
-        now = arrival_time if arrival_time is not None else time.time()
+        now = request.arrival_time or time.time()
         n = params.beam_width if params.use_beam_search else params.n
         logprobs = params.logprobs is not None
         self.waiting.append(_Req(request_id, n, params.max_tokens, len(prompt_token_ids), now, 0, logprobs))
+
+    def cached_prefix(self) -> tuple[int, list[bytes]]:
+        """No prefix cache: no blocks to route by."""
+        return 0, []
 
     def abort(self, request_id: str) -> bool:
         req = self.running.pop(request_id, None)

@@ -18,7 +18,6 @@ import time
 
 from wsllm.engine.live import LiveRequests
 from wsllm.engine.worker_contract import BrokerSide, Engine
-from wsllm.prefix_hash import request_root
 from wsllm.types import (
     ERR_ENGINE_BUSY,
     ERR_INTERNAL,
@@ -89,11 +88,7 @@ class Intake:
             return None
         try:
             # The gateway's arrival time: queue time then counts the broker's queue too.
-            self.engine.add_request(
-                r.request_id, r.prompt_token_ids, r.params, r.arrival_time or None, r.priority, r.tenant,
-                cache_root=request_root(r),
-                lora=r.lora,
-            )  # fmt: skip
+            self.engine.add_request(r)
         except EngineBusy as e:
             return failure(r.request_id, ERR_ENGINE_BUSY, str(e))
         except ValueError as e:

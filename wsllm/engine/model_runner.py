@@ -1,17 +1,20 @@
-"""Model runner: turns the scheduler's `{seq: num_new_tokens}` into packed tensors,
-runs the model once over every token of the step, and returns next-token logits
-where a sequence has caught up with its tokens, and the logprobs of prompt tokens for
-the sequences that ask for them.
+"""Model runner: turns the scheduler's `{seq: num_new_tokens}` into packed tensors, runs the
+model once over every token of the step, samples every row that caught up with its tokens (the
+token stage, sampler.py, on the logits' device) and hands back a `ModelOutput` on the host: the
+sampled tokens and their logprobs, the prompt logprobs and pooled vectors this step computed.
+
+Between the forward pass and the step's one copy back nothing reads a device value: every
+result is a tensor on the device until `to_host` brings all of them at once (on CUDA, one
+non-blocking copy of one packed buffer into pinned memory, then the step's only wait), and the
+host's work for the token stage (the grammar's bitmask, the sampling tensors) is done while the
+forward runs (tests/unit/test_no_host_stall.py shows it, on the meta device).
 
 Inputs are built in one pass over the scheduled sequences, without concatenating a
 sequence's prompt and output: a decode row reads its last token, a prompt chunk
 slices only the tokens it computes. Logits are computed only for the rows that
 sample (a prompt chunk that has not caught up needs none).
 
-Prompt logprobs: the row of position p predicts prompt token p + 1, so a chunk over
-positions [start, end) gives the entries of tokens start + 1 .. end (those in the
-prompt). They are reduced on the device, a slice of rows at a time, to the chosen token's
-logprob and the top N: a [prompt, vocab] logits tensor is never held whole.
+Prompt logprobs (prompt_logprobs.py) come back as [rows, 1 + N] values and [rows, N] ids.
 
 Pooling (embedding requests): their rows never reach the LM head. A chunk hands back the
 fp32 sum of its hidden states (`mean`, summed over chunks by the request) or, in the step
@@ -20,48 +23,30 @@ where the sequence catches up, its last row (`last`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from wsllm import kernels
+from wsllm.engine.logits_processors import to_device
+from wsllm.engine.model_output import ModelOutput, Pooled, PromptLogprobs, Sampled
+from wsllm.engine.prompt_logprobs import entries, prompt_logprob_parts
+from wsllm.engine.sampler import Plan, RowView, Sampler, row_views
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.static_step import StaticStep
 from wsllm.models.causal_lm import CausalLM
 from wsllm.models.layers.attention import AttentionMetadata
 from wsllm.models.lora import LoraBatch
 
-# Rows of [rows, vocab] fp32 logits reduced at once: 2**21 floats (8 MiB, 42 rows of a 49k
-# vocabulary) per slice. The slice stays in the last-level cache through its passes (gather,
-# top-k, max, exp, sum), is reused from the heap rather than mapped afresh, and is still
-# wide enough that the LM head's kernel reads its weights once for many rows.
-_LOGPROB_SLICE_FLOATS = 1 << 21
-_LOGPROB_SLICE_MIN_ROWS = 16  # a large vocabulary: fewer rows would read the LM head too often
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    seq: Sequence
-    first: int  # the prompt position of entries[0] (>= 1: the first prompt token has none)
-    entries: list[Any]  # per prompt token: (logprob, ((tok, lp), ...top N)): tuples, see _token_logprobs
-
-
-@dataclass(slots=True)
-class Pooled:
-    seq: Sequence
-    start: int  # the first position of this step's chunk
-    num_tokens: int  # positions in the chunk
-    caught_up: bool  # the chunk ends at the sequence's last token
-    vector: torch.Tensor  # [hidden] fp32, CPU: the chunk's sum (mean) or its last row (last)
+log = logging.getLogger(__name__)
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as a device tensor. On CUDA through pinned memory, asynchronously: a plain
     copy would first wait for the forward queued before it."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 class ModelRunner:
@@ -72,6 +57,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         static: StaticStep | None = None,  # decode-only steps over padded static inputs
+        sampler: Sampler | None = None,  # the token stage (default: greedy rows, no EOS)
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -80,6 +66,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype  # the activations'
         self.kv_dtype = kv_caches[0][0].dtype  # may be narrower (kv_cache_dtype)
         self.static = static
+        self.sampler = sampler or Sampler(model.config.vocab_size, [], 0, device)
         if static is not None:
             static.bind(kv_caches)  # on CUDA: captures its graphs now
 
@@ -164,35 +151,145 @@ class ModelRunner:
         block_tables: dict[int, list[int]],
         prompt_logprobs: dict[int, int] | None = None,  # seq_id -> top N, for those that want them
         pooling: dict[int, str] | None = None,  # seq_id -> "last" | "mean": embedding requests
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[PromptLogprobs], list[Pooled]]:
-        """Forward every scheduled token. Returns the sequences that caught up with
-        their tokens (embedding requests aside), their next-token logits [num_sampled,
-        vocab] (fp32, CPU; a sequence that verifies k drafts has k + 1 rows, in order), the
-        prompt logprobs this step computed for the sequences in `prompt_logprobs`, and the
-        pooled chunks of the sequences in `pooling`."""
+    ) -> ModelOutput:
+        """Forward every scheduled token and sample every sequence that caught up with its
+        tokens (embedding requests aside: a sequence that verifies k drafts samples k + 1 rows,
+        in order; an n > 1 choice forking from it samples its first row too), the prompt
+        logprobs of the sequences in `prompt_logprobs` and the pooled chunks of those in
+        `pooling`: all on the device, then one copy back."""
+        step = self.forward(scheduled, block_tables, prompt_logprobs, pooling)
+        return self.finish(step, to_host(step.parts, self.device))
+
+    def forward(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        block_tables: dict[int, list[int]],
+        prompt_logprobs: dict[int, int] | None = None,
+        pooling: dict[int, str] | None = None,
+    ) -> DeviceStep:
+        """The step's device part: inputs to every result it copies back, reading none."""
         if self.static is not None and not prompt_logprobs and not pooling and self.static.takes(scheduled):
-            return [seq for seq, _ in scheduled], self.static.run(scheduled, block_tables), [], []
+            logits = self.static.run(scheduled, block_tables)  # queued; the host prepares meanwhile
+            return self._tokens(DeviceStep(*self._token_rows([seq for seq, _ in scheduled])), logits)
+        hidden, sampling, sample_at = self.model_pass(scheduled, block_tables, pooling)
+        return self.after_forward(hidden, scheduled, sampling, sample_at, prompt_logprobs, pooling)
+
+    def model_pass(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        block_tables: dict[int, list[int]],
+        pooling: dict[int, str] | None = None,
+    ) -> tuple[torch.Tensor, list[Sequence], list[list[int]]]:
+        """The forward pass over every scheduled token: hidden states [num_tokens, hidden] (on
+        CUDA still being computed), the sequences that sample and, for each, its packed rows."""
         ids, pos, meta, rows, sample_at = self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
-        prompt = self._prompt_logprobs(hidden, scheduled, prompt_logprobs) if prompt_logprobs else []
-        pooled: list[Pooled] = []
         if pooling:
-            pooled = self._pool(hidden, scheduled, pooling)
             keep = [k for k, i in enumerate(rows) if scheduled[i][0].seq_id not in pooling]
             rows, sample_at = [rows[k] for k in keep], [sample_at[k] for k in keep]
-        if not rows:
-            return [], None, prompt, pooled
-        last_index = [r for at in sample_at for r in at]
-        if len(last_index) < hidden.shape[0]:  # skip the rows that do not sample
-            hidden = hidden[_on_device(last_index, hidden.device)]
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
-        return [scheduled[i][0] for i in rows], logits.cpu(), prompt, pooled
+        return hidden, [scheduled[i][0] for i in rows], sample_at
+
+    def after_forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        scheduled: list[tuple[Sequence, int]],
+        sampling: list[Sequence],  # the sequences that sample
+        sample_at: list[list[int]],  # per sampling sequence, its packed rows
+        prompt_logprobs: dict[int, int] | None = None,
+        pooling: dict[int, str] | None = None,
+    ) -> DeviceStep:
+        """From the forward's hidden states to the step's results, on their device: the token
+        stage's host work first (on CUDA the forward still runs), then every op queued."""
+        step = DeviceStep(*self._token_rows(sampling))
+        if prompt_logprobs:
+            parts, step.prompt = prompt_logprob_parts(self.model, hidden, scheduled, prompt_logprobs)
+            step.parts += parts
+        if pooling:
+            self._pool(step, hidden, scheduled, pooling)
+        if not step.rows:
+            return step
+        at = [r for rows in sample_at for r in rows]
+        if len(at) < hidden.shape[0]:  # skip the rows that do not sample
+            hidden = hidden[_on_device(at, hidden.device)]
+        return self._tokens(step, self.model.compute_logits(hidden))  # [num_sampled, vocab]
+
+    def _token_rows(
+        self, sampling: list[Sequence]
+    ) -> tuple[list[RowView], list[int], list[_Owner], Plan | None]:
+        """The token stage's rows, the logits row each reads, whose samples they are, and their
+        plan (the host's part: on CUDA it runs while the forward does)."""
+        views: list[RowView] = []
+        at: list[int] = []
+        owners: list[_Owner] = []
+        row = 0
+        for seq in sampling:
+            mine = row_views(seq)
+            owners.append(_Owner(seq, None, len(views), len(mine)))
+            views += mine
+            at += range(row, row + len(mine))
+            for child in seq.forks:  # n > 1: choices forking now, each drawing from this row as itself
+                owners.append(_Owner(child, seq, len(views), 1))
+                views.append(RowView(child, 0, seq.matcher))
+                at.append(row)
+            row += len(mine)
+        try:
+            plan = self.sampler.prepare(views) if views else None
+        except Exception:  # noqa: BLE001 - sampled row by row after the copy: a bad row fails alone
+            log.warning("preparing the token stage failed; sampling row by row", exc_info=True)
+            plan = None
+        return views, at, owners, plan
+
+    def _tokens(self, step: DeviceStep, logits: torch.Tensor) -> DeviceStep:
+        """The token stage on the logits' device; its tensors go first in the step's copy."""
+        if step.at != list(range(logits.shape[0])):  # forks read their first choice's row
+            logits = logits[_on_device(step.at, logits.device)]
+        step.logits = logits
+        if step.plan is not None:
+            try:
+                drawn = self.sampler.draw(logits, step.plan)
+            except Exception:  # noqa: BLE001 - sampled row by row after the copy
+                log.warning("batched sampling failed; sampling row by row", exc_info=True)
+                step.plan = None
+            else:
+                step.parts[:0] = drawn
+                step.num_drawn = len(drawn)
+        return step
+
+    def finish(self, step: DeviceStep, host: list[torch.Tensor]) -> ModelOutput:
+        """The step's results on the host (`host`: `step.parts` there) as a ModelOutput."""
+        drawn, rest = host[: step.num_drawn], host[step.num_drawn :]
+        out = ModelOutput()
+        for seq, first, top in step.prompt:
+            values, ids = rest.pop(0).tolist(), (rest.pop(0).tolist() if top else None)
+            out.prompt_logprobs.append(PromptLogprobs(seq, first, entries(values, ids)))
+        if step.pooled:
+            vectors = rest.pop(0)  # [num_pooled, hidden] fp32
+            out.pooled = [Pooled(seq, s, n, c, vectors[i]) for i, (seq, s, n, c) in enumerate(step.pooled)]
+        if not step.rows:
+            return out
+        failed: dict[int, str] = {}
+        if step.plan is not None:
+            tokens, logprobs = self.sampler.read(step.plan, drawn)
+        else:
+            assert step.logits is not None
+            tokens, logprobs, failed = self.sampler.sample_isolated(step.logits, step.rows)
+        for o in step.owners:
+            rows = range(o.first, o.first + o.count)
+            s = Sampled(o.seq, [tokens[i] for i in rows], [logprobs[i] for i in rows], o.parent)
+            s.error = next((failed[i] for i in rows if i in failed), None)
+            if o.seq.beam is not None and s.error is None:
+                s.candidates = [(t, v) for t, v in logprobs[o.first][1]]
+            out.sampled.append(s)
+        return out
 
     def _pool(
-        self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], pooling: dict[int, str]
-    ) -> list[Pooled]:
-        """Each pooled sequence's chunk reduced on the device, then one copy to the CPU."""
-        found: list[tuple[Sequence, int, bool]] = []
+        self,
+        step: DeviceStep,
+        hidden: torch.Tensor,
+        scheduled: list[tuple[Sequence, int]],
+        pooling: dict[int, str],
+    ) -> None:
+        """Each pooled sequence's chunk reduced on the device: [num_pooled, hidden] fp32."""
         vectors: list[torch.Tensor] = []  # each [hidden] fp32
         offset = 0  # the sequence's first row in the packed batch
         for seq, n in scheduled:
@@ -203,66 +300,49 @@ class ModelRunner:
             elif how == "last" and caught_up:
                 vectors.append(hidden[offset + n - 1].float())
             if how == "mean" or (how == "last" and caught_up):
-                found.append((seq, n, caught_up))
+                step.pooled.append((seq, seq.num_computed_tokens, n, caught_up))
             offset += n
-        if not vectors:
-            return []
-        host = torch.stack(vectors).cpu()  # [num_pooled, hidden]
-        return [
-            Pooled(seq, seq.num_computed_tokens, n, caught_up, host[i])
-            for i, (seq, n, caught_up) in enumerate(found)
-        ]
+        if vectors:
+            step.parts.append(torch.stack(vectors))
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], want: dict[int, int]
-    ) -> list[PromptLogprobs]:
-        out = []
-        offset = 0  # the sequence's first row in the packed batch
-        for seq, n in scheduled:
-            top = want.get(seq.seq_id)
-            start = seq.num_computed_tokens
-            stop = min(start + n, len(seq.prompt_token_ids) - 1)  # rows that predict a prompt token
-            if top is not None and stop > start:
-                targets = seq.prompt_token_ids[start + 1 : stop + 1]
-                entries = self._token_logprobs(hidden[offset : offset + stop - start], targets, top)
-                out.append(PromptLogprobs(seq, start + 1, entries))
-            offset += n
-        return out
 
-    def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[Any]:
-        """[logprob of targets[i], top `top` (token, logprob)] for each row of hidden [rows, hidden].
+@dataclass(slots=True)
+class _Owner:
+    seq: Sequence  # whose samples rows [first, first + count) are
+    parent: Sequence | None  # the choice it forks from in this step (n > 1)
+    first: int
+    count: int
 
-        A row's cost is its LM-head row (a decode's logits; the rest of the forward is the
-        row's own token) and a few passes over its logits: logprob = logit - logsumexp, so
-        the chosen token's logit is gathered and the top N taken from the logits themselves
-        (log_softmax is monotonic in a row), then the logsumexp is computed in place
-        (max, exp, sum: no [rows, vocab] copy), and each slice's numbers come back to
-        Python in one `.tolist()` for the values and one for the top ids.
 
-        Each row is a tuple of numbers and tuples: the collector stops tracking those at its
-        first pass over them, where lists (21 per row) stay tracked for as long as the table
-        lives, the request's whole prefill and reply. 1,500 rows of a top 20 were 33,000
-        tracked objects as lists, 3,300 as tuples after one collection, and every full
-        collection of a server under such requests walks them all (bench/amplification.py's
-        trace: generation-2 collections of up to 108 ms that freed nothing)."""
-        vocab = self.model.config.vocab_size
-        step = max(_LOGPROB_SLICE_MIN_ROWS, _LOGPROB_SLICE_FLOATS // vocab)
-        top = min(top, vocab)
-        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)[:, None]  # [rows, 1]
-        entries: list[Any] = []
-        for a in range(0, len(targets), step):
-            logits = self.model.compute_logits(hidden[a : a + step])[:, :vocab]  # [s, vocab] fp32
-            picked = logits.gather(1, tgt[a : a + step])  # [s, 1]
-            top_i = None
-            if top:
-                top_v, top_i = logits.topk(top, dim=-1)  # [s, top]
-                picked = torch.cat([picked, top_v], dim=1)  # [s, 1 + top]
-            peak = logits.amax(dim=-1, keepdim=True)  # [s, 1]
-            lse = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True).log_().add_(peak)  # logits spent
-            values = picked.sub_(lse).tolist()
-            if top_i is None:
-                entries += [(v[0], ()) for v in values]
-                continue
-            for v, ids in zip(values, top_i.tolist(), strict=True):
-                entries.append((v[0], tuple(zip(ids, v[1:], strict=True))))
-        return entries
+@dataclass(slots=True)
+class DeviceStep:
+    """A step's results on the device, and what reads them on the host (`ModelRunner.finish`)."""
+
+    rows: list[RowView]  # the token stage's rows
+    at: list[int]  # each row's row of the logits
+    owners: list[_Owner]
+    plan: Plan | None  # None: the batched token stage failed; sampled row by row after the copy
+    logits: torch.Tensor | None = None  # the token stage's, kept for that retry
+    parts: list[torch.Tensor] = field(default_factory=list)  # what the step copies back, in order
+    num_drawn: int = 0  # of `parts`, the first are the token stage's
+    prompt: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first, top) per chunk
+    pooled: list[tuple[Sequence, int, int, bool]] = field(default_factory=list)  # (seq, start, n, caught up)
+
+
+def to_host(parts: list[torch.Tensor], device: torch.device, pack: bool | None = None) -> list[torch.Tensor]:
+    """Every tensor a step hands back, on the host. The CPU's are there already; elsewhere they
+    are packed into one float64 buffer (token ids and fp32 values are exact in it), copied once
+    without blocking into pinned memory, and the step waits once, there (`pack` forces either way)."""
+    if not parts or not (device.type != "cpu" if pack is None else pack):
+        return parts
+    flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+    pinned = device.type == "cuda"
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=pinned)
+    host.copy_(flat, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(device).synchronize()  # the step's one wait
+    out, at = [], 0
+    for p in parts:
+        out.append(host[at : at + p.numel()].view(p.shape).to(p.dtype))
+        at += p.numel()
+    return out

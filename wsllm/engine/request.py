@@ -1,5 +1,5 @@
-"""One request inside the engine: its choices (sequences), the choices still to fork,
-its beam search, and its prompt logprobs as the steps compute them. It builds its own
+"""One request inside the engine: its choices (sequences; choices 1..n-1 wait on choice 0 to
+fork from it, `Sequence.forks`), its beam search, and its prompt logprobs as the steps compute them. It builds its own
 step output; the engine decides when.
 
 Prompt logprobs: the model runner computes them a prompt chunk at a time
@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from wsllm.engine.beam import BeamState
+from wsllm.engine.beam import BeamGroup, BeamState
 from wsllm.engine.outputs import CompletionOutput, RequestOutput
-from wsllm.engine.scheduler import Scheduler
 from wsllm.engine.sequence import Sequence
 from wsllm.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -33,9 +32,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    pending: list[Sequence] = field(default_factory=list)  # choices not forked yet
-    beam: BeamState | None = None
-    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> row, this round
+    beam: BeamGroup | None = None  # its running beams are `seqs`
     # queue time goes on the request's first output after its first schedule, only
     reported_queue_time: bool = False
     # params.prompt_logprobs: per prompt token so far ([None] for the first); None when not
@@ -62,7 +59,7 @@ class Request:
         eos_token_ids: list[int],
     ) -> Request:
         """A new request and its choices. Its first sequence goes to the scheduler;
-        choices 1..n-1 wait in `pending` to fork from it once its prompt is computed,
+        choices 1..n-1 wait on it (`forks`) to fork from it once its prompt is computed,
         and a beam search starts from that one sequence."""
         req = cls(request_id, list(prompt_token_ids), params)
         req.seqs = [
@@ -74,22 +71,18 @@ class Request:
         if params.use_beam_search:
             req.seqs = req.seqs[:1]
             eos = [] if params.ignore_eos else eos_token_ids
-            req.beam = BeamState(
+            state = BeamState(
                 params.beam_width, params.length_penalty, params.early_stopping, params.max_tokens, eos
             )
+            req.beam = req.seqs[0].beam = BeamGroup(state, req.seqs)
         else:
-            req.pending = req.seqs[1:]
+            req.seqs[0].forks = req.seqs[1:]
         return req
 
-    def fork_pending(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
-        """Once choice 0 (`seq`) has computed its prompt, choices 1..n-1 fork from it,
-        sharing its blocks; returns them (they sample from choice 0's logits row)."""
-        if not self.pending or seq is not self.seqs[0]:
-            return []
-        children, self.pending = self.pending, []
-        for child in children:
-            scheduler.fork(seq, child)
-        return children
+    @property
+    def pending(self) -> list[Sequence]:
+        """The choices not forked yet."""
+        return self.seqs[0].forks
 
     # -- prompt logprobs ---------------------------------------------------------
     def wants_prompt_logprobs(self) -> bool:
@@ -163,7 +156,7 @@ class Request:
                 FINISH_STOP if h.stopped_by_eos else FINISH_LENGTH,
                 token_ids=h.token_ids,
             )
-            for i, h in enumerate(self.beam.best(self.params.n))
+            for i, h in enumerate(self.beam.state.best(self.params.n))
         ]
         first = self.seqs[0]
         qt = max(0.0, (first.first_scheduled_time or first.arrival_time) - first.arrival_time)

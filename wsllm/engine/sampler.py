@@ -1,293 +1,319 @@
-"""Batched sampler: one pass over a [batch, vocab] logits tensor, no Python loop
-over the vocabulary.
+"""The token stage: every row a step samples, in one batch, on the logits' device.
 
-Constraints come first, before penalties and temperature: a request's `logit_bias` is
-added to its logits, then a structured request's grammar masks every token it does not
-allow to -inf (one bitmask for all such rows, filled by llguidance in parallel; on CUDA
-that CPU work overlaps the forward pass still running). Logprobs are those of the
-constrained distribution: log_softmax after bias and mask, before penalties and
-temperature; tokens the grammar forbids are never listed.
+A row is a sequence as it stands at one position (`RowView`). A decode, or a prompt's last chunk,
+is one row. A sequence verifying k drafts has k + 1 rows; row i reads the sequence as if it had
+accepted its first i drafts (its output extended by them, its grammar a copy that took them), so
+penalties, min_tokens, the grammar's mask and a seeded row's noise are those of that position.
+An n > 1 choice that forks in this step samples from its first choice's row as itself (its index,
+its seed). A beam asks for its best next tokens instead of a draw. What each sequence keeps is
+decided after the step's one copy (`Scheduler.update_from_output`): a plain row is a row with no
+drafts, so there is one sample-and-append path.
 
-Then penalties (on the tokens a row has seen, not on its vocabulary) and min_tokens, and
-the draw: every row in one call of `wsllm.kernels.sampling.sample_rows`, which defines the
-distribution (temperature, then top-k, top-p and min-p over the whole of it) and finds a row's
-kept tokens without sorting its vocabulary. An unseeded row draws by one uniform, all of the
-batch's taken from the engine's generator in one call; a seeded row races its own noise, drawn
-from a generator keyed by (seed, choice index, output position), so its tokens do not depend
-on what else is in the batch and are those earlier releases gave.
+Three phases, so that a GPU never waits for the host inside a step:
+
+1. `prepare(rows)`, on the host while the forward pass runs (CUDA has queued it): the grammar's
+   bitmask (llguidance), the index and value tensors of logit_bias, penalties and min_tokens
+   (logits_processors.py), each row's draw parameters, the unseeded rows' uniforms (the batch's,
+   from the engine's generator in one call) and the seeded rows' noise (a generator keyed by
+   seed, choice index and output position, so their tokens do not depend on the batch and are
+   those earlier releases gave), all sent to the device ahead of the ops;
+2. `draw(logits, plan)`, on the logits' device, tensor ops only: bias, grammar, penalties,
+   min_tokens, the draw (`kernels.sampling`'s distribution: temperature, then top-k, top-p and
+   min-p over the whole of it) and the logprobs asked for (log_softmax after bias and mask,
+   before penalties and temperature: a token the grammar forbids is never listed). It reads no
+   device value back;
+3. `read(plan, host)`, once the step's one copy has brought the ids and logprobs back.
+
+The CPU's implementations of the same functions are chosen once, with the device (`native`): the
+draw by the native kernel (`kernels.sampling.sample_rows`: no sort of the vocabulary), a plain
+greedy batch by numpy's argmax (49,152 fp32 logits in ~8 us against ~80 for torch's: 1.8 ms
+against 0.15 at 32 rows) and the grammar's bits unpacked by numpy. Elsewhere the draw is
+`device_draw.draw_rows` and everything stays on the device.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from wsllm.engine import logits_processors as lp
+from wsllm.engine.device_draw import draw_rows
 from wsllm.engine.sequence import Sequence
 from wsllm.kernels.sampling import sample_rows
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class SampleResult:
-    token_ids: list[int]
-    # per row: (chosen logprob, [(token, logprob), ... top-N]) or None
-    logprobs: list[Any]
+class RowView:
+    """A sequence as the sampler reads it at one row: as if it had accepted its first `ahead`
+    drafts, with the grammar `matcher` of that position."""
+
+    __slots__ = ("seq", "ahead", "matcher")
+
+    def __init__(self, seq: Sequence, ahead: int = 0, matcher: Any = None) -> None:
+        self.seq, self.ahead, self.matcher = seq, ahead, matcher
+
+    @property
+    def params(self) -> Any:
+        return self.seq.params
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        out = self.seq.output_token_ids
+        return out + self.seq.draft_token_ids[: self.ahead] if self.ahead else out
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.seq.token_ids, *self.seq.draft_token_ids[: self.ahead]]
+
+    @property
+    def beam_k(self) -> int:
+        """A beam's candidates wanted (its search's), 0 for a row that draws."""
+        return self.seq.beam.k if self.seq.beam is not None else 0
+
+    @property
+    def top(self) -> int:
+        """How many of its best tokens come back with its logprobs."""
+        return self.beam_k or (self.params.logprobs or 0)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None or self.seq.beam is not None
+
+    @property
+    def greedy(self) -> bool:
+        # below types.GREEDY_BELOW a temperature is greedy: dividing by it would overflow the
+        # logits into inf / NaN (vLLM uses the same threshold); a beam's draw is unused
+        return self.params.greedy or self.seq.beam is not None
 
 
-def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """A copy of logits with each row's penalties on the tokens it has seen (its own columns only:
-    the same values a dense [rows, vocab] pass gives, element for element)."""
-    rows: list[np.ndarray] = []
-    cols: list[np.ndarray] = []
-    rep: list[np.ndarray] = []  # the repetition penalty of each (row, col), 1 where none
-    sub: list[np.ndarray] = []  # frequency * count of each (row, col)
-    pres: list[np.ndarray] = []  # presence where the count is > 0
-    for i, s in enumerate(seqs):
-        p = s.params
-        if not _needs_penalties(s):
-            continue
-        out, counts = np.unique(np.asarray(s.output_token_ids, dtype=np.int64), return_counts=True)
-        # Repetition penalty (HF / CTRL): over prompt and output tokens.
-        seen = (
-            np.unique(np.asarray(list(s.token_ids), dtype=np.int64))
-            if p.repetition_penalty != 1.0
-            else out[:0]
-        )
-        ids = np.union1d(seen, out)
-        n = np.zeros(len(ids), dtype=np.float32)
-        n[np.searchsorted(ids, out)] = counts
-        rows.append(np.full(len(ids), i, dtype=np.int64))
-        cols.append(ids)
-        rep.append(np.where(np.isin(ids, seen), np.float32(p.repetition_penalty), np.float32(1.0)))
-        # Presence and frequency penalties (OpenAI): over output tokens only.
-        sub.append(np.float32(p.frequency_penalty) * n)
-        pres.append(np.where(n > 0, np.float32(p.presence_penalty), np.float32(0.0)))
-    logits = logits.clone()
-    if not rows:
-        return logits
-    dev = logits.device
-    at = (torch.from_numpy(np.concatenate(rows)).to(dev), torch.from_numpy(np.concatenate(cols)).to(dev))
-    r, f, p = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (rep, sub, pres))
-    v = logits[at]
-    logits[at] = torch.where(r != 1.0, torch.where(v > 0, v / r, v * r), v) - f - p
-    return logits
+def row_views(seq: Sequence) -> list[RowView]:
+    """The k + 1 rows of a sequence verifying k drafts (one row without drafts). A structured
+    sequence's row i reads a copy of its grammar that has taken the first i drafts (the proposer
+    cut the drafts at the first token the grammar refuses, so each copy takes them)."""
+    views = [RowView(seq, 0, seq.matcher)]
+    matcher = seq.matcher
+    for i, tok in enumerate(seq.draft_token_ids, start=1):
+        if matcher is not None:
+            matcher = matcher.deep_copy()
+            matcher.consume_token(tok)
+        views.append(RowView(seq, i, matcher))
+    return views
 
 
-def _mask_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
-    """min_tokens: a sequence may not stop before it has that many tokens (except where
-    a grammar decides: it allows EOS only once the output is complete)."""
-    for i, s in enumerate(seqs):
-        if len(s.output_token_ids) < s.params.min_tokens and s.matcher is None:
-            banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else eos_ids)
-            if banned:
-                logits[i, banned] = float("-inf")
-    return logits
+def _plain(v: RowView) -> bool:
+    p = v.params
+    return (
+        v.greedy
+        and not v.wants_logprobs
+        and not lp.needs_penalties(p)
+        and len(v.output_token_ids) >= p.min_tokens
+        and v.matcher is None
+        and not p.logit_bias
+    )
 
 
-def _row_generator(s: Sequence) -> torch.Generator:
+def _row_generator(v: RowView) -> torch.Generator:
     """A seeded row's noise stream at its position: keyed by (seed, choice, output length)."""
-    seed = s.params.seed or 0
+    seed = v.params.seed or 0
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + s.index * 7_919 + len(s.output_token_ids)) % 2**63)
+    g.manual_seed((seed * 1_000_003 + v.index * 7_919 + len(v.output_token_ids)) % 2**63)
     return g
 
 
-def _argmax(logits: torch.Tensor) -> list[int]:
-    """Each row's first largest entry (a NaN counts as the largest, as in torch.argmax).
-    numpy's argmax runs in vectors where torch's CPU argmax compares one value at a time:
-    49,152 fp32 logits in ~8 us against ~80 (1.8 ms against 0.15 at 32 rows)."""
-    if logits.device.type == "cpu" and logits.dtype is torch.float32:
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Any]  # per row: [chosen logprob, [[token, logprob], ... top N]] or None
 
 
-def is_greedy(s: Sequence) -> bool:
-    # below types.GREEDY_BELOW a temperature is greedy: dividing by it would overflow the
-    # logits into inf / NaN (vLLM uses the same threshold)
-    return s.params.greedy
+@dataclass(slots=True)
+class Plan:
+    """One batch of rows, prepared on the host; every tensor already on the logits' device."""
 
-
-def _add_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """logit_bias, in place: each row's biases added to its logits."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    for i, s in enumerate(seqs):
-        if s.params.logit_bias:
-            rows += [i] * len(s.params.logit_bias)
-            cols += s.params.logit_bias.keys()
-            vals += s.params.logit_bias.values()
-    if rows:
-        dev = logits.device
-        logits.index_put_(
-            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-            torch.tensor(vals, dtype=logits.dtype, device=dev),
-            accumulate=True,
-        )
-
-
-def _constrained(s: Sequence) -> bool:
-    return s.matcher is not None or bool(s.params.logit_bias)
-
-
-def _needs_penalties(s: Sequence) -> bool:
-    p = s.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-# words: [n, ceil(vocab / 32)] int32, bit b of word w is token 32 * w + b; both give [n, vocab] bools
-
-
-def unpack_bits_numpy(words: np.ndarray, vocab: int) -> torch.Tensor:
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # little-endian words
-    return torch.from_numpy(bits[:, :vocab].view(np.bool_))
-
-
-def unpack_bits_torch(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+    rows: list[RowView]
+    fast: bool = False  # every row a plain greedy one: the argmax alone
+    bias: tuple[torch.Tensor, ...] | None = None
+    grammar: tuple[list[int], torch.Tensor] | None = None  # its rows, their allowed tokens [n, vocab]
+    penalties: tuple[torch.Tensor, ...] | None = None
+    stops: tuple[torch.Tensor, ...] | None = None
+    draw: tuple[torch.Tensor, ...] | None = None  # kernels.sampling's arguments; None: all greedy
+    want: list[int] = field(default_factory=list)  # rows whose logprobs (or candidates) come back
+    want_index: torch.Tensor | None = None
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        seed: int = 0,
+        device: torch.device | None = None,
+        native: bool | None = None,  # the CPU's implementations; default: on a CPU device
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.device = device or torch.device("cpu")
+        self.native = self.device.type == "cpu" if native is None else native
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
-        # Grammar masks: one row of 32-token words per structured sequence, reused every
-        # step (grown when more rows need one); the executor fills rows in parallel.
-        self._bitmask: np.ndarray | None = None
+        # Grammar masks: one row of 32-token words per structured row, reused every step
+        # (grown when more rows need one); the executor fills rows in parallel.
+        self._bitmask: Any = None
         self._executor: Any = None
 
-    @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        # logits: [num_seqs, vocab+] (the model may pad vocab; cut it)
-        logits = logits[:, : self.vocab_size]
-        if all(
-            is_greedy(s)
-            and s.params.logprobs is None
-            and not s.params.use_beam_search
-            and not _needs_penalties(s)
-            and len(s.output_token_ids) >= s.params.min_tokens
-            and not _constrained(s)
-            for s in seqs
-        ):  # the common case: one argmax, no softmax or sort over the vocabulary
-            return SampleResult(_argmax(logits), [None] * len(seqs))
-        return self._full(logits.float(), seqs)
+    # -- 1. the host's part, while the forward runs --------------------------------------
+    def prepare(self, rows: list[RowView]) -> Plan:
+        plan = Plan(rows)
+        if all(_plain(v) for v in rows):  # the common case: one argmax, nothing else
+            plan.fast = True
+            return plan
+        dev = self.device
+        plan.bias = lp.bias_index(rows, dev)
+        plan.grammar = self._grammar(rows)
+        plan.penalties = lp.penalty_index(rows, dev)
+        plan.stops = lp.stop_index(rows, self.eos_token_ids, dev)
+        plan.draw = self._draw_args(rows)
+        plan.want = [i for i, v in enumerate(rows) if v.wants_logprobs]
+        if plan.want:
+            plan.want_index = lp.to_device(torch.tensor(plan.want), dev)
+        return plan
 
-    def sample_isolated(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[SampleResult, dict[int, str]]:
-        """Sample the batch; if that fails, sample row by row so that one bad row
-        fails only its own request. Returns the result (a failed row gets token -1)
-        and {row: reason} for the rows that failed."""
-        try:
-            return self(logits, seqs), {}
-        except Exception as e:  # noqa: BLE001 - any failure is narrowed to its rows below
-            log.warning("batched sampling failed (%s); sampling row by row", e)
-        tokens: list[int] = []
-        logprobs: list[Any] = []
-        failed: dict[int, str] = {}
-        for i, s in enumerate(seqs):
-            try:
-                r = self(logits[i : i + 1], [s])
-            except Exception as e:  # noqa: BLE001
-                log.exception("sampling failed for request %s", s.request_id)
-                failed[i] = f"sampling failed: {type(e).__name__}"
-                tokens.append(-1)
-                logprobs.append(None)
-                continue
-            tokens.extend(r.token_ids)
-            logprobs.extend(r.logprobs)
-        return SampleResult(tokens, logprobs), failed
-
-    def _full(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        if any(_constrained(s) for s in seqs):
-            logits = logits.clone()  # in place below; a retry row by row starts from the model's
-            _add_bias(logits, seqs)
-            self._mask_grammar(logits, seqs)
-        raw = logits
-        if any(_needs_penalties(s) for s in seqs):
-            logits = _penalties(logits, seqs)
-        if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
-            logits = _mask_stops(logits.clone(), seqs, self.eos_token_ids)
-        token_ids = self._draw(logits, seqs)
-        return SampleResult(token_ids, self._logprobs(raw, seqs, token_ids))
-
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Each row's token: the argmax of a greedy row, a draw from the others' kept distribution."""
-        greedy = [is_greedy(s) for s in seqs]
+    def _draw_args(self, rows: list[RowView]) -> tuple[torch.Tensor, ...] | None:
+        greedy = [v.greedy for v in rows]
         if all(greedy):
-            return _argmax(logits)
-        n, vocab = len(seqs), logits.shape[1]
-        ps = [s.params for s in seqs]
+            return None
+        ps = [v.params for v in rows]
         temp = torch.tensor([0.0 if g else p.temperature for p, g in zip(ps, greedy, strict=True)])
         top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64)
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
-        uniform = torch.rand(n, generator=self.generator)  # the unseeded rows' draws, in one call
+        uniform = torch.rand(len(rows), generator=self.generator)  # the unseeded rows' draws, in one call
         seeded = [i for i, (p, g) in enumerate(zip(ps, greedy, strict=True)) if p.seed is not None and not g]
-        noise = torch.empty(len(seeded), vocab)
-        noise_row = torch.full((n,), -1, dtype=torch.int64)
+        noise = torch.empty(len(seeded), self.vocab_size)
+        noise_row = torch.full((len(rows),), -1, dtype=torch.int64)
         for j, i in enumerate(seeded):  # each seeded row's noise from its own stream
-            noise[j].exponential_(generator=_row_generator(seqs[i]))
+            noise[j].exponential_(generator=_row_generator(rows[i]))
             noise_row[i] = j
-        dev = logits.device
-        args = (temp, top_k, top_p, min_p, uniform, noise, noise_row)
-        return sample_rows(logits, *(a.to(dev) for a in args)).tolist()
+        return tuple(
+            lp.to_device(t, self.device) for t in (temp, top_k, top_p, min_p, uniform, noise, noise_row)
+        )
 
-    def _mask_grammar(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Tokens each structured row's grammar forbids go to -inf, in place. A matcher
-        in an error state allows only EOS, which ends the sequence (the engine then
-        reports the error)."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
-            return
+    def _grammar(self, rows: list[RowView]) -> tuple[list[int], torch.Tensor] | None:
+        """The structured rows and the tokens their grammars allow. A matcher in an error state
+        allows only EOS, which ends the sequence (the engine then reports the error)."""
+        at = [i for i, v in enumerate(rows) if v.matcher is not None]
+        if not at:
+            return None
         import llguidance
         import llguidance.numpy as llnp
 
-        n = len(rows)
+        n = len(at)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = llnp.allocate_token_bitmask(max(n, 8), self.vocab_size)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llnp.fill_next_token_bitmask_par(
-            self._executor, [(seqs[i].matcher, j) for j, i in enumerate(rows)], self._bitmask
+            self._executor, [(rows[i].matcher, j) for j, i in enumerate(at)], self._bitmask
         )
-        forbid = ~self._allowed(n, logits.device)  # [n, vocab]
-        if n == len(seqs):
-            logits.masked_fill_(forbid, float("-inf"))
-        else:  # row by row, in place: cheaper than gathering and scattering the rows
-            for j, i in enumerate(rows):
-                logits[i].masked_fill_(forbid[j], float("-inf"))
-
-    def _allowed(self, n: int, device: torch.device) -> torch.Tensor:
-        """The first n rows of the bitmask as [n, vocab] bools (True: allowed)."""
-        assert self._bitmask is not None
         words = self._bitmask[:n]
-        if device.type == "cpu":
-            return unpack_bits_numpy(words, self.vocab_size)
+        if self.native:
+            return at, lp.unpack_bits_numpy(words, self.vocab_size)
         # elsewhere the packed words travel (32x fewer bytes) and unpack on the device
-        return unpack_bits_torch(torch.from_numpy(words).to(device), self.vocab_size)
+        return at, lp.unpack_bits_torch(lp.to_device(torch.from_numpy(words), self.device), self.vocab_size)
 
-    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[Any]:
-        logprobs: list[Any] = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.use_beam_search]
-        if not want:
-            return logprobs
-        lp = raw[want].log_softmax(dim=-1)
-        k = max(seqs[i].params.logprobs or 0 for i in want)
-        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        for j, i in enumerate(want):
-            n = seqs[i].params.logprobs or 0
+    # -- 2. the device's part --------------------------------------------------------------
+    def draw(self, logits: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
+        """logits [rows, vocab+] (the model may pad its vocabulary: cut here) -> the tensors the
+        step copies back: the token ids [rows], and where logprobs are asked for the chosen
+        ones' [w], the best ones' values and ids [w, top]. Nothing is read back here."""
+        logits = logits[:, : self.vocab_size]
+        if plan.fast:
+            return [self._argmax(logits)]
+        logits = logits.float()
+        if plan.bias is not None or plan.grammar is not None:
+            logits = logits.clone()  # in place below; a retry row by row starts from the model's
+            if plan.bias is not None:
+                lp.add_bias(logits, plan.bias)
+            if plan.grammar is not None:
+                lp.mask_grammar(logits, *plan.grammar)
+        raw = logits
+        if plan.penalties is not None:
+            logits = lp.apply_penalties(logits, plan.penalties)
+        if plan.stops is not None:
+            logits = lp.mask_stops(logits, plan.stops)
+        tokens = self._argmax(logits) if plan.draw is None else self._draw(logits, *plan.draw)
+        if plan.want_index is None:
+            return [tokens]
+        logp = raw[plan.want_index].log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens[plan.want_index][:, None]).flatten()
+        k = max(plan.rows[i].top for i in plan.want)
+        if not k:
+            return [tokens, chosen]
+        top_v, top_i = logp.topk(min(k, logp.shape[1]), dim=-1)
+        return [tokens, chosen, top_v, top_i]
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest entry (a NaN counts as the largest, as in torch.argmax)."""
+        if self.native and logits.dtype is torch.float32:
+            return torch.from_numpy(logits.numpy().argmax(axis=-1))
+        return logits.argmax(dim=-1)
+
+    def _draw(self, logits: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        return sample_rows(logits, *args) if self.native else draw_rows(logits, *args)
+
+    # -- 3. the host's part, after the step's one copy -------------------------------------
+    def read(self, plan: Plan, host: list[torch.Tensor]) -> tuple[list[int], list[Any]]:
+        """The tokens and logprob entries ([chosen, [[token, logprob], ... top N]] or None) of
+        each row, from `draw`'s tensors brought to the host."""
+        tokens = host[0].tolist()
+        logprobs: list[Any] = [None] * len(plan.rows)
+        if not plan.want:
+            return tokens, logprobs
+        chosen = host[1].tolist()
+        top_v = host[2].tolist() if len(host) > 2 else None
+        top_i = host[3].tolist() if len(host) > 3 else None
+        for j, i in enumerate(plan.want):
+            n = plan.rows[i].top
             top = []
             if n and top_v is not None and top_i is not None:
-                pairs = zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)
+                pairs = zip(top_i[j][:n], top_v[j][:n], strict=True)
                 top = [[t, v] for t, v in pairs if v != float("-inf")]  # not what a grammar forbids
-            logprobs[i] = [float(lp[j, token_ids[i]]), top]
-        return logprobs
+            logprobs[i] = [chosen[j], top]
+        return tokens, logprobs
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[Any]) -> SampleResult:
+        """All three phases for a batch, with its own copy back: rows are RowViews or sequences
+        (read as they stand). The step runs the phases apart (ModelRunner); a retry row by row,
+        the draft model and tests call this."""
+        views = [r if isinstance(r, RowView) else RowView(r, 0, r.matcher) for r in rows]
+        plan = self.prepare(views)
+        return SampleResult(*self.read(plan, [t.cpu() for t in self.draw(logits, plan)]))
+
+    def sample_isolated(
+        self, logits: torch.Tensor, rows: list[RowView]
+    ) -> tuple[list[int], list[Any], dict[int, str]]:
+        """Sample row by row, so that one bad row fails only its own request: each row's token
+        (-1 where it failed), logprobs, and {row: reason} for the rows that failed."""
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+        failed: dict[int, str] = {}
+        for i, v in enumerate(rows):
+            try:
+                r = self(logits[i : i + 1], [v])
+                t, p = r.token_ids, r.logprobs
+            except Exception as e:  # noqa: BLE001 - narrowed to this row
+                log.exception("sampling failed for request %s", v.seq.request_id)
+                failed[i] = f"sampling failed: {type(e).__name__}"
+                t, p = [-1], [None]
+            tokens += t
+            logprobs += p
+        return tokens, logprobs, failed

@@ -1,63 +1,53 @@
-"""Scheduler: decides which sequences run this step and with how many tokens.
+"""Scheduler: decides which sequences run this step and with how many tokens, and, once the
+step ran, what each of them computed.
 
-The contract (vLLM v1): `schedule()` returns `{seq: num_new_tokens}` for this step.
-Plain prefill, chunked prefill, prefix-cache hits and decode are one mechanism:
-`num_computed_tokens` catching up with the sequence's tokens. Queues are served in
-order: running (oldest first), then swapped, then waiting. When blocks run out, the
-newest running sequence of the lowest priority is preempted.
+The contract (vLLM v1): `schedule()` returns `{seq: num_new_tokens}` for this step, and
+`update_from_output(scheduled, output)` is the one place that decides how many tokens each
+sequence computed: it keeps each sequence's samples (a verification of k drafts keeps those up
+to and including the first that differs from its draft: a rejected draft is a count, its blocks
+trimmed; a plain row is a row with no drafts), appends them (the sequence checks its own stops),
+forks the n > 1 choices that sampled from their first choice's row, advances beam searches,
+feeds the prefix cache and drops what finished. Plain prefill, chunked prefill, prefix-cache
+hits and decode are one mechanism: `num_computed_tokens` catching up with the sequence's
+tokens. Queues are served in order: running (oldest first), then swapped, then waiting. When
+blocks run out, the newest running sequence of the lowest priority is preempted. Waiting
+sequences are admitted by priority, then fairly between tenants (fairness.py).
 
-Waiting sequences are admitted by priority (higher first; a preempted sequence before
-new ones of its priority), then fairly between tenants: each tenant has a virtual
-token counter (VTC, "Fairness in Serving Large Language Models", OSDI '24) that grows
-by every token the engine computes for it, and the tenant with the lowest counter
-goes next; ties go to the oldest. A tenant that comes back after being idle starts
-just below the lowest counter of the tenants present: it goes next, but idling banks
-no credit. With one tenant and one priority this is plain FCFS.
+The budget (`max_num_batched_tokens`) bounds a step's tokens: a prompt token whose row also
+computes a prompt logprob (lm_head, log_softmax and top-k over the whole vocabulary) counts
+`1 + prompt_logprob_cost`, so such a prompt is prefilled in smaller chunks. Tenants are charged
+the same. A step that decodes running streams gives prompts at most
+`prefill_tokens_while_decoding` of its budget: a long prompt then arrives in small chunks, so the
+streams' next token waits for a short step (Sarathi-Serve's stall-free batching; llama.cpp mixes
+prompts in its 512-token micro-batches), and a prompt that arrives while nothing decodes takes
+the whole budget, for its first token's sake. A step's prompt work is also kept to about a time,
+as the step-cost model estimates it from the steps before (step_cost.py: it prices a chunk by
+its tokens and the context its attention reads): `prefill_ms_while_decoding` beside decodes,
+`prefill_ms_alone` for prompts alone (so that a lone 8,000-token prompt's steps stay short).
 
-The budget (`max_num_batched_tokens`) bounds a step's work, not only its tokens: a prompt
-token whose row also computes a prompt logprob (lm_head, log_softmax and top-k over the
-whole vocabulary) costs `1 + prompt_logprob_cost`, so such a prompt is prefilled in
-smaller chunks and no request makes a step longer than the budget allows. Tenants are
-charged the same cost. A step that decodes running streams gives prompts at most
-`prefill_tokens_while_decoding` of its budget: a long prompt then arrives in small
-chunks, so the streams' next token waits for a short step (Sarathi-Serve's stall-free
-batching; llama.cpp mixes prompts in its 512-token micro-batches), and a prompt that
-arrives while nothing decodes still takes the whole budget, for its first token's sake.
-A token's cost grows with its context and the machine's load, so such a step's prompt
-work is also kept to about `prefill_ms_while_decoding` of time, as estimated from the
-steps before (`pacing.StepPacer`; the engine reports each step's time to `observe_step`).
-
-What a prompt-logprob row costs, beside its token (`prompt_logprob_cost`): one LM-head row
-(vocab x hidden multiply-adds) and a few passes over its logits (gather, top-k, logsumexp;
-ModelRunner._token_logprobs); a token's forward is every other weight (params - vocab x
-hidden multiply-adds) plus its attention. At equal kernel efficiency the ratio is
-vocab x hidden / (params - vocab x hidden): SmolLM2-135M 28.3M / 106M = 0.27, a Llama-3-8B
-0.5G / 7.5G = 0.07. Measured on the bundled SmolLM2 (Q8_0 head, Q4_1 layers, one CPU thread,
-a 1,000-token prompt in 128-token chunks beside 16 decodes): a row 0.8-1.05 ms (top 20:
-0.85-1.2; the head alone 0.65-0.9), a prompt token 2.5-4.5 ms as the context grows, so
-0.25-0.4. The default of 1.0 (EngineConfig) charges about 3x that: such a prompt's
-chunks are half a plain chunk, and its steps are shorter than a plain prompt's at the
-same budget (128 rows beside 16 decodes: 0.5-0.8 s of CPU; 256 plain tokens: 0.9-1.15 s).
+The budget itself is budget.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wsllm.config import EngineConfig
+from wsllm.engine.beam import advance
 from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.pacing import StepPacer
+from wsllm.engine.budget import StepBudget
+from wsllm.engine.fairness import Fairness
+from wsllm.engine.model_output import ModelOutput, Sampled
 from wsllm.engine.sequence import SeqStatus, Sequence
+from wsllm.engine.step_cost import StepCost, StepWork
+from wsllm.engine.swap import CpuSwapSpace
+from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
-
-# Counters kept for tenants with nothing queued, at most (past it the idle ones go).
-_MAX_TENANTS = 4096
 
 
 @dataclass(slots=True)
@@ -71,14 +61,33 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Sequences preempted in this step (already moved back to waiting / swapped).
     preempted: list[Sequence] = field(default_factory=list)
-    # Budget units of prompt work (prompt-logprob rows at their cost) and decodes scheduled:
-    # what the step pacer reads the step's time against.
+    # Budget units of prompt work (prompt-logprob rows at their cost) and decodes scheduled.
     prefill_cost: float = 0.0
     num_decodes: int = 0
+    # The same prompt work as the step-cost model prices it (its context's attention included).
+    prefill_units: float = 0.0
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    @property
+    def work(self) -> StepWork:
+        """What the step-cost model reads this step's time against."""
+        return StepWork(self.prefill_units, self.num_decodes, self.num_tokens)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What `update_from_output` decided beyond each sequence's own state."""
+
+    # Sequences whose request must fail, with a code and why (the engine ends them).
+    failed: list[tuple[Sequence, str, str]] = field(default_factory=list)
+    # Speculative decoding: (sequence, drafts verified, of them matched by its samples, of those
+    # kept: a stop or a refusal may end it before its last match).
+    verified: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    # Beam searches that ended in this step: the request ids.
+    searched: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -88,114 +97,65 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
-        swapper: object | None = None,
+        swapper: CpuSwapSpace | None = None,
         prompt_logprob_cost: float = 0.0,
         prefill_tokens_while_decoding: int | None = None,
-        prefill_ms_while_decoding: float = 0.0,
+        cost: StepCost | None = None,  # the step-cost model (default: no time bound)
+        eos_token_ids: list[int] | None = None,
+        max_model_len: int = 1 << 30,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.swapper = swapper  # CpuSwapSpace when preemption_mode == "swap"
+        self.swapper = swapper  # when preemption_mode == "swap"
         self.prompt_logprob_cost = prompt_logprob_cost  # budget tokens per prompt-logprob row, extra
         # the budget left to prompts in a step that also decodes (None: the whole budget)
         self.prefill_while_decoding = prefill_tokens_while_decoding or max_num_batched_tokens
-        self.pacer = StepPacer(prefill_ms_while_decoding)  # the same, in time
+        self.cost = cost or StepCost(prompt_logprob_cost=prompt_logprob_cost)
+        self.eos_token_ids = eos_token_ids or []
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swaps = 0
-        #: tenant -> tokens computed for it (its virtual counter)
-        self.served: dict[str, float] = {}
+        self.fairness = Fairness()
 
     @classmethod
-    def from_config(cls, bm: BlockManager, config: EngineConfig, num_cpu_blocks: int) -> Scheduler:
+    def from_config(
+        cls, bm: BlockManager, config: EngineConfig, num_cpu_blocks: int, cost: StepCost,
+        eos_token_ids: list[int], max_model_len: int,
+    ) -> Scheduler:  # fmt: skip
         """An engine's scheduler, as its config says, with CPU swap space when it has blocks."""
-        swapper = None
-        if num_cpu_blocks:
-            from wsllm.engine.swap import CpuSwapSpace
-
-            swapper = CpuSwapSpace(num_cpu_blocks)
+        swapper = CpuSwapSpace(num_cpu_blocks) if num_cpu_blocks else None
         c = config
         return cls(bm, c.max_num_seqs, c.max_num_batched_tokens, c.preemption_mode, swapper,
-                   c.prompt_logprob_cost, c.prefill_tokens_while_decoding, c.prefill_ms_while_decoding)  # fmt: skip
+                   c.prompt_logprob_cost, c.prefill_tokens_while_decoding, cost, eos_token_ids, max_model_len)  # fmt: skip
+
+    @property
+    def served(self) -> dict[str, float]:
+        """tenant -> its virtual token counter (fairness.py)."""
+        return self.fairness.served
 
     # -- queues -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        active = self._active_tenants()
-        if seq.tenant not in active:  # (back) from idle: no credit for the time away
-            self.served[seq.tenant] = self._lifted(seq.tenant, active)
-            if len(self.served) > _MAX_TENANTS:  # forget the idle ones
-                self.served = {t: c for t, c in self.served.items() if t in active or t == seq.tenant}
+        self.fairness.joined(seq, self._active_tenants())
         self.waiting.append(seq)
 
     def _active_tenants(self) -> set[str]:
         return {q.tenant for queue in (self.running, self.waiting, self.swapped) for q in queue}
 
-    def _lifted(self, tenant: str, active: set[str]) -> float:
-        """The counter of `tenant` if it became active now."""
-        own = self.served.get(tenant, 0.0)
-        if tenant in active or not active:
-            return own
-        return max(own, min(self.served.get(t, 0.0) for t in active) - 0.5)
-
     def admission_rank(self) -> Callable[[int, str], tuple[int, float]]:
-        """How a request not yet added would be ranked now (lower goes first): by
-        priority, then by its tenant's counter, lifted as `add` would lift it."""
-        active = self._active_tenants()
-        lifted: dict[str, float] = {}
+        """How a request not yet added would be ranked now (lower goes first)."""
+        return self.fairness.rank(self._active_tenants())
 
-        def rank(priority: int, tenant: str) -> tuple[int, float]:
-            if tenant not in lifted:
-                lifted[tenant] = self._lifted(tenant, active)
-            return -priority, lifted[tenant]
+    def has_backlog(self) -> bool:
+        """Whether sequences wait for room in the batch."""
+        return bool(self.waiting or self.swapped)
 
-        return rank
-
-    def _charge(self, seq: Sequence, n: int) -> None:
-        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n
-
-    def _take(self, out: SchedulerOutput, seq: Sequence, n: int, cost: int) -> None:
-        """Schedule n tokens of `seq` at `cost` of the budget: charged to its tenant and
-        counted as prompt work or a decode for the pacer."""
-        out.scheduled.append((seq, n))
-        self._charge(seq, cost)
-        if seq.num_uncomputed > 1:
-            out.prefill_cost += cost
-        else:
-            out.num_decodes += 1
-
-    def _while_decoding(self, budget: int) -> int:
-        """What is left of `budget` for prompts in a step that decodes: the token cap
-        and the pacer's estimate of what fits in `prefill_ms_while_decoding`."""
-        return int(min(budget, self.prefill_while_decoding, self.pacer.units()))
-
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine's report of how long the step of `out` took, end to end."""
-        self.pacer.observe(out.prefill_cost, out.num_decodes, seconds)
-
-    def _fit(self, seq: Sequence, budget: int) -> tuple[int, int]:
-        """(tokens, cost): how many of `seq`'s uncomputed tokens fit in `budget`, and
-        what they take from it. A token whose row computes a prompt logprob costs
-        `1 + prompt_logprob_cost`. At least one token when the budget is whole, so a
-        request always progresses; else nothing rather than past the budget."""
-        left, extra = seq.num_uncomputed, self.prompt_logprob_cost
-        if left == 1:  # a decode; with drafts to verify, a row of 1 + k tokens
-            left += len(seq.draft_token_ids)
-        rows = 0  # uncomputed positions whose row predicts a prompt token
-        if seq.params.prompt_logprobs is not None and extra:
-            rows = max(0, len(seq.prompt_token_ids) - 1 - seq.num_computed_tokens)
-        if not rows:
-            n = min(left, budget)
-            return n, n
-        per = 1 + extra
-        if rows * per >= budget:
-            n = min(left, int(budget // per) or (1 if budget >= self.max_num_batched_tokens else 0))
-        else:  # every row fits; plain tokens (the prompt's last, its output) after them
-            n = min(left, rows + int(budget - rows * per))
-        return n, math.ceil(n + min(n, rows) * extra)
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whatever queue holds it and free its blocks."""
@@ -206,7 +166,7 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
             if self.swapper is not None:
-                self.swapper.free(seq.seq_id)  # type: ignore[attr-defined]
+                self.swapper.free(seq.seq_id)
         self.bm.free(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -225,16 +185,28 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+    def _take(self, out: SchedulerOutput, budget: StepBudget, seq: Sequence, n: int, cost: int) -> None:
+        """Schedule n tokens of `seq` at `cost` of the budget: charged to its tenant and
+        counted as prompt work or a decode for the step-cost model."""
+        out.scheduled.append((seq, n))
+        self.fairness.charge(seq, cost)
+        units = budget.take(seq, n, cost)
+        if budget.prompt_work(seq):
+            out.prefill_cost += cost
+            out.prefill_units += units
+        else:
+            out.num_decodes += 1
 
     # -- the step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = StepBudget(
+            self.max_num_batched_tokens, self.prefill_while_decoding, self.max_num_batched_tokens,
+            self.prompt_logprob_cost, self.cost,
+        )  # fmt: skip
+        self._schedule_running(out, budget)
         if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
+            self._schedule_swapped(out, budget)
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
         now = time.time()
@@ -243,22 +215,21 @@ class Scheduler:
                 seq.first_scheduled_time = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         # Decodes first, then unfinished prompt chunks, so a long prompt being
         # prefilled in chunks never takes a running stream's token for a step.
         queue = [q for q in self.running if q.num_uncomputed <= 1]
         queue += [q for q in self.running if q.num_uncomputed > 1]
         taken: set[int] = set()
-        decodes, capped = 0, False
+        decodes = 0
         for seq in queue:
-            if not capped and decodes and seq.num_uncomputed > 1:
-                capped = True  # streams decode in this step: what follows is prompt work
-                budget = self._while_decoding(budget)
-            if budget <= 0:
+            if decodes and seq.num_uncomputed > 1:
+                budget.decoding()  # streams decode in this step: what follows is prompt work
+            if budget.tokens <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n, cost = self._fit(seq, budget)
+            n, cost = budget.fit(seq)
             if n == 0:
                 continue  # a beam waiting for the rest of its group, or a chunk that does not fit
             if seq.draft_token_ids:
@@ -270,13 +241,11 @@ class Scheduler:
                     break
             else:
                 out.copies.extend(self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens))
-                self._take(out, seq, n, cost)
-                taken.add(seq.seq_id)
                 decodes += seq.num_uncomputed <= 1
-                budget -= cost
-        if decodes and not capped:
-            budget = self._while_decoding(budget)
-        return budget
+                self._take(out, budget, seq, n, cost)
+                taken.add(seq.seq_id)
+        if decodes:
+            budget.decoding()
 
     def _with_drafts(self, seq: Sequence, n: int) -> int:
         """A decode that verifies drafts (speculative decoding): one row of its last token
@@ -302,43 +271,27 @@ class Scheduler:
             return False
         return self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n)
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        sw = self.swapper
+        while self.swapped and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if self.swapper is None or not self.swapper.can_swap_in(seq, self.bm):  # type: ignore[attr-defined]
+            if sw is None or not sw.can_swap_in(seq, self.bm):
                 break
             self.swapped.popleft()
-            out.swap_in.extend(self.swapper.swap_in(seq, self.bm))  # type: ignore[attr-defined]
+            out.swap_in.extend(sw.swap_in(seq, self.bm))
             self.num_swaps += 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n, cost = self._fit(seq, budget)
+            n, cost = budget.fit(seq)
             if n == 0 or not self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n):
                 break  # keep it running; it gets its token next step
-            self._take(out, seq, n, cost)
-            budget -= cost
-        return budget
+            self._take(out, budget, seq, n, cost)
 
-    def _next_waiting(self) -> Sequence:
-        """The waiting sequence to admit next (see the module's docstring)."""
-        if len(self.waiting) == 1:
-            return self.waiting[0]
-        served = self.served
-        return min(
-            enumerate(self.waiting),
-            key=lambda iq: (
-                -iq[1].priority,
-                iq[1].num_preemptions == 0,
-                served.get(iq[1].tenant, 0.0),
-                iq[0],
-            ),
-        )[1]
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0] if len(self.waiting) == 1 else self.fairness.next(self.waiting)
             tokens = seq.token_ids
-            first = self._fit(seq, budget)[0]  # no cache hit: the most it computes now
+            first = budget.fit(seq)[0]  # no cache hit: the most it computes now
             use_cache = not seq.params.needs_every_position  # prompt logprobs, mean pooling
             if first == 0 or not self.bm.can_allocate(tokens, first, use_cache, seq.cache_root):
                 break
@@ -346,15 +299,14 @@ class Scheduler:
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            n, cost = self._fit(seq, budget)
+            n, cost = budget.fit(seq)
             if not self.bm.ensure_slots(seq.seq_id, cached + n):  # cannot happen: checked above
                 self.bm.free(seq.seq_id)
                 break
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self._take(out, seq, n, cost)
-            budget -= cost
+            self._take(out, budget, seq, n, cost)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -364,12 +316,9 @@ class Scheduler:
         out.preempted.append(seq)
         if any(s is seq for s, _ in out.scheduled):
             raise AssertionError("preempting a sequence already scheduled this step")
-        if (
-            self.preemption_mode == "swap"
-            and self.swapper is not None
-            and self.swapper.can_swap_out(seq, self.bm)
-        ):  # type: ignore[attr-defined]
-            out.swap_out.extend(self.swapper.swap_out(seq, self.bm))  # type: ignore[attr-defined]
+        sw = self.swapper
+        if self.preemption_mode == "swap" and sw is not None and sw.can_swap_out(seq, self.bm):
+            out.swap_out.extend(sw.swap_out(seq, self.bm))
             self.num_swaps += 1
             seq.status = SeqStatus.SWAPPED
             self.swapped.appendleft(seq)
@@ -381,15 +330,52 @@ class Scheduler:
         self.waiting.appendleft(seq)
         log.debug("preempted %s by recompute", seq.request_id)
 
-    def finish_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        """After the forward pass: advance counters, register full blocks for the
-        prefix cache, drop finished sequences."""
-        for seq, n in scheduled:
+    # -- after the forward pass -----------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, output: ModelOutput) -> StepUpdate:
+        """What the step computed: forks the choices that sampled from their first choice's
+        row (before it appends), keeps and appends each sequence's samples, advances beam
+        searches, then advances every scheduled sequence by what it computed, feeds the
+        prefix cache with its full blocks, trims a verification's rejected blocks and drops
+        the sequences that finished."""
+        update = StepUpdate()
+        computed = {seq.seq_id: n for seq, n in out.scheduled}
+        for s in output.sampled:
+            if s.parent is not None:
+                self.fork(s.parent, s.seq)
+                s.parent.forks = []
+        for s in output.sampled:
+            seq = s.seq
+            if s.candidates is not None and seq.beam is not None:
+                if advance(seq.beam, seq, s.candidates, self.fork, self.remove) and seq.beam.state.done:
+                    update.searched.append(seq.request_id)
+                continue
+            kept = self._keep(s, update)
+            if seq.draft_token_ids:  # a rejected draft is a count: not computed
+                computed[seq.seq_id] = kept
+        for seq, _ in out.scheduled:
+            drafted, seq.draft_token_ids = bool(seq.draft_token_ids), []
             if seq.finished:
                 continue
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += computed[seq.seq_id]
             self.bm.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        done = [s for s in self.running if s.finished]
-        for seq in done:
+            if drafted:
+                self.bm.trim(seq.seq_id, seq.num_tokens)  # the blocks of rejected drafts only
+        for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.bm.free(seq.seq_id)
+        return update
+
+    def _keep(self, s: Sampled, update: StepUpdate) -> int:
+        """A sequence's samples kept and appended (Sequence.keep_samples); how many it kept."""
+        seq, k = s.seq, len(s.seq.draft_token_ids)
+        kept, matched, failure = seq.keep_samples(
+            s.token_ids, s.logprobs, self.eos_token_ids, self.max_model_len
+        )
+        if failure is not None:  # a row that could not be sampled, or a token its grammar refused
+            code, why = failure
+            update.failed.append((seq, code, s.error or why if code == ERR_INTERNAL else why))
+        if k:
+            seq.num_drafted += k
+            seq.num_accepted += min(matched, kept)
+            update.verified.append((seq, k, matched, min(matched, kept)))
+        return kept

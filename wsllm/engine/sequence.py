@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsllm.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from wsllm.types import ERR_INTERNAL, ERR_INVALID_REQUEST, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 _ids = itertools.count()
 
@@ -85,6 +85,11 @@ class Sequence:
     spec: Any = None
     num_drafted: int = 0
     num_accepted: int = 0
+    # n > 1: choices 1..n-1 on choice 0 until its prompt is computed; in that step they sample
+    # from its row and fork from it (Scheduler.update_from_output), sharing its blocks.
+    forks: list[Sequence] = field(default_factory=list)
+    # Beam search: the search it is a beam of (beam.BeamGroup), None otherwise.
+    beam: Any = None
 
     @property
     def token_ids(self) -> TokenView:
@@ -136,6 +141,30 @@ class Sequence:
             self.status = SeqStatus.FINISHED
             self.matcher = None
         return None
+
+    def keep_samples(
+        self, tokens: list[int], logprobs: list[Any], eos_token_ids: list[int], max_model_len: int
+    ) -> tuple[int, int, tuple[str, str] | None]:
+        """This step's samples at its rows (after its last token, then after each draft; -1
+        where a row's sampling failed): the one sample-and-append. It keeps them up to and
+        including the first that differs from its draft (every kept token is then a sample of
+        the target's distribution at its position: the speculative package's docstring), each
+        appended with its stops checked; a plain row, with no drafts, keeps its one sample.
+        Returns (tokens kept, drafts matched, (error code, why) its request must fail, or None)."""
+        drafts = self.draft_token_ids
+        matched = 0
+        while matched < len(drafts) and tokens[matched] == drafts[matched]:
+            matched += 1
+        kept = 0
+        for tok, logprob in zip(tokens[: matched + 1], logprobs, strict=False):
+            if tok < 0:
+                return kept, matched, (ERR_INTERNAL, "sampling failed")
+            kept += 1
+            if error := self.append_token(tok, logprob, eos_token_ids, max_model_len):
+                return kept, matched, (ERR_INVALID_REQUEST, error)
+            if self.finished:
+                break
+        return kept, matched, None
 
     def end(self, reason: str) -> None:
         """Mark it finished with `reason` (its blocks are the scheduler's to free)."""

@@ -86,7 +86,7 @@ class StaticInputs:
     ) -> None:
         """Write this step's rows, pad the rest of the bucket, and copy both to the device.
         The copies are queued on the current stream; the staging is written again only
-        after the step's logits came back, which waits for them."""
+        after the step's one copy back (its sampled ids), which waits for them."""
         ids, pos, slots, lens, bt = self.np
         bs = block_size
         for i, (seq, _) in enumerate(scheduled):
@@ -181,24 +181,16 @@ class StaticStep:
         return out
 
     def run(self, scheduled: list[tuple[Sequence, int]], tables: dict[int, list[int]]) -> torch.Tensor:
-        """One decode-only step -> its rows' logits [n, vocab] fp32, a fresh CPU tensor
-        (the sampler and beam search may keep rows past the next step)."""
+        """One decode-only step -> its rows' logits [n, vocab] fp32 on the device: a view of the
+        static output, read by this step's token stage before the next step writes it (the
+        step's one copy back is of the sampled ids, never of the logits)."""
         n = len(scheduled)
         bucket = self.bucket_for(n)
         self.inputs.fill(scheduled, tables, bucket, self.block_size)
         if self.graphs is not None and self.logits is not None:
             self.graphs.replay(bucket)
-            out = self.logits[:bucket]
-        else:
-            out = self.forward(bucket)
-        if not out.is_cuda:
-            return out[:n].clone()
-        # through pinned memory: about twice a pageable copy's speed (131 MB at batch 256 of a
-        # 128k vocabulary), and the copy's wait is the step's only one
-        host = torch.empty((n, out.shape[1]), dtype=out.dtype, pin_memory=True)
-        host.copy_(out[:n], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return host
+            return self.logits[:n]
+        return self.forward(bucket)[:n]
 
     def _measure_activations(self) -> int:
         """Peak memory of one forward at the largest bucket, over a one-block scratch cache

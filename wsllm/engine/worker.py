@@ -337,17 +337,15 @@ class EngineWorker:
         """Tell a broker that routes by prefix (`publish_prefix`) which prefix blocks this
         engine caches: when they changed and a request ended (its conversation's next
         turn may come at once) or a heartbeat is due, and at least once per heartbeat."""
-        publish = getattr(self.broker, "publish_prefix", None)
-        cached = getattr(self.engine, "cached_prefix", None)
         now = time.monotonic()
-        if publish is None or cached is None or not (finished or now - self._prefix_at >= self.heartbeat_s):
+        if not self.broker.routes_by_prefix() or not (finished or now - self._prefix_at >= self.heartbeat_s):
             return
-        block_size, keys = cached()
+        block_size, keys = self.engine.cached_prefix()
         sig = (len(keys), keys[0] if keys else b"", keys[-1] if keys else b"")
         if sig == self._prefix_sig and now - self._prefix_at < self.heartbeat_s:
             return
         self._prefix_sig, self._prefix_at = sig, now
-        publish(block_size, keys)
+        self.broker.publish_prefix(block_size, keys)
 
     def info(self) -> EngineInfo:
         e = self.engine

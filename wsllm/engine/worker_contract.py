@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from wsllm.engine.outputs import EngineStats
-from wsllm.types import EngineInfo, GenerateRequest, SamplingParams, TokenEvent
+from wsllm.engine.outputs import EngineStats, RequestOutput
+from wsllm.types import EngineInfo, GenerateRequest, TokenEvent
 
 
 class Engine(Protocol):
@@ -20,20 +20,10 @@ class Engine(Protocol):
     model_name: str
     max_model_len: int
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_root: bytes | None = None,
-        lora: str = "",
-    ) -> None: ...
+    def add_request(self, request: GenerateRequest) -> None: ...
     def admission_rank(self) -> Callable[[int, str], tuple[int, float]]: ...
     def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[Any]: ...
+    def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
     def free_capacity(self) -> int: ...
     def stats(self) -> EngineStats: ...

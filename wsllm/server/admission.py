@@ -2,28 +2,31 @@
 the model it goes to, and one ticket per engine request it may make, each taken from
 the tenant's rpm, concurrency and tokens with the call's coarse charge (quota.py)
 before any of its work. Only an admitted call prepares (templates, tokenizes, compiles,
-loads history); then each of its requests is submitted (`submit`: the charge set to
-the exact one, the ticket handed to the request's Generation) or, for a call that
-generates nothing, settled at its token count (`settle`). What is neither when the
-call ends is given back whole (`release_rest`)."""
+loads history); then each of its requests is submitted (`start`: prepared and submitted;
+`submit`: one prepared already; the charge set to the exact one, the request sent to the
+broker, the ticket handed to its Generation) or, for a call that generates nothing, settled
+at its token count (`settle`). What is neither when the call ends is given back whole
+(`release_rest`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import time
 from dataclasses import dataclass, field
 
+from wsllm.broker.base import BrokerError
+from wsllm.config_gateway import GatewayConfig
+from wsllm.server.errors import from_broker
 from wsllm.server.generation import Generation
 from wsllm.server.models import ServedModel
-from wsllm.server.prepare import Prepared
+from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import Ticket, compile_charge, counted, exact_charge, kept_charge
-from wsllm.server.resume import Api
+from wsllm.server.resume import Api, new_token
+from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import Tenant
+from wsllm.types import GenerateRequest
 
 log = logging.getLogger(__name__)
-
-#: Gateway._submit: (model, prepared, request id, priority, tenant) -> its Generation
-Submit = Callable[[ServedModel, Prepared, str, int, Tenant], Awaitable[Generation]]
 
 
 @dataclass(slots=True)
@@ -36,9 +39,7 @@ class Admission:
     priority: int
     #: one per engine request the call may make, in the order of its charge
     tickets: list[Ticket]
-    submit_to: Submit
-    #: tokens charged per second of a structured-output spec's compile
-    spec_tokens_per_s: int
+    cfg: GatewayConfig
     _done: set[int] = field(default_factory=set)  # tickets handed on or settled
 
     @property
@@ -46,16 +47,25 @@ class Admission:
         """x-ratelimit-* of the last ticket taken: the freshest figures."""
         return self.tickets[-1].headers
 
+    async def start(self, i: int, request: ChatRequest | CompletionRequest) -> Generation:
+        """Prepare and submit the call's `i`-th request, a chat or completion of one prompt."""
+        return await self.submit(i, await self.prepare(request))
+
+    async def prepare(self, request: ChatRequest | CompletionRequest) -> Prepared:
+        """A request of the call prepared for its model (prepare.py: the 400s that need the
+        tokenizer); `submit` sends it."""
+        return await prepare(request, self.api, self.model, self.max_len, self.cfg, self.tenant.name)
+
     async def submit(self, i: int, prep: Prepared) -> Generation:
         """Submit the call's `i`-th request, prepared: its charge set to the exact one
         (a 429 when that is over the tenant's whole tpm), its ticket handed to its
         Generation, which gives back what it did not use when it ends."""
         ticket, metrics = self.tickets[i], self.model.svc.metrics
-        spec = compile_charge(prep.compile_s, self.spec_tokens_per_s)
+        spec = compile_charge(prep.compile_s, self.cfg.spec_compile_tokens_per_s)
         with counted(metrics, self.tenant):  # a 429 after tokenizing: larger than its tpm
             await ticket.refine(exact_charge(len(prep.prompt_ids), prep.params, spec))
         ticket.kept = kept_charge(len(prep.prompt_ids), prep.params, spec)
-        gen = await self.submit_to(self.model, prep, ticket.request_id, self.priority, self.tenant)
+        gen = await self._send(prep, ticket.request_id)
         self._done.add(i)
         tenant = self.tenant.name
 
@@ -68,6 +78,26 @@ class Admission:
         gen.ratelimit_headers = ticket.headers
         metrics.prompt_tokens.inc(len(prep.prompt_ids))
         metrics.tenant_admitted(tenant, len(prep.prompt_ids))
+        return gen
+
+    async def _send(self, prep: Prepared, rid: str) -> Generation:
+        """The request to the broker, with its resume token's hash in its context."""
+        svc, tenant = self.model.svc, self.tenant
+        gen = Generation(svc, rid, prep.prompt_ids, prep.params, prep.context)
+        gen.resume_token, prep.context.token_sha256 = new_token(rid)
+        prep.context.tenant = tenant.name  # its resume is this tenant's alone
+        now = time.time()
+        deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
+        request = GenerateRequest(
+            rid, prep.prompt_ids, prep.params, model=self.model.name, arrival_time=now,
+            queue_deadline=deadline, priority=self.priority, tenant=tenant.name, lora=self.model.lora,
+            cache_salt=tenant.cache_namespace(prep.cache_salt),  # its KV is its tenant's alone
+        )  # fmt: skip
+        try:
+            await svc.broker.submit(request, context=prep.context.encode() if svc.broker.resumable else None)
+        except BrokerError as e:
+            svc.router.close(rid)
+            raise from_broker(e) from None
         return gen
 
     async def settle(self, i: int, tokens: int) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The gateway's core, shared by every API and the WebSocket: a call's admission
 (`admitted`: resolve its model, then take its tenant's rpm, concurrency and coarse token
-charge, before any work for it), the chat path (`start`: admitted -> prepare ->
-submit), resume and grace aborts. The served models are `models.py`, admission's
+charge, before any work for it; the admitted call then prepares and submits its requests
+itself, `Admission.start`), resume and grace aborts. The served models are `models.py`, admission's
 tickets `admission.py` and `quota.py`, preparation (everything that needs the
 tokenizer) `prepare.py`, the reader task that fans events out `router.py`, one
 request's text work `generation.py`.
@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsllm.broker.base import BrokerError, BrokerUnavailable, GatewayBroker
+from wsllm.broker.base import BrokerUnavailable, GatewayBroker
 from wsllm.broker.limits import Decision, Limiter
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
@@ -43,24 +42,20 @@ from wsllm.server.errors import from_broker
 from wsllm.server.generation import Generation, Services
 from wsllm.server.metrics import Metrics
 from wsllm.server.models import ServedModel, ServedModels
-from wsllm.server.prepare import Prepared, prepare
 from wsllm.server.quota import (
     Charge,
     Ticket,
     admit,
     check_priority,
-    coarse_charge,
     counted,
     meter_call,
     take_lease,
     take_request,
 )
-from wsllm.server.resume import Api, ResumeContext, new_token, split_token
+from wsllm.server.resume import Api, ResumeContext, split_token
 from wsllm.server.router import Router
-from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import ANONYMOUS, Tenant
 from wsllm.server.text import TextCodec
-from wsllm.types import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +98,7 @@ class Gateway:
         model, max_len = await self.models.resolve(charge.model, tenant)
         check_priority(charge.priority, tenant, self.cfg.max_priority)
         tickets: list[Ticket] = []
-        adm = Admission(
-            model,
-            max_len,
-            tenant,
-            api,
-            charge.priority,
-            tickets,
-            self._submit,
-            self.cfg.spec_compile_tokens_per_s,
-        )
+        adm = Admission(model, max_len, tenant, api, charge.priority, tickets, self.cfg)
         try:
             with counted(model.svc.metrics, tenant):
                 for i, c in enumerate(charge.coarse):
@@ -122,14 +108,6 @@ class Gateway:
             yield adm
         finally:
             await adm.release_rest()
-
-    async def start(
-        self, req: ChatRequest | CompletionRequest, api: Api, tenant: Tenant = ANONYMOUS
-    ) -> Generation:
-        """Admit, prepare and submit a checked chat or completion request (of one prompt)."""
-        charge = Charge(req.model, [coarse_charge(req, self.cfg.default_max_tokens)], req.priority)
-        async with self.admitted(tenant, api, charge) as adm:
-            return await adm.submit(0, await prepare(req, api, adm.model, adm.max_len, self.cfg, tenant.name))
 
     async def pay_request(self, tenant: Tenant) -> Decision | None:
         """A call's first request of `tenant`'s rpm, before its body is read (429 past it)."""
@@ -141,28 +119,6 @@ class Gateway:
         x-ratelimit-* headers. A refusal (429 APIError) counts in `metrics`."""
         with counted(metrics or self.metrics, tenant):
             return await meter_call(self.limiter, tenant)
-
-    async def _submit(
-        self, model: ServedModel, prep: Prepared, rid: str, priority: int, tenant: Tenant
-    ) -> Generation:
-        gen = Generation(model.svc, rid, prep.prompt_ids, prep.params, prep.context)
-        gen.resume_token, prep.context.token_sha256 = new_token(rid)
-        prep.context.tenant = tenant.name  # its resume is this tenant's alone
-        now = time.time()
-        deadline = now + self.cfg.queue_timeout_s if self.cfg.queue_timeout_s else 0.0
-        request = GenerateRequest(
-            rid, prep.prompt_ids, prep.params, model=model.name, arrival_time=now,
-            queue_deadline=deadline, priority=priority, tenant=tenant.name, lora=model.lora,
-            cache_salt=tenant.cache_namespace(prep.cache_salt),  # its KV is its tenant's alone
-        )  # fmt: skip
-        try:
-            await self.broker.submit(
-                request, context=prep.context.encode() if self.broker.resumable else None
-            )
-        except BrokerError as e:
-            self.router.close(rid)
-            raise from_broker(e) from None
-        return gen
 
     async def resume(
         self, token: str, request_id: str | None = None, tenant: Tenant = ANONYMOUS

@@ -101,10 +101,9 @@ class Generation:
         self.prompt_logprobs_raw: list[Any] | None = None
         #: an embedding request's pooled vector (params.pooling), from its final event
         self.embedding: list[float] | None = None
-        output = OutputOptions.from_context(ctx.output)
-        if output is None and ctx.api.is_chat:
-            output = OutputOptions()  # no tools; <think> split off
-        ctx.output = output.to_context() if output is not None else None
+        if ctx.output is None and ctx.api.is_chat:
+            ctx.output = OutputOptions()  # no tools; <think> split off
+        output = ctx.output
         in_think = (
             output is not None and output.reasoning and prompt_opens_think(svc.codec.prompt_tail(prompt_ids))
         )
@@ -375,10 +374,14 @@ class Generation:
             t.queue_time = ev.queue_time
             self.svc.metrics.queue.observe(ev.queue_time)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as its logprobs show it."""
+        return self.svc.codec.token_text(token_id)
+
     def _logprobs(self, ev: TokenEvent) -> list[TokenLogprob] | None:
         if not self.want_logprobs or not ev.logprobs:
             return None
-        text = self.svc.codec.token_text
+        text = self.token_text
         return [
             TokenLogprob(text(tid), float(lp), [(text(int(t)), float(tlp)) for t, tlp in top])
             for tid, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=False)

@@ -94,8 +94,7 @@ async def prepare(
     prompt_ids = truncated(prompt_ids, req, max_len, cfg)
     params = sampling_params(req, len(prompt_ids), max_len, cfg, structured)
     output: OutputOptions | None = plan.output if plan else None
-    encoded = output.to_context() if output is not None else None
-    ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, encoded, req.include_usage)
+    ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, output, req.include_usage)
     ctx.lora = model.lora
     return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "")
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from wsllm.server.chat.output import OutputOptions
 from wsllm.types import SamplingParams
 
 
@@ -88,8 +89,8 @@ class ResumeContext:
     prompt_len: int = 0
     prompt_tail: list[int] = field(default_factory=list)  # the last CONTEXT_TAIL prompt tokens
     created: int = 0  # unix seconds, OpenAI's `created`
-    #: how a chat answer is read (the chat output options' own encoding); None: as text
-    output: dict[str, Any] | None = None
+    #: how a chat answer is read; None: as text (stored as the options' own encoding)
+    output: OutputOptions | None = None
     include_usage: bool = False  # SSE: a last chunk with the usage
     token_sha256: str = ""  # hash of the resume token's secret; set at submission
     lora: str = ""  # the LoRA adapter it runs under (`model` stays its base: routing, the watchdog)
@@ -111,7 +112,7 @@ class ResumeContext:
         prompt_ids: list[int],
         params: SamplingParams,
         stops: list[str],
-        output: dict[str, Any] | None = None,
+        output: OutputOptions | None = None,
         include_usage: bool = False,
     ) -> ResumeContext:
         """The context of a request that starts now."""
@@ -138,7 +139,7 @@ class ResumeContext:
     def encode(self) -> dict[str, Any]:
         """A plain dict of JSON values (what the broker stores); `lora`, `extras` and `tenant`
         only when set, so that a gateway that predates them reads the rest as ever."""
-        d = asdict(self) | {"api": self.api.value}
+        d = asdict(self) | {"api": self.api.value, "output": self.output and self.output.to_context()}
         for key in ("lora", "extras", "tenant"):
             if not d[key]:
                 del d[key]
@@ -168,7 +169,7 @@ class ResumeContext:
             get("prompt_len", 0, whole),
             get("prompt_tail", [], lambda x: isinstance(x, list) and all(whole(t) for t in x)),
             get("created", 0, whole),
-            get("output", None, lambda x: x is None or isinstance(x, dict)),
+            OutputOptions.from_context(get("output", None, lambda x: x is None or isinstance(x, dict))),
             get("include_usage", False, lambda x: isinstance(x, bool)),
             get("token_sha256", "", lambda x: isinstance(x, str)),
             get("lora", "", lambda x: isinstance(x, str)),

@@ -146,14 +146,26 @@ class CompletionRequest(SamplingFields):
 WsId = Annotated[str, Field(min_length=1, max_length=128)]
 
 
+# The WebSocket's requests of the OpenAI wing (api/openai/ws_kinds.py): their fields, the
+# message's `type` and `id` being the session's.
+
+
 class WsChat(ChatRequest):
-    type: Literal["chat"]
-    id: WsId
+    """A `chat` message's request."""
 
 
 class WsCompletion(CompletionRequest):
-    type: Literal["completion"]
-    id: WsId
+    """A `completion` message's request."""
+
+
+class WsResume(Strict):
+    """A `resume` message: the rest of a request cut by a disconnect."""
+
+    after_seq: int = Field(ge=-1, le=2**31)
+    resume_token: str = Field(min_length=1, max_length=512)  # from the request's `started`
+
+
+# The socket's own messages (ws.py).
 
 
 class WsCancel(Strict):
@@ -161,19 +173,12 @@ class WsCancel(Strict):
     id: WsId
 
 
-class WsResume(Strict):
-    type: Literal["resume"]
-    id: WsId
-    after_seq: int = Field(ge=-1, le=2**31)
-    resume_token: str = Field(min_length=1, max_length=512)  # from the request's `started`
-
-
 class WsPing(Strict):
     type: Literal["ping"]
 
 
-WsMessage = Annotated[WsChat | WsCompletion | WsCancel | WsResume | WsPing, Field(discriminator="type")]
-_ws_adapter: TypeAdapter[WsChat | WsCompletion | WsCancel | WsResume | WsPing] = TypeAdapter(WsMessage)
+WsMessage = Annotated[WsCancel | WsPing, Field(discriminator="type")]
+_ws_adapter: TypeAdapter[WsCancel | WsPing] = TypeAdapter(WsMessage)
 
 GenerateBody = ChatRequest | CompletionRequest
 
@@ -213,20 +218,25 @@ def validated(model: type[M], obj: dict[str, Any]) -> M:
         raise from_validation(e) from None
 
 
-def validate_ws(obj: Any, cfg: GatewayConfig) -> WsChat | WsCompletion | WsCancel | WsResume | WsPing:
-    """Check one parsed WebSocket message."""
+def validate_ws(obj: Any, cfg: GatewayConfig) -> WsCancel | WsPing:
+    """Check one parsed message of the socket's own (`cancel`, `ping`)."""
     if not isinstance(obj, dict):
         raise APIError(400, "invalid_request", "a message must be a JSON object")
-    _check_message_count(obj, cfg)
     try:
-        msg = _ws_adapter.validate_python(obj)
+        return _ws_adapter.validate_python(obj)
     except ValidationError as e:
         # Paths start with the message type (the union's tag) unless the type was bad.
-        tagged = obj.get("type") in ("chat", "completion", "cancel", "resume", "ping")
-        raise from_validation(e, skip=1 if tagged else 0) from None
-    if isinstance(msg, ChatRequest | CompletionRequest):
-        check_limits(msg, cfg)
-        _check_ws_answer(msg)
+        raise from_validation(e, skip=1 if obj.get("type") in ("cancel", "ping") else 0) from None
+
+
+def validate_ws_request(
+    model: type[WsChat] | type[WsCompletion], fields: dict[str, Any], cfg: GatewayConfig
+) -> WsChat | WsCompletion:
+    """Check a `chat` or `completion` message's fields (all but `type` and `id`)."""
+    _check_message_count(fields, cfg)
+    msg = validated(model, fields)
+    check_limits(msg, cfg)
+    _check_ws_answer(msg)
     return msg
 
 
@@ -268,17 +278,18 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
     for s in stops:
         if not s or len(s) > cfg.max_stop_len:
             raise invalid("stop", f"each stop string must have 1 to {cfg.max_stop_len} characters")
-    plp = getattr(req, "prompt_logprobs", None)
+    plp = req.prompt_logprobs
     if plp is not None and plp > cfg.max_top_logprobs:
         raise invalid("prompt_logprobs", f"at most {cfg.max_top_logprobs} (got {plp})")
     top = req.num_top_logprobs
     if top is not None and top > cfg.max_top_logprobs:
         param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
         raise invalid(param, f"at most {cfg.max_top_logprobs} (got {top})")
-    width = getattr(req, "beam_width", None)
+    beams = req if isinstance(req, CompletionRequest) else None  # a completion's extension (vLLM's)
+    width = beams.beam_width if beams is not None else None
     if width is not None and width > cfg.max_n:
         raise invalid("beam_width", f"at most {cfg.max_n} (got {width})")
-    if getattr(req, "use_beam_search", None):
+    if beams is not None and beams.use_beam_search:
         if req.n is not None and req.n > (width or cfg.max_n):
             raise invalid("n", "must not exceed beam_width with use_beam_search")
         if width is None:

@@ -16,6 +16,7 @@ from wsllm.config_gateway import GatewayConfig
 from wsllm.server.admission import Admission
 from wsllm.server.quota import Charge
 from wsllm.server.resume import Api
+from wsllm.server.tenants import Tenant
 
 Req = TypeVar("Req")
 
@@ -29,17 +30,23 @@ class WsRun:
     started: dict[str, Any] | None
     messages: AsyncIterator[dict[str, Any]]
     stop: Callable[[], Awaitable[None]]
+    #: how it leaves when the socket closes (a chat request detaches where the broker keeps it,
+    #: for its owner's `resume`); None: it stops
+    leave: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class WsKind(Generic[Req]):
     """A WebSocket message type a wing answers: the same validation, charge and work as
-    its HTTP route, on the message's fields (all but `type` and `id`)."""
+    its HTTP route, on the message's fields (all but `type` and `id`). A kind without a
+    charge is not admitted by the session: it takes what it needs itself (a resume: one rpm
+    and the request's lease, `Gateway.resume`), from the tenant (`resume`)."""
 
     api: Api
     validate: Callable[[dict[str, Any], GatewayConfig], Req]
-    charge: Callable[[Req, GatewayConfig], Charge]
-    run: Callable[[Admission, Req], Awaitable[WsRun]]
+    charge: Callable[[Req, GatewayConfig], Charge] | None = None
+    run: Callable[[Admission, Req], Awaitable[WsRun]] | None = None
+    resume: Callable[[Tenant, Req], Awaitable[WsRun]] | None = None
 
 
 @dataclass(slots=True)

@@ -1,11 +1,11 @@
 """The WebSocket API, `/v1/ws`: many requests on one socket (docs/protocol.md).
 
 One task reads client messages in order, one task writes (so that sends never
-interleave), and one task per live request sends its messages. Chat and completion
-requests (and their resumes) are the socket's own (ws_chat.py: deltas numbered by
-`seq`, `done`, `queued`); every other kind of request is a wing's (`wing.WsKind`:
-`responses`, `embeddings`), run after the same admission as its HTTP route. The socket
-caps its live requests of every kind together (--max-requests-per-socket). The session
+interleave), and one task per live request sends its messages. The socket owns only
+itself: the cap over its live requests of every kind (--max-requests-per-socket),
+`cancel` and `ping`. Every request is a wing's kind (`wing.WsKind`, one dispatch table by
+message type: the OpenAI wing's `chat`, `completion` and `resume`, `responses`,
+`embeddings`), run after the same admission as its HTTP route. The session
 ends when either the reader or the writer stops (the client closed, a send failed, or
 the client took no data for `--send-timeout-s`); then every live request leaves (a chat
 request detaches where the broker keeps it, so that its owner can `resume` it on a new
@@ -34,11 +34,9 @@ from wsllm.server.gateway import Gateway
 from wsllm.server.generation import GenerationError
 from wsllm.server.http import VALIDATE_INLINE_BYTES
 from wsllm.server.middleware import request_tenant
-from wsllm.server.resume import Api
-from wsllm.server.schemas import WsCancel, WsChat, WsCompletion, WsResume, parse_json, validate_ws
+from wsllm.server.schemas import WsCancel, parse_json, validate_ws
 from wsllm.server.sockets import SocketCaps
 from wsllm.server.wing import WsKind
-from wsllm.server.ws_chat import chat_messages
 from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
@@ -201,16 +199,9 @@ class WsSession:
             if kind is not None:
                 await self._start_kind(kind, obj, len(raw))
                 return
-            if len(raw) <= VALIDATE_INLINE_BYTES:
-                msg = validate_ws(obj, self.cfg)
-            else:  # a large message must not hold up the other streams
-                msg = await textwork.run(validate_ws, obj, self.cfg)
+            msg = validate_ws(obj, self.cfg)  # the socket's own: cancel, ping
             if isinstance(msg, WsCancel):
                 await self._cancel(msg.id)
-            elif isinstance(msg, WsChat | WsCompletion):
-                await self._start(msg)
-            elif isinstance(msg, WsResume):
-                await self._resume(msg)
             else:
                 await self.send({"type": "pong"})
         except APIError as e:
@@ -250,14 +241,6 @@ class WsSession:
                 f"at most {self.cfg.max_requests_per_socket} requests at once per socket",
             )
 
-    async def _start(self, msg: WsChat | WsCompletion) -> None:
-        self._admit(msg.id)
-        api = Api.WS_CHAT if isinstance(msg, WsChat) else Api.WS_COMPLETION
-        gen = await self.gw.start(msg, api, self.tenant)
-        started = {"type": "started", "id": msg.id, "request_id": gen.request_id}
-        await self.send(started | {"resume_token": gen.resume_token})
-        self._run(msg.id, _Live(gen.cancel, gen.leave), chat_messages(msg.id, gen))
-
     async def _start_kind(self, kind: WsKind[Any], obj: dict[str, Any], size: int) -> None:
         """A message of a wing's kind: the same validation, admission and work as its
         HTTP route; its messages go out with its `id`."""
@@ -270,26 +253,15 @@ class WsSession:
             req = kind.validate(fields, self.cfg)
         else:  # a large message must not hold up the other streams
             req = await textwork.run(kind.validate, fields, self.cfg)
-        async with self.gw.admitted(self.tenant, kind.api, kind.charge(req, self.cfg)) as adm:
-            run = await kind.run(adm, req)
+        if kind.resume is not None:  # not admitted here: it takes its own rpm and lease
+            run = await kind.resume(self.tenant, req)
+        else:
+            assert kind.charge is not None and kind.run is not None
+            async with self.gw.admitted(self.tenant, kind.api, kind.charge(req, self.cfg)) as adm:
+                run = await kind.run(adm, req)
         if run.started is not None:
             await self.send({"type": "started", "id": msg_id} | run.started)
-        self._run(msg_id, _Live(run.stop, run.stop), _with_id(msg_id, run.messages))
-
-    async def _resume(self, msg: WsResume) -> None:
-        """Continue a request cut by a disconnect: replay it and send the deltas after
-        `after_seq`. It takes the request's resume token; with the memory broker a
-        request ends with its socket, so every resume is `unknown_id`."""
-        self._admit(msg.id)
-        gen = await self.gw.resume(msg.resume_token, tenant=self.tenant)
-        if gen is None:
-            raise APIError(
-                400,
-                "unknown_id",
-                "no request to resume with this token (it ended with its socket, expired, or is not yours)",
-                "resume_token",
-            )
-        self._run(msg.id, _Live(gen.cancel, gen.leave), chat_messages(msg.id, gen, msg.after_seq))
+        self._run(msg_id, _Live(run.stop, run.leave or run.stop), _with_id(msg_id, run.messages))
 
     async def _cancel(self, msg_id: str) -> None:
         live = self.live.get(msg_id)

@@ -1,20 +1,32 @@
 """Speculative decoding: drafts proposed before the step, verified in it, exact.
 
-The step calls three things (LLMEngine.step):
+The step calls the speculator twice (LLMEngine.step):
 
 1. `propose(running)` before scheduling: each decoding sequence may get drafts
    (`Sequence.draft_token_ids`) from the proposer (`ngram`: its own earlier tokens;
-   `draft`: a smaller model), as many as the policy finds worth their cost (policy.py).
-   The scheduler runs a sequence with k drafts as one row of k + 1 tokens beside plain
-   decodes and prompt chunks, and drops drafts that do not fit the budget or the free
-   blocks. On the CPU such a row (at most 16 tokens) runs as decode rows of the fused
-   decode stack: the same kernels, the same bits as one token at a time.
-2. `verify(seqs, logits)` after the forward pass: the rows of sequences with drafts are
-   sampled and accepted (verify.py); the others go on to the plain sampler.
-3. `settle(scheduled)` before the scheduler advances: a sequence that kept n of its
-   k + 1 tokens counts n computed; the blocks past its tokens (rejected drafts only) go
-   back to the pool. Rejected tokens' slots are overwritten by the next tokens, and the
-   prefix cache only indexes full blocks of computed, kept tokens.
+   `draft`: a smaller model), as many as the policy finds worth their cost (policy.py,
+   reading the engine's one step-cost model). The scheduler runs a sequence with k drafts as
+   one row of k + 1 tokens beside plain decodes and prompt chunks, and drops drafts that do
+   not fit the budget or the free blocks. On the CPU such a row (at most 16 tokens) runs as
+   decode rows of the fused decode stack: the same kernels, the same bits as one token at a time.
+2. `record(update)` once the scheduler took the step's output: each verification's
+   acceptance, for the policy, and the counters.
+
+Verification itself is no step of its own: the token stage samples a drafting sequence's k + 1
+rows as any others (sampler.py: row i as if it had accepted i drafts), and
+`Scheduler.update_from_output` keeps the samples up to and including the first that differs
+from its draft. That is the standard rejection rule for drafts proposed with certainty (q
+one-hot: both proposers draft greedily): draft d is accepted with probability min(1, p(d) /
+q(d)) = p(d), and on rejection the token comes from the normalised max(0, p - q), which is p
+without d. Sampling row i from p with its own noise and accepting while the sample equals the
+draft realises exactly that: the sample equals d with probability p(d), and given it does not,
+it is distributed as p without d. Every kept token is therefore a sample of the target's
+distribution at its position; greedy rows keep the target's argmax, so greedy output is token
+for token what it is without speculation, and a seeded row (its noise keyed by its output
+position) gives the same tokens with or without drafts. A sequence that kept n of its k + 1
+tokens counts n computed; the blocks past its tokens (rejected drafts only) go back to the
+pool; rejected tokens' slots are overwritten by the next tokens, and the prefix cache only
+indexes full blocks of computed, kept tokens.
 
 Sequences that never draft: beam search (its own search over rows), embeddings, and
 any row still computing its prompt.
@@ -23,18 +35,27 @@ any row still computing its prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-
-from wsllm.engine.block_manager import BlockManager
-from wsllm.engine.sampler import Sampler
+from wsllm.engine.scheduler import Scheduler, StepUpdate
 from wsllm.engine.sequence import Sequence
 from wsllm.engine.speculative.ngram import NgramProposer
-from wsllm.engine.speculative.policy import Acceptance, StepCost, choose
-from wsllm.engine.speculative.verify import verify
+from wsllm.engine.speculative.policy import Acceptance, choose
+from wsllm.engine.step_cost import StepCost
 
 MODES = ("off", "ngram", "draft")
+
+
+class Proposer(Protocol):
+    """What a proposer of drafts gives the speculator."""
+
+    #: proposing the most for every sequence is cheap (n-gram): the policy then keeps what pays;
+    #: else (a draft model) the policy picks each sequence's count first and only those are drafted
+    cheap: bool
+
+    def propose(self, seqs: list[Sequence], most: list[int]) -> list[list[int]]: ...
+    def release(self, alive: set[int]) -> None: ...
+    def forget(self, seq_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -55,28 +76,27 @@ class SpecStats:
 class Speculator:
     def __init__(
         self,
-        proposer: Any,  # NgramProposer | DraftProposer | None (off)
+        proposer: Proposer | None,  # None: off
         max_drafts: int,
-        sampler: Sampler,
         eos_token_ids: list[int],
         max_model_len: int,
+        cost: StepCost,  # the engine's step-cost model
         adaptive: bool = True,
     ) -> None:
         self.proposer = proposer
         self.adaptive = adaptive  # False: every draft offered is verified (for measuring)
         self.max_drafts = max_drafts
-        self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.cost = StepCost()
+        self.cost = cost
         self.stats = SpecStats()
-        self._kept: dict[int, int] = {}  # seq_id -> tokens kept, this step
 
-    def propose(self, running: list[Sequence], backlog: bool = False) -> None:
-        """Give the running decodes their drafts for this step (most get none). `backlog`:
-        requests wait for room in the batch (policy.choose says why that matters)."""
+    def propose(self, scheduler: Scheduler) -> None:
+        """Give the running decodes their drafts for this step (most get none). Whether
+        requests wait for room in the batch matters (policy.choose says why)."""
         if self.proposer is None:
             return
+        running, backlog = scheduler.running, scheduler.has_backlog()
         seqs: list[Sequence] = []
         most: list[int] = []
         decoding = 0
@@ -107,7 +127,7 @@ class Speculator:
                 return
             most = [len(d) for d in drafts]
         rates = [s.spec.acceptance.rates for s in seqs]
-        ks = choose(most, rates, self.cost, decoding, backlog) if self.adaptive else most
+        ks = choose(most, rates, self.cost.decode_rows(), decoding, backlog) if self.adaptive else most
         if not self.proposer.cheap:  # propose only what pays
             drafts = _cut(seqs, self.proposer.propose(seqs, ks), self.eos_token_ids)
         for seq, d, k in zip(seqs, drafts, ks, strict=True):
@@ -126,63 +146,17 @@ class Speculator:
             drafts.append(d)
         return drafts
 
-    def verify(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[tuple[Sequence, str, str]]]:
-        """Take the rows of the sequences with drafts out of the batch, sample and accept
-        them. Returns the other sequences, their logits, and the failed sequences."""
-        self._kept.clear()
-        if not any(s.draft_token_ids for s in seqs):
-            return seqs, logits, []
-        plain: list[int] = []
-        drafting: list[int] = []
-        mine: list[Sequence] = []
-        rest: list[Sequence] = []
-        row = 0
-        for seq in seqs:
-            n = 1 + len(seq.draft_token_ids)
-            if n == 1:
-                plain.append(row)
-                rest.append(seq)
-            else:
-                drafting.extend(range(row, row + n))
-                mine.append(seq)
-            row += n
-        kept, matched, bad = verify(
-            self.sampler, mine, logits[drafting], self.eos_token_ids, self.max_model_len
-        )
-        for seq, n, m in zip(mine, kept, matched, strict=True):
-            k = len(seq.draft_token_ids)
-            if seq.spec is not None:
-                seq.spec.acceptance.record(k, m)
-            self.stats.drafted += k
-            self.stats.accepted += min(m, n)
-            self.stats.verifications += 1
-            self._kept[seq.seq_id] = n
-        return rest, (logits[plain] if plain else None), bad
-
-    def settle(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager) -> list[tuple[Sequence, int]]:
-        """The scheduled tokens that count as computed: what each verifying sequence kept.
-        Their blocks past their tokens (rejected drafts only) go back to the pool."""
+    def record(self, update: StepUpdate, finished: list[Sequence]) -> None:
+        """After the scheduler took the step's output: each verification's acceptance and the
+        counters; the proposer's state of the sequences that finished goes."""
         if self.proposer is not None:
-            self.proposer.forget([seq.seq_id for seq, _ in scheduled if seq.finished])
-        if not self._kept:
-            return scheduled
-        out = []
-        for seq, n in scheduled:
-            kept = self._kept.get(seq.seq_id)
-            if kept is not None:
-                n = kept
-                seq.draft_token_ids.clear()
-                if not seq.finished:
-                    bm.trim(seq.seq_id, seq.num_tokens)
-            out.append((seq, n))
-        return out
-
-    def observe_step(self, rows: int, decode_only: bool, seconds: float) -> None:
-        """A step's time, for the cost model: decode-only steps, by their rows."""
-        if decode_only and self.proposer is not None:
-            self.cost.observe(rows, seconds * 1000.0)
+            self.proposer.forget([seq.seq_id for seq in finished])
+        for seq, k, matched, accepted in update.verified:
+            if seq.spec is not None:
+                seq.spec.acceptance.record(k, matched)
+            self.stats.drafted += k
+            self.stats.accepted += accepted
+            self.stats.verifications += 1
 
 
 def _cut(seqs: list[Sequence], drafts: list[list[int]], eos_token_ids: list[int]) -> list[list[int]]:
@@ -205,14 +179,14 @@ def _cut(seqs: list[Sequence], drafts: list[list[int]], eos_token_ids: list[int]
 
 def build(
     config: Any,
-    sampler: Sampler,
+    cost: StepCost,
     eos_token_ids: list[int],
     max_model_len: int,
     draft_model: Any = None,  # --speculative draft: the model (draft.load_draft)
     num_tokens: int = 0,  # the target's KV cache, in tokens: the draft's holds as many
 ) -> Speculator:
     """The engine's speculator from its config (`--speculative`)."""
-    proposer: Any = None
+    proposer: Proposer | None = None
     if config.speculative == "ngram":
         proposer = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
     elif config.speculative == "draft":
@@ -222,11 +196,11 @@ def build(
     return Speculator(
         proposer,
         config.num_speculative_tokens,
-        sampler,
         eos_token_ids,
         max_model_len,
+        cost,
         config.speculative_adaptive,
     )
 
 
-__all__ = ["MODES", "Speculator", "SpecStats", "build"]
+__all__ = ["MODES", "Proposer", "Speculator", "SpecStats", "build"]

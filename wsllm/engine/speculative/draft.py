@@ -8,7 +8,7 @@ draft model's. A proposal first catches the shadow up with the target (the token
 target kept since its last proposal: one or two; the whole prompt the first time), then
 runs the draft model greedily, one token a pass, for the most drafts any sequence asked
 for; a shadow stops once it has its own number. Drafting greedily makes each draft certain
-(q one-hot), so verification is the same exact rule as for n-gram drafts (verify.py).
+(q one-hot), so verification is the same exact rule as for n-gram drafts (the package's docstring).
 
 After verification the shadow keeps the tokens the target kept: its KV past them (the
 rejected drafts) is dropped, the blocks that held only those go back to its pool. A
@@ -27,8 +27,11 @@ from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype
 from wsllm.engine.model_runner import ModelRunner
 from wsllm.engine.sequence import Sequence
+from wsllm.types import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0)  # a shadow drafts greedily, whatever its target samples by
 
 
 def load_draft(config: Any, target_vocab: int) -> Any:
@@ -100,7 +103,7 @@ class DraftProposer:
         if shadow is None:
             if not self.bm.can_allocate(seq.token_ids, use_cache=False):
                 return None
-            shadow = Sequence(seq.request_id, seq.index, seq.prompt_token_ids, seq.params, seq.arrival_time)
+            shadow = Sequence(seq.request_id, seq.index, seq.prompt_token_ids, _GREEDY, seq.arrival_time)
             self.bm.allocate(shadow.seq_id, seq.token_ids, seq.num_tokens, use_cache=False)
             self._shadows[seq.seq_id] = shadow
         mine, theirs = shadow.output_token_ids, seq.output_token_ids
@@ -125,9 +128,8 @@ class DraftProposer:
         """One pass of the draft model: each shadow computes its uncomputed tokens and
         takes its greedy next token."""
         scheduled = [(sh, sh.num_uncomputed) for sh in shadows]
-        seqs, logits, _, _ = self.runner.run(scheduled, self.bm.block_tables)
-        assert logits is not None and len(seqs) == len(shadows)
-        tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        for sh, tok in zip(shadows, tokens, strict=True):
-            sh.num_computed_tokens = sh.num_tokens
-            sh.output_token_ids.append(tok)
+        out = self.runner.run(scheduled, self.bm.block_tables)
+        assert len(out.sampled) == len(shadows)
+        for s in out.sampled:
+            s.seq.num_computed_tokens = s.seq.num_tokens
+            s.seq.output_token_ids.append(s.token_ids[0])

@@ -13,13 +13,8 @@ time beat what the step already gives. Two estimates feed that:
   sequence that stopped drafting drifts back toward the priors and tries again when the
   step's cost allows it. The i-th draft is accepted (with those before it) with chance
   `first * next ** (i - 1)`.
-- **Step cost**, measured: the wall time of decode-only steps by the rows they ran (a
-  decoding sequence is a row; a verification of k drafts is k + 1), the median of each row
-  count's recent steps (StepCost: robust to a slow step), read between the counts seen
-  (linear) and past the largest with the slope between the last two seen, never flatter
-  than `PRIOR_SLOPE` of the largest's time per row. On a CPU a step's time grows with its
-  rows (0.5-1 ms a row of SmolLM2 on two cores: docs/speculative.md), on a GPU hardly at
-  all until the batch fills it.
+- **Step cost**, measured: the wall time of decode-only steps by the rows they ran, as the
+  engine's one step-cost model keeps it (step_cost.py, `StepCost.decode_rows`).
 
 The choice (`choose`) maximises expected tokens per millisecond of step: the batch's own
 when requests wait for room (each sequence that ends sooner lets the next in), else the
@@ -30,23 +25,14 @@ what a token is worth, and while any of them has nothing to draft, nobody drafts
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import statistics
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 PRIOR_FIRST = 0.5  # a sequence's first draft token's chance, before it has verified any
 PRIOR_NEXT = 0.7  # a draft token's chance after an accepted one, likewise
 DECAY = 0.9  # per decoding step, on a sequence's counts
-# Extrapolated cost of a row past the largest count seen, as a share of that step's time
-# per row: optimistic enough to try a few drafts, which then measures the real cost.
-PRIOR_SLOPE = 0.25
 LOOK_PAST = 16  # drafts tried past the best run so far before the choice stops looking
-SAMPLES = 8  # steps kept per row count; their median is its time
-TRUSTED = 3  # samples before a row count's median stands on its own
-STALE = 500  # decode-only steps after which a row count not seen again is forgotten
 
 
 @dataclass(slots=True)
@@ -80,72 +66,12 @@ class Acceptance:
         self.next += max(0, accepted - 1)
 
 
-class StepCost:
-    """Milliseconds of a decode-only step by its rows, as measured: the median of each row
-    count's last `SAMPLES` steps. A count with fewer than `TRUSTED` samples is read as the
-    median of its samples and what the trusted counts say of it: one slow step (a
-    collection, a neighbour's burst) does not make a count look dear by itself, and the
-    trusted counts alone decide the others; a count not seen for `STALE` decode-only steps
-    is forgotten."""
-
-    def __init__(self) -> None:
-        self._samples: dict[int, deque[float]] = {}
-        self._seen: dict[int, int] = {}  # rows -> the observation that last saw them
-        self._count = 0
-
-    def observe(self, rows: int, ms: float) -> None:
-        self._count += 1
-        self._samples.setdefault(rows, deque(maxlen=SAMPLES)).append(ms)
-        self._seen[rows] = self._count
-        if self._count % STALE == 0:
-            for r in [r for r, at in self._seen.items() if self._count - at > STALE]:
-                del self._samples[r], self._seen[r]
-
-    def __call__(self, rows: int) -> float | None:
-        """The expected time of a step of `rows` rows; None before any step was seen."""
-        return self.snapshot()(rows)
-
-    def snapshot(self) -> Callable[[int], float | None]:
-        """The expected time by rows, as the steps so far say (computed once for many reads)."""
-        samples = self._samples
-        trusted = {r: statistics.median(q) for r, q in samples.items() if len(q) >= TRUSTED}
-        table = trusted or {r: statistics.median(q) for r, q in samples.items()}
-        counts = sorted(table)
-
-        def read(rows: int) -> float | None:
-            model = _read(table, counts, rows)
-            own = samples.get(rows)
-            if own and trusted and rows not in trusted and model is not None:
-                return statistics.median([*own, model])  # one sample is half the word
-            return model
-
-        return read
-
-
-def _read(ms: dict[int, float], seen: list[int], rows: int) -> float | None:
-    """`rows` read off the measured counts (`seen`: ms's keys, sorted): linear between two,
-    past the largest with the slope between the last two (never flatter than PRIOR_SLOPE of
-    its time per row), below the smallest in proportion."""
-    if not ms:
-        return None
-    if rows in ms:
-        return ms[rows]
-    at = bisect.bisect(seen, rows)
-    if 0 < at < len(seen):
-        a, b = seen[at - 1], seen[at]
-        return ms[a] + (ms[b] - ms[a]) * (rows - a) / (b - a)
-    if at == 0:  # fewer rows than any seen: no cheaper than the smallest, per row
-        return ms[seen[0]] * rows / seen[0]
-    top = seen[-1]
-    slope = PRIOR_SLOPE * ms[top] / top
-    if len(seen) > 1:
-        prev = seen[-2]
-        slope = max(slope, (ms[top] - ms[prev]) / (top - prev))
-    return ms[top] + slope * (rows - top)
-
-
 def choose(
-    most: list[int], rates: list[tuple[float, float]], cost: StepCost, rows: int, backlog: bool = True
+    most: list[int],
+    rates: list[tuple[float, float]],
+    read: Callable[[int], float | None],  # a decode-only step's ms by its rows (StepCost.decode_rows)
+    rows: int,
+    backlog: bool = True,
 ) -> list[int]:
     """How many drafts each sequence verifies (at most most[i]; rates[i]: the chance its first
     draft is accepted, and a later one once the one before is), in a step of `rows` rows
@@ -157,7 +83,6 @@ def choose(
     as far as it shortens the slowest: the most expected tokens per millisecond of the
     sequence that gains least. So while a decoding sequence has nothing to draft, no other
     drafts at all (at 32 streams of free text its drafts only made every step dearer)."""
-    read = cost.snapshot()
     base = read(rows)
     if base is None:  # nothing measured yet: one plain step first
         return [0] * len(most)

@@ -38,9 +38,7 @@ def _count_tokens(raw: bytes, cfg: GatewayConfig) -> ChatRequest:
 
 def mount(gw: Gateway) -> Wing:
     async def run(adm: Admission, req: ChatRequest) -> Answer:
-        gen = await adm.submit(
-            0, await prepare.prepare(req, Api.MESSAGES, adm.model, adm.max_len, gw.cfg, adm.tenant.name)
-        )
+        gen = await adm.start(0, req)
         model = gen.context.served_as
         if req.stream:  # nothing can resume it: its close frees the engine request
             frames = render.events(gen, model, gw.cfg.heartbeat_s, gw.metrics)

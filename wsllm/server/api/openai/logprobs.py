@@ -80,7 +80,7 @@ def _vllm_prompt_logprobs(gen: Generation) -> orjson.Fragment | None:
     raw = gen.prompt_logprobs_raw
     if raw is None:
         return None
-    text = gen.svc.codec.token_text
+    text = gen.token_text
     out: list[dict[str, Any] | None] = []
     for tid, e in zip(gen.prompt_ids_for_logprobs, raw, strict=False):
         if e is None:
@@ -101,7 +101,7 @@ def prompt_token_logprobs(gen: Generation) -> list[TokenLogprob] | None:
     entries = gen.prompt_logprobs_raw
     if entries is None:
         return None
-    text = gen.svc.codec.token_text
+    text = gen.token_text
     return [
         TokenLogprob(text(tid), None, [])
         if e is None

@@ -26,6 +26,7 @@ from wsllm.config_gateway import GatewayConfig
 from wsllm.server import textwork
 from wsllm.server.admission import Admission
 from wsllm.server.api.openai.render import AnswerView, BatchView, Shape, echo_text, usage_json, whole_answer
+from wsllm.server.api.openai.ws_kinds import kinds
 from wsllm.server.delta import Delta
 from wsllm.server.errors import APIError
 from wsllm.server.gateway import Gateway
@@ -33,7 +34,6 @@ from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.http import Answer, Endpoint, respond, route
 from wsllm.server.metrics import Metrics
 from wsllm.server.middleware import request_tenant
-from wsllm.server.prepare import prepare
 from wsllm.server.quota import Charge, coarse_charge
 from wsllm.server.resume import Api
 from wsllm.server.schemas import ChatRequest, CompletionRequest, validate_http
@@ -118,7 +118,8 @@ class OpenAI:
                 Route("/v1/chat/completions", route(chat), methods=["POST"]),
                 Route("/v1/completions", route(completions), methods=["POST"]),
                 Route("/v1/streams/{request_id}", self.resume_stream),
-            ]
+            ],
+            kinds(self.gw),  # the WebSocket's chat, completion and resume (ws_kinds.py)
         )
 
     @staticmethod
@@ -140,7 +141,7 @@ class OpenAI:
         try:
             for i, one in enumerate(reqs):
                 try:
-                    p = await prepare(one, adm.api, adm.model, adm.max_len, self.gw.cfg, adm.tenant.name)
+                    p = await adm.prepare(one)
                     shapes.append(Shape.of(one, p.prompt_ids, echo_text(adm.model.codec, one, p.prompt_ids)))
                     p.context.extras = shapes[-1].extras  # a resumed stream carries them too
                     gens.append(await adm.submit(i, p))

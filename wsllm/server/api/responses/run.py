@@ -30,7 +30,6 @@ from wsllm.server.api.responses.translate import Turn, renamed, stored_turns, to
 from wsllm.server.errors import APIError
 from wsllm.server.generation import Generation, GenerationError
 from wsllm.server.metrics import Metrics
-from wsllm.server.prepare import prepare
 from wsllm.server.quota import Charge, Coarse, text_tokens
 
 log = logging.getLogger(__name__)
@@ -160,9 +159,7 @@ class Responses:
         conversation = history + turns(req)
         try:
             chat = to_chat(req, conversation, len(history), self.cfg)
-            gen = await adm.submit(
-                0, await prepare(chat, adm.api, adm.model, adm.max_len, self.cfg, adm.tenant.name)
-            )
+            gen = await adm.start(0, chat)
         except APIError as e:
             raise renamed(e) from None
         response_id = "resp_" + gen.request_id.partition("-")[2]
