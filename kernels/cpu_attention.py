@@ -210,8 +210,10 @@ def _asdecode_rows(
 ) -> torch.Tensor:  # [q_len, H, D]
     """A prompt row as one decode row per query on the native kernel (a short row's tables,
     or ones made for a soft-capped or sunk layer); the reference without a build."""
-    ext = native_ext() if native_decode(q.dtype, k_cache.dtype) else None
     n = q.shape[0]
+    if n == 0:  # a row with no query this step: nothing to attend
+        return q.clone()
+    ext = native_ext() if native_decode(q.dtype, k_cache.dtype) else None
     if ext is None:
         table = torch.tensor([list(row.table)], dtype=torch.int32)
         ctx, starts = torch.tensor([row.context]), torch.tensor([0, n])
