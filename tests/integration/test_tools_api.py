@@ -141,7 +141,14 @@ def styled(srv: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
         srv.cfg.tool_parser = old
 
 
-@pytest.mark.parametrize("styled", list(STYLES), indirect=True)
+# harmony's forced call is a grammar over gpt-oss's special tokens (<|channel|>, <|message|>),
+# which SmolLM2's tokenizer does not have (a 400 naming the token there): its calls are
+# read from a gpt-oss-shaped model's answers in test_harmony_api.py (the forced-call grammar
+# on gpt-oss's own tokens is not run here: issue 47's families bring that model)
+TEXT_STYLES = [s for s in STYLES if s != "harmony"]
+
+
+@pytest.mark.parametrize("styled", TEXT_STYLES, indirect=True)
 def test_a_required_call_round_trips_in_every_style(styled: Any) -> None:
     """A random-weight model made to call in each style (the constraint, not the model,
     makes the call): the call is read back, typed by its schema, streamed and not alike;

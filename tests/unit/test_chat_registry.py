@@ -42,14 +42,14 @@ def test_style_per_model(template: str, name: str, parser: str) -> None:
 
 def test_every_style_is_named_once_and_found_by_its_name() -> None:
     assert all(get_style(name).name == name for name in STYLES)
-    with pytest.raises(ValueError, match="unknown tool parser 'xml'; one of qwen3_coder, hermes"):
+    with pytest.raises(ValueError, match="unknown tool parser 'xml'; one of harmony, qwen3_coder, hermes"):
         get_style("xml")
 
 
 def test_the_tool_parser_option_takes_the_registry_s_styles() -> None:
     for name in ("auto", *STYLES):
         assert GatewayConfig(tool_parser=name).tool_parser == name
-    with pytest.raises(ValueError, match="tool_parser must be one of auto, qwen3_coder"):
+    with pytest.raises(ValueError, match="tool_parser must be one of auto, harmony, qwen3_coder"):
         GatewayConfig(tool_parser="xml")
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_arguments(parser, GatewayConfig)
