@@ -293,8 +293,8 @@ def request_of_death(dep: Deployment, model: str, patience_s: float = 240.0) -> 
         except (httpx.HTTPError, ValueError) as e:
             return {"status": None, "code": None, "message": f"{type(e).__name__}: {e}", "refused": refused}
         if r.status_code != 429 or time.monotonic() > give_up:
-            return {"status": r.status_code, "code": err.get("code"), "message": err.get("message", ""),
-                    "refused": refused}  # fmt: skip
+            message = err.get("message", "")
+            return {"status": r.status_code, "code": err.get("code"), "message": message, "refused": refused}
         refused += 1
         time.sleep(1.0)
 
