@@ -61,6 +61,9 @@ class LayerSpec:
     """What one layer is, where layers differ (ModelConfig.layer)."""
 
     moe: bool  # its feed-forward is the mixture of experts (else the dense MLP)
+    window: int = 0  # sliding window in tokens (kernels/paged_attention.py), 0: full attention
+    softcap: float = 0.0  # attention logits soft-capped at this (Gemma 2), 0: off
+    sinks: bool = False  # a learned per-head logit in the softmax's denominator (gpt-oss)
 
 
 @dataclass(slots=True)
@@ -89,6 +92,10 @@ class ModelConfig:
     logits_scaling: float = 1.0  # the logits divided by this (Granite)
     hidden_act: str = "silu"  # the dense MLP's (ACTIVATIONS)
     moe: MoeConfig | None = None
+    sliding_window: int = 0  # the windowed layers' window in tokens (0: none)
+    layer_types: tuple[str, ...] = ()  # HF's per layer "sliding_attention" | "full_attention"; () all alike
+    attn_softcap: float = 0.0  # every layer's attention logit soft-cap (0: off)
+    attn_sinks: bool = False  # every layer has attention sinks
     extra: dict[str, Any] = field(default_factory=dict)  # what a family keeps for itself (not read by layers)
 
     def __post_init__(self) -> None:
@@ -111,7 +118,9 @@ class ModelConfig:
     def layer(self, i: int) -> LayerSpec:
         """Layer i's own shape."""
         moe = self.moe is not None and i not in self.moe.dense_layers
-        return LayerSpec(moe=moe)
+        windowed = not self.layer_types or self.layer_types[i] == "sliding_attention"
+        window = self.sliding_window if windowed else 0
+        return LayerSpec(moe=moe, window=window, softcap=self.attn_softcap, sinks=self.attn_sinks)
 
 
 def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

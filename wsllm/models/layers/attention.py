@@ -52,6 +52,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.scale = c.scale
+        spec = c.layer(layer)  # its attention variant: window, soft-cap, sinks (off by default)
+        self.window, self.softcap = spec.window, spec.softcap
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if spec.sinks else None
         self.qk_norm = c.qk_norm
         if c.qk_norm != "none":  # per head: over head_dim; full: over all of q's (k's) width
             full = c.qk_norm == "full"
@@ -73,7 +76,9 @@ class Attention(nn.Module):
         if self.qk_norm != "none":
             self._norm_qk(qkv)
         if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
-            o = kernels.cpu_attention_block(qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale)
+            o = kernels.cpu_attention_block(
+                qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale, **self._variant()
+            )
             return self._out(o, meta.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -84,7 +89,7 @@ class Attention(nn.Module):
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **self._variant()
             )
         else:
             o = kernels.paged_prefill_attention(
@@ -96,8 +101,14 @@ class Attention(nn.Module):
                 meta.query_start_loc,
                 self.scale,
                 meta.max_query_len,
+                **self._variant(),
             )
         return self._out(o.reshape(t, self.q_size), meta.lora)
+
+    def _variant(self) -> dict[str, Any]:
+        """The layer's attention variant as the kernels' keywords (kernels/paged_attention.py)."""
+        sinks = None if self.sinks is None else self.sinks.float()
+        return {"window": self.window, "softcap": self.softcap, "sinks": sinks}
 
     def _out(self, o: torch.Tensor, lora: Any) -> torch.Tensor:  # [num_tokens, H * D] -> [num_tokens, hidden]
         y = self.o_proj.forward(o)
@@ -124,5 +135,6 @@ class Attention(nn.Module):
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_size, self.kv_size
         ):
             return False
-        prog.attention(kv[0], kv[1], self.num_heads, self.scale)
+        v = self._variant()
+        prog.attention(kv[0], kv[1], self.num_heads, self.scale, v["window"], v["softcap"], v["sinks"])
         return prog.linear(self.o_proj, lora_key(self.layer, O_SLOT))
