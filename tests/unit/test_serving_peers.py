@@ -125,3 +125,18 @@ def test_prompts_are_fixed_distinct_and_shared_by_every_level(tmp_path: Path) ->
     files = [(tmp_path / f"prompts-{i}.jsonl").read_text().splitlines() for i in range(9)]
     assert [len(f) for f in files] == [32] * 9 and len(set(sum(files, []))) == 288  # no run shares a prompt
     assert peers.sampling_flags("qwen") == ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+
+
+def test_llama_server_is_built_for_the_cpus_flags_and_never_with_amx() -> None:
+    """The peer build names each ISA the CPU has and no more, with AMX off even where listed (a VM
+    that lists amx_tile killed `-march=native`'s build with SIGILL)."""
+    setup = _load("peers_setup")
+    amx = setup.cpu_flags(
+        "processor : 0\nflags\t\t: fpu avx avx2 fma f16c avx512f avx512_vnni amx_tile amx_int8\n"
+    )
+    got = setup.isa_flags(amx)
+    assert "-DGGML_NATIVE=OFF" in got and "-DGGML_AVX512=ON" in got and "-DGGML_AVX512_VNNI=ON" in got
+    assert "-DGGML_AVX512_BF16=OFF" in got and "-DGGML_AMX_TILE=OFF" in got and "-DGGML_AMX_INT8=OFF" in got
+    avx2_only = setup.isa_flags(setup.cpu_flags("flags : fpu avx avx2 fma f16c\n"))
+    assert "-DGGML_AVX2=ON" in avx2_only and "-DGGML_AVX512=OFF" in avx2_only
+    assert avx2_only != got
