@@ -7,6 +7,8 @@ text the gateway writes for it is HF's processor's."""
 from __future__ import annotations
 
 import io
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 import transformers
 from PIL import Image as PILImage
 
+from wsllm.broker.base import TOKENIZER_FILES
 from wsllm.image_tiles import AROUND, GLOBAL, IMAGE, Tiling
 from wsllm.models.vision import idefics3_pixels
 from wsllm.models.vision.idefics3 import Idefics3Vision
@@ -105,3 +108,27 @@ def test_the_placeholder_text_is_the_processors(pre: dict[str, Any], rows: int, 
     height, width = (30, 30) if not rows else (32 * rows, 32 * cols)  # sizes that cut into that grid
     assert tiling.grid(height, width) == (rows, cols)
     assert tiling.placeholder(height, width) == want
+
+
+def test_a_smolvlm_checkpoint_serves_its_text_as_hf_generates(tmp_path: Path, smollm_dir: Path) -> None:
+    """The family's registry entry: the text model of an Idefics3 checkpoint loads (its
+    image side's tensors left to it) and gives HF's greedy tokens on a text prompt."""
+    from wsllm.llm import LLM
+    from wsllm.types import SamplingParams
+
+    torch.manual_seed(1)
+    hf = transformers.Idefics3ForConditionalGeneration(transformers.Idefics3Config(**TINY)).eval()
+    with torch.no_grad():  # larger weights than the default init give peaked, varied logits
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(str(tmp_path))
+    for name in TOKENIZER_FILES:
+        if (smollm_dir / name).exists():
+            shutil.copy(smollm_dir / name, tmp_path / name)
+    llm = LLM(model=str(tmp_path), kv_cache_gb=0.01, dtype="float32", kv_cache_dtype="float32")
+    prompt = [5, 77, 3, 250, 18, 9]
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got.token_ids == want[0, len(prompt) :].tolist()
