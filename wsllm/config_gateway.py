@@ -104,6 +104,22 @@ class GatewayConfig:
     max_requests_per_socket: int = field(
         default=32, metadata={"help": "concurrent requests (started or resumed) per WebSocket"}
     )
+    # Images (docs/vision.md): each checked in the gateway before any work for it.
+    max_image_bytes: int = field(
+        default=5 << 20,
+        metadata={"help": "largest image file (its bytes, before base64); the body limit too"},
+    )
+    max_image_pixels: int = field(
+        default=4096 * 4096,
+        metadata={"help": "most pixels (width x height) of one image, read from its header"},
+    )
+    max_images_per_request: int = field(default=8, metadata={"help": "most images in one request's body"})
+    max_images_per_conversation: int = field(
+        default=16,
+        metadata={
+            "help": "most images a model reads for one answer (a stored Responses conversation included)"
+        },
+    )
     max_sockets_per_tenant: int = field(
         default=32,
         metadata={
@@ -198,6 +214,10 @@ class GatewayConfig:
             raise ValueError(f"tool_parser must be one of {', '.join(choices)}, got {self.tool_parser!r}")
         positive = (
             "max_messages",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_images_per_request",
+            "max_images_per_conversation",
             "max_requests_per_socket",
             "max_sockets_per_tenant",
             "max_sockets",

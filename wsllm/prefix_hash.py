@@ -6,12 +6,20 @@ so that the two can never disagree. No torch.
 A chain starts from a root: `cache_root(namespace)` for a request that must not share
 cached blocks with others (another tenant's salt, another LoRA adapter: the same tokens
 under another namespace are other KV), or the common root (None) for everyone else. A
-request's root is `request_root(request)`, for the engine worker and for routing alike."""
+request's root is `request_root(request)`, for the engine worker and for routing alike.
+
+An image's placeholder tokens are the same ids whatever the image, so a block that holds
+any of them is keyed by the image too (`ImageSpan`, `image_extras`): by the image's
+digest (its pixels' SHA-256, server/images.py) and the offset into the image at which
+the block starts (vLLM's rule), mixed into that block's key only. A block of text alone
+keeps the key it always had; a different image with the same text misses, and the root
+keeps one tenant's image from another's hit."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from wsllm.types import GenerateRequest
 
@@ -19,12 +27,34 @@ from wsllm.types import GenerateRequest
 SUMMARY_BYTES = 8
 
 
-def block_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """The key of a full KV block: SHA-256 over its parent's key and its token ids."""
+class ImageSpan(NamedTuple):
+    """An image's placeholder tokens in a prompt: `length` of them from `start`."""
+
+    start: int
+    length: int
+    digest: str  # the image's pixels' SHA-256, hex
+
+
+def block_key(parent: bytes | None, token_ids: Sequence[int], extras: Sequence[str] = ()) -> bytes:
+    """The key of a full KV block: SHA-256 over its parent's key and its token ids, and
+    the images its tokens stand for (`image_extras`; none: the key of text alone)."""
     h = hashlib.sha256()
     h.update(parent or b"root")
     h.update(b"|".join(str(t).encode() for t in token_ids))
+    if extras:
+        h.update(b"|images|" + "|".join(extras).encode())
     return h.digest()
+
+
+def image_extras(images: Sequence[ImageSpan], first: int, end: int) -> tuple[str, ...]:
+    """What the block of positions [first, end) adds to its key: each image whose
+    placeholders it holds, as `digest@offset` (the offset into the image at which the
+    block's part of it starts)."""
+    return tuple(
+        f"{im.digest}@{max(first, im.start) - im.start}"
+        for im in images
+        if im.start < end and first < im.start + im.length
+    )
 
 
 def cache_root(*namespace: str) -> bytes | None:
@@ -43,12 +73,19 @@ def request_root(request: GenerateRequest) -> bytes | None:
     return cache_root(request.cache_salt)
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+def prompt_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    root: bytes | None = None,
+    images: Sequence[ImageSpan] = (),
+) -> list[bytes]:
     """The chain keys of the prompt's blocks an engine could take from its cache: the
-    full blocks, leaving at least one token to compute (as `BlockManager` matches)."""
+    full blocks, leaving at least one token to compute (as `BlockManager` matches);
+    `images`: where the prompt's images' placeholders are."""
     keys: list[bytes] = []
     parent = root
     for i in range((len(token_ids) - 1) // block_size):
-        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        first, end = i * block_size, (i + 1) * block_size
+        parent = block_key(parent, token_ids[first:end], image_extras(images, first, end))
         keys.append(parent)
     return keys

@@ -187,15 +187,15 @@ def test_x_api_key_and_bearer_are_both_accepted_and_a_wrong_key_is_anthropic_sha
                         "role": "user",
                         "content": [
                             {
-                                "type": "image",
-                                "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                                "type": "document",
+                                "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="},
                             }
                         ],
                     }
                 ]
             },
             "messages.0.content.0.type",
-            "image blocks are not supported",
+            "document blocks are not supported",
         ),
         ({"max_tokens": None}, "max_tokens", "required"),
         (

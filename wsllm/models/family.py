@@ -34,6 +34,9 @@ class Family:
     gguf_experts: bool | None = None
     # a GGUF's metadata -> its HF config keys beyond gguf_base's (experts, multipliers, ...)
     gguf_config: Callable[[GGUFMeta], dict[str, Any]] | None = None
+    # a vision family's image-side tensors, by the prefix of their names once "model." goes
+    # (vision_model., connector.): not the text model's (wsllm/models/vision/)
+    image_side: tuple[str, ...] = ()
     _renames: tuple[tuple[re.Pattern[str], str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,10 @@ class Family:
         if self.gguf_config is not None:
             cfg.update(self.gguf_config(meta))
         return cfg
+
+    def is_image_side(self, name: str) -> bool:
+        """A checkpoint tensor of the family's image side (not the text model's)."""
+        return bool(self.image_side) and name.removeprefix("model.").startswith(self.image_side)
 
     def weight_name(self, name: str) -> str:
         """A checkpoint tensor's name as the shared layers spell it."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, PrivateAttr, Tag
 
 from wsllm.bounds import MAX_ID_CHARS
+from wsllm.server import images
 from wsllm.server.fields import Inert, Strict, invalid
 
 # Tools in one request, and tool calls in one message.
@@ -24,6 +25,57 @@ TEMPLATE_RESERVED = frozenset(
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(Strict):
+    url: str  # a data: URL (server/images.py); http(s) is refused
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the size
+
+
+class ImagePart(Strict):
+    """OpenAI's `image_url` part: decoded and checked with the conversation
+    (`check_conversation`). Another API's image becomes one, decoded already (`of`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+    _image: images.Image | None = PrivateAttr(None)
+    _where: str = PrivateAttr("")  # the part as its client's API names it, for a later 400
+
+    @classmethod
+    def of(cls, image: images.Image, where: str) -> ImagePart:
+        """The part of an image another API's request carried, checked there."""
+        part = cls.model_construct(type="image_url", image_url=ImageUrl.model_construct(url="", detail=None))
+        part._image, part._where = image, where
+        return part
+
+    @property
+    def image(self) -> images.Image:
+        """The checked image (after `check_conversation`)."""
+        if self._image is None:
+            raise ValueError("an image part is read only once its conversation is checked")
+        return self._image
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+    def decode(self, at: str, limits: images.ImageLimits) -> None:
+        """Decode and check its image (a 400 naming `at`), unless it was already."""
+        if self._image is None:
+            self._image, self._where = images.from_url(self.image_url.url, at, limits), at
+
+
+def _part_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "image-part" if kind == "image_url" else "text-part"
+
+
+# A text or an image; a 400 names the part as the client wrote it (tags that are not
+# identifiers stay out of its `param`).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text-part")] | Annotated[ImagePart, Tag("image-part")],
+    Discriminator(_part_kind),
+]
 
 
 class FunctionDef(Strict):
@@ -76,7 +128,7 @@ class ToolCallIn(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # None only on an assistant message that made tool calls (checked by `check`)
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # role "tool": the call it answers
@@ -92,7 +144,16 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """Its image parts, each with its index in `content`."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
     def as_template_input(self) -> dict[str, Any]:
         # Templates know "system"; OpenAI's newer "developer" role means the same.
@@ -119,11 +180,13 @@ class ChatMessage(Strict):
             raise invalid(f"{at}.tool_call_id", "required for a tool message (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
             raise invalid(f"{at}.tool_call_id", "only a tool message has tool_call_id")
+        if self.role != "user" and self.image_parts:
+            raise invalid(f"{at}.content.{self.image_parts[0][0]}", "only a user message can hold an image")
 
 
 def chat_message(
     role: str,
-    content: str | None,
+    content: str | list[ContentPart] | None,
     *,
     name: str | None = None,
     tool_calls: list[ToolCallIn] | None = None,
@@ -149,11 +212,14 @@ def check_conversation(
     tools: list[ToolDef] | None,
     forced: str | None,
     template_kwargs: dict[str, Any] | None,
+    limits: images.ImageLimits,
 ) -> None:
     """What the schema cannot say about messages, tools and tool_choice (`forced`: the
-    function a tool_choice forces, "" for "required", None otherwise)."""
+    function a tool_choice forces, "" for "required", None otherwise); each image decoded
+    and checked against `limits`."""
     for i, m in enumerate(messages):
         m.check(i)
+    check_images(messages, limits)
     names = [t.function.name for t in tools or []]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -165,3 +231,22 @@ def check_conversation(
     for key in template_kwargs or {}:
         if key in TEMPLATE_RESERVED:
             raise invalid(f"chat_template_kwargs.{key}", "is set by the server; use the request's own field")
+
+
+def check_images(messages: list[ChatMessage], limits: images.ImageLimits) -> None:
+    """The conversation's images: at most `limits.per_conversation` of them, each decoded
+    and checked (server/images.py) unless another API's request did it already; a 400
+    names the part."""
+    parts = [(f"messages.{i}.content.{j}", p) for i, m in enumerate(messages) for j, p in m.image_parts]
+    if not parts:
+        return
+    images.check_count([at for at, _ in parts], limits.per_conversation, "a conversation")
+    for at, p in parts:
+        p.decode(at, limits)
+
+
+def check_request_images(messages: list[ChatMessage], limits: images.ImageLimits) -> None:
+    """At most `limits.per_request` images in a request's own messages (a chat's body),
+    counted before any is decoded."""
+    parts = [f"messages.{i}.content.{j}" for i, m in enumerate(messages) for j, _ in m.image_parts]
+    images.check_count(parts, limits.per_request, "a request")

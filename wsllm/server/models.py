@@ -40,6 +40,8 @@ class ServedModel:
     codec: TextCodec
     svc: Services
     lora: str = ""  # the LoRA adapter a request names (`name` is then its base model)
+    #: whether it reads images (a vision family, docs/vision.md); a text model does not
+    sees_images: bool = False
 
     @property
     def served_as(self) -> str:

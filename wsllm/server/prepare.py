@@ -16,7 +16,8 @@ modules). They are:
 - the chat template's refusal, or its deadline;
 - a tool call or response format whose grammar does not compile, or not in time;
 - a `suffix` for a model without fill-in-the-middle tokens;
-- a prompt-logprobs table over --max-prompt-logprobs entries."""
+- a prompt-logprobs table over --max-prompt-logprobs entries.
+- an image for a model that cannot see (the first image part named)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ async def prepare(
     live engines allow `max_len` tokens of context. Raises APIError (400). `tenant`: whose
     turn its template and spec check take on the programs' pools (programs.py)."""
     codec = model.codec
+    check_sight(req, model)
     _check_vocab(codec, req)
     if req.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
         _fits(codec, _prompt_chars(req), max_len, "messages" if isinstance(req, ChatRequest) else "prompt")
@@ -104,8 +106,20 @@ async def chat_prompt(
 ) -> list[int]:
     """A chat's prompt token ids (its template, tools and system), and nothing more of
     its preparation (no constraint compiled): what `count_tokens` and `/tokenize` report."""
+    check_sight(req, model)
     plan = plan_chat(req, model.codec, model.name, cfg.tool_parser)
     return await _prompt_ids(req, model.codec, plan.template, cfg.template_timeout_s, tenant)
+
+
+def check_sight(req: ChatRequest | CompletionRequest, model: ServedModel) -> None:
+    """A 400 naming the first image of a request to a model that cannot see: before any
+    other work for it, and before it is sent to an engine."""
+    if model.sees_images or not isinstance(req, ChatRequest):
+        return
+    part = next((p for m in req.messages for _, p in m.image_parts), None)
+    if part is not None:
+        msg = f"model {model.served_as!r} cannot see images (it reads text only); send text"
+        raise APIError(400, "invalid_request", f"{part.where}: {msg}", param=part.where)
 
 
 def truncated(

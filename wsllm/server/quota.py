@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 _BYTES_PER_TOKEN = 4
 _NON_ASCII_BYTES_PER_TOKEN = 2
 _MESSAGE_OVERHEAD_TOKENS = 4  # a chat message's role and template markers
+# An image's placeholder tokens before its model's processor counts them: SmolVLM's
+# 512-pixel tiles are 64 tokens each, up to 17 of them; the exact charge corrects it.
+_IMAGE_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +103,9 @@ def coarse_charge(req: ChatRequest | CompletionRequest, default_max_tokens: int)
 
 
 def chat_prompt_tokens(req: ChatRequest) -> int:
-    """A chat prompt's tokens, estimated from its messages' and tools' text."""
+    """A chat prompt's tokens, estimated from its messages' and tools' text and its images."""
     prompt = sum(text_tokens(m.text) + _MESSAGE_OVERHEAD_TOKENS for m in req.messages)
+    prompt += _IMAGE_TOKENS * sum(len(m.image_parts) for m in req.messages)
     return prompt + sum(text_tokens(t.model_dump_json()) for t in req.tools or [])
 
 

@@ -27,9 +27,11 @@ from wsllm.server.conversation import (
     ToolChoice,
     ToolDef,
     check_conversation,
+    check_request_images,
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Strict, invalid, ranged, wire_check
+from wsllm.server.images import ImageLimits
 from wsllm.server.sampling_fields import SamplingFields, TokenId
 
 M = TypeVar("M", bound=BaseModel)
@@ -82,9 +84,10 @@ class ChatRequest(SamplingFields):
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else None
 
-    def check_chat(self) -> None:
-        """What the schema cannot say about the messages, tools and tool_choice."""
-        check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs)
+    def check_chat(self, limits: ImageLimits) -> None:
+        """What the schema cannot say about the messages, tools and tool_choice; its
+        images decoded and checked against `limits`."""
+        check_conversation(self.messages, self.tools, self.forced_tool, self.chat_template_kwargs, limits)
         if self.structured is not None and self.forced_tool is not None:
             raise invalid("tool_choice", "a forced call cannot be combined with response_format")
         if self.continue_final_message and self.add_generation_prompt:
@@ -196,6 +199,8 @@ def parse_json(raw: bytes | str) -> Any:
 def validate_http(model: type[ChatRequest] | type[CompletionRequest], raw: bytes, cfg: GatewayConfig) -> Any:
     """Parse and check a /v1/chat/completions or /v1/completions body."""
     req = validated(model, body_object(raw, cfg))
+    if isinstance(req, ChatRequest):
+        check_request_images(req.messages, ImageLimits.of(cfg))
     check_limits(req, cfg)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "only with stream: true")
@@ -235,6 +240,8 @@ def validate_ws_request(
     """Check a `chat` or `completion` message's fields (all but `type` and `id`)."""
     _check_message_count(fields, cfg)
     msg = validated(model, fields)
+    if isinstance(msg, WsChat):
+        check_request_images(msg.messages, ImageLimits.of(cfg))
     check_limits(msg, cfg)
     _check_ws_answer(msg)
     return msg
@@ -307,7 +314,7 @@ def check_limits(req: ChatRequest | CompletionRequest, cfg: GatewayConfig) -> No
     if isinstance(req, CompletionRequest) and req.suffix is not None:
         _check_suffix(req)
     if isinstance(req, ChatRequest):
-        req.check_chat()
+        req.check_chat(ImageLimits.of(cfg))
 
 
 def _check_suffix(req: CompletionRequest) -> None:

@@ -16,8 +16,8 @@ from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
 from wsllm.server.schemas import parse_json
 
-# Block types Anthropic takes that a text model served here cannot read.
-UNREADABLE = ("image", "document", "search_result", "container_upload")
+# Block types Anthropic takes that no model served here can read.
+UNREADABLE = ("document", "search_result", "container_upload")
 # Blocks of Anthropic's server-side tools: they run on Anthropic's servers only.
 _SERVER_SIDE = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "mcp_tool_use")
 
@@ -27,6 +27,25 @@ class TextBlock(Strict):
     text: str
     cache_control: Inert  # prompt caching is automatic here (prefix cache)
     citations: Inert
+
+
+class Base64Source(Strict):
+    type: Literal["base64"]
+    media_type: str  # checked with the image (server/images.py): PNG, JPEG, WebP or GIF
+    data: str
+
+
+class OtherSource(BaseModel):
+    """A URL or an uploaded file: accepted by the schema so that the 400 can say why."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["url", "file"]
+
+
+class ImageBlock(Strict):
+    type: Literal["image"]
+    source: Annotated[Base64Source | OtherSource, Field(discriminator="type")]
+    cache_control: Inert
 
 
 class ToolUseBlock(Strict):
@@ -71,7 +90,13 @@ class UnservedBlock(BaseModel):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | UnservedBlock,
+    TextBlock
+    | ImageBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+    | UnservedBlock,
     Field(discriminator="type"),
 ]
 

@@ -8,7 +8,8 @@ What it does: `system` becomes a system message; `text` blocks are the content; 
 assistant's `tool_use` blocks become its tool calls (`input` as JSON arguments); each
 `tool_result` block becomes a tool message, named by the call it answers; `thinking`
 blocks an assistant sent back are not shown to the model (as `reasoning_content` on
-chat); images and documents are a 400 (text models here); a final assistant turn
+chat); an `image` block (base64) is decoded and checked here, named by its block
+(server/images.py), a URL or file source refused; documents are a 400; a final assistant turn
 (Anthropic's prefill) is a 400 (the chat path would answer it with a new turn)."""
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import orjson
 from pydantic import ValidationError
 
 from wsllm.config_gateway import GatewayConfig
+from wsllm.server import images
 from wsllm.server.api.messages.request import (
     UNREADABLE,
     AnyChoice,
     AutoChoice,
+    Base64Source,
     CountTokensRequest,
+    ImageBlock,
     Message,
     MessagesRequest,
     NamedChoice,
@@ -41,22 +45,34 @@ from wsllm.server.constraints import JsonSchemaFormat, ResponseFormat
 from wsllm.server.conversation import (
     CalledFunction,
     ChatMessage,
+    ContentPart,
     FunctionDef,
     FunctionName,
+    ImagePart,
     NamedToolChoice,
+    TextPart,
     ToolCallIn,
     ToolDef,
     chat_message,
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import invalid
+from wsllm.server.images import ImageLimits
 from wsllm.server.schemas import ChatRequest, check_limits
 
 
 def to_chat(req: CountTokensRequest, cfg: GatewayConfig) -> ChatRequest:
     """The chat request that `req` means, checked as a chat request is (the operator's
     limits, the conversation's rules); a 400 names the Messages field."""
-    messages, origin = _messages(req)
+    limits = ImageLimits.of(cfg)
+    parts = [
+        f"messages.{i}.content.{j}"
+        for i, m in enumerate(req.messages)
+        for j, b in enumerate(m.content if isinstance(m.content, list) else [])
+        if isinstance(b, ImageBlock)
+    ]
+    images.check_count(parts, limits.per_request, "a request")
+    messages, origin = _messages(req, limits)
     if len(messages) > cfg.max_messages:  # tool results are a message each
         raise invalid(
             "messages", f"at most {cfg.max_messages} messages, tool results counted (got {len(messages)})"
@@ -84,7 +100,7 @@ def to_chat(req: CountTokensRequest, cfg: GatewayConfig) -> ChatRequest:
     return chat
 
 
-def _messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[int]]:
+def _messages(req: CountTokensRequest, limits: ImageLimits) -> tuple[list[ChatMessage], list[int]]:
     """The chat messages, and for each the index of the Anthropic message it came from
     (-1: the system prompt)."""
     messages: list[ChatMessage] = []
@@ -95,7 +111,7 @@ def _messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[int]]:
         origin.append(-1)
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results that answer it
     for i, m in enumerate(req.messages):
-        converted = _assistant(m, i, names) if m.role == "assistant" else _user(m, i, names)
+        converted = _assistant(m, i, names) if m.role == "assistant" else _user(m, i, names, limits)
         messages += converted
         origin += [i] * len(converted)
     if req.messages[-1].role == "assistant":
@@ -143,35 +159,50 @@ def _blocks(m: Message) -> list[Any]:
 def _refuse(block: Any, at: str, role: str) -> APIError:
     if isinstance(block, UnservedBlock):
         if block.type in UNREADABLE:
-            why = f"{block.type} blocks are not supported: this server's models read text only"
+            why = f"{block.type} blocks are not supported: this server reads text and images"
         else:
             why = f"{block.type} blocks are for Anthropic's server tools, which this server does not run"
         return invalid(f"{at}.type", why)
     return invalid(f"{at}.type", f"a {role} message cannot hold a {block.type} block")
 
 
-def _user(m: Message, i: int, names: dict[str, str]) -> list[ChatMessage]:
-    """A user turn: its tool results as tool messages, its text as a user message, in
-    the order they come (Anthropic puts the results first)."""
+def _user(m: Message, i: int, names: dict[str, str], limits: ImageLimits) -> list[ChatMessage]:
+    """A user turn: its tool results as tool messages, its text and images as a user
+    message, in the order they come (Anthropic puts the results first)."""
     out: list[ChatMessage] = []
-    text: list[str] = []
+    parts: list[ContentPart] = []
 
     def flush() -> None:
-        if text:
-            out.append(chat_message("user", "".join(text)))
-            text.clear()
+        if any(isinstance(p, ImagePart) for p in parts):
+            out.append(chat_message("user", list(parts)))
+        elif parts:
+            out.append(chat_message("user", "".join(p.text for p in parts if isinstance(p, TextPart))))
+        parts.clear()
 
     for j, b in enumerate(_blocks(m)):
+        at = f"messages.{i}.content.{j}"
         if isinstance(b, TextBlock):
-            text.append(b.text)
+            parts.append(TextPart.model_construct(type="text", text=b.text))
+        elif isinstance(b, ImageBlock):
+            parts.append(ImagePart.of(_image(b, at, limits), at))
         elif isinstance(b, ToolResultBlock):
             flush()
             name = names.get(b.tool_use_id)
             out.append(chat_message("tool", b.text, tool_call_id=b.tool_use_id, name=name))
         else:
-            raise _refuse(b, f"messages.{i}.content.{j}", "user")
+            raise _refuse(b, at, "user")
     flush()
     return out or [chat_message("user", "")]
+
+
+def _image(b: ImageBlock, at: str, limits: ImageLimits) -> images.Image:
+    """An image block's image, decoded and checked (a 400 naming the block)."""
+    if not isinstance(b.source, Base64Source):
+        why = "a URL source is not fetched by this server (a server-side request forgery)"
+        if b.source.type == "file":
+            why = "file sources are not supported here"
+        raise invalid(f"{at}.source", f"{why}; send the image inline as a base64 source")
+    return images.from_base64(b.source.data, b.source.media_type, at, limits)
 
 
 def _assistant(m: Message, i: int, names: dict[str, str]) -> list[ChatMessage]:

@@ -261,9 +261,9 @@ def input_item(turn: Turn, item_id: str) -> dict[str, Any]:
     """A kept turn as `GET /v1/responses/{id}/input_items` lists it (OpenAI's item shapes)."""
     kind = turn["type"]
     if kind == "message":
-        assistant = turn["role"] == "assistant"
-        part = {"type": "output_text", "text": turn["content"], "annotations": []} if assistant else None
-        content = [part or {"type": "input_text", "text": turn["content"]}]
+        assistant, kept = turn["role"] == "assistant", turn["content"]
+        part = {"type": "output_text", "text": kept, "annotations": []} if assistant else None
+        content = kept if isinstance(kept, list) else [part or {"type": "input_text", "text": kept}]
         return {
             "id": item_id,
             "type": "message",

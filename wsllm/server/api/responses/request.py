@@ -1,7 +1,7 @@
 """The body of `POST /v1/responses` (OpenAI's Responses API) and of the WebSocket's
 `responses` message: its shapes and every 400 they can name, with their Responses
 field paths, at validation (before admission): the operator's limits, tools and
-tool_choice, images and files, a `function_call_output` that answers no call of the
+tool_choice, images (decoded and checked) and files, a `function_call_output` that answers no call of the
 request (when it continues none). What a stored conversation decides (a call answered
 by an earlier response) is told after admission, when it is loaded (translate.py);
 what only the tokenizer can tell comes from preparation and is renamed there."""
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import Discriminator, Field, PrivateAttr, Tag, TypeAdapter, ValidationError
 
 from wsllm.bounds import MAX_ID_CHARS, REQUEST_BOUNDS
 from wsllm.config_gateway import GatewayConfig
+from wsllm.server import images
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import Inert, Strict, invalid, ranged
+from wsllm.server.images import ImageLimits
 from wsllm.server.schemas import parse_json
 
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -33,10 +35,26 @@ class InputText(Strict):
     logprobs: Inert
 
 
-class OtherPart(Strict):
-    """Images, files and audio: named, then refused with a 400 that says so."""
+class InputImage(Strict):
+    """An image: `image_url` a data: URL (server/images.py), decoded and checked while the
+    request is validated; a `file_id` is refused (no files are stored here)."""
 
-    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the size
+    _image: images.Image | None = PrivateAttr(None)  # once checked
+
+    @property
+    def image(self) -> images.Image | None:
+        """The checked image (after validation)."""
+        return self._image
+
+
+class OtherPart(Strict):
+    """Files and audio: named, then refused with a 400 that says so."""
+
+    type: Literal["input_file", "input_audio", "refusal"]
     model_config = {"extra": "allow"}
 
 
@@ -44,11 +62,15 @@ class OtherPart(Strict):
 # so a 400 names the field as the client wrote it: `input.0.content.1.text`.
 def _part_kind(v: Any) -> str:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return "text-part" if kind in ("input_text", "output_text") else "other-part"
+    if kind in ("input_text", "output_text"):
+        return "text-part"
+    return "image-part" if kind == "input_image" else "other-part"
 
 
 Part = Annotated[
-    Annotated[InputText, Tag("text-part")] | Annotated[OtherPart, Tag("other-part")],
+    Annotated[InputText, Tag("text-part")]
+    | Annotated[InputImage, Tag("image-part")]
+    | Annotated[OtherPart, Tag("other-part")],
     Discriminator(_part_kind),
 ]
 
@@ -237,12 +259,13 @@ def responses_request(obj: dict[str, Any], cfg: GatewayConfig) -> ResponsesReque
     if fmt is not None and fmt.type != "text" and tc not in (None, "none", "auto"):
         raise invalid("tool_choice", "a forced call cannot be combined with text.format")
     _check_items(req)
+    _check_images(req, ImageLimits.of(cfg))
     return req
 
 
 def _check_items(req: ResponsesRequest) -> None:
-    """What the items' schema cannot say: images and files are refused by name, and,
-    in a request that continues no stored one, each call output answers a call before it."""
+    """What the items' schema cannot say: files are refused by name, and, in a request
+    that continues no stored one, each call output answers a call before it."""
     if isinstance(req.input, str):
         return
     calls: set[str] = set()
@@ -251,7 +274,8 @@ def _check_items(req: ResponsesRequest) -> None:
             for j, p in enumerate(item.content):
                 if isinstance(p, OtherPart):
                     raise invalid(
-                        f"input.{i}.content.{j}", f"{p.type} is not supported by this server: send text"
+                        f"input.{i}.content.{j}",
+                        f"{p.type} is not supported by this server: send text or images",
                     )
         elif isinstance(item, CallItem):
             calls.add(item.call_id)
@@ -263,3 +287,32 @@ def _check_items(req: ResponsesRequest) -> None:
             raise invalid(
                 f"input.{i}.call_id", f"no function_call with call_id {item.call_id!r} before this output"
             )
+
+
+def image_parts(req: ResponsesRequest) -> list[tuple[str, InputImage]]:
+    """The request's own images, each with the part it is (`input.I.content.J`)."""
+    if isinstance(req.input, str):
+        return []
+    return [
+        (f"input.{i}.content.{j}", p)
+        for i, item in enumerate(req.input)
+        if isinstance(item, MessageItem) and not isinstance(item.content, str)
+        for j, p in enumerate(item.content)
+        if isinstance(p, InputImage)
+    ]
+
+
+def _check_images(req: ResponsesRequest, limits: ImageLimits) -> None:
+    """Its images: at most `limits.per_request`, each a data: URL that decodes within the
+    limits (a 400 naming the part); the translation takes them as they are (translate.py)."""
+    parts = image_parts(req)
+    images.check_count([at for at, _ in parts], limits.per_request, "a request")
+    for at, p in parts:
+        if p.image_url is None:
+            why = (
+                "file_id is not supported here (no files are stored)"
+                if p.file_id
+                else "image_url is required"
+            )
+            raise invalid(at, f"{why}; send image_url as a data: URL")
+        p._image = images.from_url(p.image_url, at, limits)

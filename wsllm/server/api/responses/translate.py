@@ -7,7 +7,8 @@ request may continue a stored conversation (`previous_response_id`), loaded then
 
 Items are kept between turns in one plain shape (`Turn`: a dict per message, call or
 call output; reasoning is not shown to the model again, as with chat's
-`reasoning_content`), which is also what a stored response keeps for
+`reasoning_content`) (a message with images keeps its parts, each image as its
+data URL), which is also what a stored response keeps for
 `previous_response_id`. A 400 the chat request finds is given its Responses name
 (`renamed`)."""
 
@@ -23,24 +24,31 @@ from wsllm.server.api.responses.request import (
     ITEMS,
     CallItem,
     CallOutputItem,
+    InputImage,
     InputText,
     MessageItem,
     NamedFunction,
     ResponsesRequest,
+    image_parts,
 )
 from wsllm.server.constraints import JsonSchemaFormat, ResponseFormat
 from wsllm.server.conversation import (
     CalledFunction,
     ChatMessage,
+    ContentPart,
     FunctionDef,
     FunctionName,
+    ImagePart,
+    ImageUrl,
     NamedToolChoice,
+    TextPart,
     ToolCallIn,
     ToolDef,
     chat_message,
 )
 from wsllm.server.errors import APIError, from_validation
 from wsllm.server.fields import invalid
+from wsllm.server.images import Image
 from wsllm.server.schemas import ChatRequest, check_limits
 
 #: an item of a conversation in its kept shape (see the module's docstring)
@@ -48,21 +56,41 @@ Turn = dict[str, Any]
 
 
 def turns(req: ResponsesRequest) -> list[Turn]:
-    """The request's input in the kept shape (validation refused images and files)."""
+    """The request's input in the kept shape (validation refused files)."""
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": req.input}]
     out: list[Turn] = []
     for item in req.input:
         if isinstance(item, MessageItem):
-            c = item.content  # text parts only: validation refused the others
-            text = c if isinstance(c, str) else "".join(p.text for p in c if isinstance(p, InputText))
-            out.append({"type": "message", "role": item.role, "content": text})
+            out.append({"type": "message", "role": item.role, "content": _kept_content(item.content)})
         elif isinstance(item, CallItem):
             out.append(item.model_dump(include={"type", "call_id", "name", "arguments"}))
         elif isinstance(item, CallOutputItem):
             text = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             out.append({"type": "function_call_output", "call_id": item.call_id, "output": text})
     return out
+
+
+def _kept_content(c: str | list[Any]) -> str | list[dict[str, Any]]:
+    """A message's content as kept: its text, or with images its parts (text and data
+    URLs; validation refused the others)."""
+    if isinstance(c, str):
+        return c
+    if not any(isinstance(p, InputImage) for p in c):
+        return "".join(p.text for p in c if isinstance(p, InputText))
+    return [
+        {"type": "input_text", "text": p.text}
+        if isinstance(p, InputText)
+        else {"type": "input_image", "image_url": p.image_url}
+        for p in c
+        if isinstance(p, InputText | InputImage)
+    ]
+
+
+def checked_images(req: ResponsesRequest) -> dict[str, tuple[Image, str]]:
+    """The request's own images as validation checked them, by their data URL, with the
+    part each is: the translation takes them as they are."""
+    return {p.image_url: (p.image, at) for at, p in image_parts(req) if p.image_url and p.image}
 
 
 def stored_turns(raw: Any) -> list[Turn]:
@@ -79,7 +107,7 @@ class _Turn:
     """A chat message being made (an assistant turn gathers its calls)."""
 
     role: str
-    content: str | None
+    content: str | list[ContentPart] | None
     calls: list[ToolCallIn] = field(default_factory=list)
     call_id: str | None = None
     name: str | None = None
@@ -90,15 +118,21 @@ class _Turn:
         )
 
 
-def chat_messages(items: list[Turn], instructions: str | None, first_new: int) -> list[ChatMessage]:
+def chat_messages(
+    items: list[Turn],
+    instructions: str | None,
+    first_new: int,
+    checked: dict[str, tuple[Image, str]] | None = None,
+) -> list[ChatMessage]:
     """Chat messages of a conversation; `first_new` is the index of the request's own
-    first item (those before came from `previous_response_id`), for 400s that name it."""
+    first item (those before came from `previous_response_id`), for 400s that name it;
+    `checked`: the request's own images, decoded already (`checked_images`)."""
     out: list[_Turn] = [_Turn("system", instructions)] if instructions else []
     names: dict[str, str] = {}  # call id -> function name
     for i, t in enumerate(items):
         kind = t["type"]
         if kind == "message":
-            out.append(_Turn(t["role"], t["content"]))
+            out.append(_Turn(t["role"], _chat_content(t["content"], checked or {})))
         elif kind == "function_call":
             names[t["call_id"]] = t["name"]
             call = ToolCallIn(
@@ -116,6 +150,23 @@ def chat_messages(items: list[Turn], instructions: str | None, first_new: int) -
                 raise invalid(at, f"no function_call with call_id {t['call_id']!r} before this output")
             out.append(_Turn("tool", t["output"], call_id=t["call_id"], name=name))
     return [t.message() for t in out]
+
+
+def _chat_content(kept: str | list[dict[str, Any]], checked: dict[str, tuple[Image, str]]) -> Any:
+    """A kept message's content as chat's: its text, or its text and image parts (an image
+    of a stored conversation is decoded again by the chat's check)."""
+    if isinstance(kept, str):
+        return kept
+    parts: list[ContentPart] = []
+    for p in kept:
+        if p["type"] == "input_text":
+            parts.append(TextPart.model_construct(type="text", text=p["text"]))
+        elif p["image_url"] in checked:
+            parts.append(ImagePart.of(*checked[p["image_url"]]))
+        else:
+            url = ImageUrl.model_construct(url=p["image_url"], detail=None)
+            parts.append(ImagePart.model_construct(type="image_url", image_url=url))
+    return parts
 
 
 def to_chat(
@@ -159,7 +210,8 @@ def to_chat(
             )
         fields["response_format"] = ResponseFormat(type=fmt.type, json_schema=schema)
     try:
-        chat = ChatRequest(messages=chat_messages(conversation, req.instructions, first_new), **fields)
+        messages = chat_messages(conversation, req.instructions, first_new, checked_images(req))
+        chat = ChatRequest(messages=messages, **fields)
         check_limits(chat, cfg)
     except ValidationError as e:
         raise renamed(from_validation(e)) from None

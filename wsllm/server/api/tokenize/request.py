@@ -12,6 +12,7 @@ from wsllm.bounds import MAX_ID_CHARS, MAX_PROMPT_TOKENS, MAX_TOKEN_ID
 from wsllm.config_gateway import GatewayConfig
 from wsllm.server.conversation import MAX_TOOLS, ChatMessage, ToolDef
 from wsllm.server.fields import Strict
+from wsllm.server.images import ImageLimits
 from wsllm.server.quota import Charge, chat_prompt_tokens, prompt_charge, text_tokens
 from wsllm.server.schemas import ChatRequest, body_object, validated
 
@@ -36,7 +37,7 @@ class TokenizeChat(Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
-    def as_chat(self) -> ChatRequest:
+    def as_chat(self, cfg: GatewayConfig) -> ChatRequest:
         """The chat request whose prompt this is (for the template and its checks)."""
         req = ChatRequest.model_construct(
             messages=self.messages,
@@ -46,7 +47,7 @@ class TokenizeChat(Strict):
             continue_final_message=self.continue_final_message,
             add_special_tokens=self.add_special_tokens,
         )
-        req.check_chat()
+        req.check_chat(ImageLimits.of(cfg))
         return req
 
 
@@ -55,7 +56,7 @@ def charge(req: TokenizeCompletion | TokenizeChat | Detokenize, cfg: GatewayConf
     if isinstance(req, Detokenize):
         return Charge(req.model, [prompt_charge(len(req.tokens), exact=True)])
     if isinstance(req, TokenizeChat):
-        return Charge(req.model, [prompt_charge(chat_prompt_tokens(req.as_chat()))])
+        return Charge(req.model, [prompt_charge(chat_prompt_tokens(req.as_chat(cfg)))])
     return Charge(req.model, [prompt_charge(text_tokens(req.prompt))])
 
 
@@ -70,7 +71,7 @@ def validate_tokenize(raw: bytes, cfg: GatewayConfig) -> TokenizeCompletion | To
     if "messages" not in obj:
         return validated(TokenizeCompletion, obj)
     req = validated(TokenizeChat, obj)
-    req.as_chat()  # its checks, now
+    req.as_chat(cfg)  # its checks, now
     return req
 
 

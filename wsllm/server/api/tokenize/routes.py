@@ -35,7 +35,7 @@ def mount(gw: Gateway) -> Wing:
         "token_strs"}` (`token_strs` with `"return_token_strs": true`, else null)."""
         model = adm.model
         if isinstance(req, TokenizeChat):
-            ids = await prepare.chat_prompt(req.as_chat(), model, gw.cfg, tenant=adm.tenant.name)
+            ids = await prepare.chat_prompt(req.as_chat(gw.cfg), model, gw.cfg, tenant=adm.tenant.name)
         else:
             ids = await prepare.text_tokens(model, req.prompt, req.add_special_tokens)
         headers = await adm.settle(0, len(ids))

@@ -1,0 +1,1 @@
+"""The image encoders and projectors of vision families (docs/vision.md)."""
