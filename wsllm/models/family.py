@@ -9,9 +9,11 @@ from the others are the fields of the ModelConfig it returns, never a branch in 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from wsllm.models.config import ModelConfig
 
@@ -34,6 +36,11 @@ class Family:
     gguf_experts: bool | None = None
     # a GGUF's metadata -> its HF config keys beyond gguf_base's (experts, multipliers, ...)
     gguf_config: Callable[[GGUFMeta], dict[str, Any]] | None = None
+    # the checkpoint's tensors (renamed) -> the shared layers' tensors, where the family stores them
+    # otherwise (gpt-oss's transposed, interleaved experts; its MXFP4 blocks and scales)
+    hf_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = (
+        None
+    )
     _renames: tuple[tuple[re.Pattern[str], str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +55,11 @@ class Family:
         if self.gguf_config is not None:
             cfg.update(self.gguf_config(meta))
         return cfg
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors as the shared layers name and lay them out."""
+        renamed = ((self.weight_name(n), w) for n, w in weights)
+        return iter(renamed) if self.hf_weights is None else self.hf_weights(renamed)
 
     def weight_name(self, name: str) -> str:
         """A checkpoint tensor's name as the shared layers spell it."""

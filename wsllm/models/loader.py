@@ -259,7 +259,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Cau
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights((family.weight_name(n), t) for n, t in _iter_weights(model_dir))
+    model.load_weights(family.weights(_iter_weights(model_dir)))
     from wsllm import kernels
 
     cs = kernels.compute_cos_sin_cache(
