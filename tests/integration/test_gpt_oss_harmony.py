@@ -5,9 +5,9 @@ a forced call (`tool_choice: "required"`, harmony's grammar over its special tok
 arguments the model picks within their schema, and a grammar (`structured_outputs`) naming a whole
 answer (reasoning, then the final text; a call whose body is no JSON). Through the official openai
 client, streamed and whole alike: `reasoning_content`, the call with valid JSON arguments, the
-final text, a broken call as text with a 200; the anthropic client's forced tool_use. (The
-Messages API has no grammar field, so its thinking blocks from harmony's analysis channel are
-shown from a hand-driven engine in test_harmony_api.py.)"""
+final text, a broken call as text with a 200; and the anthropic client's thinking blocks: the
+model's own analysis message before a forced call (the Messages API has no grammar field), the same
+text as the chat's `reasoning_content` for the same request."""
 
 from __future__ import annotations
 
@@ -153,24 +153,42 @@ def test_a_broken_call_is_text_never_a_500(srv: Any) -> None:
     assert _streamed(srv, **kw)[1:] == ("{city: Oslo}", [], "stop")
 
 
-def test_the_anthropic_client_gets_the_forced_tool_use(srv: Any) -> None:
-    client = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0)
-    tool = {"name": "lookup", "input_schema": LOOKUP["function"]["parameters"]}
-    kw: dict[str, Any] = dict(
+def test_the_anthropic_client_gets_the_models_analysis_as_thinking_blocks(srv: Any) -> None:
+    """A forced call asked of both APIs, greedy: the model's own analysis message (it writes
+    one here, on to max_tokens) is the Messages API's thinking block, as it is the chat's
+    `reasoning_content`; a call it makes is a tool_use with the chat's arguments; streamed as
+    whole."""
+    ask = [{"role": "user", "content": "Weather in Oslo for 3 days?"}]
+    chat = _client(srv).chat.completions.create(
         model=srv.gateway.model_name,
-        max_tokens=120,
-        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
-        tools=[tool],
-        tool_choice={"type": "tool", "name": "lookup"},
+        messages=ask,
+        tools=[LOOKUP],
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=48,
         temperature=0,
     )
+    choice = chat.choices[0]
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+    client = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0)
+    kw: dict[str, Any] = dict(
+        model=srv.gateway.model_name,
+        max_tokens=48,
+        messages=ask,
+        tools=[{"name": "lookup", "input_schema": LOOKUP["function"]["parameters"]}],
+        tool_choice={"type": "tool", "name": "lookup"},
+        extra_body={"temperature": 0},  # greedy (this SDK's create takes no temperature)
+    )
     msg = client.messages.create(**kw)
-    uses = [b for b in msg.content if b.type == "tool_use"]
-    assert msg.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "lookup", msg
-    jsonschema.validate(uses[0].input, tool["input_schema"])
-    assert all(b.type in ("thinking", "tool_use") for b in msg.content)
+    thinking = [b.thinking for b in msg.content if b.type == "thinking"]
+    assert thinking == ([reasoning] if reasoning else []) and reasoning, (msg, choice)
+    calls = [(c.function.name, orjson.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    assert [(b.name, b.input) for b in msg.content if b.type == "tool_use"] == calls
+    stops = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+    assert msg.stop_reason == stops[choice.finish_reason]
     with client.messages.stream(**kw) as stream:
+        starts = [e.content_block.type for e in stream if e.type == "content_block_start"]
         final = stream.get_final_message()
     assert [b.model_dump(exclude_none=True) for b in final.content] == [
         b.model_dump(exclude_none=True) for b in msg.content
     ]
+    assert starts == [b.type for b in msg.content]
