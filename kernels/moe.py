@@ -3,6 +3,8 @@ MoeConfig, once) and the experts' pass, each beside its torch reference.
 
     weights, ids = route(logits, routing)          # [T, k] float32, [T, k] int64, ascending ids per row
     y = experts_float(x, ids, weights, gate_up, down)   # float experts [E, 2I, H], [E, H, I] (HF's loop)
+    (each pass takes the experts' biases, `ExpertBias`, and their activation, `ExpertAct`: SwiGLU by
+    default, or gpt-oss's clamped SwiGLU)
     y = moe_experts_triton(...)                    # the same on Triton (kernels/moe_triton.py): CUDA
     y = experts_quant_ref(x, ids, weights, qe)     # quantized experts, the native pass's arithmetic in torch
     native: `MoeNative` over kernels/cpu/moe.cpp (router, routing, the grouped pass and the shared
@@ -29,6 +31,41 @@ from .quant_ref import qlinear_parts
 
 #: MoeConfig.gating's numbering on the native side (kernels/cpu/moe.h: Gating)
 GATINGS = ("softmax", "sigmoid", "softmax_topk")
+#: MoeConfig.activation's numbering on the native side (kernels/cpu/moe.h: ExpertActKind)
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertAct:
+    """The experts' activation of (gate, up), float32: "silu": silu(gate) * up; "swiglu_oai"
+    (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SILU = ExpertAct()
+
+
+@dataclass(slots=True)
+class ExpertBias:
+    """The experts' biases (gpt-oss): gate_up [E, 2I] (each expert's gate's, then its up's) and
+    down [E, H], added to each projection's output before the activation and the routing weight."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def gate_up_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = self.gate_up[e].float().chunk(2)
+        return g, u
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,20 +109,29 @@ def experts_float(
     weights: torch.Tensor,  # [T, k] float32
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows then up rows
     down: torch.Tensor,  # [E, H, I]
+    bias: ExpertBias | None = None,
+    act: ExpertAct = SILU,
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """Float experts, as transformers runs them: each expert that some row chose, over its rows,
-    its output times the routing weight added in order of expert id."""
+    its output (biases added) times the routing weight added in order of expert id."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.where(ids == e)
-        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e]) * weights[rows, slot, None].to(x.dtype)
-        out.index_add_(0, rows, y)
+        gu = F.linear(x[rows], gate_up[e], None if bias is None else bias.gate_up[e])
+        g, u = gu.chunk(2, dim=-1)
+        y = F.linear(act(g, u), down[e], None if bias is None else bias.down[e])
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(x.dtype))
     return out
 
 
 def experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    bias: ExpertBias | None = None,
+    act: ExpertAct = SILU,
 ) -> torch.Tensor:
     """The float experts' pass on the backend `kernels.use_backend` picks: Triton on CUDA ("auto")
     or everywhere ("triton"; with no host sync, so a decode step replays in a CUDA graph), else
@@ -96,8 +142,8 @@ def experts(
     if kind == "triton" or (kind == "auto" and x.device.type == "cuda"):
         from .moe_triton import moe_experts_triton  # triton imported only here
 
-        return moe_experts_triton(x, ids, weights, gate_up, down)
-    return experts_float(x, ids, weights, gate_up, down)
+        return moe_experts_triton(x, ids, weights, gate_up, down, bias=bias, act=act)
+    return experts_float(x, ids, weights, gate_up, down, bias, act)
 
 
 @dataclass(slots=True)
@@ -145,13 +191,18 @@ class QuantExperts:
 
 
 def experts_quant_ref(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qe: QuantExperts
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    qe: QuantExperts,
+    bias: ExpertBias | None = None,
+    act: ExpertAct = SILU,
 ) -> torch.Tensor:
     """The native grouped pass's arithmetic in plain torch (kernels/quant_ref.py per expert): per
-    (row, expert) gate and up in float32 from x's int8 blocks, silu(gate) * up in float32, down
-    over that row's int8 blocks, times the weight; a row's outputs summed in its ids' order, the
-    result rounded to x's dtype. The oracle of the native pass (its exp and sums may differ in the
-    last bits) and its path without the native build."""
+    (row, expert) gate and up in float32 from x's int8 blocks (plus their biases), the activation
+    in float32, down over that row's int8 blocks (plus its bias), times the weight; a row's outputs
+    summed in its ids' order, the result rounded to x's dtype. The oracle of the native pass (its
+    exp and sums may differ in the last bits) and its path without the native build."""
     xf = x.float() if x.dtype not in (torch.float32, torch.bfloat16) else x
     ys = torch.zeros(*ids.shape, qe.hidden_size, dtype=torch.float32)  # [T, k, H]: each pair's output
     for e in torch.unique(ids).tolist():
@@ -159,10 +210,13 @@ def experts_quant_ref(
         gate, up, down = (_parts(qe.expert(w, e)) for w in ("gate", "up", "down"))
         g = qlinear_parts(qe.gate.qtype, xf[rows], gate, None, torch.float32)
         u = qlinear_parts(qe.up.qtype, xf[rows], up, None, torch.float32)
-        h = F.silu(g) * u
-        ys[rows, slot] = (
-            qlinear_parts(qe.down.qtype, h, down, None, torch.float32) * weights[rows, slot, None]
-        )
+        if bias is not None:
+            bg, bu = bias.gate_up_of(e)
+            g, u = g + bg, u + bu
+        y = qlinear_parts(qe.down.qtype, act(g, u), down, None, torch.float32)
+        if bias is not None:
+            y = y + bias.down[e].float()
+        ys[rows, slot] = y * weights[rows, slot, None]
     out = ys[:, 0].clone()
     for j in range(1, ids.shape[1]):  # in the order of each row's ids
         out = out + ys[:, j]
@@ -192,6 +246,9 @@ class MoeNative:
         routing: Routing,
         shared: list[list[quant.QuantWeight]],  # the shared expert's gate_up parts, then its down parts
         shared_gate: torch.Tensor | None,  # [H]
+        router_bias: torch.Tensor | None = None,  # [E]: added to the logits
+        bias: ExpertBias | None = None,
+        act: ExpertAct = SILU,
     ) -> MoeNative | None:
         ext = native_ext()
         if ext is None:
@@ -199,6 +256,14 @@ class MoeNative:
         qid = quant.QTYPES.index
         parts = [w for p in shared for w in p]
         empty = torch.empty(0)
+
+        def f32(t: torch.Tensor | None) -> torch.Tensor:
+            return empty if t is None else t.detach().float().contiguous().reshape(-1)
+
+        biases = [f32(router_bias), empty, empty, empty]  # the router's, gate's, up's, down's
+        if bias is not None:
+            gate_up = bias.gate_up.detach().float().reshape(qe.num_experts, 2, -1)
+            biases[1:] = [f32(gate_up[:, 0]), f32(gate_up[:, 1]), f32(bias.down)]
         handle = ext.MoeLayer(
             router.detach().float().contiguous(),
             empty if selection_bias is None else selection_bias.detach().float().contiguous(),
@@ -213,6 +278,10 @@ class MoeNative:
             [w.out_features for w in parts],
             len(shared[0]) if shared else 0,
             empty if shared_gate is None else shared_gate.detach().float().contiguous(),
+            biases,
+            ACTIVATIONS.index(act.kind),
+            act.alpha,
+            act.limit,
         )
         return cls(handle)
 

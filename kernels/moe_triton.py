@@ -8,6 +8,8 @@ interpreter (TRITON_INTERPRET=1) against the reference."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +40,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, pairs_ptr, experts_ptr, h_ptr, P, H, N_I, TOP_K, s_we,
+    x_ptr, w_ptr, b_ptr, pairs_ptr, experts_ptr, h_ptr, P, H, N_I, TOP_K, s_we, ALPHA, LIMIT,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,14 +63,23 @@ def _gate_up_kernel(
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g += tl.dot(a, wg, input_precision=PRECISION)
         acc_u += tl.dot(a, wu, input_precision=PRECISION)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:  # b [E, 2I]: each expert's gate biases, then its up biases
+        acc_g += tl.load(b_ptr + e * 2 * N_I + n, mask=n < N_I, other=0.0)[None, :]
+        acc_u += tl.load(b_ptr + e * 2 * N_I + N_I + n, mask=n < N_I, other=0.0)[None, :]
+    if OAI:  # gpt-oss's clamped SwiGLU (kernels/moe.py: ExpertAct)
+        g = tl.minimum(acc_g, LIMIT)
+        u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + pair[:, None] * N_I + n[None, :], h, mask=valid[:, None] & (n < N_I)[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, weights_ptr, pairs_ptr, experts_ptr, y_ptr, P, H, N_I, s_we,
+    h_ptr, w_ptr, b_ptr, weights_ptr, pairs_ptr, experts_ptr, y_ptr, P, H, N_I, s_we,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +95,8 @@ def _down_kernel(
         )
         wd = tl.load(w + n[None, :] * N_I + k[:, None], mask=(k < N_I)[:, None] & (n < H)[None, :], other=0.0)
         acc += tl.dot(a, wd.to(tl.float32), input_precision=PRECISION)
+    if HAS_BIAS:  # b [E, H]
+        acc += tl.load(b_ptr + e * H + n, mask=n < H, other=0.0)[None, :]
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     tl.store(
         y_ptr + pair[:, None] * H + n[None, :], acc * weight[:, None], mask=valid[:, None] & (n < H)[None, :]
@@ -97,8 +110,10 @@ def moe_experts_triton(
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows then up rows
     down: torch.Tensor,  # [E, H, I]
     block_m: int | None = None,
+    bias: Any = None,  # kernels/moe.py: ExpertBias
+    act: Any = None,  # kernels/moe.py: ExpertAct (None: SwiGLU)
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """kernels/moe.py: experts_float, on the Triton kernels."""
+    """kernels/moe.py: experts_float, on the Triton kernels (with the experts' biases and activation)."""
     t, h = x.shape
     e, i2, _ = gate_up.shape
     i, k = i2 // 2, ids.shape[1]
@@ -110,15 +125,20 @@ def moe_experts_triton(
     xc, gu, dn = x.contiguous(), gate_up.contiguous(), down.contiguous()
     upcast, precision = dot_flags(x.dtype, x.device)
     hidden = torch.empty((p, i), dtype=torch.float32, device=x.device)
+    has_bias, oai = bias is not None, act is not None and act.kind == "swiglu_oai"
+    b_gu = bias.gate_up.float().contiguous() if has_bias else hidden  # (unread without a bias)
+    b_dn = bias.down.float().contiguous() if has_bias else hidden
+    alpha, limit = (float(act.alpha), float(act.limit)) if oai else (1.0, 0.0)
     _gate_up_kernel[(experts.numel(), triton.cdiv(i, block_n))](
-        xc, gu, pairs, experts, hidden, p, h, i, k, gu.stride(0),
+        xc, gu, b_gu, pairs, experts, hidden, p, h, i, k, gu.stride(0), alpha, limit,
         UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=has_bias, OAI=oai,
     )  # fmt: skip
     y = torch.empty((p, h), dtype=torch.float32, device=x.device)
     _, precision32 = dot_flags(torch.float32, x.device)
     _down_kernel[(experts.numel(), triton.cdiv(h, block_n))](
-        hidden, dn, weights.float().contiguous(), pairs, experts, y, p, h, i, dn.stride(0),
-        PRECISION=precision32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        hidden, dn, b_dn, weights.float().contiguous(), pairs, experts, y, p, h, i, dn.stride(0),
+        PRECISION=precision32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=has_bias,
     )  # fmt: skip
     y = y.view(t, k, h)
     out = y[:, 0]

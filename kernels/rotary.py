@@ -25,13 +25,51 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(mid, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    head_dim: int, base: float, max_pos: int, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek, Qwen's long contexts): the frequencies interpolated by `factor`
+    below the wavelengths of `beta_slow` rotations over the original context and extrapolated
+    above those of `beta_fast`, a linear ramp between; and the attention factor cos and sin are
+    scaled by (0.1 ln(factor) + 1 unless given). `truncate` (default on, off in gpt-oss): the
+    ramp's ends rounded to whole dimensions. As transformers' _compute_yarn_parameters."""
+    old = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_pos / old
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `old`
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated = 1 - ramp
+    inv_freq = (1.0 / (factor * pos)) * (1 - extrapolated) + (1.0 / pos) * extrapolated
+    return inv_freq, float(attention)
+
+
 def compute_cos_sin_cache(
     head_dim: int, base: float, max_pos: int, rope_scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """-> [max_pos, head_dim] fp32: cos in the first half, sin in the second."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
-    if kind == "llama3":
+    attention = 1.0  # cos and sin times this (YaRN's attention factor)
+    if kind == "yarn":
+        inv_freq, attention = _yarn_inv_freq(head_dim, base, max_pos, rope_scaling or {})
+    elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
     elif kind == "linear":
         inv_freq = inv_freq / rope_scaling["factor"]  # type: ignore[index]
@@ -39,7 +77,8 @@ def compute_cos_sin_cache(
         raise ValueError(f"rope_scaling type {kind!r} is not supported")
     t = torch.arange(max_pos, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return cs if attention == 1.0 else cs * attention
 
 
 def rotary_embedding_ref(

@@ -761,3 +761,176 @@ def moe_gguf_like(tiny_moe: Any) -> Any:
     return lambda path, kind, change: make_tiny_moe_gguf(
         path, tiny_moe(kind), kind, default_gguf_path(), change
     )
+
+
+# -- gpt-oss: a tiny random-weight GptOss built by transformers, its GGUF, its harmony twin --------
+
+#: the tiny gpt-oss: 2 layers (layer 0 windowed to 8 tokens, shorter than the tests' prompts),
+#: 5 experts, top 2, YaRN rotary (GptOssConfig's default), a swiglu limit low enough to clamp
+GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    swiglu_limit=0.6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_gpt_oss(path: Path, tokenizer_dir: Path, vocab: int, **overrides: Any) -> Path:
+    """A tiny random-weight GptOssForCausalLM saved by transformers, with `tokenizer_dir`'s tokenizer:
+    every bias and the sinks non-zero (the sinks 0.5..2, large against the tiny model's logits)."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=vocab, **(GPT_OSS | overrides))
+    torch.manual_seed(1234)
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.uniform_(0.5, 2.0)
+            elif name.endswith("bias"):  # q, k, v, o, the router's, the experts' [E, 2I] and [E, H]
+                p.normal_(0, 0.1)
+            elif p.dim() > 1:
+                p.normal_(0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+# the tiny gpt-oss GGUF's formats: the experts MXFP4 (as released), the rest Q4_0 and Q8_0
+GPT_OSS_GGUF_FORMATS = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_0",
+    "ffn_gate_exps": "MXFP4",
+    "ffn_up_exps": "MXFP4",
+    "ffn_down_exps": "MXFP4",
+    "token_embd": "Q8_0",
+    "output": "Q8_0",
+}
+_GPT_OSS_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "router": "ffn_gate_inp",
+}
+
+
+def _gpt_oss_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """The HF tensors of a tiny gpt-oss as llama.cpp's converter names and lays them out (numpy
+    fp32, row order): the experts' interleaved gate_up split into gate and up, each [E, I, H]."""
+    out: dict[str, Any] = {}
+    glob = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    for name, t in state.items():
+        x = t.float().numpy()
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] != "layers":
+            out[glob[parts[0]] + ".weight"] = x
+            continue
+        blk, leaf = f"blk.{parts[1]}.", parts[-1]
+        if leaf == "sinks":
+            out[blk + "attn_sinks.weight"] = x
+        elif leaf in ("gate_up_proj", "gate_up_proj_bias"):  # [E, H, 2I] / [E, 2I]: column 2j gate j
+            kind = "weight" if leaf == "gate_up_proj" else "bias"
+            g, u = x[..., 0::2], x[..., 1::2]
+            if kind == "weight":
+                g, u = g.transpose(0, 2, 1), u.transpose(0, 2, 1)
+            out[f"{blk}ffn_gate_exps.{kind}"], out[f"{blk}ffn_up_exps.{kind}"] = g.copy(), u.copy()
+        elif leaf == "down_proj":
+            out[blk + "ffn_down_exps.weight"] = x.transpose(0, 2, 1).copy()
+        elif leaf == "down_proj_bias":
+            out[blk + "ffn_down_exps.bias"] = x
+        else:
+            out[f"{blk}{_GPT_OSS_NAMES[parts[-2]]}.{leaf}"] = x
+    return out
+
+
+def make_tiny_gpt_oss_gguf(path: Path, hf_dir: Path, tokenizer_gguf: Path) -> Path:
+    """The tiny gpt-oss in `hf_dir` as llama.cpp writes its GGUF ("gpt-oss"; GPT_OSS_GGUF_FORMATS)."""
+    import json
+
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_swiglu_clamp_exp([cfg["swiglu_limit"]] * cfg["num_hidden_layers"])  # the tiny one's clamp
+    _add_tokenizer(w, tokenizer_gguf, cfg["vocab_size"])
+    for name, x in _gpt_oss_tensors(load_file(str(hf_dir / "model.safetensors"))).items():
+        base = name.rsplit(".", 1)
+        qtype = GPT_OSS_GGUF_FORMATS.get(base[0].split(".")[-1]) if base[1] == "weight" else None
+        if qtype is None:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, Q[qtype]), raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The tiny gpt-oss's HF directory (the first MOE_VOCAB tokens of SmolLM2's tokenizer)."""
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), smollm_dir, MOE_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_gpt_oss: Path) -> Path:
+    from wsllm.models.loader import default_gguf_path
+
+    path = tmp_path_factory.mktemp("tiny-gpt-oss-gguf") / "tiny-gpt-oss.gguf"
+    return make_tiny_gpt_oss_gguf(path, tiny_gpt_oss, default_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_harmony(tmp_path_factory: pytest.TempPathFactory, tiny_harmony_dir: Path) -> Path:
+    """A tiny gpt-oss with tiny_harmony_dir's tokenizer (harmony's markers special tokens,
+    `<|return|>` its end, a chat template of gpt-oss's shape)."""
+    import json
+
+    cfg = json.loads((tiny_harmony_dir / "config.json").read_text())
+    path = tmp_path_factory.mktemp("tiny-gpt-oss-harmony")
+    return make_tiny_gpt_oss(
+        path, tiny_harmony_dir, cfg["vocab_size"], eos_token_id=cfg["eos_token_id"], pad_token_id=0
+    )

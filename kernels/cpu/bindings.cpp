@@ -38,10 +38,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<wsq::MoeLayer, std::shared_ptr<wsq::MoeLayer>>(m, "MoeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t,
                     bool, double, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                    torch::Tensor>(),
+                    torch::Tensor, std::vector<torch::Tensor>, int64_t, double, double>(),
            py::arg("router"), py::arg("selection_bias"), py::arg("experts"), py::arg("qtypes"), py::arg("top_k"),
            py::arg("gating"), py::arg("renormalize"), py::arg("scale"), py::arg("shared"), py::arg("shared_qtypes"),
-           py::arg("shared_ns"), py::arg("shared_gate_up"), py::arg("shared_gate"))
+           py::arg("shared_ns"), py::arg("shared_gate_up"), py::arg("shared_gate"),
+           py::arg("biases") = std::vector<torch::Tensor>(), py::arg("act") = 0, py::arg("alpha") = 1.702,
+           py::arg("limit") = 7.0)
       .def_property_readonly("num_experts", &wsq::MoeLayer::num_experts)
       .def_property_readonly("top_k", &wsq::MoeLayer::top_k)
       .def("forward", &wsq::MoeLayer::forward, "x [T, H] -> the layer's output [T, H]; see kernels/moe.py",

@@ -93,9 +93,18 @@ int64_t item_work(int64_t K, const Sorted& s) {
   return kRows * K * std::max<int64_t>(1, int64_t(s.row.size()) / experts);
 }
 
-// h [P, I] float32 (sorted pairs) = silu(x . gate_e) * (x . up_e) for each pair's expert e.
+// Expert e's biases on one group of kRows rows (g), added to mt rows of a tile [mt, kRows].
+void add_bias(const float* bias, int64_t e, int64_t rows, int64_t g, int mt, float* tile) {
+  if (!bias) return;
+  const float* b = bias + e * rows + g * kRows;
+  for (int r = 0; r < mt; ++r)
+    for (int c = 0; c < kRows; ++c) tile[r * kRows + c] += b[c];
+}
+
+// h [P, I] float32 (sorted pairs) = act(x . gate_e + gate bias, x . up_e + up bias) for each pair's
+// expert e (act: silu(gate) * up, or the epilogue's clamped SwiGLU, element by element).
 void gate_up_pass(const ExpertMat& gate, const ExpertMat& up, const ActRows& gx, const ActRows& ux,
-                  const Sorted& s, int64_t I, SiluFn silu, float* h) {
+                  const Sorted& s, int64_t I, SiluFn silu, const ExpertEpilogue& ep, float* h) {
   const int64_t G = gate.groups, items = int64_t(s.active.size()) * G;
   parallel_for(0, items, grain_for(2 * item_work(gx.K, s)), [&](int64_t i0, int64_t i1) {
     float tg[kMaxTile * kRows], tu[kMaxTile * kRows], gu[kMaxTile * 2 * kRows], hv[kMaxTile * kRows];
@@ -106,11 +115,17 @@ void gate_up_pass(const ExpertMat& gate, const ExpertMat& up, const ActRows& gx,
         const int mt = int(std::min<int64_t>(kMaxTile, n - m0));
         gate.fn(gate.group(e, g), ga, int(m0), mt, tg);
         up.fn(up.group(e, g), ua, int(m0), mt, tu);
-        for (int r = 0; r < mt; ++r) {
-          std::memcpy(gu + r * 2 * kRows, tg + r * kRows, sizeof(float) * kRows);
-          std::memcpy(gu + r * 2 * kRows + kRows, tu + r * kRows, sizeof(float) * kRows);
+        add_bias(ep.gate_bias, e, I, g, mt, tg);
+        add_bias(ep.up_bias, e, I, g, mt, tu);
+        if (ep.act == kSwigluOai) {
+          for (int j = 0; j < mt * kRows; ++j) hv[j] = swiglu_oai(tg[j], tu[j], ep.alpha, ep.limit);
+        } else {
+          for (int r = 0; r < mt; ++r) {
+            std::memcpy(gu + r * 2 * kRows, tg + r * kRows, sizeof(float) * kRows);
+            std::memcpy(gu + r * 2 * kRows + kRows, tu + r * kRows, sizeof(float) * kRows);
+          }
+          silu(gu, hv, 0, mt, kRows);
         }
-        silu(gu, hv, 0, mt, kRows);
         for (int r = 0; r < mt; ++r)
           std::memcpy(h + (first + m0 + r) * I + g * kRows, hv + r * kRows, sizeof(float) * kRows);
       }
@@ -118,8 +133,9 @@ void gate_up_pass(const ExpertMat& gate, const ExpertMat& up, const ActRows& gx,
   });
 }
 
-// y[pair] [H] = weight * (h_pair . down_e) for each sorted pair (its expert e), into the pair's row.
-void down_pass(const ExpertMat& down, const ActRows& hx, const Sorted& s, int64_t H, float* y) {
+// y[pair] [H] = weight * (h_pair . down_e + down bias) for each sorted pair (its expert e), into the
+// pair's row.
+void down_pass(const ExpertMat& down, const ActRows& hx, const Sorted& s, int64_t H, const float* bias, float* y) {
   const int64_t G = down.groups, items = int64_t(s.active.size()) * G;
   parallel_for(0, items, grain_for(item_work(hx.K, s)), [&](int64_t i0, int64_t i1) {
     float tile[kMaxTile * kRows];
@@ -129,6 +145,7 @@ void down_pass(const ExpertMat& down, const ActRows& hx, const Sorted& s, int64_
       for (int64_t m0 = 0; m0 < n; m0 += kMaxTile) {
         const int mt = int(std::min<int64_t>(kMaxTile, n - m0));
         down.fn(down.group(e, g), a, int(m0), mt, tile);
+        add_bias(bias, e, H, g, mt, tile);
         for (int r = 0; r < mt; ++r) {
           const int64_t p = first + m0 + r;
           const float w = s.weight[p];
@@ -164,7 +181,8 @@ void check_rows(const torch::Tensor& x, int64_t H) {
 MoeLayer::MoeLayer(torch::Tensor router, torch::Tensor selection_bias, std::vector<torch::Tensor> experts,
                    std::vector<int64_t> qtypes, int64_t top_k, int64_t gating, bool renormalize, double scale,
                    std::vector<torch::Tensor> shared, std::vector<int64_t> shared_qtypes,
-                   std::vector<int64_t> shared_ns, int64_t shared_gate_up, torch::Tensor shared_gate) {
+                   std::vector<int64_t> shared_ns, int64_t shared_gate_up, torch::Tensor shared_gate,
+                   std::vector<torch::Tensor> biases, int64_t act, double alpha, double limit) {
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == torch::kFloat32 && router.is_contiguous(),
               "MoeLayer: the router must be a contiguous float32 [E, H]");
   router_ = router;
@@ -208,6 +226,23 @@ MoeLayer::MoeLayer(torch::Tensor router, torch::Tensor selection_bias, std::vect
                 "MoeLayer: the shared gate must be float32 [H] beside a shared expert");
     shared_gate_ = shared_gate.contiguous();
   }
+  set_biases(biases, act, alpha, limit);
+}
+
+void MoeLayer::set_biases(const std::vector<torch::Tensor>& biases, int64_t act, double alpha, double limit) {
+  TORCH_CHECK(biases.empty() || biases.size() == 4, "MoeLayer: the router's, gate's, up's and down's biases");
+  TORCH_CHECK(act == kSilu || act == kSwigluOai, "MoeLayer: unknown expert activation ", act);
+  torch::Tensor* slots[4] = {&router_bias_, &gate_bias_, &up_bias_, &down_bias_};
+  const int64_t sizes[4] = {E_, E_ * I_, E_ * I_, E_ * H_};
+  for (size_t i = 0; i < biases.size(); ++i) {
+    if (!biases[i].numel()) continue;
+    TORCH_CHECK(biases[i].scalar_type() == torch::kFloat32 && biases[i].is_contiguous() &&
+                    biases[i].numel() == sizes[i],
+                "MoeLayer: bias ", i, " must be a contiguous float32 of ", sizes[i], " values");
+    *slots[i] = biases[i];
+  }
+  auto ptr = [](const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  epilogue_ = {ptr(gate_bias_), ptr(up_bias_), ptr(down_bias_), act, float(alpha), float(limit)};
 }
 
 void MoeLayer::route_rows(const float* x, int64_t T, int64_t isa, int32_t* ids, float* weights) const {
@@ -221,7 +256,12 @@ void MoeLayer::route_rows(const float* x, int64_t T, int64_t isa, int32_t* ids, 
   const int64_t k = knobs_.top_k;
   parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> scratch(3 * E_);
-    for (int64_t t = t0; t < t1; ++t) route_row(knobs_, logits + t * E_, scratch.data(), ids + t * k, weights + t * k);
+    const float* rb = router_bias_.defined() ? router_bias_.data_ptr<float>() : nullptr;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (rb)
+        for (int64_t e = 0; e < E_; ++e) logits[t * E_ + e] += rb[e];
+      route_row(knobs_, logits + t * E_, scratch.data(), ids + t * k, weights + t * k);
+    }
   });
 }
 
@@ -249,12 +289,12 @@ void MoeLayer::grouped(const void* x, bool bf16, int64_t T, const int32_t* ids, 
   }
   const SiluFn silu = isa == kAvx512Vnni ? silu_mul_avx512(false) : isa == kAvx2 ? silu_mul_avx2(false) : silu_scalar;
   sc.h.resize(size_t(P * I_));
-  gate_up_pass(gate, up, sc.gx, *ux, s, I_, silu, sc.h.data());
+  gate_up_pass(gate, up, sc.gx, *ux, s, I_, silu, epilogue_, sc.h.data());
   fit(sc.hx, P, int(I_), dbv, down.qtype == Q6_K);
   parallel_for(0, P, 8, [&](int64_t m0, int64_t m1) { quantize_act(sc.h.data(), false, m0, m1, isa, sc.hx); });
   sc.y.resize(size_t(P * H_));
   float* y = sc.y.data();
-  down_pass(down, sc.hx, s, H_, y);
+  down_pass(down, sc.hx, s, H_, epilogue_.down_bias, y);
   const int64_t H = H_;
   parallel_for(0, T, grain_for(k * H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {

@@ -2,12 +2,32 @@
 // time, and the router's dot products in vectors (moe_simd.h, compiled for AVX-512 and AVX2).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace wsq {
 
 // MoeConfig.gating (kernels/moe.py: GATINGS)
 enum Gating : int64_t { kSoftmax = 0, kSigmoid = 1, kSoftmaxTopk = 2 };
+// MoeConfig.activation (kernels/moe.py: ACTIVATIONS): SwiGLU, or gpt-oss's clamped SwiGLU
+enum ExpertActKind : int64_t { kSilu = 0, kSwigluOai = 1 };
+
+// What the grouped pass adds to each expert's projections and how it activates them: biases on gate
+// and up [E * I] and on down [E * H] (or null), and the activation of (gate, up).
+struct ExpertEpilogue {
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
+  int64_t act = kSilu;
+  float alpha = 1.702f, limit = 7.0f;
+};
+
+// gpt-oss's clamped SwiGLU of one (gate, up) pair (kernels/moe.py: ExpertAct)
+inline float swiglu_oai(float g, float u, float alpha, float limit) {
+  g = g < limit || g != g ? g : limit;
+  u = u < -limit ? -limit : u > limit ? limit : u;
+  return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+}
 
 struct RoutingKnobs {
   int64_t num_experts, top_k;

@@ -33,11 +33,14 @@ class MoeLayer {
   // router float32 [E, H]; selection_bias float32 [E] or empty; experts: gate [E * I, H], up [E * I, H],
   // down [E * H, I] packed (kernels/moe.py: QuantExperts) in formats qtypes; shared: the shared
   // expert's gate_up parts then its down parts (`shared_gate_up` of them gate_up's), or none;
-  // shared_gate float32 [H] (the shared output times sigmoid(x . gate)) or empty.
+  // shared_gate float32 [H] (the shared output times sigmoid(x . gate)) or empty; biases: float32 the
+  // router's [E] (added to its logits), gate's and up's [E * I], down's [E * H], each or empty; act
+  // (ExpertActKind) with its alpha and limit.
   MoeLayer(torch::Tensor router, torch::Tensor selection_bias, std::vector<torch::Tensor> experts,
            std::vector<int64_t> qtypes, int64_t top_k, int64_t gating, bool renormalize, double scale,
            std::vector<torch::Tensor> shared, std::vector<int64_t> shared_qtypes, std::vector<int64_t> shared_ns,
-           int64_t shared_gate_up, torch::Tensor shared_gate);
+           int64_t shared_gate_up, torch::Tensor shared_gate, std::vector<torch::Tensor> biases = {},
+           int64_t act = kSilu, double alpha = 1.702, double limit = 7.0);
 
   // x [T, H] float32 or bfloat16 -> the layer's output [T, H] in x's dtype
   torch::Tensor forward(const torch::Tensor& x, int64_t isa) const;
@@ -56,7 +59,11 @@ class MoeLayer {
                float* out) const;
   torch::Tensor shared_expert(const torch::Tensor& x, int64_t isa) const;
 
+  void set_biases(const std::vector<torch::Tensor>& biases, int64_t act, double alpha, double limit);
+
   torch::Tensor router_, bias_, gate_, up_, down_, shared_gate_;
+  torch::Tensor router_bias_, gate_bias_, up_bias_, down_bias_;
+  ExpertEpilogue epilogue_;
   int64_t qtypes_[3];
   int64_t E_, H_, I_;
   RoutingKnobs knobs_;

@@ -1,6 +1,7 @@
 """On CUDA: a tiny mixture of experts (OLMoE; Granite-MoE-Shared with its multipliers and shared
-expert) through the engine (the Triton fused-MoE kernels, decode steps replayed from CUDA graphs)
-gives HF transformers' greedy tokens on CUDA, fp32. Skipped without a GPU."""
+expert; gpt-oss with its biases, sinks and window) through the engine (the Triton fused-MoE kernels,
+decode steps replayed from CUDA graphs) gives HF transformers' greedy tokens on CUDA, fp32.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -40,13 +41,23 @@ def tiny(path: Path, kind: str) -> Path:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_moe_greedy_on_cuda_in_graphs_matches_hf(tmp_path: Path, kind: str) -> None:
+    greedy_matches_hf(tiny(tmp_path / kind, kind))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpt_oss_greedy_on_cuda_in_graphs_matches_hf(tiny_gpt_oss: Path) -> None:
+    """gpt-oss (tests/conftest.py: tiny_gpt_oss): the Triton fused MoE with the experts' biases and
+    the clamped SwiGLU, sinks and a window shorter than the prompts in the Triton attention."""
+    greedy_matches_hf(tiny_gpt_oss)
+
+
+def greedy_matches_hf(path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from wsllm.config import EngineConfig
     from wsllm.engine.engine import LLMEngine
     from wsllm.types import GenerateRequest, SamplingParams
 
-    path = tiny(tmp_path / kind, kind)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
     engine = LLMEngine.from_config(
         EngineConfig(

@@ -3,7 +3,8 @@
 bit-identical alone, in its batch, and in a batch of other rows with other experts (speculative
 decoding relies on it); it equals the torch reference of its arithmetic; the router's choice equals
 the torch routing; the whole layer (router, routing, experts, a gated shared expert) equals its
-reference; the Triton fused-MoE kernel equals the torch reference in the interpreter."""
+reference; gpt-oss's experts (MXFP4, biases, the clamped SwiGLU, a router bias) alike; the Triton
+fused-MoE kernel equals the torch reference in the interpreter, with and without those."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from wsllm.kernels.quant_formats import BLOCK
 
 E, K = 7, 3  # an odd number of experts, top-3
 # (format, hidden, intermediate): a 32-value format of each kind and the K-quants' 256-value blocks
-SHAPES = {"Q4_0": (64, 96), "Q8_0": (64, 96), "Q4_1": (64, 32), "Q4_K": (256, 256)}
+SHAPES = {"Q4_0": (64, 96), "Q8_0": (64, 96), "Q4_1": (64, 32), "Q4_K": (256, 256), "MXFP4": (64, 96)}
+# gpt-oss's experts ("MXFP4-oai" layers): biases on gate, up and down, a clamped SwiGLU that clamps
+# (a limit within the tiles' values), top-k on the router's logits (with its bias) then a softmax
+OAI = kmoe.ExpertAct("swiglu_oai", 1.702, 0.05)
 SCALE_OFFSETS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
@@ -44,6 +48,11 @@ def packed(qtype: str, n: int, k: int, g: torch.Generator) -> quant.QuantWeight:
     make) random bytes with small finite fp16 scales."""
     if qtype in ("Q4_0", "Q4_1", "Q8_0"):
         return quant.pack(qtype, quant.quantize(torch.randn(n, k, generator=g) * 0.1, qtype), (n, k))
+    if qtype == "MXFP4":
+        from gguf import GGMLQuantizationType, quants
+
+        w = (torch.randn(n, k, generator=g) * 0.1).numpy()
+        return quant.pack(qtype, quants.quantize(w, GGMLQuantizationType.MXFP4), (n, k))
     bs, ts = BLOCK[qtype]
     raw = torch.randint(0, 256, (n, k // bs, ts), dtype=torch.uint8, generator=g)
     for off in SCALE_OFFSETS[qtype]:
@@ -54,21 +63,31 @@ def packed(qtype: str, n: int, k: int, g: torch.Generator) -> quant.QuantWeight:
 
 
 _LAYERS: dict[str, tuple[kmoe.QuantExperts, Any, torch.Tensor]] = {}
+_BIASES: dict[str, tuple[kmoe.ExpertBias, torch.Tensor]] = {}  # an "-oai" layer's experts' and router's
 
 
-def layer(qtype: str) -> tuple[kmoe.QuantExperts, kmoe.MoeNative, torch.Tensor]:
-    """One MoE layer of `qtype` experts (down in Q8_0 beside the K-quants' gate and up: two
-    formats in one pass), made once."""
-    if qtype not in _LAYERS:
+def layer(kind: str) -> tuple[kmoe.QuantExperts, kmoe.MoeNative, torch.Tensor]:
+    """One MoE layer of `kind`'s experts (a format: down in Q8_0 beside the K-quants' gate and up,
+    two formats in one pass; "MXFP4-oai": gpt-oss's, its biases in _BIASES), made once."""
+    if kind not in _LAYERS:
         g = torch.Generator().manual_seed(len(_LAYERS))
+        qtype, oai = kind.removesuffix("-oai"), kind.endswith("-oai")
         h, i = SHAPES[qtype]
         down = "Q6_K" if qtype == "Q4_K" else qtype
         qe = kmoe.QuantExperts(
             E, packed(qtype, E * i, h, g), packed(qtype, E * i, h, g), packed(down, E * h, i, g)
         )
         router = torch.randn(E, h, generator=g)
-        _LAYERS[qtype] = (qe, kmoe.MoeNative.build(router, None, qe, kmoe.Routing(K), [], None), router)
-    return _LAYERS[qtype]
+        if oai:
+            bias = kmoe.ExpertBias(torch.randn(E, 2 * i, generator=g) * 0.05, torch.randn(E, h, generator=g))
+            rb = torch.randn(E, generator=g)
+            _BIASES[kind] = (bias, rb)
+            r = kmoe.Routing(K, "softmax_topk")
+            nat = kmoe.MoeNative.build(router, None, qe, r, [], None, rb, bias, OAI)
+        else:
+            nat = kmoe.MoeNative.build(router, None, qe, kmoe.Routing(K), [], None)
+        _LAYERS[kind] = (qe, nat, router)
+    return _LAYERS[kind]
 
 
 @st.composite
@@ -82,14 +101,14 @@ def routings(draw: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ids), torch.tensor(w).reshape(rows, K)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])  # 32-value blocks; 256-value ones, down in Q6_K
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "MXFP4-oai"])  # 32/256-value blocks; gpt-oss's experts
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_other_rows_experts(
     isa: str, qtype: str, data: Any
 ) -> None:
     qe, nat, _ = layer(qtype)
-    h = SHAPES[qtype][0]
+    h = SHAPES[qtype.removesuffix("-oai")][0]
     rows = data.draw(st.integers(1, 9))
     seed = data.draw(st.integers(0, 2**16))
     x = torch.randn(rows, h, generator=torch.Generator().manual_seed(seed))
@@ -111,14 +130,26 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_other_rows_experts(
     assert torch.equal(nat.experts(batch, b_ids, b_w)[2], got[0])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1", "Q4_K"])  # Q4_K's layer: down in Q6_K
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "MXFP4-oai"])  # Q4_K's: down in Q6_K
 def test_the_grouped_pass_equals_the_reference_of_its_arithmetic(isa: str, qtype: str) -> None:
-    qe, nat, _ = layer(qtype)
-    x = torch.randn(5, SHAPES[qtype][0], generator=torch.Generator().manual_seed(9))
+    qe, nat, router = layer(qtype)
+    x = torch.randn(5, SHAPES[qtype.removesuffix("-oai")][0], generator=torch.Generator().manual_seed(9))
     ids = torch.tensor([[0, 1, 2], [0, 3, 5], [0, 1, 5], [0, 2, 4], [0, 3, 4]])  # 0 every row's, 6 nobody's
     w = torch.rand(5, K, generator=torch.Generator().manual_seed(10))
-    got, ref = nat.experts(x, ids, w), kmoe.experts_quant_ref(x, ids, w, qe)
+    bias, rb = _BIASES.get(qtype, (None, None))
+    act = OAI if bias is not None else kmoe.SILU
+    got, ref = nat.experts(x, ids, w), kmoe.experts_quant_ref(x, ids, w, qe, bias, act)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+    if bias is not None:  # the router's bias chooses and weighs; the whole layer is its reference's
+        r_w, r_ids = kmoe.route(x @ router.T + rb, kmoe.Routing(K, "softmax_topk"))
+        n_ids, n_w = nat.route(x)
+        assert torch.equal(n_ids.long(), r_ids) and torch.allclose(n_w, r_w, atol=1e-6)
+        full, ref = nat.forward(x), kmoe.experts_quant_ref(x, r_ids, r_w, qe, bias, act)
+        assert float((full - ref).abs().max() / ref.abs().max()) < 1e-4
+        unclamped = kmoe.ExpertAct("swiglu_oai", OAI.alpha, 1e9)
+        assert not torch.allclose(
+            ref, kmoe.experts_quant_ref(x, r_ids, r_w, qe, bias, unclamped)
+        )  # it clamps
 
 
 def test_the_router_chooses_as_the_torch_routing_and_the_layer_is_batch_invariant(isa: str) -> None:
@@ -183,6 +214,13 @@ def test_the_triton_fused_moe_equals_the_torch_reference_in_the_interpreter() ->
     ref = kmoe.experts_float(x, ids, w, gate_up, down)
     got = moe_experts_triton(x, ids, w, gate_up, down)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    bias = kmoe.ExpertBias(torch.randn(E, 2 * i, generator=g) * 0.1, torch.randn(E, h, generator=g) * 0.1)
+    act = kmoe.ExpertAct("swiglu_oai", 1.702, 0.1)  # gpt-oss's experts: biases, a clamp that clamps
+    ref = kmoe.experts_float(x, ids, w, gate_up, down, bias, act)
+    got = moe_experts_triton(x, ids, w, gate_up, down, bias=bias, act=act)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    unclamped = kmoe.ExpertAct("swiglu_oai", 1.702, 1e9)
+    assert not torch.allclose(ref, kmoe.experts_float(x, ids, w, gate_up, down, bias, unclamped)), "it clamps"
     pairs, experts = align(ids, E, 16)
     real = pairs < t * K
     assert sorted(pairs[real].tolist()) == list(range(t * K))

@@ -15,6 +15,9 @@ from typing import Any
 
 #: the feed-forward activations the layers run ("silu": SwiGLU, silu(gate) * up)
 ACTIVATIONS = ("silu",)
+#: the experts' activations (MoeConfig.activation): "swiglu_oai" is gpt-oss's clamped SwiGLU,
+#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 #: how a router turns its logits into the chosen experts' weights (MoeConfig.gating)
 GATINGS = ("softmax", "sigmoid", "softmax_topk")
 #: QK-norm (ModelConfig.qk_norm): none; "head": RMSNorm over head_dim on each head of q and k
@@ -31,7 +34,8 @@ class MoeConfig:
     which chooses but never weighs); their weights are the scores (softmax_topk: a softmax over
     the k chosen logits), divided by their sum when `renormalize`, times `routed_scale`. The
     output is sum_j weight_j * expert_j(x), plus a shared expert on every row (times
-    sigmoid(x . shared_gate) when it has a gate)."""
+    sigmoid(x . shared_gate) when it has a gate). `router_bias`: the logits have a bias (it
+    chooses and weighs); `expert_bias`: each expert's gate, up and down have one (gpt-oss)."""
 
     num_experts: int
     top_k: int
@@ -43,7 +47,11 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # a shared expert run on every row (0: none)
     shared_gate: bool = False  # the shared expert's output times sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (leading dense, mlp_only_layers)
-    activation: str = "silu"  # the experts' (ACTIVATIONS)
+    activation: str = "silu"  # the experts' (EXPERT_ACTIVATIONS)
+    router_bias: bool = False  # logits = x . router^T + bias (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate, up and down (gpt-oss)
+    swiglu_alpha: float = 1.702  # "swiglu_oai": the sigmoid's gain
+    swiglu_limit: float = 7.0  # "swiglu_oai": the clamp of gate (above) and up (both sides)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -52,7 +60,7 @@ class MoeConfig:
             )
         if self.gating not in GATINGS:
             raise ValueError(f"expert gating {self.gating!r} is not supported (one of {', '.join(GATINGS)})")
-        if self.activation not in ACTIVATIONS:
+        if self.activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.activation!r} is not supported")
 
 
@@ -81,6 +89,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    o_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
     family: str = "llama"  # the registry's name for it (wsllm/models/registry.py): logs and errors only
     pooling: str = "last"  # EngineConfig.pooling "auto": how an embedding request pools its hidden states
     qk_norm: str = "none"  # QK_NORMS

@@ -9,9 +9,11 @@ from the others are the fields of the ModelConfig it returns, never a branch in 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from wsllm.models.config import ModelConfig
 
@@ -37,6 +39,11 @@ class Family:
     # a vision family's image-side tensors, by the prefix of their names once "model." goes
     # (vision_model., connector.): not the text model's (wsllm/models/vision/)
     image_side: tuple[str, ...] = ()
+    # the checkpoint's tensors (renamed) -> the shared layers' tensors, where the family stores them
+    # otherwise (gpt-oss's transposed, interleaved experts; its MXFP4 blocks and scales)
+    hf_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = (
+        None
+    )
     _renames: tuple[tuple[re.Pattern[str], str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +62,11 @@ class Family:
     def is_image_side(self, name: str) -> bool:
         """A checkpoint tensor of the family's image side (not the text model's)."""
         return bool(self.image_side) and name.removeprefix("model.").startswith(self.image_side)
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors as the shared layers name and lay them out."""
+        renamed = ((self.weight_name(n), w) for n, w in weights)
+        return iter(renamed) if self.hf_weights is None else self.hf_weights(renamed)
 
     def weight_name(self, name: str) -> str:
         """A checkpoint tensor's name as the shared layers spell it."""

@@ -50,6 +50,9 @@ def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "attn_v.bias": (kv,),
         "attn_q_norm.weight": (q,) if cfg.qk_norm == "full" else (cfg.head_dim,),
         "attn_k_norm.weight": (kv,) if cfg.qk_norm == "full" else (cfg.head_dim,),
+        "post_attention_norm.weight": (h,),  # gpt-oss's name of ffn_norm
+        "attn_output.bias": (h,),
+        "attn_sinks.weight": (cfg.num_heads,),
     }
     m = cfg.moe
     if m is None or not cfg.layer(layer).moe:
@@ -63,6 +66,10 @@ def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "ffn_up_exps.weight": (e, i, h),
         "ffn_gate_up_exps.weight": (e, 2 * i, h),
         "ffn_down_exps.weight": (e, h, i),
+        "ffn_gate_inp.bias": (e,),
+        "ffn_gate_exps.bias": (e, i),
+        "ffn_up_exps.bias": (e, i),
+        "ffn_down_exps.bias": (e, h),
     }
     if s:
         shapes |= {
@@ -100,10 +107,16 @@ def required(cfg: ModelConfig, names: set[str] | None = None) -> list[str]:
     out = ["token_embd.weight", "output_norm.weight"]
     extra = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if cfg.qkv_bias else []
     extra += ["attn_q_norm.weight", "attn_k_norm.weight"] if cfg.qk_norm != "none" else []
+    extra += ["attn_output.bias"] if cfg.o_bias else []
+    extra += ["attn_sinks.weight"] if cfg.attn_sinks else []
     m = cfg.moe
     for i in range(cfg.num_layers):
         blk = f"blk.{i}."
-        out += [f"{blk}{t}.weight" for t in _ATTENTION] + [blk + t for t in extra]
+        post = names is not None and f"{blk}post_attention_norm.weight" in names  # gpt-oss's ffn_norm
+        attention = [t for t in _ATTENTION if not (post and t == "ffn_norm")] + (
+            ["post_attention_norm"] if post else []
+        )
+        out += [f"{blk}{t}.weight" for t in attention] + [blk + t for t in extra]
         if m is None or not cfg.layer(i).moe:
             out += [f"{blk}{t}.weight" for t in _DENSE]
             continue
@@ -111,6 +124,8 @@ def required(cfg: ModelConfig, names: set[str] | None = None) -> list[str]:
         experts = ["ffn_gate_up_exps"] if fused else ["ffn_gate_exps", "ffn_up_exps"]
         out += [f"{blk}{t}.weight" for t in ["ffn_gate_inp", *experts, "ffn_down_exps"]]
         out += [f"{blk}exp_probs_b.bias"] if m.selection_bias else []
+        out += [f"{blk}ffn_gate_inp.bias"] if m.router_bias else []
+        out += [f"{blk}{t}.bias" for t in [*experts, "ffn_down_exps"]] if m.expert_bias else []
         if m.shared_intermediate_size:
             out += [f"{blk}{t}.weight" for t in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
             out += [f"{blk}ffn_gate_inp_shexp.weight"] if m.shared_gate else []

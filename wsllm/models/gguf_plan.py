@@ -12,7 +12,9 @@ Experts: the 3-D `ffn_{gate,up,down}_exps` ([E, rows, cols], each expert's rows 
 are one Source each; a fused `ffn_gate_up_exps` is two, each expert's first half of rows (gate) and
 second half (up). The shared expert's `*_shexp` are a dense MLP's parts; `ffn_gate_inp` (the
 router), `ffn_gate_inp_shexp` (the shared expert's gate) and `exp_probs_b` (the selection bias) are
-fp32 parameters."""
+fp32 parameters. gpt-oss: `post_attention_norm` is its ffn_norm, `attn_sinks` the sinks, and
+the biases of the router and of each expert's gate, up and down (`ffn_*_exps.bias`, [E, rows])
+become the MoE layer's `gate.bias`, `gate_up_bias` (gate's then up's per expert) and `down_bias`."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ _LAYER_LINEARS = {
 _LAYER_NORMS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's name for it
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
@@ -52,6 +55,15 @@ _LAYER_FLOATS = {
     "ffn_gate_inp": "mlp.gate.weight",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight",
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    "attn_sinks": "self_attn.sinks",
+}
+# biases of a layer's router and experts (gpt-oss): (parameter, part); the gate's and up's [E, I]
+# become each expert's row of gate_up_bias [E, 2I], gate's values then up's
+_LAYER_BIASES = {
+    "ffn_gate_inp": ("mlp.gate.bias", 0),
+    "ffn_gate_exps": ("mlp.gate_up_bias", 0),
+    "ffn_up_exps": ("mlp.gate_up_bias", 1),
+    "ffn_down_exps": ("mlp.down_bias", 0),
 }
 _LAYER_EXPERTS = {
     "ffn_gate_exps": "gate",
@@ -78,6 +90,9 @@ def _target(name: str) -> tuple[str, Any, str] | None:
     parts = base.split(".")
     if parts[0] == "blk" and len(parts) == 3:
         layer, what = parts[1], parts[2]
+        if kind == "bias" and what in _LAYER_BIASES:
+            param, i = _LAYER_BIASES[what]
+            return f"layers.{layer}.{param}", i, "expert_bias"
         if what in _LAYER_LINEARS:
             mod, i = _LAYER_LINEARS[what]
             return f"layers.{layer}.{mod}", i, kind
@@ -165,6 +180,7 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     out = Plan()
     biases: dict[str, dict[int, np.ndarray]] = {}
+    expert_biases: dict[str, dict[int, np.ndarray]] = {}  # joined on their last axis
     for t in reader.tensors:
         target = _target(t.name)
         if target is None:
@@ -173,11 +189,13 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
         shape = shape_of(t)
         what = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         n_head = heads.get(what) if permuted else None
-        if kind in ("norm", "bias", "float"):
+        if kind in ("norm", "bias", "float", "expert_bias"):
             v = read(t, lambda t=t, shape=shape: as_float(t, shape))
             v = v if n_head is None else unpermute_rows(v, n_head)
             if kind == "bias":
                 biases.setdefault(mod, {})[idx] = v
+            elif kind == "expert_bias":
+                expert_biases.setdefault(mod, {})[idx] = v
             else:  # the shared gate is [H] in the file, a [1, H] router here
                 out.floats[mod] = torch.from_numpy(
                     v.reshape(1, -1) if what == "ffn_gate_inp_shexp" else v.copy()
@@ -190,6 +208,8 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
             out.linears.setdefault(mod, {})[idx] = Source(qtype, t, (shape[0], shape[1]), n_head, t.name)
     for mod, bs in biases.items():
         out.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
+    for mod, bs in expert_biases.items():
+        out.floats[mod] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)], axis=-1))
     return out
 
 

@@ -260,7 +260,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Cau
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     text = ((n, t) for n, t in _iter_weights(model_dir) if not family.is_image_side(n))
-    model.load_weights((family.weight_name(n), t) for n, t in text)
+    model.load_weights(family.weights(text))
     from wsllm import kernels
 
     cs = kernels.compute_cos_sin_cache(

@@ -90,8 +90,15 @@ class QuantExpertsModule(nn.Module):
         super().__init__()
         self.qexperts = qexperts
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kmoe.experts_quant_ref(x, ids, weights, self.qexperts)
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        bias: kmoe.ExpertBias | None = None,
+        act: kmoe.ExpertAct = kmoe.SILU,
+    ) -> torch.Tensor:
+        return kmoe.experts_quant_ref(x, ids, weights, self.qexperts, bias, act)
 
     def extra_repr(self) -> str:
         q = self.qexperts

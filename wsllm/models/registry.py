@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from wsllm.models import granite_moe, idefics3, llama, mixtral, olmoe, qwen2, qwen3, qwen3_moe
+from wsllm.models import gpt_oss, granite_moe, idefics3, llama, mixtral, olmoe, qwen2, qwen3, qwen3_moe
 from wsllm.models.config import ModelConfig
 from wsllm.models.family import Family, GGUFMeta
 from wsllm.models.gguf_checks import GGUFError
@@ -23,6 +23,7 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     granite_moe.FAMILY,
     idefics3.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.hf_architectures}

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_bias)
         self.scale = c.scale
         spec = c.layer(layer)  # its attention variant: window, soft-cap, sinks (off by default)
         self.window, self.softcap = spec.window, spec.softcap

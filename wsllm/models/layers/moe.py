@@ -1,12 +1,15 @@
 """The mixture-of-experts feed-forward, with every routing knob of MoeConfig once: a router (softmax,
-sigmoid, or top-k on the logits then a softmax over the k; a selection-only bias; renormalized and
-scaled weights), E SwiGLU experts of which each row runs its top k, and a shared expert on every
-row (with or without a sigmoid gate).
+sigmoid, or top-k on the logits then a softmax over the k; its own bias; a selection-only bias;
+renormalized and scaled weights), E experts of which each row runs its top k (SwiGLU, or gpt-oss's
+clamped SwiGLU; with or without biases on their projections), and a shared expert on every row
+(with or without a sigmoid gate).
 
 Float experts run as transformers runs them (kernels/moe.py: experts_float). Quantized experts
 (`QuantExpertsModule`, installed by quant_linear.install) run on the CPU in one native call that
 routes, runs the grouped pass and the shared expert (kernels/moe.py: MoeNative): the Python layer
-and the decode stack make the same call, so the same bits."""
+and the decode stack make the same call, so the same bits. The experts' biases belong to the MoE
+layer (`gate_up_bias`, `down_bias`), not to its experts module, so that float and quantized
+experts read the same ones."""
 
 from __future__ import annotations
 
@@ -24,19 +27,23 @@ from wsllm.models.layers.mlp import MLP
 
 class Router(nn.Module):
     """x [T, H] -> logits [T, E] (not an nn.Linear: the CPU's oneDNN packing leaves its float
-    weight for the native pass to read). `e_score_correction_bias`: the selection-only bias."""
+    weight for the native pass to read). `bias`: the logits' own (gpt-oss);
+    `e_score_correction_bias`: the selection-only bias."""
 
-    def __init__(self, hidden_size: int, num_experts: int, selection_bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, selection_bias: bool = False, bias: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if selection_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Experts(nn.Module):
-    """E float SwiGLU experts: gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and
+    """E float experts: gate_up [E, 2I, H] (each expert's gate rows, then its up rows) and
     down [E, H, I]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -44,8 +51,15 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kmoe.experts(x, ids, weights, self.gate_up, self.down)
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        bias: kmoe.ExpertBias | None = None,
+        act: kmoe.ExpertAct = kmoe.SILU,
+    ) -> torch.Tensor:
+        return kmoe.experts(x, ids, weights, self.gate_up, self.down, bias, act)
 
 
 class MoE(nn.Module):
@@ -55,8 +69,12 @@ class MoE(nn.Module):
         assert m is not None
         self.layer = layer
         self.routing = kmoe.Routing(m.top_k, m.gating, m.renormalize, m.routed_scale)
-        self.gate = Router(c.hidden_size, m.num_experts, m.selection_bias)
+        self.act = kmoe.ExpertAct(m.activation, m.swiglu_alpha, m.swiglu_limit)
+        self.gate = Router(c.hidden_size, m.num_experts, m.selection_bias, m.router_bias)
         self.experts: nn.Module = Experts(m.num_experts, c.hidden_size, m.intermediate_size)
+        e, i = m.num_experts, m.intermediate_size
+        self.gate_up_bias = nn.Parameter(torch.zeros(e, 2 * i)) if m.expert_bias else None
+        self.down_bias = nn.Parameter(torch.zeros(e, c.hidden_size)) if m.expert_bias else None
         self.shared_expert = (
             MLP(c.hidden_size, m.shared_intermediate_size, layer, adapted=False)
             if m.shared_intermediate_size
@@ -65,12 +83,17 @@ class MoE(nn.Module):
         self.shared_expert_gate = Router(c.hidden_size, 1) if m.shared_gate else None
         self._native: Any = None  # kmoe.MoeNative once built; False where it cannot be
 
+    def expert_bias(self) -> kmoe.ExpertBias | None:
+        if self.gate_up_bias is None or self.down_bias is None:
+            return None
+        return kmoe.ExpertBias(self.gate_up_bias, self.down_bias)
+
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:  # [T, H] -> [T, H]
         native = self.native() if x.device.type == "cpu" else None
         if native is not None:
             return native.forward(x)
         weights, ids = kmoe.route(self.gate.forward(x), self.routing, self.gate.e_score_correction_bias)
-        y = self.experts.forward(x, ids, weights)
+        y = self.experts.forward(x, ids, weights, self.expert_bias(), self.act)
         if self.shared_expert is not None:
             s = self.shared_expert.forward(x)
             if self.shared_expert_gate is not None:
@@ -96,9 +119,19 @@ class MoE(nn.Module):
                 if found is None or found[1] is not None:
                     return None
                 shared.append(found[0])
-        bias = self.gate.e_score_correction_bias
+        sel = self.gate.e_score_correction_bias
         gate = None if self.shared_expert_gate is None else self.shared_expert_gate.weight.reshape(-1)
-        return kmoe.MoeNative.build(self.gate.weight, bias, qe, self.routing, shared, gate)
+        return kmoe.MoeNative.build(
+            self.gate.weight,
+            sel,
+            qe,
+            self.routing,
+            shared,
+            gate,
+            self.gate.bias,
+            self.expert_bias(),
+            self.act,
+        )
 
     def native_ops(self, prog: kernels.StackProgram) -> bool:
         """The decode stack's form of `forward`: the same native call."""
