@@ -761,3 +761,12 @@ def moe_gguf_like(tiny_moe: Any) -> Any:
     return lambda path, kind, change: make_tiny_moe_gguf(
         path, tiny_moe(kind), kind, default_gguf_path(), change
     )
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer() -> Any:
+    """`add(writer, vocab)`: the first `vocab` tokens of SmolLM2's tokenizer (its merges among
+    them, its chat template) into a GGUF being written, for a test's own GGUF writer."""
+    from wsllm.models.loader import default_gguf_path
+
+    return lambda w, vocab: _add_tokenizer(w, default_gguf_path(), vocab)

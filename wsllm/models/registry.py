@@ -9,7 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from wsllm.models import granite_moe, llama, mixtral, olmoe, qwen2, qwen3, qwen3_moe
+from wsllm.models import (
+    gemma2,
+    gemma3,
+    granite_moe,
+    llama,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from wsllm.models.config import ModelConfig
 from wsllm.models.family import Family, GGUFMeta
 from wsllm.models.gguf_checks import GGUFError
@@ -22,6 +34,10 @@ FAMILIES: tuple[Family, ...] = (
     olmoe.FAMILY,
     mixtral.FAMILY,
     granite_moe.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
+    phi3.FAMILY,
+    smollm3.FAMILY,
 )
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.hf_architectures}
@@ -55,9 +71,12 @@ def for_gguf(architecture: str, experts: bool = False) -> Family:
     return family
 
 
-def gguf_hf_config(path: str | Path, fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def gguf_hf_config(
+    path: str | Path, fields: dict[str, Any], tensor_names: set[str] | dict[str, Any]
+) -> dict[str, Any]:
     """The HF config.json a GGUF stands for, read by its family; GGUFError naming the file when
-    its metadata cannot be served (an unknown architecture, more experts a token than it has)."""
+    its metadata cannot be served (an unknown architecture, more experts a token than it has).
+    `tensor_names`: the file's tensors' names, or a dict of them to gguf's tensors (GGUFMeta)."""
     meta = GGUFMeta(fields, tensor_names)
     try:
         family = for_gguf(meta.arch, meta.experts > 0)
