@@ -34,9 +34,11 @@ def longrope_cos_sin_cache(head_dim: int, base: float, max_pos: int, scaling: di
     positions below `original_max_position_embeddings`, the long ones from there on; cos and sin
     times the attention factor (given, or sqrt(1 + ln(s) / ln(original)) with s = max_pos /
     original). Per position, so a position's rotation never depends on its batch or on how long
-    its sequence grows: HF's generate from a prompt within the original length, token for token
-    (HF switches every position of a call to the long factors once the call reaches past it;
-    vLLM does so for a whole batch; llama.cpp picks one set by its context size)."""
+    its sequence grows, and a cached block stays exact: HF's generate token for token while a
+    sequence stays within the original length. Past it the peers differ from this and from each
+    other: HF drops a sequence's cache when it first crosses and recomputes every position with
+    the long factors, vLLM takes the long set for a whole batch once any of its positions is past,
+    llama.cpp one set for its context size (docs/models.md)."""
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or max_pos / original
     attention = scaling.get("attention_factor")
