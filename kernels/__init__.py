@@ -28,6 +28,7 @@ _OPS = (
     "add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
 )
 _MODULES = {
     "paged_decode_attention": paged_attention,
@@ -37,6 +38,7 @@ _MODULES = {
     "add_rms_norm": norms,
     "rotary_embedding": rotary,
     "silu_and_mul": activation,
+    "gelu_tanh_and_mul": activation,
 }
 
 
@@ -142,6 +144,10 @@ def rotary_embedding(positions, q, k, cos_sin_cache):  # type: ignore[no-untyped
 
 def silu_and_mul(x):  # type: ignore[no-untyped-def]
     return _impl("silu_and_mul", x.device)(x)
+
+
+def gelu_tanh_and_mul(x):  # type: ignore[no-untyped-def]
+    return _impl("gelu_tanh_and_mul", x.device)(x)
 
 
 __all__ = list(_OPS) + [

@@ -76,14 +76,14 @@ __all__ = [
 ]
 
 
-def rotate(x: torch.Tensor, plan: CpuAttentionPlan) -> None:
+def rotate(x: torch.Tensor, plan: CpuAttentionPlan, rope: int = 0) -> None:
     """Rotary embedding in place on x [num_tokens, heads, head_dim] (q and k side by side
-    is fine). x1*cos - x2*sin | x2*cos + x1*sin, as the reference rounds it: the roll
-    puts x2 | x1 under sin's -sin | sin halves, and a + (-b) is exactly a - b."""
-    assert plan.cos is not None and plan.sin is not None
+    is fine) by the plan's table `rope`. x1*cos - x2*sin | x2*cos + x1*sin, as the reference
+    rounds it: the roll puts x2 | x1 under sin's -sin | sin halves, and a + (-b) is exactly a - b."""
+    cos, sin = plan.cos_sin(rope)
     xf = x if x.dtype == torch.float32 else x.float()  # half types: in fp32, rounded once
-    rolled = xf.roll(x.shape[-1] // 2, dims=-1).mul_(plan.sin)
-    x.copy_(torch.mul(xf, plan.cos).add_(rolled))
+    rolled = xf.roll(x.shape[-1] // 2, dims=-1).mul_(sin)
+    x.copy_(torch.mul(xf, cos).add_(rolled))
 
 
 def cpu_attention_block(
@@ -97,6 +97,7 @@ def cpu_attention_block(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
+    rope: int = 0,  # the layer's rotary table (CpuAttentionPlan.cos_sin)
 ) -> torch.Tensor:  # [num_tokens, H * D]
     """Rotary on q and k, KV store, attention: one layer's attention on the CPU (with the
     layer's variant, paged_attention.py)."""
@@ -105,12 +106,13 @@ def cpu_attention_block(
     t = qkv.shape[0]
     ext = native_cache(qkv, k_cache)
     if ext is not None:  # rotary and the KV store in one native call
-        assert plan.cos is not None and plan.sin is not None and plan.slot_mapping is not None
+        cos, sin = plan.cos_sin(rope)
+        assert plan.slot_mapping is not None
         if not plan.prefills and plan.decode_tables is not None:  # a pure decode step: one call
             return ext.rope_store_decode(
                 qkv,
-                plan.cos,
-                plan.sin,
+                cos,
+                sin,
                 k_cache,
                 v_cache,
                 plan.slot_mapping,
@@ -121,7 +123,7 @@ def cpu_attention_block(
                 native_isa(),
                 **var.kwargs(),
             )
-        ext.rope_store(qkv, plan.cos, plan.sin, k_cache, v_cache, plan.slot_mapping, num_heads)
+        ext.rope_store(qkv, cos, sin, k_cache, v_cache, plan.slot_mapping, num_heads)
         if not plan.prefills:  # a pure decode step reads K and V from the cache alone
             q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
             o = _decode(q, k_cache, v_cache, plan, scale, num_heads // num_kv_heads, var)
@@ -130,7 +132,7 @@ def cpu_attention_block(
     q, k = qk[:, :num_heads], qk[:, num_heads:]
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
     if ext is None:
-        rotate(qk, plan)
+        rotate(qk, plan, rope)
         assert plan.slot_mapping is not None
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))

@@ -57,6 +57,16 @@ class CpuAttentionPlan:
     # The native decode kernel's inputs (None: the torch version, decode_index and decode_bias)
     decode_tables: torch.Tensor | None = None  # [num_decodes, width] int32
     decode_lens: torch.Tensor | None = None  # [num_decodes] int32
+    # (cos, sin) of every rotary table the layers read (a [tables, max_pos, head_dim] cache:
+    # wsllm/models/rope.py), a layer's by its index; the first is cos and sin
+    rotary: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def cos_sin(self, rope: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table `rope`'s (cos, sin) for this step's positions."""
+        if self.rotary:
+            return self.rotary[rope]
+        assert rope == 0 and self.cos is not None and self.sin is not None
+        return self.cos, self.sin
 
 
 def plan_cpu_attention(
@@ -66,7 +76,7 @@ def plan_cpu_attention(
     block_size: int,
     dtype: torch.dtype = torch.float32,  # the activations' (q's)
     positions: torch.Tensor | None = None,  # [num_tokens] int64, for the rotary tables
-    cos_sin_cache: torch.Tensor | None = None,  # [max_pos, head_dim]: cos | sin halves
+    cos_sin_cache: torch.Tensor | None = None,  # [max_pos, head_dim]: cos | sin halves ([tables, ...]: each)
     slot_mapping: torch.Tensor | None = None,  # [num_tokens] int64, no -1
     kv_dtype: torch.dtype | None = None,  # the cache's; None: dtype
 ) -> CpuAttentionPlan:
@@ -114,12 +124,23 @@ def plan_cpu_attention(
         prefills.append(PrefillRow(start, start + n, ctx, blocks, row_bias, table=used_table))
         start += n
     cos = sin = None
+    rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
     if positions is not None and cos_sin_cache is not None:
-        half = cos_sin_cache.shape[1] // 2
-        cs = cos_sin_cache.index_select(0, positions).float()  # exact; the native op reads fp32
-        cos = torch.cat([cs[:, :half], cs[:, :half]], dim=1)[:, None, :]
-        sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=1)[:, None, :]
-    return CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping, dtables, dlens)
+        tables = cos_sin_cache if cos_sin_cache.dim() == 3 else cos_sin_cache[None]
+        rotary = [_rotary_rows(t, positions) for t in tables]
+        cos, sin = rotary[0]
+    plan = CpuAttentionPlan(num_decodes, index, bias, width, prefills, cos, sin, slot_mapping, dtables, dlens)
+    plan.rotary = rotary if len(rotary) > 1 else []
+    return plan
+
+
+def _rotary_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table's (cos, sin) [num_tokens, 1, head_dim] at `positions` (see CpuAttentionPlan.cos)."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache.index_select(0, positions).float()  # exact; the native op reads fp32
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=1)[:, None, :]
+    sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=1)[:, None, :]
+    return cos, sin
 
 
 def _one_query_per_row(

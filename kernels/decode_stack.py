@@ -11,8 +11,10 @@ Registers: `x` (the running activation) and `residual`. The ops:
     linear(module)    x = x @ W^T (+ bias) over quantized parts (+ the step's LoRA deltas, by key)
     qk_norm(...)      RMSNorm of x's q and k parts in place (per head, or over the whole part)
     attention(k, v)   x = rotary + KV store + paged decode attention of the fused qkv x (with the
-                      layer's window, soft-cap and sinks, where it has them)
+                      layer's window, soft-cap and sinks, where it has them; by its rotary table)
     silu_mul()        x = silu(gate) * up
+    gelu_mul()        x = gelu_tanh(gate) * up (GeGLU)
+    rms_norm(w, eps)  x = rms_norm(x), the residual untouched (Gemma's sandwich norms)
     scale(m)          x = x * m
     moe(layer)        x = the mixture of experts (kernels/moe.py: MoeNative, the Python layer's own call)
 """
@@ -26,7 +28,7 @@ import torch
 from .cpu_ops import native_ext
 
 # op codes, kernels/cpu/decode_stack.h: StackOp
-NORM, LINEAR, ATTENTION, SILU_MUL, SCALE, QK_NORM, MOE = range(7)
+NORM, LINEAR, ATTENTION, SILU_MUL, SCALE, QK_NORM, MOE, GELU_MUL, RMS_NORM = range(9)
 
 
 class StackProgram:
@@ -55,6 +57,13 @@ class StackProgram:
         if not self._ours(weight):
             return False
         self.program += [NORM, self._tensor(weight), self._float(eps)]
+        return True
+
+    def rms_norm(self, weight: torch.Tensor, eps: float) -> bool:
+        """`RMSNorm.forward(x)` without a residual: x normed, the residual as it was."""
+        if not self._ours(weight):
+            return False
+        self.program += [RMS_NORM, self._tensor(weight), self._float(eps)]
         return True
 
     def linear(self, module: Any, lora_key: int = -1) -> bool:
@@ -98,9 +107,10 @@ class StackProgram:
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        rope: int = 0,
     ) -> None:
         """`window`, `softcap`, `sinks`: the layer's attention variant (kernels/paged_attention.py),
-        each off by default."""
+        each off by default; `rope`: its rotary table (CpuAttentionPlan.rotary; 0: the model's first)."""
         self.program += [
             ATTENTION,
             self._tensor(k_cache),
@@ -110,10 +120,14 @@ class StackProgram:
             int(window),
             self._float(softcap),
             -1 if sinks is None else self._tensor(sinks.float().contiguous()),
+            int(rope),
         ]
 
     def silu_mul(self) -> None:
         self.program.append(SILU_MUL)
+
+    def gelu_mul(self) -> None:
+        self.program.append(GELU_MUL)
 
     def scale(self, m: float) -> None:
         self.program += [SCALE, self._float(m)]
@@ -125,7 +139,8 @@ class StackProgram:
 
     def build(self) -> Any:
         """The native DecodeStack of this program (checked there), or None without the native
-        build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual)."""
+        build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual); cos
+        and sin: each rotary table's rows of the step, one table after the other."""
         ext = native_ext()
         if ext is None:
             return None

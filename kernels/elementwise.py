@@ -1,5 +1,5 @@
 """Triton versions of the row-wise ops: store_kv, (add_)rms_norm, rotary_embedding,
-silu_and_mul.
+silu_and_mul, gelu_tanh_and_mul.
 
 Each one rounds where its torch reference rounds (to the input dtype between the
 steps the reference runs as separate torch ops), so in fp32 they agree to a few
@@ -298,5 +298,39 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
             d,
             BLOCK=block,
             num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------- gelu_tanh_and_mul
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < d
+    g = tl.load(x_ptr + row * s_x + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * s_x + d + c, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # gelu's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) as
+    # 1 - 2 / (e^(2z) + 1); rounded to the dtype before the product, as F.gelu(...) * up does
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+    a = (0.5 * g * (1.0 + t)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * s_o + c, (a * u).to(dtype), mask=mask)
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate] (GeGLU: Gemma's MLP)
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, d)
+    block = min(1024, next_pow2(d))
+    if x2.shape[0] and d:
+        _gelu_tanh_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, o2, x2.stride(0), o2.stride(0), d, BLOCK=block, num_warps=4
         )
     return out

@@ -60,13 +60,45 @@ def _yarn_inv_freq(
     return inv_freq, float(attention)
 
 
+def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def longrope_cos_sin_cache(head_dim: int, base: float, max_pos: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """LongRoPE (Phi-3/3.5/4-mini): each frequency divided by its factor, the short factors at the
+    positions below `original_max_position_embeddings`, the long ones from there on; cos and sin
+    times the attention factor (given, or sqrt(1 + ln(s) / ln(original)) with s = max_pos /
+    original). Per position, so a position's rotation never depends on its batch or on how long
+    its sequence grows, and a cached block stays exact: HF's generate token for token while a
+    sequence stays within the original length. Past it the peers differ from this and from each
+    other: HF drops a sequence's cache when it first crosses and recomputes every position with
+    the long factors, vLLM takes the long set for a whole batch once any of its positions is past,
+    llama.cpp one set for its context size (docs/models.md)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_pos / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    parts = []
+    for key, lo, hi in (("short_factor", 0, min(original, max_pos)), ("long_factor", original, max_pos)):
+        if hi <= lo:
+            continue
+        inv_freq = 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base**shape)
+        freqs = torch.outer(torch.arange(lo, hi, dtype=torch.int64).float(), inv_freq)
+        parts.append(torch.cat([freqs.cos() * attention, freqs.sin() * attention], dim=-1))
+    return torch.cat(parts)
+
+
 def compute_cos_sin_cache(
     head_dim: int, base: float, max_pos: int, rope_scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """-> [max_pos, head_dim] fp32: cos in the first half, sin in the second."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = _inv_freq(head_dim, base)
     kind = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
     attention = 1.0  # cos and sin times this (YaRN's attention factor)
+    if kind in ("longrope", "su"):
+        return longrope_cos_sin_cache(head_dim, base, max_pos, rope_scaling or {})
     if kind == "yarn":
         inv_freq, attention = _yarn_inv_freq(head_dim, base, max_pos, rope_scaling or {})
     elif kind == "llama3":

@@ -934,3 +934,12 @@ def tiny_gpt_oss_harmony(tmp_path_factory: pytest.TempPathFactory, tiny_harmony_
     return make_tiny_gpt_oss(
         path, tiny_harmony_dir, cfg["vocab_size"], eos_token_id=cfg["eos_token_id"], pad_token_id=0
     )
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer() -> Any:
+    """`add(writer, vocab)`: the first `vocab` tokens of SmolLM2's tokenizer (its merges among
+    them, its chat template) into a GGUF being written, for a test's own GGUF writer."""
+    from wsllm.models.loader import default_gguf_path
+
+    return lambda w, vocab: _add_tokenizer(w, default_gguf_path(), vocab)

@@ -65,6 +65,8 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
         s.var.window = r.next();
         s.var.softcap = number();
         const int64_t sinks = r.next();
+        s.b = r.next();
+        TORCH_CHECK(s.b >= 0, "DecodeStack: a rotary table index must not be negative");
         TORCH_CHECK(s.var.window >= 0 && s.var.softcap >= 0.0, "DecodeStack: window and softcap must not be negative");
         TORCH_CHECK(sinks < int64_t(tensors_.size()), "DecodeStack: sinks index ", sinks, " out of range");
         if (sinks >= 0) {
@@ -76,6 +78,11 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
         break;
       }
       case kSiluMul:
+      case kGeluMul:
+        break;
+      case kRmsNorm:
+        s.t = {tensor()};
+        s.f = number();
         break;
       case kScale:
         s.f = number();
@@ -125,12 +132,24 @@ void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInpu
       case kLinear:
         x = linear(s, x, in);
         break;
-      case kAttention:
-        x = rope_store_decode_v(x, in.cos, in.sin, tensors_[s.t[0]], tensors_[s.t[1]], in.slots, s.a, in.tables,
-                                in.lens, s.f, in.isa, s.var);
+      case kAttention: {
+        const int64_t n = x.size(0);
+        TORCH_CHECK(in.cos.size(0) >= (s.b + 1) * n && in.sin.size(0) == in.cos.size(0),
+                    "DecodeStack: no rotary table ", s.b, " among the step's cos and sin rows");
+        x = rope_store_decode_v(x, in.cos.narrow(0, s.b * n, n), in.sin.narrow(0, s.b * n, n), tensors_[s.t[0]],
+                                tensors_[s.t[1]], in.slots, s.a, in.tables, in.lens, s.f, in.isa, s.var);
         break;
+      }
       case kSiluMul:
         x = silu_mul(x, in.isa);
+        break;
+      case kGeluMul: {
+        const int64_t d = x.size(1) / 2;
+        x = at::gelu(x.narrow(1, 0, d), "tanh").mul_(x.narrow(1, d, d));
+        break;
+      }
+      case kRmsNorm:
+        x = add_rms_norm(x, c10::nullopt, tensors_[s.t[0]], s.f, in.isa)[0];
         break;
       case kScale:
         x.mul_(s.f);

@@ -7,9 +7,13 @@
 // The program: ints, each op its code then its arguments; tensors and floats by index.
 //   kNorm       w eps                     x, residual = add_rms_norm(x, residual) (none yet: residual = x)
 //   kLinear     parts bias lora (t qtype n)*parts   x = x @ W^T (+ bias) (+ the adapters' deltas of key lora)
-//   kAttention  k v heads scale window softcap sinks   x = rope_store_decode(x): rotary, KV store, paged
-//                                         attention with the layer's variant (attention.h; sinks -1: none)
+//   kAttention  k v heads scale window softcap sinks rope   x = rope_store_decode(x): rotary (by the
+//                                         step's table `rope`: rows [rope * n, (rope + 1) * n) of cos and
+//                                         sin), KV store, paged attention with the layer's variant
+//                                         (attention.h; sinks -1: none)
 //   kSiluMul                              x = silu(gate) * up
+//   kGeluMul                              x = gelu_tanh(gate) * up (GeGLU: ATen's gelu, as the torch op)
+//   kRmsNorm    w eps                     x = rms_norm(x), the residual untouched (Gemma's sandwich norms)
 //   kScale      m                         x = x * m
 //   kQkNorm     qw kw eps q_size kv_size  x's q and k parts RMS-normed in place, rows of qw's (kw's) width
 //   kMoe        layer                     x = the mixture of experts (moe_layer.h: MoeLayer.forward)
@@ -27,14 +31,24 @@
 
 namespace wsq {
 
-enum StackOp : int64_t { kNorm = 0, kLinear = 1, kAttention = 2, kSiluMul = 3, kScale = 4, kQkNorm = 5, kMoe = 6 };
+enum StackOp : int64_t {
+  kNorm = 0,
+  kLinear = 1,
+  kAttention = 2,
+  kSiluMul = 3,
+  kScale = 4,
+  kQkNorm = 5,
+  kMoe = 6,
+  kGeluMul = 7,
+  kRmsNorm = 8
+};
 
 struct StackStep {
   int64_t op = 0;
   std::vector<int64_t> t;        // tensors it reads
   std::vector<QPart> parts;       // kLinear: its parts
   int64_t bias = -1, lora = -1;   // kLinear: the bias tensor (-1: none), the LoRA key (-1: none)
-  int64_t a = 0, b = 0;           // kAttention: heads; kQkNorm: q_size, kv_size; kMoe: the layer
+  int64_t a = 0, b = 0;           // kAttention: heads, rope table; kQkNorm: q_size, kv_size; kMoe: the layer
   double f = 0;                     // eps, scale or multiplier
   AttnVariant var;                  // kAttention: window, softcap, sinks
 };
@@ -55,7 +69,9 @@ class DecodeStack {
   int64_t num_steps() const { return int64_t(steps_.size()); }
 
   // x [n, hidden] (the embeddings) -> (the last op's x, the residual), as the layers' loop in
-  // CausalLM.forward leaves them for the final norm. `lora`, `lora_rows`: the step's adapters and
+  // CausalLM.forward leaves them for the final norm. cos, sin: [tables * n, 1, head_dim], each
+  // rotary table's n rows after the last's (CpuAttentionPlan.rotary).
+  // `lora`, `lora_rows`: the step's adapters and
   // their rows (lora_weights.h).
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                                      torch::Tensor tables, torch::Tensor lens, int64_t isa, const LoraList& lora,

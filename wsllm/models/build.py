@@ -28,6 +28,7 @@ from wsllm.models.causal_lm import CausalLM
 from wsllm.models.config import ModelConfig
 from wsllm.models.gguf_weights import QuantCheckpoint, load_gguf_float, load_gguf_weights
 from wsllm.models.quant_linear import install, quantize_model
+from wsllm.models.rope import rotary_cache
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,7 @@ def _installed(cfg: ModelConfig, ckpt: QuantCheckpoint, dtype: torch.dtype) -> C
     with torch.device("meta"):
         model = CausalLM(cfg)
     install(model, ckpt, dtype)
-    cs = kernels.compute_cos_sin_cache(
-        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
-    )
-    model.cos_sin_cache = cs  # stays fp32
+    model.cos_sin_cache = rotary_cache(cfg)  # stays fp32
     return model.eval()
 
 

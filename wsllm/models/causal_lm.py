@@ -1,7 +1,8 @@
 """The decoder-only language model every text family builds from its ModelConfig: embeddings
-(times the embedding multiplier), the decoder layers (wsllm/models/layers/), the final norm, the
-LM head (tied or not; logits divided by the logits scaling) and the rotary cache, over a paged KV
-cache. Attention metadata is passed explicitly, never through a global.
+(times the embedding multiplier: Granite's, Gemma's sqrt(hidden)), the decoder layers
+(wsllm/models/layers/), the final norm, the LM head (tied or not; logits divided by the logits
+scaling, then soft-capped where the config says: Gemma 2) and the rotary tables (wsllm/models/
+rope.py), over a paged KV cache. Attention metadata is passed explicitly, never through a global.
 
 The forward pass calls submodules' `forward()` directly: `nn.Module.__call__` checks for hooks
 on every call, and a decode step of a small model on a CPU makes hundreds of these calls, where
@@ -26,6 +27,7 @@ from wsllm.models.config import ModelConfig
 from wsllm.models.layers.attention import AttentionMetadata
 from wsllm.models.layers.decoder import DecoderLayer
 from wsllm.models.layers.norms import RMSNorm
+from wsllm.models.rope import qkv_row_order, rotary_cache
 
 
 class CausalLM(nn.Module):
@@ -44,11 +46,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # On the CPU even while the model is built on the meta device: the meta versions
         # of these ops import torch's Python decompositions, ~150 MB resident for good.
-        with torch.device("cpu"):
-            cs = kernels.compute_cos_sin_cache(
-                c.head_dim, c.rope_theta, c.max_position_embeddings, c.rope_scaling
-            )
-        self.register_buffer("cos_sin_cache", cs, persistent=False)
+        self.register_buffer("cos_sin_cache", rotary_cache(c), persistent=False)
         # A decode-only step over quantized weights runs its layers in one native call
         # (kernels.StackProgram: the same ops, the same bits). False: layer by layer in Python
         # (tests compare the two; bench/profile_step.py --fused off).
@@ -71,8 +69,9 @@ class CausalLM(nn.Module):
             lora = meta.lora  # its adapters' native weights and rows go in with the layers
             handles = [] if lora is None else lora.native_handles()
             if stack is not None and handles is not None:
+                cos, sin = _stack_rotary(plan)
                 x, residual = stack.forward(
-                    x, plan.cos, plan.sin, plan.slot_mapping, plan.decode_tables, plan.decode_lens,
+                    x, cos, sin, plan.slot_mapping, plan.decode_tables, plan.decode_lens,
                     kernels.cpu_ops.native_isa(), handles, [] if lora is None else lora.native_rows(),
                 )  # fmt: skip
                 x, _ = self.norm.forward(x, residual)
@@ -109,14 +108,18 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [rows, vocab] float32
         as_float = getattr(self.lm_head, "forward_float", None)  # a quantized head sums in fp32
         logits = as_float(hidden) if as_float is not None else self.lm_head.forward(hidden).float()
-        s = self.config.logits_scaling
-        return logits if s == 1.0 else logits / s
+        s, cap = self.config.logits_scaling, self.config.final_softcap
+        logits = logits if s == 1.0 else logits / s
+        return logits if cap <= 0 else torch.tanh(logits / cap) * cap  # Gemma 2's final soft-cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as the shared layers name them (Family.weight_name: a family's
-        names renamed), fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+        names renamed), fusing q/k/v into qkv_proj and gate/up into gate_up_proj; the norm
+        offset folded into every norm's weight (Gemma's 1 + w, as llama.cpp's converter does),
+        q's and k's rows in the order partial rotary needs (wsllm/models/rope.py)."""
         params = dict(self.named_parameters())
         c = self.config
+        order = qkv_row_order(c)
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
         loaded: set[str] = set()
@@ -131,6 +134,10 @@ class CausalLM(nn.Module):
             target, start, size = _fused_target(name, params, qkv)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
+            if c.norm_offset and target.endswith("norm.weight"):
+                w = w.float() + c.norm_offset  # in fp32, as HF computes 1 + w, then rounded once
+            if order is not None and target.rpartition(".")[0].endswith("qkv_proj"):
+                w = w[order] if start is None else w[order[start : start + size] - start]
             with torch.no_grad():
                 param = params[target]
                 if start is None:
@@ -157,6 +164,13 @@ class CausalLM(nn.Module):
                 target[e].copy_(w)
             else:
                 target[e].narrow(0, 0 if which == "gate_proj" else half, half).copy_(w)
+
+
+def _stack_rotary(plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cos and sin for the decode stack: each rotary table's rows, one after the other."""
+    if not plan.rotary:
+        return plan.cos, plan.sin
+    return torch.cat([c for c, _ in plan.rotary]), torch.cat([s for _, s in plan.rotary])
 
 
 # one expert's projection as per-expert checkpoints name it: layers.N.mlp.experts.E.gate_proj.weight

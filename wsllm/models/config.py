@@ -13,11 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the feed-forward activations the layers run ("silu": SwiGLU, silu(gate) * up)
-ACTIVATIONS = ("silu",)
+#: the feed-forward activations the layers run ("silu": SwiGLU, silu(gate) * up; "gelu_tanh":
+#: GeGLU, gelu(gate) * up with gelu's tanh approximation, HF's gelu_pytorch_tanh: Gemma)
+ACTIVATIONS = ("silu", "gelu_tanh")
 #: the experts' activations (MoeConfig.activation): "swiglu_oai" is gpt-oss's clamped SwiGLU,
 #: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+#: a layer's rotary table (LayerSpec.rope): the model's own; the sliding layers' own base
+#: (Gemma 3's rope_local_base_freq); none (a NoPE layer: SmolLM3's every fourth)
+ROPES = ("global", "local", "none")
 #: how a router turns its logits into the chosen experts' weights (MoeConfig.gating)
 GATINGS = ("softmax", "sigmoid", "softmax_topk")
 #: QK-norm (ModelConfig.qk_norm): none; "head": RMSNorm over head_dim on each head of q and k
@@ -72,6 +76,7 @@ class LayerSpec:
     window: int = 0  # sliding window in tokens (kernels/paged_attention.py), 0: full attention
     softcap: float = 0.0  # attention logits soft-capped at this (Gemma 2), 0: off
     sinks: bool = False  # a learned per-head logit in the softmax's denominator (gpt-oss)
+    rope: str = "global"  # its rotary table (ROPES; wsllm/models/rope.py)
 
 
 @dataclass(slots=True)
@@ -105,6 +110,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # HF's per layer "sliding_attention" | "full_attention"; () all alike
     attn_softcap: float = 0.0  # every layer's attention logit soft-cap (0: off)
     attn_sinks: bool = False  # every layer has attention sinks
+    # -- the dense families of Gemma 2/3, Phi-3, SmolLM3 (docs/models.md), each off by default --
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's 1 (folded into w as HF weights load)
+    sandwich_norms: bool = False  # a norm on the attention's and the feed-forward's outputs too (Gemma 2/3)
+    final_softcap: float = 0.0  # the logits soft-capped at this, c * tanh(l / c) (Gemma 2), 0: off
+    rope_local_theta: float = 0.0  # the sliding layers' rotary base, unscaled (Gemma 3); 0: rope_theta's
+    nope_layers: tuple[int, ...] = ()  # layers without rotary (SmolLM3)
+    partial_rotary_factor: float = 1.0  # rotary on this fraction of each head (Phi-4-mini's 0.75)
     extra: dict[str, Any] = field(default_factory=dict)  # what a family keeps for itself (not read by layers)
 
     def __post_init__(self) -> None:
@@ -114,10 +126,20 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported (only {', '.join(ACTIVATIONS)})"
             )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
+                "is not an even rotary width"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.num_heads} attention heads do not group into {self.num_kv_heads} KV heads"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that rotary turns (HF: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def scale(self) -> float:
@@ -129,7 +151,9 @@ class ModelConfig:
         moe = self.moe is not None and i not in self.moe.dense_layers
         windowed = not self.layer_types or self.layer_types[i] == "sliding_attention"
         window = self.sliding_window if windowed else 0
-        return LayerSpec(moe=moe, window=window, softcap=self.attn_softcap, sinks=self.attn_sinks)
+        local = bool(self.rope_local_theta) and bool(self.layer_types) and windowed
+        rope = "none" if i in self.nope_layers else "local" if local else "global"
+        return LayerSpec(moe=moe, window=window, softcap=self.attn_softcap, sinks=self.attn_sinks, rope=rope)
 
 
 def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -170,4 +194,6 @@ def hf_base(cfg: dict[str, Any], family: str, **knobs: Any) -> ModelConfig:
 
 
 def _activation(name: str) -> str:
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
     return "silu" if name in ("silu", "swish") else name

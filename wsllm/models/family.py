@@ -80,9 +80,9 @@ class GGUFMeta:
     """A GGUF's metadata: `get("expert_count")` reads `<architecture>.expert_count`, a
     `general.` or `tokenizer.` key is read as it is."""
 
-    def __init__(self, fields: dict[str, Any], tensor_names: set[str]) -> None:
+    def __init__(self, fields: dict[str, Any], tensor_names: set[str] | dict[str, Any]) -> None:
         self.fields = fields  # gguf.GGUFReader.fields
-        self.tensor_names = tensor_names
+        self.tensor_names = tensor_names  # or a dict: name -> gguf's ReaderTensor (`tensor`)
         arch = fields.get("general.architecture")
         self.arch: str = arch.contents() if arch is not None else "llama"
 
@@ -92,6 +92,16 @@ class GGUFMeta:
     def get(self, name: str, default: Any = None) -> Any:
         f = self.fields.get(self.key(name))
         return default if f is None else f.contents()
+
+    def tensor(self, name: str) -> Any:
+        """A small tensor's values as a float32 numpy array (Phi-3's LongRoPE factors), None when
+        the file has none of that name or its tensors were not given."""
+        t = self.tensor_names.get(name) if isinstance(self.tensor_names, dict) else None
+        if t is None:
+            return None
+        from gguf import quants
+
+        return quants.dequantize(t.data, t.tensor_type).astype("float32").reshape(-1)
 
     @property
     def experts(self) -> int:

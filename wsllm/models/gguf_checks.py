@@ -32,15 +32,26 @@ class GGUFError(ValueError):
 
 _ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _DENSE = ("ffn_gate", "ffn_up", "ffn_down")
+_SANDWICH = ("post_attention_norm", "post_ffw_norm")  # Gemma's (ModelConfig.sandwich_norms)
 
 
-def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+def _fused(names: set[str] | None, blk: str) -> tuple[bool, bool]:
+    """Whether layer `blk`'s file keeps q|k|v in one attn_qkv, and gate|up in one ffn_up (Phi-3)."""
+    if names is None:
+        return False, False
+    return f"{blk}attn_qkv.weight" in names, f"{blk}ffn_gate.weight" not in names
+
+
+def _layer_shapes(cfg: ModelConfig, layer: int, names: set[str] | None = None) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s tensors' shapes in row order ([out_features, in_features] for a weight;
-    [experts, out, in] for the experts' projections)."""
+    [experts, out, in] for the experts' projections); `names`, the file's, says which are fused."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.weight": (h,),
         "ffn_norm.weight": (h,),
+        "post_attention_norm.weight": (h,),
+        "post_ffw_norm.weight": (h,),
+        "attn_qkv.weight": (q + 2 * kv, h),
         "attn_q.weight": (q, h),
         "attn_k.weight": (kv, h),
         "attn_v.weight": (kv, h),
@@ -57,7 +68,8 @@ def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     m = cfg.moe
     if m is None or not cfg.layer(layer).moe:
         ff = cfg.intermediate_size
-        return shapes | {"ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h), "ffn_down.weight": (h, ff)}
+        up = 2 * ff if _fused(names, f"blk.{layer}.")[1] else ff
+        return shapes | {"ffn_gate.weight": (ff, h), "ffn_up.weight": (up, h), "ffn_down.weight": (h, ff)}
     e, i, s = m.num_experts, m.intermediate_size, m.shared_intermediate_size
     shapes |= {
         "ffn_gate_inp.weight": (e, h),
@@ -81,21 +93,22 @@ def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
-    """The shape (row order) the config gives tensor `name`; None for a tensor the model
-    does not read (rope_freqs). KeyError for a name it does not know."""
+def expected_shape(name: str, cfg: ModelConfig, names: set[str] | None = None) -> tuple[int, ...] | None:
+    """The shape (row order) the config gives tensor `name` (`names`: the file's, for what it
+    fuses); None for a tensor the model does not read as a weight (rope_freqs, Phi-3's rope
+    factors, read into the config). KeyError for a name it does not know."""
     h, v = cfg.hidden_size, cfg.vocab_size
     glob = {"token_embd.weight": (v, h), "output.weight": (v, h), "output_norm.weight": (h,)}
     if name in glob:
         return glob[name]
-    if name.startswith("rope_freqs"):
+    if name.startswith(("rope_freqs", "rope_factors_long", "rope_factors_short")):
         return None
     parts = name.split(".", 2)
     if parts[0] != "blk" or len(parts) < 3 or not parts[1].isdigit():
         raise KeyError("not a tensor of this model")
     if int(parts[1]) >= cfg.num_layers:
         raise KeyError(f"layer {parts[1]} of a model of {cfg.num_layers} layers")
-    shape = _layer_shapes(cfg, int(parts[1])).get(parts[2])
+    shape = _layer_shapes(cfg, int(parts[1]), names).get(parts[2])
     if shape is None:
         raise KeyError("not a tensor of this model")
     return shape
@@ -112,13 +125,20 @@ def required(cfg: ModelConfig, names: set[str] | None = None) -> list[str]:
     m = cfg.moe
     for i in range(cfg.num_layers):
         blk = f"blk.{i}."
-        post = names is not None and f"{blk}post_attention_norm.weight" in names  # gpt-oss's ffn_norm
-        attention = [t for t in _ATTENTION if not (post and t == "ffn_norm")] + (
-            ["post_attention_norm"] if post else []
-        )
-        out += [f"{blk}{t}.weight" for t in attention] + [blk + t for t in extra]
+        qkv, gate_up = _fused(names, blk)
+        # gpt-oss's norm before the feed-forward is its post_attention_norm (Gemma's is a sandwich norm)
+        post = not cfg.sandwich_norms and names is not None and f"{blk}post_attention_norm.weight" in names
+        attention = [
+            t
+            for t in _ATTENTION
+            if not (qkv and t in ("attn_q", "attn_k", "attn_v")) and not (post and t == "ffn_norm")
+        ]
+        attention += (["attn_qkv"] if qkv else []) + (["post_attention_norm"] if post else [])
+        out += [f"{blk}{t}.weight" for t in attention]
+        out += [blk + t for t in extra if not qkv or not t.startswith(("attn_q.", "attn_k.", "attn_v."))]
+        out += [f"{blk}{t}.weight" for t in _SANDWICH] if cfg.sandwich_norms else []
         if m is None or not cfg.layer(i).moe:
-            out += [f"{blk}{t}.weight" for t in _DENSE]
+            out += [f"{blk}{t}.weight" for t in _DENSE if not (gate_up and t == "ffn_gate")]
             continue
         fused = names is not None and f"{blk}ffn_gate_up_exps.weight" in names
         experts = ["ffn_gate_up_exps"] if fused else ["ffn_gate_exps", "ffn_up_exps"]
@@ -138,10 +158,12 @@ def check_tensors(
     """Each (name, shape in row order, bytes in the file, bytes its shape needs) against
     `cfg`; GGUFError naming the file and the first tensor that is unknown, of another
     shape, shorter than its shape needs (a truncated file), or missing."""
+    listed = list(tensors)
+    names = {t[0] for t in listed}
     seen = set()
-    for name, shape, have, need in tensors:
+    for name, shape, have, need in listed:
         try:
-            want = expected_shape(name, cfg)
+            want = expected_shape(name, cfg, names)
         except KeyError as e:
             raise GGUFError(path, name, str(e).strip("'\"")) from None
         if want is not None and tuple(shape) != want:

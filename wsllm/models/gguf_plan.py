@@ -8,6 +8,11 @@ rows of Q and K permuted for its rotary layout (pairs (i, i + d/2) interleaved a
 the architectures whose Family says so; that permutation moves whole rows, so it is undone on the
 raw rows of blocks, exactly as transformers' GGUF loader undoes it on de-quantized values.
 
+Phi-3's fused `attn_qkv` is the whole qkv_proj and its `ffn_up` (no `ffn_gate`) the whole
+gate_up_proj; under partial rotary q's and k's rows are reordered as the HF loader reorders them
+(wsllm/models/rope.py). Gemma's sandwich norms are `post_attention_norm` and `post_ffw_norm` (its
+`ffn_norm` is the norm before the feed-forward, as a Llama's).
+
 Experts: the 3-D `ffn_{gate,up,down}_exps` ([E, rows, cols], each expert's rows one after another)
 are one Source each; a fused `ffn_gate_up_exps` is two, each expert's first half of rows (gate) and
 second half (up). The shared expert's `*_shexp` are a dense MLP's parts; `ffn_gate_inp` (the
@@ -29,26 +34,31 @@ from wsllm.kernels import quant
 from wsllm.models import registry
 from wsllm.models.config import ModelConfig
 from wsllm.models.gguf_checks import GGUFError, check_tensors
+from wsllm.models.rope import qkv_row_order
 
 # GGUF tensor (in a block) -> (the model's module, which part of it in row order)
 _LAYER_LINEARS = {
     "attn_q": ("self_attn.qkv_proj", 0),
     "attn_k": ("self_attn.qkv_proj", 1),
     "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_qkv": ("self_attn.qkv_proj", 0),  # Phi-3's, fused in the file
     "attn_output": ("self_attn.o_proj", 0),
     "ffn_gate": ("mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_up": ("mlp.gate_up_proj", 1),  # without an ffn_gate (Phi-3): gate|up fused, all of it
     "ffn_down": ("mlp.down_proj", 0),
     "ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
     "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
     "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0),
 }
+# gpt-oss's post_attention_norm is the norm before the feed-forward (its file has no ffn_norm)
+_PRE_FFN_NORM = "post_attention_layernorm"
 _LAYER_NORMS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's name for it
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attn_post_norm",  # Gemma's sandwich norms (gpt-oss's: _PRE_FFN_NORM)
+    "post_ffw_norm": "ffn_post_norm",
 }
 # fp32 parameters by their whole name in the layer (the router's, the shared gate's, the bias)
 _LAYER_FLOATS = {
@@ -72,7 +82,8 @@ _LAYER_EXPERTS = {
     "ffn_gate_up_exps": "gate_up",
 }
 _GLOBAL = {"token_embd": ("embed_tokens", 0), "output": ("lm_head", 0)}
-_SKIPPED = ("rope_freqs",)  # llama3's rotary factors: computed from the config instead
+# llama3's rotary factors, Phi-3's LongRoPE ones: read into the config (or computed from it) instead
+_SKIPPED = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -83,9 +94,11 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _target(name: str) -> tuple[str, Any, str] | None:
+def _target(name: str, sandwich: bool = False) -> tuple[str, Any, str] | None:
     """GGUF tensor name -> (module or parameter, part, kind): kind "weight" | "bias" (a linear's
-    part), "norm" | "float" (an fp32 parameter), "experts" (part: gate, up, down or gate_up)."""
+    part), "norm" | "float" (an fp32 parameter), "experts" (part: gate, up, down or gate_up).
+    `sandwich`: the model norms each branch's output (Gemma's post_attention_norm is that norm;
+    without them it is gpt-oss's norm before the feed-forward)."""
     base, _, kind = name.rpartition(".")
     parts = base.split(".")
     if parts[0] == "blk" and len(parts) == 3:
@@ -96,6 +109,8 @@ def _target(name: str) -> tuple[str, Any, str] | None:
         if what in _LAYER_LINEARS:
             mod, i = _LAYER_LINEARS[what]
             return f"layers.{layer}.{mod}", i, kind
+        if what == "post_attention_norm" and not sandwich:
+            return f"layers.{layer}.{_PRE_FFN_NORM}.{kind}", 0, "norm"
         if what in _LAYER_NORMS:
             return f"layers.{layer}.{_LAYER_NORMS[what]}.{kind}", 0, "norm"
         if what in _LAYER_FLOATS:
@@ -130,6 +145,7 @@ class Source:
     name: str = ""  # its name in the file, for an error
     experts: int = 0  # > 0: a fused gate_up of this many experts, of which `half` is taken
     half: int = 0
+    row_order: torch.Tensor | None = None  # its rows reordered so (partial rotary: models/rope.py)
 
     def rows(self) -> np.ndarray:
         """[rows, bytes] of blocks (a view of the map unless un-permuted or halved) or fp32 [rows, cols]."""
@@ -140,7 +156,8 @@ class Source:
             raw = np.asarray(self.tensor.data).reshape(full[0], -1)
         if self.experts:  # each expert's gate rows, then its up rows: take one half of each
             raw = raw.reshape(self.experts, 2, -1, raw.shape[-1])[:, self.half].reshape(self.shape[0], -1)
-        return raw if self.n_head is None else unpermute_rows(raw, self.n_head)
+        raw = raw if self.n_head is None else unpermute_rows(raw, self.n_head)
+        return raw if self.row_order is None else raw[self.row_order.numpy()]
 
 
 @dataclass(slots=True)
@@ -178,11 +195,12 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
     experts = cfg.moe is not None
     permuted = arch_field is not None and registry.for_gguf(arch_field.contents(), experts).gguf_permuted_qk
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    orders = _row_orders(cfg)
     out = Plan()
     biases: dict[str, dict[int, np.ndarray]] = {}
     expert_biases: dict[str, dict[int, np.ndarray]] = {}  # joined on their last axis
     for t in reader.tensors:
-        target = _target(t.name)
+        target = _target(t.name, cfg.sandwich_norms)
         if target is None:
             continue
         mod, idx, kind = target
@@ -192,6 +210,7 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
         if kind in ("norm", "bias", "float", "expert_bias"):
             v = read(t, lambda t=t, shape=shape: as_float(t, shape))
             v = v if n_head is None else unpermute_rows(v, n_head)
+            v = v if kind != "bias" or what not in orders else v[orders[what].numpy()]
             if kind == "bias":
                 biases.setdefault(mod, {})[idx] = v
             elif kind == "expert_bias":
@@ -205,12 +224,22 @@ def _plan_checked(reader: Any, cfg: ModelConfig, dequantize: bool) -> Plan:
         if kind == "experts":
             _plan_experts(out, mod, idx, t, qtype, shape)
         else:
-            out.linears.setdefault(mod, {})[idx] = Source(qtype, t, (shape[0], shape[1]), n_head, t.name)
+            source = Source(qtype, t, (shape[0], shape[1]), n_head, t.name, row_order=orders.get(what))
+            out.linears.setdefault(mod, {})[idx] = source
     for mod, bs in biases.items():
         out.floats[mod + ".bias"] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)]))
     for mod, bs in expert_biases.items():
         out.floats[mod] = torch.from_numpy(np.concatenate([bs[i] for i in sorted(bs)], axis=-1))
     return out
+
+
+def _row_orders(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Each q/k tensor's row order under partial rotary (wsllm/models/rope.py), by its GGUF name."""
+    order = qkv_row_order(cfg)
+    if order is None:
+        return {}
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"attn_qkv": order, "attn_q": order[:q], "attn_k": order[q : q + kv] - q}
 
 
 def _kept(t: Any, out: Plan, dequantize: bool) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from wsllm.kernels import quant, quant_formats
-from wsllm.models import gguf_checks, gguf_plan
+from wsllm.models import gguf_checks, gguf_plan, rope
 from wsllm.models.config import ModelConfig
 from wsllm.models.gguf_checks import GGUFError, open_reader
 from wsllm.models.gguf_plan import Source
@@ -200,9 +200,9 @@ def repack(path: Path, out: Path, cfg: ModelConfig) -> None:
 def _layout_tag() -> str:
     """What the cached state depends on besides the file: the kernels' layout, which
     kernels/quant_formats.py defines (one layout for every ISA path), and how this
-    module names, fuses and un-permutes."""
+    module names, fuses, un-permutes and reorders rows (partial rotary: rope.py)."""
     h = hashlib.sha256()
-    for f in (quant_formats.__file__, __file__, gguf_checks.__file__, gguf_plan.__file__):
+    for f in (quant_formats.__file__, __file__, gguf_checks.__file__, gguf_plan.__file__, rope.__file__):
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 

@@ -125,7 +125,7 @@ def _write_gguf_config(gguf: Path, out: Path) -> None:
 
     log.info("reading the config and tokenizer of %s (once; cached in %s)", gguf.name, out)
     reader = open_reader(gguf)
-    hf = registry.gguf_hf_config(gguf, reader.fields, {t.name for t in reader.tensors})
+    hf = registry.gguf_hf_config(gguf, reader.fields, {t.name: t for t in reader.tensors})
     registry.model_config(hf)  # what the layers cannot run is refused now, not at the first load
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -261,12 +261,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Cau
         model.lm_head.weight = model.embed_tokens.weight
     text = ((n, t) for n, t in _iter_weights(model_dir) if not family.is_image_side(n))
     model.load_weights(family.weights(text))
-    from wsllm import kernels
+    from wsllm.models.rope import rotary_cache
 
-    cs = kernels.compute_cos_sin_cache(
-        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
-    )
-    model.cos_sin_cache = cs.to(device)  # stays fp32
+    model.cos_sin_cache = rotary_cache(cfg).to(device)  # stays fp32
     return model.eval()
 
 

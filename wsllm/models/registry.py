@@ -9,7 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from wsllm.models import gpt_oss, granite_moe, idefics3, llama, mixtral, olmoe, qwen2, qwen3, qwen3_moe
+from wsllm.models import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    granite_moe,
+    idefics3,
+    llama,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from wsllm.models.config import ModelConfig
 from wsllm.models.family import Family, GGUFMeta
 from wsllm.models.gguf_checks import GGUFError
@@ -24,6 +38,10 @@ FAMILIES: tuple[Family, ...] = (
     granite_moe.FAMILY,
     idefics3.FAMILY,
     gpt_oss.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
+    phi3.FAMILY,
+    smollm3.FAMILY,
 )
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.hf_architectures}
@@ -57,9 +75,12 @@ def for_gguf(architecture: str, experts: bool = False) -> Family:
     return family
 
 
-def gguf_hf_config(path: str | Path, fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def gguf_hf_config(
+    path: str | Path, fields: dict[str, Any], tensor_names: set[str] | dict[str, Any]
+) -> dict[str, Any]:
     """The HF config.json a GGUF stands for, read by its family; GGUFError naming the file when
-    its metadata cannot be served (an unknown architecture, more experts a token than it has)."""
+    its metadata cannot be served (an unknown architecture, more experts a token than it has).
+    `tensor_names`: the file's tensors' names, or a dict of them to gguf's tensors (GGUFMeta)."""
     meta = GGUFMeta(fields, tensor_names)
     try:
         family = for_gguf(meta.arch, meta.experts > 0)

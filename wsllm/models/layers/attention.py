@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: grouped-query heads, fused q/k/v projection (with its bias
-where the config has one), QK-norm per head or over the whole width, rotary, the KV store and
-paged attention. `AttentionMetadata` is what a step's attention needs to find each token's KV,
-passed explicitly, never through a global."""
+where the config has one), QK-norm per head or over the whole width, rotary (by the layer's own
+table: wsllm/models/rope.py), the KV store and paged attention. `AttentionMetadata` is what a
+step's attention needs to find each token's KV, passed explicitly, never through a global."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from wsllm import kernels
 from wsllm.kernels.lora import SLOTS
 from wsllm.models.config import ModelConfig
 from wsllm.models.layers.norms import RMSNorm
+from wsllm.models.rope import layer_rope
 
 #: LoRA slots of a layer (kernels/lora.py: SLOTS): the attention's two projections
 QKV_SLOT, O_SLOT = 0, 1
@@ -54,6 +55,7 @@ class Attention(nn.Module):
         self.scale = c.scale
         spec = c.layer(layer)  # its attention variant: window, soft-cap, sinks (off by default)
         self.window, self.softcap = spec.window, spec.softcap
+        self.rope = layer_rope(c, layer)  # its rotary table's index (wsllm/models/rope.py)
         self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if spec.sinks else None
         self.qk_norm = c.qk_norm
         if c.qk_norm != "none":  # per head: over head_dim; full: over all of q's (k's) width
@@ -77,14 +79,21 @@ class Attention(nn.Module):
             self._norm_qk(qkv)
         if meta.cpu_plan is not None:  # rotary, KV store and attention in one CPU block
             o = kernels.cpu_attention_block(
-                qkv, kv[0], kv[1], meta.cpu_plan, self.num_heads, self.scale, **self._variant()
+                qkv,
+                kv[0],
+                kv[1],
+                meta.cpu_plan,
+                self.num_heads,
+                self.scale,
+                rope=self.rope,
+                **self._variant(),
             )
             return self._out(o, meta.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        kernels.rotary_embedding(positions, q, k, cos_sin)
+        kernels.rotary_embedding(positions, q, k, cos_sin if cos_sin.dim() == 2 else cos_sin[self.rope])
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
@@ -136,5 +145,7 @@ class Attention(nn.Module):
         ):
             return False
         v = self._variant()
-        prog.attention(kv[0], kv[1], self.num_heads, self.scale, v["window"], v["softcap"], v["sinks"])
+        prog.attention(
+            kv[0], kv[1], self.num_heads, self.scale, v["window"], v["softcap"], v["sinks"], self.rope
+        )
         return prog.linear(self.o_proj, lora_key(self.layer, O_SLOT))

@@ -1,4 +1,5 @@
-"""RMSNorm, plain or fused with the residual add (kernels.rms_norm, kernels.add_rms_norm)."""
+"""RMSNorm, plain or fused with the residual add (kernels.rms_norm, kernels.add_rms_norm). Gemma's
+(1 + w) is this norm over a weight that holds the 1 (ModelConfig.norm_offset, folded at load)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,6 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def native_ops(self, prog: kernels.StackProgram) -> bool:
-        """The decode stack's form of `forward(x, residual)`."""
-        return prog.norm(self.weight, self.eps)
+    def native_ops(self, prog: kernels.StackProgram, residual: bool = True) -> bool:
+        """The decode stack's form of `forward(x, residual)` (`residual` False: of `forward(x)`)."""
+        return prog.norm(self.weight, self.eps) if residual else prog.rms_norm(self.weight, self.eps)
