@@ -61,7 +61,6 @@ def _layer_shapes(cfg: ModelConfig, layer: int, names: set[str] | None = None) -
         "attn_v.bias": (kv,),
         "attn_q_norm.weight": (q,) if cfg.qk_norm == "full" else (cfg.head_dim,),
         "attn_k_norm.weight": (kv,) if cfg.qk_norm == "full" else (cfg.head_dim,),
-        "post_attention_norm.weight": (h,),  # gpt-oss's name of ffn_norm
         "attn_output.bias": (h,),
         "attn_sinks.weight": (cfg.num_heads,),
     }
