@@ -132,3 +132,107 @@ def test_a_smolvlm_checkpoint_serves_its_text_as_hf_generates(tmp_path: Path, sm
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert got.token_ids == want[0, len(prompt) :].tolist()
+
+
+# SmolVLM's chat template: each content a list of parts, an image written as <image>
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """A SmolVLM-style tokenizer directory: SmolLM2's tokenizer with Idefics3's special
+    tokens, the chat template, and the processor's configs (image_seq_len 4)."""
+    import json
+
+    out = tmp_path_factory.mktemp("vlm")
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(smollm_dir))
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AROUND, IMAGE, GLOBAL, "<end_of_utterance>", *grid]}
+    )
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(PRE | {"image_processor_type": "Idefics3ImageProcessor"})
+    )
+    (out / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
+    return out
+
+
+def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
+    """For a model that sees, the gateway writes each image's placeholders into the chat
+    prompt: token for token what transformers' Idefics3Processor gives for the same images
+    and text (two images, text around them, a system turn), each image's span found; an
+    `<image>` typed in a text part stays text."""
+    import asyncio
+    import base64
+
+    import orjson
+
+    from wsllm.config_gateway import GatewayConfig
+    from wsllm.server.models import ServedModel
+    from wsllm.server.prepare import prepare
+    from wsllm.server.resume import Api
+    from wsllm.server.schemas import ChatRequest, validate_http
+    from wsllm.server.text import TextCodec
+
+    wide, tall = (
+        PILImage.effect_noise((100, 70), 60).convert("RGB"),
+        PILImage.new("RGB", (20, 50), (9, 80, 3)),
+    )
+    url = lambda im: "data:image/png;base64," + base64.b64encode(_png(im)).decode()  # noqa: E731
+    cfg = GatewayConfig()
+    model = ServedModel("vlm", TextCodec(str(vlm_dir)), svc=None)  # type: ignore[arg-type]
+    assert model.sees_images and model.codec.tiling == Tiling(96, 32, 4)
+
+    def ours(between: str) -> Any:
+        parts = [
+            {"type": "text", "text": "What is in"},
+            {"type": "image_url", "image_url": {"url": url(wide)}},
+            {"type": "text", "text": between},
+            {"type": "image_url", "image_url": {"url": url(tall)}},
+        ]
+        body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]}
+        return asyncio.run(
+            prepare(validate_http(ChatRequest, orjson.dumps(body), cfg), Api.CHAT, model, 4096, cfg)
+        )
+
+    got = ours(" and here?")
+    hf = transformers.Idefics3Processor(
+        transformers.Idefics3ImageProcessor(**PRE),
+        transformers.PreTrainedTokenizerFast.from_pretrained(str(vlm_dir)),
+        image_seq_len=4,
+        chat_template=TEMPLATE,
+    )
+    hf_parts = [
+        {"type": "text", "text": t} if t else {"type": "image"} for t in ("What is in", "", " and here?", "")
+    ]
+    hf_msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]
+    text = hf.apply_chat_template(
+        hf_msgs + [{"role": "user", "content": hf_parts}], add_generation_prompt=True
+    )
+    assert got.prompt_ids == hf(text=text, images=[[wide, tall]])["input_ids"][0]
+    (a, span_a), (b, span_b) = got.images
+    image_id = model.codec.token_id(IMAGE)
+    assert [a.width, b.width] == [100, 20] and a.digest != b.digest == span_b.digest
+    assert got.prompt_ids[span_a.start] == model.codec.token_id(AROUND)
+    assert (
+        got.prompt_ids[span_a.start : span_a.start + span_a.length].count(image_id) == 10 * 4
+    )  # 3x3 + global
+    assert (
+        got.prompt_ids[span_b.start : span_b.start + span_b.length].count(image_id) == 7 * 4
+    )  # 3x2 + global
+    typed = ours(" and <image> here?")  # a special token's text typed by the client
+    assert typed.prompt_ids.count(image_id) == got.prompt_ids.count(image_id)
+    for (_, was), (_, now) in zip(got.images, typed.images, strict=True):  # the same placeholders
+        assert (
+            typed.prompt_ids[now.start : now.start + now.length]
+            == got.prompt_ids[was.start : was.start + was.length]
+        )
+    assert model.codec.encode_text("<image>")[0] != image_id
