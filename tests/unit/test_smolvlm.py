@@ -176,11 +176,14 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
     import orjson
 
     from wsllm.config_gateway import GatewayConfig
+    from wsllm.server.errors import APIError
     from wsllm.server.models import ServedModel
     from wsllm.server.prepare import prepare
     from wsllm.server.resume import Api
     from wsllm.server.schemas import ChatRequest, validate_http
     from wsllm.server.text import TextCodec
+    from wsllm.types import GenerateRequest, PromptImage
+    from wsllm.wire import decode_request, encode
 
     wide, tall = (
         PILImage.effect_noise((100, 70), 60).convert("RGB"),
@@ -191,7 +194,7 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
     model = ServedModel("vlm", TextCodec(str(vlm_dir)), svc=None)  # type: ignore[arg-type]
     assert model.sees_images and model.codec.tiling == Tiling(96, 32, 4)
 
-    def ours(between: str) -> Any:
+    def ours(between: str, cfg: GatewayConfig = cfg) -> Any:
         parts = [
             {"type": "text", "text": "What is in"},
             {"type": "image_url", "image_url": {"url": url(wide)}},
@@ -236,3 +239,9 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
             == got.prompt_ids[was.start : was.start + was.length]
         )
     assert model.codec.encode_text("<image>")[0] != image_id
+    # what crosses the broker: each file as sent, its digest and span, within the setting
+    sent = [PromptImage.of(im.data, im.digest, s.start, s.length) for im, s in got.images]
+    req = GenerateRequest("r", got.prompt_ids, got.params, images=sent)
+    assert decode_request(encode(req)).images[1].file() == _png(tall)
+    with pytest.raises(APIError, match="limit for one request is 200"):
+        ours(" and here?", GatewayConfig(max_request_image_bytes=200))

@@ -58,17 +58,23 @@ def placeholder_ids(codec: TextCodec, height: int, width: int) -> list[int]:
 
 
 def placed(
-    messages: list[ChatMessage], codec: TextCodec, prompt_ids: list[int]
+    messages: list[ChatMessage], codec: TextCodec, prompt_ids: list[int], max_bytes: int
 ) -> list[tuple[Image, ImageSpan]]:
     """Each image of the conversation with its placeholders' span in `prompt_ids` (a
     prompt the template wrote, perhaps truncated or given a BOS since). The placeholders
     begin with special tokens no text part can give (a text part is plain text), so the
     first match after the previous image's is the image's. An image the prompt no longer
-    holds whole (`truncate_prompt_tokens` cut into it) is a 400."""
+    holds whole (`truncate_prompt_tokens` cut into it) is a 400, and so are images whose
+    files are more than `max_bytes` all told (--max-request-image-bytes: what one
+    request carries across the broker)."""
     if codec.tiling is None:
         return []
     out, at = [], 0
-    for im in images_of(messages):
+    shown = images_of(messages)
+    if (total := sum(len(im.data) for im in shown)) > max_bytes:
+        why = f"messages: the images have {total} bytes; this server's limit for one request is {max_bytes}"
+        raise APIError(400, "invalid_request", why, param="messages")
+    for im in shown:
         holder = placeholder_ids(codec, im.height, im.width)
         start = _find(prompt_ids, holder, at)
         if start < 0:

@@ -102,7 +102,9 @@ async def prepare(
     output: OutputOptions | None = plan.output if plan else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, output, req.include_usage)
     ctx.lora = model.lora
-    shown = image_prompt.placed(req.messages, codec, prompt_ids) if isinstance(req, ChatRequest) else []
+    shown = []
+    if isinstance(req, ChatRequest):  # its images' placeholders found in the final prompt
+        shown = image_prompt.placed(req.messages, codec, prompt_ids, cfg.max_request_image_bytes)
     return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "", shown)
 
 
