@@ -245,3 +245,62 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
     assert decode_request(encode(req)).images[1].file() == _png(tall)
     with pytest.raises(APIError, match="limit for one request is 200"):
         ours(" and here?", GatewayConfig(max_request_image_bytes=200))
+
+
+def test_the_encoder_steps_rows_are_hfs_merged_inputs(models: tuple[Any, Idefics3Vision]) -> None:
+    """The engine's encoder step (not wired yet): two images' files -> tiles -> encoder,
+    scattered at their `<image>` tokens over two prefill chunks that split the first
+    image, equal transformers' `inputs_merger` of `get_image_features`; the same image
+    again (another request, same root) is a cache hit and the encoder does not run;
+    another tenant's root runs it."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from wsllm.engine.encoder_cache import EncoderCache
+    from wsllm.engine.encoder_step import EncoderStep, ImageWork
+    from wsllm.server.images import ImageLimits, decode
+    from wsllm.types import PromptImage
+
+    hf, vision = models
+    spec = PixelSpec.from_hf(PRE, tokens_per_tile=4)
+    a, b = (
+        PILImage.effect_noise((100, 70), 60).convert("RGB"),
+        PILImage.effect_noise((20, 30), 40).convert("RGB"),
+    )
+    limits = ImageLimits(1 << 20, 1 << 20, 4, 4)
+    ids, images = [7, 8], []
+    for im in (a, b):  # each tile's tokens as the processor writes them: a tag, then 4 <image>
+        n = spec.tiling.num_tiles(im.height, im.width)
+        holder = [11, 12, *([299] * 4)] * n + [11]
+        images.append(PromptImage.of(_png(im), decode(_png(im), "x", limits).digest, len(ids), len(holder)))
+        ids += holder + [9]
+    step = EncoderStep(vision, spec, 299, EncoderCache(1 << 20))
+    work = ImageWork("r1", b"tenant-a", ids, images)
+    rows = step.encode([work])[0]["r1"]
+    assert step.cache.stats.runs == 2 and step.cache.stats.hits == 0
+    with torch.no_grad():
+        pixels = Idefics3ImageProcessorPil(**PRE)([[a, b]], return_tensors="pt")["pixel_values"]
+        features = torch.cat([f.reshape(-1, 48) for f in hf.model.get_image_features(pixels).pooler_output])
+        embeds = hf.model.get_input_embeddings()(torch.tensor([ids]))
+        want = hf.model.inputs_merger(torch.tensor([ids]), embeds, features)[0]
+    got = embeds[0].clone()
+    cut = images[0].start + 9  # inside the first image's second tile
+    for first, end in ((0, cut), (cut, len(ids))):
+        part = step.scatter(work, rows, first, end)
+        assert part is not None
+        got[first:end][part[0]] = part[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert step.scatter(work, rows, 0, 2) is None  # text alone
+    twice = ImageWork("r2", b"tenant-a", ids, images[1:2] * 2)  # repeated in one request too
+    again = step.encode([twice])[0]["r2"]
+    assert step.cache.stats.runs == 2 and step.cache.stats.hits == 1
+    torch.testing.assert_close(again[0], rows[1], rtol=0, atol=0)
+    step.encode([ImageWork("r3", b"tenant-b", ids, images[1:2])])
+    assert step.cache.stats.runs == 3
+    broken = list(ids)
+    broken[images[1].start + 2] = 7  # an <image> token of the second image is text: refused
+    corrupt = PromptImage.of(_png(a)[:100], "cd" * 32, images[0].start, images[0].length)
+    bad = [ImageWork("r4", None, broken, images), ImageWork("r5", None, ids, [corrupt, images[1]])]
+    good, failed = step.encode([*bad, ImageWork("r6", None, ids, images)])
+    assert (
+        list(good) == ["r6"] and "images.1 has" in failed["r4"] and "images.0 does not decode" in failed["r5"]
+    )
