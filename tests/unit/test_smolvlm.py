@@ -245,6 +245,8 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
     assert decode_request(encode(req)).images[1].file() == _png(tall)
     with pytest.raises(APIError, match="limit for one request is 200"):
         ours(" and here?", GatewayConfig(max_request_image_bytes=200))
+    with pytest.raises(ValueError, match="max_request_image_bytes"):  # past what the wire carries
+        GatewayConfig(max_request_image_bytes=65 << 20)
 
 
 def test_the_encoder_steps_rows_are_hfs_merged_inputs(models: tuple[Any, Idefics3Vision]) -> None:
