@@ -44,17 +44,17 @@ def encode_chat(codec: TextCodec, messages: list[ChatMessage], template: dict[st
     """A chat's prompt ids with its images' placeholders (`template`: the chat plan's)."""
     # The vision families' templates take tools themselves: no chat style writes them in.
     kw = {k: v for k, v in template.items() if k != "tool_prompt"}
-    holders = [placeholder_ids(codec, im.height, im.width) for im in images_of(messages)]
+    holders = [list(placeholder_ids(codec, im.height, im.width)) for im in images_of(messages)]
     return codec.encode_chat_images(template_messages(messages), holders, **kw)[0]
 
 
 @functools.lru_cache(maxsize=256)
-def placeholder_ids(codec: TextCodec, height: int, width: int) -> list[int]:
+def placeholder_ids(codec: TextCodec, height: int, width: int) -> tuple[int, ...]:
     """The placeholder tokens of an image of this size (the tiling's text, its special
     tokens read as such: HF's processor tokenizes it so)."""
     if codec.tiling is None:
         raise ValueError("this model reads text only")
-    return codec.encode(codec.tiling.placeholder(height, width), add_special_tokens=False)
+    return tuple(codec.encode(codec.tiling.placeholder(height, width), add_special_tokens=False))
 
 
 def placed(
@@ -75,7 +75,7 @@ def placed(
         why = f"messages: the images have {total} bytes; this server's limit for one request is {max_bytes}"
         raise APIError(400, "invalid_request", why, param="messages")
     for im in shown:
-        holder = placeholder_ids(codec, im.height, im.width)
+        holder = list(placeholder_ids(codec, im.height, im.width))
         start = _find(prompt_ids, holder, at)
         if start < 0:
             why = "truncate_prompt_tokens: the truncated prompt would cut an image's tokens"
