@@ -13,6 +13,15 @@ from typing import Any
 
 import orjson
 
+# Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
+# field the type does not have. (pydantic reads this from the dataclasses.)
+STRICT_DECODING = {
+    "strict": True,
+    "extra": "forbid",
+    "allow_inf_nan": False,
+    "revalidate_instances": "always",
+}
+
 # -- bounds: the numbers that more than one table uses --------------------------------------
 
 MAX_TOKENS = 1 << 20
@@ -24,6 +33,11 @@ MAX_ID_CHARS = 256  # request ids, model and tenant names
 MAX_CACHE_SALT_CHARS = 256
 #: GenerateRequest.cache_salt: the gateway's namespace, "<tenant's>\x1f<request's>"
 MAX_WIRE_SALT_CHARS = 2 * MAX_CACHE_SALT_CHARS + 16
+#: a request's images on the wire (GenerateRequest.images): at most this many, and this
+#: many bytes of their files all told (base64 on the wire: 4/3 of it). The gateway's
+#: --max-request-image-bytes is at most this; a Redis stream entry is bounded by it.
+MAX_WIRE_IMAGES = 64
+MAX_WIRE_IMAGE_BYTES = 64 << 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's cap)
 LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as OpenAI's
 #: the kinds of `structured` output, each the one key of its dict (see wsllm/structured.py)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from wsllm.bounds import MAX_WIRE_IMAGE_BYTES
+
 
 def tool_parser_choices() -> tuple[str, ...]:
     """GatewayConfig.tool_parser's values: auto, or a style of the registry."""
@@ -114,6 +116,13 @@ class GatewayConfig:
         metadata={"help": "most pixels (width x height) of one image, read from its header"},
     )
     max_images_per_request: int = field(default=8, metadata={"help": "most images in one request's body"})
+    max_request_image_bytes: int = field(
+        default=16 << 20,
+        metadata={
+            "help": "most bytes of image files one request carries to an engine across the broker "
+            "(its conversation's images all told; at most 64 MiB)"
+        },
+    )
     max_images_per_conversation: int = field(
         default=16,
         metadata={
@@ -232,6 +241,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_request_image_bytes <= MAX_WIRE_IMAGE_BYTES:
+            raise ValueError(f"max_request_image_bytes must be in [1, {MAX_WIRE_IMAGE_BYTES}]")
         if not 0 <= self.metrics_cache_s <= 3600:
             raise ValueError(f"metrics_cache_s must be in [0, 3600] seconds, got {self.metrics_cache_s}")
         if not self.send_timeout_s > 0 or not self.heartbeat_s > 0:

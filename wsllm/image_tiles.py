@@ -12,8 +12,10 @@ Idefics3Processor writes them."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MAX_SIDE = 4096  # transformers' absolute maximum side
@@ -39,6 +41,18 @@ class Tiling:
             tokens_per_tile=tokens_per_tile,
             splitting=preprocessor.get("do_image_splitting", True),
         )
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tiling | None:
+        """An Idefics3 (SmolVLM) checkpoint's tiling, from its preprocessor_config.json
+        and processor_config.json (`image_seq_len`, transformers' default 169 without
+        it); None for a directory without an Idefics3 image processor: a model that
+        reads text only."""
+        pre = _json(Path(directory) / "preprocessor_config.json")
+        if not str(pre.get("image_processor_type", "")).startswith("Idefics3"):
+            return None
+        proc = _json(Path(directory) / "processor_config.json")
+        return cls.from_hf(pre, int(proc.get("image_seq_len", 169)))
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """The size (height, width) the image is first resized to."""
@@ -83,6 +97,14 @@ class Tiling:
             for r in range(rows)
         )
         return f"{lines}\n{view}"
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def _longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:

@@ -21,14 +21,18 @@ from wsllm.bounds import (
     MAX_ID_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_TOKEN_ID,
+    MAX_WIRE_IMAGE_BYTES,
+    MAX_WIRE_IMAGES,
     MAX_WIRE_SALT_CHARS,
     REQUEST_BOUNDS,
     SAMPLING_BOUNDS,
+    STRICT_DECODING,
     check,
     check_structured_shape,
     summary,
     token_ids_ok,
 )
+from wsllm.prompt_image import PromptImage
 
 SCHEMA_VERSION = 1
 
@@ -62,15 +66,6 @@ GREEDY_BELOW = 1e-5
 #: SamplingParams.pooling: how an embedding request's last hidden states become one vector
 #: ("auto": the engine's choice for its model, EngineConfig.pooling)
 POOLING_KINDS = ("auto", "last", "mean")
-
-# Strict decoding: no "0.5" for a number, no 1.0 or true for an integer, no NaN, no
-# field the type does not have. (pydantic reads this from the dataclasses.)
-STRICT_DECODING = {
-    "strict": True,
-    "extra": "forbid",
-    "allow_inf_nan": False,
-    "revalidate_instances": "always",
-}
 
 
 class WireError(ValueError):
@@ -173,6 +168,8 @@ class GenerateRequest:
     #: The engine and prefix routing read it through `prefix_hash.request_root`.
     cache_salt: str = ""
     lora: str = ""  # the LoRA adapter it runs under (a name its engines hold; "": the base)
+    #: its images, in prompt order, each span within the prompt and apart from the others
+    images: list[PromptImage] = field(default_factory=list)
 
     def expired(self, now: float) -> bool:
         """Past its queue deadline at `now` (time.time()): it must not start."""
@@ -198,6 +195,30 @@ class GenerateRequest:
         check(isinstance(self.params, SamplingParams), "params", "SamplingParams", type(self.params))
         for name, bound in REQUEST_BOUNDS.items():
             bound.check(name, getattr(self, name))
+        self._check_images()
+
+    def _check_images(self) -> None:
+        ims = self.images
+        ok = (
+            isinstance(ims, list)
+            and len(ims) <= MAX_WIRE_IMAGES
+            and all(isinstance(i, PromptImage) for i in ims)
+        )
+        check(ok, "images", f"a list of at most {MAX_WIRE_IMAGES} images", summary(ims))
+        total = sum(i.file_bytes for i in ims)
+        check(
+            total <= MAX_WIRE_IMAGE_BYTES, "images", f"at most {MAX_WIRE_IMAGE_BYTES} bytes of files", total
+        )
+        end = 0
+        for k, im in enumerate(ims):
+            inside = end <= im.start and im.start + im.length <= len(self.prompt_token_ids)
+            check(
+                inside,
+                f"images.{k}",
+                "a span within the prompt, after the image before it",
+                (im.start, im.length),
+            )
+            end = im.start + im.length
 
 
 @dataclass(slots=True)

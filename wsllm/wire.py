@@ -73,7 +73,7 @@ def _event_dict(e: TokenEvent) -> dict[str, Any]:
 
 def _request_dict(r: GenerateRequest) -> dict[str, Any]:
     d = asdict(r)
-    for name in ("cache_salt", "lora"):
+    for name in ("cache_salt", "lora", "images"):
         if not d[name]:
             del d[name]
     for name in ("prompt_logprobs", "structured", "logit_bias", "pooling"):

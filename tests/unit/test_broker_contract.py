@@ -18,7 +18,7 @@ import pytest
 
 from wsllm.broker.base import Broker, BrokerClosed, EngineInfo, QueueFull
 from wsllm.broker.memory import MemoryBroker
-from wsllm.types import GenerateRequest, SamplingParams, TokenEvent, Usage
+from wsllm.types import GenerateRequest, PromptImage, SamplingParams, TokenEvent, Usage
 
 
 @contextlib.contextmanager
@@ -79,10 +79,14 @@ async def collect(broker: Broker, n_events: int, timeout: float = 5.0) -> list[T
 
 def test_submit_then_pull_is_fifo_and_lossless(make_broker):
     with make_broker() as b:
+        sent = [req(f"r{i}", n_prompt=i + 1) for i in range(5)]
+        # an image's file, digest and placeholder span cross whole (`images` is left off the
+        # wire of a request without one)
+        sent[4].images = [PromptImage.of(b"\x89PNG\r\n\x1a\n" + bytes(range(256)), "ab" * 32, 1, 3)]
 
         async def submit_all() -> None:
-            for i in range(5):
-                await b.submit(req(f"r{i}", n_prompt=i + 1))
+            for r in sent:
+                await b.submit(r)
 
         asyncio.run(submit_all())
         first = b.pull(2)
@@ -91,6 +95,8 @@ def test_submit_then_pull_is_fifo_and_lossless(make_broker):
         # What crosses the broker comes out equal, params included.
         assert rest[-1].prompt_token_ids == [1, 2, 3, 4, 5]
         assert rest[-1].params == req("x").params
+        assert rest[-1].images == sent[4].images and rest[-1].images[0].file() == sent[4].images[0].file()
+        assert rest[0].images == []
         assert b.pull(10) == []
 
 

@@ -11,7 +11,7 @@ import torch
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
 from wsllm.engine.step_cost import MIN_UNITS
-from wsllm.types import GenerateRequest, SamplingParams
+from wsllm.types import GenerateRequest, PromptImage, SamplingParams
 
 
 @pytest.fixture(scope="module", params=["dense", "quantized"])
@@ -176,6 +176,7 @@ def test_sampling_params_reject_nonsense(kwargs: dict[str, object], field: str) 
         ("x", [1, -1], SamplingParams(), "token ids"),
         ("x", [1] * 10, SamplingParams(max_tokens=5000), "context"),
         ("dup", [1, 2], SamplingParams(), "already in use"),
+        ("img", [1, 2, 3], SamplingParams(), "does not read images"),  # until the encoder step
     ],
 )
 def test_bad_requests_leave_engine_unchanged(
@@ -184,8 +185,9 @@ def test_bad_requests_leave_engine_unchanged(
     if rid == "dup":
         engine.add_request(GenerateRequest("dup", [5, 6, 7], SamplingParams(max_tokens=2)))
     before = (engine.stats(), len(engine._requests), engine.block_manager.num_free_blocks)
+    images = [PromptImage.of(b"GIF89a", "0f" * 32, 1, 2)] if rid == "img" else []
     with pytest.raises(ValueError, match=match):
-        engine.add_request(GenerateRequest(rid, prompt, params))
+        engine.add_request(GenerateRequest(rid, prompt, params, images=images))
     assert (engine.stats(), len(engine._requests), engine.block_manager.num_free_blocks) == before
     while engine.has_unfinished():
         engine.step()

@@ -132,3 +132,177 @@ def test_a_smolvlm_checkpoint_serves_its_text_as_hf_generates(tmp_path: Path, sm
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert got.token_ids == want[0, len(prompt) :].tolist()
+
+
+# SmolVLM's chat template: each content a list of parts, an image written as <image>
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """A SmolVLM-style tokenizer directory: SmolLM2's tokenizer with Idefics3's special
+    tokens, the chat template, and the processor's configs (image_seq_len 4)."""
+    import json
+
+    out = tmp_path_factory.mktemp("vlm")
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(smollm_dir))
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AROUND, IMAGE, GLOBAL, "<end_of_utterance>", *grid]}
+    )
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(PRE | {"image_processor_type": "Idefics3ImageProcessor"})
+    )
+    (out / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
+    return out
+
+
+def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
+    """For a model that sees, the gateway writes each image's placeholders into the chat
+    prompt: token for token what transformers' Idefics3Processor gives for the same images
+    and text (two images, text around them, a system turn), each image's span found; an
+    `<image>` typed in a text part stays text."""
+    import asyncio
+    import base64
+
+    import orjson
+
+    from wsllm.config_gateway import GatewayConfig
+    from wsllm.server.errors import APIError
+    from wsllm.server.models import ServedModel
+    from wsllm.server.prepare import prepare
+    from wsllm.server.resume import Api
+    from wsllm.server.schemas import ChatRequest, validate_http
+    from wsllm.server.text import TextCodec
+    from wsllm.types import GenerateRequest, PromptImage
+    from wsllm.wire import decode_request, encode
+
+    wide, tall = (
+        PILImage.effect_noise((100, 70), 60).convert("RGB"),
+        PILImage.new("RGB", (20, 50), (9, 80, 3)),
+    )
+    url = lambda im: "data:image/png;base64," + base64.b64encode(_png(im)).decode()  # noqa: E731
+    cfg = GatewayConfig()
+    model = ServedModel("vlm", TextCodec(str(vlm_dir)), svc=None)  # type: ignore[arg-type]
+    assert model.sees_images and model.codec.tiling == Tiling(96, 32, 4)
+
+    def ours(between: str, cfg: GatewayConfig = cfg) -> Any:
+        parts = [
+            {"type": "text", "text": "What is in"},
+            {"type": "image_url", "image_url": {"url": url(wide)}},
+            {"type": "text", "text": between},
+            {"type": "image_url", "image_url": {"url": url(tall)}},
+        ]
+        body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]}
+        return asyncio.run(
+            prepare(validate_http(ChatRequest, orjson.dumps(body), cfg), Api.CHAT, model, 4096, cfg)
+        )
+
+    got = ours(" and here?")
+    hf = transformers.Idefics3Processor(
+        transformers.Idefics3ImageProcessor(**PRE),
+        transformers.PreTrainedTokenizerFast.from_pretrained(str(vlm_dir)),
+        image_seq_len=4,
+        chat_template=TEMPLATE,
+    )
+    hf_parts = [
+        {"type": "text", "text": t} if t else {"type": "image"} for t in ("What is in", "", " and here?", "")
+    ]
+    hf_msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]
+    text = hf.apply_chat_template(
+        hf_msgs + [{"role": "user", "content": hf_parts}], add_generation_prompt=True
+    )
+    assert got.prompt_ids == hf(text=text, images=[[wide, tall]])["input_ids"][0]
+    (a, span_a), (b, span_b) = got.images
+    image_id = model.codec.token_id(IMAGE)
+    assert [a.width, b.width] == [100, 20] and a.digest != b.digest == span_b.digest
+    assert got.prompt_ids[span_a.start] == model.codec.token_id(AROUND)
+    assert (
+        got.prompt_ids[span_a.start : span_a.start + span_a.length].count(image_id) == 10 * 4
+    )  # 3x3 + global
+    assert (
+        got.prompt_ids[span_b.start : span_b.start + span_b.length].count(image_id) == 7 * 4
+    )  # 3x2 + global
+    typed = ours(" and <image> here?")  # a special token's text typed by the client
+    assert typed.prompt_ids.count(image_id) == got.prompt_ids.count(image_id)
+    for (_, was), (_, now) in zip(got.images, typed.images, strict=True):  # the same placeholders
+        assert (
+            typed.prompt_ids[now.start : now.start + now.length]
+            == got.prompt_ids[was.start : was.start + was.length]
+        )
+    assert model.codec.encode_text("<image>")[0] != image_id
+    # what crosses the broker: each file as sent, its digest and span, within the setting
+    sent = [PromptImage.of(im.data, im.digest, s.start, s.length) for im, s in got.images]
+    req = GenerateRequest("r", got.prompt_ids, got.params, images=sent)
+    assert decode_request(encode(req)).images[1].file() == _png(tall)
+    with pytest.raises(APIError, match="limit for one request is 200"):
+        ours(" and here?", GatewayConfig(max_request_image_bytes=200))
+    with pytest.raises(ValueError, match="max_request_image_bytes"):  # past what the wire carries
+        GatewayConfig(max_request_image_bytes=65 << 20)
+
+
+def test_the_encoder_steps_rows_are_hfs_merged_inputs(models: tuple[Any, Idefics3Vision]) -> None:
+    """The engine's encoder step (not wired yet): two images' files -> tiles -> encoder,
+    scattered at their `<image>` tokens over two prefill chunks that split the first
+    image, equal transformers' `inputs_merger` of `get_image_features`; the same image
+    again (another request, same root) is a cache hit and the encoder does not run;
+    another tenant's root runs it."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from wsllm.engine.encoder_cache import EncoderCache
+    from wsllm.engine.encoder_step import EncoderStep, ImageWork
+    from wsllm.server.images import ImageLimits, decode
+    from wsllm.types import PromptImage
+
+    hf, vision = models
+    spec = PixelSpec.from_hf(PRE, tokens_per_tile=4)
+    a, b = (
+        PILImage.effect_noise((100, 70), 60).convert("RGB"),
+        PILImage.effect_noise((20, 30), 40).convert("RGB"),
+    )
+    limits = ImageLimits(1 << 20, 1 << 20, 4, 4)
+    ids, images = [7, 8], []
+    for im in (a, b):  # each tile's tokens as the processor writes them: a tag, then 4 <image>
+        n = spec.tiling.num_tiles(im.height, im.width)
+        holder = [11, 12, *([299] * 4)] * n + [11]
+        images.append(PromptImage.of(_png(im), decode(_png(im), "x", limits).digest, len(ids), len(holder)))
+        ids += holder + [9]
+    step = EncoderStep(vision, spec, 299, EncoderCache(1 << 20))
+    work = ImageWork("r1", b"tenant-a", ids, images)
+    rows = step.encode([work])[0]["r1"]
+    assert step.cache.stats.runs == 2 and step.cache.stats.hits == 0
+    with torch.no_grad():
+        pixels = Idefics3ImageProcessorPil(**PRE)([[a, b]], return_tensors="pt")["pixel_values"]
+        features = torch.cat([f.reshape(-1, 48) for f in hf.model.get_image_features(pixels).pooler_output])
+        embeds = hf.model.get_input_embeddings()(torch.tensor([ids]))
+        want = hf.model.inputs_merger(torch.tensor([ids]), embeds, features)[0]
+    got = embeds[0].clone()
+    cut = images[0].start + 9  # inside the first image's second tile
+    for first, end in ((0, cut), (cut, len(ids))):
+        part = step.scatter(work, rows, first, end)
+        assert part is not None
+        got[first:end][part[0]] = part[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert step.scatter(work, rows, 0, 2) is None  # text alone
+    twice = ImageWork("r2", b"tenant-a", ids, images[1:2] * 2)  # repeated in one request too
+    again = step.encode([twice])[0]["r2"]
+    assert step.cache.stats.runs == 2 and step.cache.stats.hits == 1
+    torch.testing.assert_close(again[0], rows[1], rtol=0, atol=0)
+    step.encode([ImageWork("r3", b"tenant-b", ids, images[1:2])])
+    assert step.cache.stats.runs == 3
+    broken = list(ids)
+    broken[images[1].start + 2] = 7  # an <image> token of the second image is text: refused
+    corrupt = PromptImage.of(_png(a)[:100], "cd" * 32, images[0].start, images[0].length)
+    bad = [ImageWork("r4", None, broken, images), ImageWork("r5", None, ids, [corrupt, images[1]])]
+    good, failed = step.encode([*bad, ImageWork("r6", None, ids, images)])
+    assert (
+        list(good) == ["r6"] and "images.1 has" in failed["r4"] and "images.0 does not decode" in failed["r5"]
+    )

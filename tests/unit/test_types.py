@@ -9,8 +9,16 @@ from typing import Any
 import orjson
 import pytest
 
-from wsllm.bounds import MAX_TOP_K, SAMPLING_BOUNDS
-from wsllm.types import GREEDY_BELOW, GenerateRequest, SamplingParams, TokenEvent, Usage, WireError
+from wsllm.bounds import MAX_TOP_K, MAX_WIRE_IMAGES, SAMPLING_BOUNDS
+from wsllm.types import (
+    GREEDY_BELOW,
+    GenerateRequest,
+    PromptImage,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+    WireError,
+)
 from wsllm.wire import check_request, decode_events, decode_request, encode
 
 
@@ -132,10 +140,32 @@ def test_a_tiny_temperature_is_greedy() -> None:
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
-def mutated(change: Any) -> bytes:
-    msg = orjson.loads(encode(good()))
+def mutated(change: Any, base: GenerateRequest | None = None) -> bytes:
+    msg = orjson.loads(encode(base or good()))
     change(msg)
     return orjson.dumps(msg)
+
+
+IMAGE = PromptImage.of(b"GIF89a" + bytes(40), "0f" * 32, 1, 2)
+
+
+def pictured() -> GenerateRequest:
+    """A request with an image whose placeholders are prompt positions 1 and 2."""
+    req = good()
+    req.images = [IMAGE]
+    return req
+
+
+def with_image(**change: Any) -> Any:
+    return lambda m: m["item"]["images"][0].update(change)
+
+
+def test_an_image_crosses_the_wire_whole() -> None:
+    sent = pictured()
+    back = decode_request(encode(sent))
+    assert back == sent and back.images[0].file() == b"GIF89a" + bytes(40)
+    assert back.images[0].file_bytes == 46
+    assert check_request(sent) == sent
 
 
 BAD_ENTRIES: list[tuple[str, bytes, str]] = [
@@ -168,6 +198,23 @@ BAD_ENTRIES: list[tuple[str, bytes, str]] = [
         "a regex that is no string",
         mutated(lambda m: m["item"]["params"].update(structured={"regex": 5})),
         "structured",
+    ),
+    ("an image's span past the prompt", mutated(with_image(length=3), pictured()), "images.0"),
+    ("an image's digest no hex", mutated(with_image(digest="Z" * 64), pictured()), "digest"),
+    ("an image's data no base64", mutated(with_image(data="****"), pictured()), "data"),
+    ("an image's data a list", mutated(with_image(data=[1]), pictured()), "data"),
+    ("an image without a span", mutated(with_image(length=0), pictured()), "length"),
+    (
+        "two images overlapping",
+        mutated(lambda m: m["item"]["images"].append(dict(m["item"]["images"][0])), pictured()),
+        "images.1",
+    ),
+    (
+        "too many images",
+        mutated(
+            lambda m: m["item"].update(images=[m["item"]["images"][0]] * (MAX_WIRE_IMAGES + 1)), pictured()
+        ),
+        "images",
     ),
     ("an event batch", encode([TokenEvent("r1", 0, [1])]), "kind"),
     ("not JSON", b"\xff garbage", "request"),

@@ -36,6 +36,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
     "added_tokens.json",
+    # a model that sees: how its images become placeholder tokens (image_tiles.py)
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 #: the largest tokenizer an engine publishes through the broker (bytes, all files)
 MAX_TOKENIZER_BYTES = 64 << 20

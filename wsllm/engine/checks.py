@@ -30,6 +30,8 @@ def check_admissible(
         raise ValueError("params must be a SamplingParams")
     if not prompt:
         raise ValueError("prompt must not be empty")
+    if request.images:  # until the encoder step is wired (docs/vision.md): never read as text
+        raise ValueError("this engine does not read images yet; send text")
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size for t in prompt):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     if any(t >= vocab_size for t in params.stop_token_ids):

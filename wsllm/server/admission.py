@@ -24,7 +24,7 @@ from wsllm.server.quota import Ticket, compile_charge, counted, exact_charge, ke
 from wsllm.server.resume import Api, new_token
 from wsllm.server.schemas import ChatRequest, CompletionRequest
 from wsllm.server.tenants import Tenant
-from wsllm.types import GenerateRequest
+from wsllm.types import GenerateRequest, PromptImage
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Admission:
             rid, prep.prompt_ids, prep.params, model=self.model.name, arrival_time=now,
             queue_deadline=deadline, priority=self.priority, tenant=tenant.name, lora=self.model.lora,
             cache_salt=tenant.cache_namespace(prep.cache_salt),  # its KV is its tenant's alone
+            images=[PromptImage.of(im.data, im.digest, s.start, s.length) for im, s in prep.images],
         )  # fmt: skip
         try:
             await svc.broker.submit(request, context=prep.context.encode() if svc.broker.resumable else None)

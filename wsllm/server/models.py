@@ -40,8 +40,12 @@ class ServedModel:
     codec: TextCodec
     svc: Services
     lora: str = ""  # the LoRA adapter a request names (`name` is then its base model)
-    #: whether it reads images (a vision family, docs/vision.md); a text model does not
+    #: whether it reads images (a vision family, docs/vision.md); a text model does not.
+    #: Set from its tokenizer's directory: an image processor there (`TextCodec.tiling`).
     sees_images: bool = False
+
+    def __post_init__(self) -> None:
+        self.sees_images = self.sees_images or getattr(self.codec, "tiling", None) is not None
 
     @property
     def served_as(self) -> str:

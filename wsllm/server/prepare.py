@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from wsllm.config_gateway import GatewayConfig
-from wsllm.server import programs, textwork
+from wsllm.prefix_hash import ImageSpan
+from wsllm.server import image_prompt, programs, textwork
 from wsllm.server.chat.output import OutputOptions
 from wsllm.server.chat.plan import plan_chat, wanted_constraint
 from wsllm.server.errors import APIError
 from wsllm.server.fim import fim_prompt
+from wsllm.server.images import Image
 from wsllm.server.models import ServedModel
 from wsllm.server.resume import Api, ResumeContext
 from wsllm.server.schemas import ChatRequest, CompletionRequest
@@ -57,6 +59,8 @@ class Prepared:
     compile_s: float = 0.0
     #: the request's own `cache_salt` (vLLM's; "": none), narrowing its tenant's prefix cache
     cache_salt: str = ""
+    #: its images with their placeholders' spans in `prompt_ids` (a model that sees)
+    images: list[tuple[Image, ImageSpan]] = field(default_factory=list)
 
     @property
     def prompt_logprobs_entries(self) -> int:
@@ -98,7 +102,10 @@ async def prepare(
     output: OutputOptions | None = plan.output if plan else None
     ctx = ResumeContext.start(api, model.name, prompt_ids, params, req.stops, output, req.include_usage)
     ctx.lora = model.lora
-    return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "")
+    shown = []
+    if isinstance(req, ChatRequest):  # its images' placeholders found in the final prompt
+        shown = image_prompt.placed(req.messages, codec, prompt_ids, cfg.max_request_image_bytes)
+    return Prepared(prompt_ids, params, ctx, compile_s, req.cache_salt or "", shown)
 
 
 async def chat_prompt(
@@ -259,8 +266,12 @@ async def _prompt_ids(
             return await _fim_ids(codec, prompt, req.suffix)
         encode_text = functools.partial(codec.encode, add_special_tokens=req.add_special_tokens)
         return await _run_text(encode_text, prompt, len(prompt))
-    messages = [m.as_template_input() for m in req.messages]
-    encode = functools.partial(codec.encode_chat, messages, **template)
+    if codec.tiling is not None:  # a model that sees: its images' placeholders written in
+        encode = functools.partial(image_prompt.encode_chat, codec, req.messages, template)
+    else:
+        encode = functools.partial(
+            codec.encode_chat, [m.as_template_input() for m in req.messages], **template
+        )
     try:  # a template is a program: always off the loop, on its pool, with a deadline
         ids = await programs.render(encode, template_timeout_s, tenant)
         return with_special_tokens(codec, ids) if req.add_special_tokens else ids

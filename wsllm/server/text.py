@@ -17,6 +17,8 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from wsllm.image_tiles import IMAGE, Tiling
+
 log = logging.getLogger(__name__)
 
 # Prompt tokens given to each detokenizer as context (leading spaces, merges).
@@ -28,6 +30,10 @@ _STRS_ONE_BY_ONE = 4096
 # Stand-ins for message contents while a template renders (private-use characters,
 # which no template trims or escapes).
 _MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _marked(part: dict[str, Any], marks: Any) -> dict[str, Any]:
+    return part | {"text": f"\ue000{next(marks)}\ue001"} if part.get("type") == "text" else part
 
 
 class TemplateError(ValueError):
@@ -67,6 +73,9 @@ class TextCodec:
         self._specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False)})
         self._literal = Tokenizer.from_str(backend.to_str())
         self._literal.encode_special_tokens = True
+        #: how the model's processor cuts an image into placeholder tokens; None: it
+        #: reads text only (image_tiles.py; docs/vision.md)
+        self.tiling: Tiling | None = Tiling.from_dir(tokenizer_dir)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
@@ -148,13 +157,56 @@ class TextCodec:
         seen = [int(i) for i in parts[1::2]]
         if len(set(seen)) != len(seen) or any(i >= len(messages) for i in seen):
             raise TemplateError("this model's chat template cannot take special-token text in a message")
+        return self._with_literals(parts, [m["content"] for m in messages])
+
+    def _with_literals(self, parts: list[str], literals: list[str]) -> list[int]:
+        """`parts` as `_MARK.split` gives them: the template's own text (special tokens
+        read) and, at odd places, the index of a text in `literals` to read as plain text."""
         ids: list[int] = []
         for k, part in enumerate(parts):
             if k % 2 == 0:
                 ids += _encode(self.backend, part, False)
             else:
-                ids += _encode(self._literal, messages[int(part)]["content"], False)
+                ids += _encode(self._literal, literals[int(part)], False)
         return ids
+
+    def encode_chat_images(
+        self,
+        messages: list[dict[str, Any]],
+        images: list[list[int]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> tuple[list[int], list[int]]:
+        """The token ids of a chat whose contents are lists of parts (`{"type": "text",
+        "text": ...}`, `{"type": "image"}`: HF's processors' input), each `<image>` the
+        template writes replaced by the next image's placeholder ids (`images`); and
+        where each image's placeholders start. A text part is read as plain text (a
+        special token typed in it stays text); with none, the text between images is
+        tokenized as HF's processor does, whole, for the same ids."""
+        texts = [p for m in messages for p in m["content"] if p.get("type") == "text"]
+        literal = any(sp in p["text"] for p in texts for sp in self._specials)
+        if literal:  # each text part a mark, read back as plain text
+            marks = iter(range(len(texts)))
+            messages = [m | {"content": [_marked(p, marks) for p in m["content"]]} for m in messages]
+        pieces = self.render_chat(
+            messages, tools, template_kwargs, add_generation_prompt, continue_final_message
+        ).split(IMAGE)
+        if len(pieces) != len(images) + 1:
+            raise TemplateError(f"the chat template wrote {len(pieces) - 1} images for {len(images)}")
+        literals = [p["text"] for p in texts]
+        ids, starts = [], []
+        for k, piece in enumerate(pieces):
+            ids += (
+                self._with_literals(_MARK.split(piece), literals)
+                if literal
+                else _encode(self.backend, piece, False)
+            )
+            if k < len(images):
+                starts.append(len(ids))
+                ids += images[k]
+        return ids, starts
 
     def detokenizer(self, prompt_token_ids: list[int], special_tokens: bool = False) -> Detokenizer:
         """`special_tokens`: keep them in the text (a style that reads them: harmony's markers)."""
