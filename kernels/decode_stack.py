@@ -98,9 +98,11 @@ class StackProgram:
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        group: int = 0,
     ) -> None:
         """`window`, `softcap`, `sinks`: the layer's attention variant (kernels/paged_attention.py),
-        each off by default."""
+        each off by default; `group`: the KV group whose slots and block tables it reads (a model
+        of several windows, engine/kv_groups.py: the stack's inputs are then one per group)."""
         self.program += [
             ATTENTION,
             self._tensor(k_cache),
@@ -110,6 +112,7 @@ class StackProgram:
             int(window),
             self._float(softcap),
             -1 if sinks is None else self._tensor(sinks.float().contiguous()),
+            int(group),
         ]
 
     def silu_mul(self) -> None:
@@ -125,7 +128,8 @@ class StackProgram:
 
     def build(self) -> Any:
         """The native DecodeStack of this program (checked there), or None without the native
-        build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual)."""
+        build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual);
+        slots [n] and tables [n, w], or [G, n] and [G, n, w]: per KV group."""
         ext = native_ext()
         if ext is None:
             return None
