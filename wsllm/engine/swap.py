@@ -72,8 +72,12 @@ class CpuSwapSpace:
         ]
 
     @property
+    def num_blocks(self) -> int:
+        return sum(s.num_blocks for s in self.spaces)
+
+    @property
     def num_free_blocks(self) -> int:
-        return min(s.num_free_blocks for s in self.spaces)
+        return sum(s.num_free_blocks for s in self.spaces)
 
     @staticmethod
     def _groups(bm: KVManager) -> list[BlockManager]:
