@@ -108,9 +108,12 @@ class StackProgram:
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
         rope: int = 0,
+        group: int = 0,
     ) -> None:
         """`window`, `softcap`, `sinks`: the layer's attention variant (kernels/paged_attention.py),
-        each off by default; `rope`: its rotary table (CpuAttentionPlan.rotary; 0: the model's first)."""
+        each off by default; `rope`: its rotary table (CpuAttentionPlan.rotary; 0: the model's first);
+        `group`: the KV group whose slots and block tables it reads (a model of several windows,
+        engine/kv_groups.py: the stack's inputs are then one per group)."""
         self.program += [
             ATTENTION,
             self._tensor(k_cache),
@@ -121,6 +124,7 @@ class StackProgram:
             self._float(softcap),
             -1 if sinks is None else self._tensor(sinks.float().contiguous()),
             int(rope),
+            int(group),
         ]
 
     def silu_mul(self) -> None:
@@ -140,7 +144,8 @@ class StackProgram:
     def build(self) -> Any:
         """The native DecodeStack of this program (checked there), or None without the native
         build. `.forward(x, cos, sin, slots, tables, lens, isa, lora, lora_rows)` -> (x, residual); cos
-        and sin: each rotary table's rows of the step, one table after the other."""
+        and sin: each rotary table's rows of the step, one table after the other; slots [n] and
+        tables [n, w], or [G, n] and [G, n, w]: per KV group."""
         ext = native_ext()
         if ext is None:
             return None

@@ -236,6 +236,27 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), smollm_dir, "llama3")
 
 
+@pytest.fixture(scope="session")
+def tiny_window_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> dict[str, Path]:
+    """Sliding windows of 20 tokens: a Qwen2 whose three layers are windowed, full and windowed
+    (`use_sliding_window` with `layer_types`, Gemma 3's kind of mix), and a Mistral windowed
+    on every layer."""
+    sliding, full = "sliding_attention", "full_attention"
+    qwen2 = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen2-window"),
+        smollm_dir,
+        "qwen2",
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=20,
+        layer_types=[sliding, full, sliding],
+    )
+    mistral = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-mistral"), smollm_dir, "mistral", sliding_window=20
+    )
+    return {"qwen2": qwen2, "mistral": mistral}
+
+
 # llama.cpp's formats for a tiny GGUF: the attention and gate/up parts in Q4_0 but
 # attn_v and ffn_down in Q8_0 (as a Q4_K_M file mixes Q4_K and Q6_K), the embedding Q8_0.
 TINY_GGUF_FORMATS = {

@@ -2,6 +2,8 @@
 // modules call.
 #include "decode_stack.h"
 
+#include <algorithm>
+
 #include "attention.h"
 #include "qlinear.h"
 #include "rowops.h"
@@ -75,6 +77,9 @@ DecodeStack::DecodeStack(std::vector<int64_t> program, std::vector<torch::Tensor
                       "DecodeStack: sinks must be float32 [num_heads]");
           s.var.sinks = t;
         }
+        s.c = r.next();
+        TORCH_CHECK(s.c >= 0, "DecodeStack: KV group ", s.c, " out of range");
+        num_groups_ = std::max(num_groups_, s.c + 1);
         break;
       }
       case kSiluMul:
@@ -110,8 +115,22 @@ std::vector<torch::Tensor> DecodeStack::forward(torch::Tensor x, torch::Tensor c
                                                 torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
                                                 int64_t isa, const LoraList& lora,
                                                 const std::vector<torch::Tensor>& lora_rows) {
+  std::vector<torch::Tensor> group_slots, group_tables;  // per KV group
+  if (slots.dim() == 2) {
+    TORCH_CHECK(tables.dim() == 3 && tables.size(0) == slots.size(0),
+                "DecodeStack: per-group slots [G, n] and tables [G, n, w] must agree");
+    for (int64_t g = 0; g < slots.size(0); ++g) {
+      group_slots.push_back(slots[g]);
+      group_tables.push_back(tables[g]);
+    }
+  } else {
+    group_slots.push_back(slots);
+    group_tables.push_back(tables);
+  }
+  TORCH_CHECK(int64_t(group_slots.size()) >= num_groups_, "DecodeStack: the program reads ", num_groups_,
+              " KV groups, the step has ", group_slots.size());
   torch::Tensor residual;
-  const StackInputs in{cos, sin, slots, tables, lens, isa, lora, lora_rows};
+  const StackInputs in{cos, sin, group_slots, group_tables, lens, isa, lora, lora_rows};
   run_as_team([&] { run(x, residual, in); });
   return {x, residual};
 }
@@ -137,7 +156,7 @@ void DecodeStack::run(torch::Tensor& x, torch::Tensor& residual, const StackInpu
         TORCH_CHECK(in.cos.size(0) >= (s.b + 1) * n && in.sin.size(0) == in.cos.size(0),
                     "DecodeStack: no rotary table ", s.b, " among the step's cos and sin rows");
         x = rope_store_decode_v(x, in.cos.narrow(0, s.b * n, n), in.sin.narrow(0, s.b * n, n), tensors_[s.t[0]],
-                                tensors_[s.t[1]], in.slots, s.a, in.tables, in.lens, s.f, in.isa, s.var);
+                                tensors_[s.t[1]], in.slots[s.c], s.a, in.tables[s.c], in.lens, s.f, in.isa, s.var);
         break;
       }
       case kSiluMul:

@@ -68,5 +68,8 @@ def test_a_familys_renames_map_its_tensor_names_onto_the_shared_layers() -> None
 def test_what_no_layer_runs_is_refused() -> None:
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         registry.model_config(BASE | {"model_type": "llama", "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="sliding-window"):
-        registry.model_config(BASE | {"model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(ValueError, match="layer_types must name each"):
+        registry.model_config(
+            BASE
+            | {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["x"]}
+        )

@@ -5,6 +5,14 @@ pool, one block table per sequence and a reference count per block. With prefix
 caching on, every full block is keyed by a hash chain (SHA-256 over the parent's
 key and the block's token ids); a block whose count drops to zero keeps its key
 and sits in an LRU of reusable blocks until its memory is needed.
+
+A manager serves one KV group (kv_groups.py): the layers that share its block tables. A group
+of sliding-window layers (`window` W > 0) gives back, as a sequence computes, every block that
+lies wholly before the next query's window (a query at p reads p - W + 1 .. p only): its table
+keeps the entry's place, pointing at the group's null block (block 0, never handed out, never
+written; no attention path reads a block before its window, kernels/paged_attention.py), so
+positions still index the table as in a full group. A released block keeps its prefix-cache key,
+so it may serve another sequence's hit (kv_groups.py says what a windowed hit needs).
 """
 
 from __future__ import annotations
@@ -26,15 +34,21 @@ class BlockManager:
         block_size: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        window: int = 0,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < (2 if window > 0 else 1):
+            raise ValueError(f"num_blocks must be >= {2 if window > 0 else 1}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # 0: full attention; W: the group's layers read a query's last W positions
+        # a windowed group's placeholder for the blocks its window left behind (-1: none)
+        self.null = 0 if window > 0 else -1
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        # pop() gives the lowest first; a windowed group never hands out its null block
+        self._free: list[int] = list(range(num_blocks - 1, self.null, -1))
+        self._left: dict[int, int] = {}  # per windowed table: its leading entries given back
         # Prefix cache: key -> block, block -> key, and the evictable LRU (ref 0, key kept).
         self._cached: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
@@ -56,8 +70,18 @@ class BlockManager:
         """Blocks that can be handed out now (free plus evictable cached ones)."""
         return len(self._free) + len(self._evictable)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Every block a sequence may get (a windowed group's null block aside)."""
+        return self.num_blocks - (self.null >= 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence holds now (what the KV bytes held count)."""
+        return self.num_usable_blocks - self.num_free_blocks
+
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -75,6 +99,8 @@ class BlockManager:
         return b
 
     def _release(self, b: int) -> None:
+        if b == self.null:
+            return
         if self.ref_counts[b] <= 0:
             raise AssertionError(f"double free of block {b}")
         self.ref_counts[b] -= 1
@@ -105,9 +131,14 @@ class BlockManager:
         return hits, parent
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        """Give keys to the sequence's blocks that are now full and computed."""
-        if not self.enable_prefix_caching:
-            return
+        """The sequence computed its first `num_computed` tokens: its blocks that are now full
+        get keys (prefix caching), then a windowed group gives back those its window left."""
+        if self.enable_prefix_caching:
+            self._key_blocks(seq_id, token_ids, num_computed)
+        if self.window > 0:
+            self._slide(seq_id, num_computed)
+
+    def _key_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         table = self.block_tables[seq_id]
         bs = self.block_size
         done, parent = self._hashed.get(seq_id, (0, None))
@@ -121,11 +152,49 @@ class BlockManager:
         for i in range(done, full):
             key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             b = table[i]
-            if key not in self._cached and b not in self._key_of:
+            if b != self.null and key not in self._cached and b not in self._key_of:
                 self._cached[key] = b
                 self._key_of[b] = key
             parent = key
         self._hashed[seq_id] = (full, parent)
+
+    def _slide(self, seq_id: int, num_computed: int) -> None:
+        """Give back the blocks wholly before the next query's window: that query is at
+        `num_computed` or later (a rejected draft is never computed), so it reads positions
+        from num_computed - W + 1 on. Oldest first, so the LRU evicts them first."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        gone = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        left = self._left.get(seq_id, 0)
+        for i in range(left, gone):
+            self._release(table[i])
+            table[i] = self.null
+        if gone > left:
+            self._left[seq_id] = gone
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached block keyed `key`, if any."""
+        return self._cached.get(key)
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first table entry a query at position `num_tokens` reads (0: a full group)."""
+        if self.window <= 0:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once when a step computes at
+        most `chunk` of its tokens (a windowed group: its window and a chunk, every chunk's
+        K and V are stored before its queries attend)."""
+        full = self.blocks_for(num_tokens)
+        if self.window <= 0:
+            return full
+        return min(full, self.blocks_for(self.window - 1 + chunk) + 1)
+
+    def fits(self, num_tokens: int, chunk: int) -> bool:
+        """Whether the cache could ever hold a sequence of `num_tokens` (the watermark kept)."""
+        return self.peak_blocks(num_tokens, chunk) <= self.num_usable_blocks - self.watermark_blocks
 
     # -- sequences ---------------------------------------------------------
     def can_allocate(
@@ -139,8 +208,12 @@ class BlockManager:
         Keeps the watermark free for running decodes."""
         n = len(token_ids) if num_tokens is None else num_tokens
         hits, _ = self._match_prefix(token_ids, root) if use_cache else ([], None)
-        needed = self.blocks_for(max(n, len(hits) * self.block_size + 1)) - len(hits)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return self.can_adopt(hits, max(n, len(hits) * self.block_size + 1))
+
+    def can_adopt(self, hits: Sequence[int], total_tokens: int) -> bool:
+        """Whether `adopt` of these hits and `total_tokens` leaves the watermark free."""
+        needed = self.blocks_for(total_tokens) - len(hits)
+        revived = sum(1 for b in hits if b != self.null and self.ref_counts[b] == 0)
         return self.num_free_blocks - revived - needed >= self.watermark_blocks
 
     def allocate(
@@ -155,26 +228,46 @@ class BlockManager:
         one). Returns how many leading tokens are already in the cache (prefix hits), which
         the engine need not compute. `use_cache=False`: no hits, every token is computed
         (its blocks are still offered to the cache once full)."""
-        if seq_id in self.block_tables:
-            raise ValueError(f"sequence {seq_id} already has blocks")
         hits, last_key = self._match_prefix(token_ids, root) if use_cache else ([], root)
-        for b in hits:
-            if self.ref_counts[b] == 0:
-                self._evictable.pop(b)
-            self.ref_counts[b] += 1
-        self.block_tables[seq_id] = list(hits)
-        self._hashed[seq_id] = (len(hits), last_key)
-        if root is not None:
-            self._roots[seq_id] = root
         cached = len(hits) * self.block_size
         if use_cache:  # the hit rate is over the prompts that looked
             self.queried_tokens += len(token_ids)
             self.hit_tokens += cached
         n = len(token_ids) if num_tokens is None else num_tokens
-        if not self.ensure_slots(seq_id, max(n, cached + 1)):
+        self.adopt(seq_id, hits, last_key, root, max(n, cached + 1))
+        return cached
+
+    def adopt(
+        self, seq_id: int, hits: Sequence[int], last_key: bytes | None, root: bytes | None, total_tokens: int
+    ) -> None:
+        """A new sequence's table: `hits` first (cached blocks of its prefix, whose last chain
+        key is `last_key`; a windowed group's: the null block before its window), then new
+        blocks up to `total_tokens`. All or nothing: NoFreeBlocksError leaves nothing."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for b in hits:
+            if b == self.null:
+                continue
+            if self.ref_counts[b] == 0:
+                self._evictable.pop(b)
+            self.ref_counts[b] += 1
+        self.block_tables[seq_id] = list(hits)
+        self._count_left(seq_id)
+        self._hashed[seq_id] = (len(hits), last_key)
+        if root is not None:
+            self._roots[seq_id] = root
+        if not self.ensure_slots(seq_id, total_tokens):
             self.free(seq_id)
             raise NoFreeBlocksError("not enough free KV blocks for the prompt")
-        return cached
+
+    def _count_left(self, seq_id: int) -> None:
+        """A windowed table's leading null entries (the blocks its window left behind)."""
+        if self.window > 0:
+            table = self.block_tables[seq_id]
+            left = 0
+            while left < len(table) and table[left] == self.null:
+                left += 1
+            self._left[seq_id] = left
 
     def ensure_slots(self, seq_id: int, total_tokens: int) -> bool:
         """Grow the table to hold `total_tokens`. All or nothing: False if short."""
@@ -195,6 +288,18 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
             self._release(table.pop())
+
+    def reserve_need(self, seq_id: int, first_pos: int, total_tokens: int) -> int:
+        """New blocks for the sequence to hold `total_tokens` and write from `first_pos` on:
+        its growth and the private copies of shared blocks there (copy_on_write)."""
+        grow = max(0, self.blocks_for(total_tokens) - len(self.block_tables[seq_id]))
+        return grow + self.cow_blocks_needed(seq_id, first_pos)
+
+    def reserve(self, seq_id: int, first_pos: int, total_tokens: int) -> bool:
+        """Blocks for `total_tokens`, with room for the copies on write: all or nothing."""
+        if self.reserve_need(seq_id, first_pos, total_tokens) > self.num_free_blocks:
+            return False
+        return self.ensure_slots(seq_id, total_tokens)
 
     def cow_blocks_needed(self, seq_id: int, first_pos: int) -> int:
         table = self.block_tables[seq_id]
@@ -222,8 +327,11 @@ class BlockManager:
         """The child shares every block of the parent (reference counted)."""
         table = self.block_tables[parent_id]
         for b in table:
-            self.ref_counts[b] += 1
+            if b != self.null:
+                self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
+        if parent_id in self._left:
+            self._left[child_id] = self._left[parent_id]
         self._hashed[child_id] = self._hashed.get(parent_id, (0, None))
         if parent_id in self._roots:
             self._roots[child_id] = self._roots[parent_id]
@@ -231,6 +339,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         table = self.block_tables.pop(seq_id, None)
         self._hashed.pop(seq_id, None)
+        self._left.pop(seq_id, None)
         self._roots.pop(seq_id, None)
         if table is None:
             return
@@ -247,6 +356,7 @@ class BlockManager:
     def set_table(self, seq_id: int, table: list[int], root: bytes | None = None) -> None:
         """The table of a sequence swapped back in (its chain from `root`)."""
         self.block_tables[seq_id] = table
+        self._count_left(seq_id)
         self._hashed[seq_id] = (0, root)
         if root is not None:
             self._roots[seq_id] = root
@@ -257,14 +367,16 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for table in self.block_tables.values():
             for b in table:
-                counts[b] += 1
+                if b != self.null:
+                    counts[b] += 1
         assert counts == self.ref_counts, "reference counts do not match block tables"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice in the free list"
         ev = set(self._evictable)
         used = {b for b in range(self.num_blocks) if counts[b] > 0}
         assert not (free & ev) and not (free & used) and not (ev & used), "block in two pools"
-        assert len(free) + len(ev) + len(used) == self.num_blocks, "a block is lost"
+        assert self.null not in free | ev, "the null block was handed out"
+        assert len(free) + len(ev) + len(used) == self.num_usable_blocks, "a block is lost"
         assert set(self._cached.values()) == set(self._key_of), "cache maps disagree"
 
     def cached_keys(self, limit: int) -> list[bytes]:

@@ -1,6 +1,10 @@
 """The KV cache tensors: per layer K and V `[num_blocks, block_size, num_kv_heads,
 head_dim]`, sized from a memory budget (`num_kv_blocks`). Also does block copies
-(copy-on-write) and swaps between device and CPU blocks."""
+(copy-on-write) and swaps between device and CPU blocks.
+
+A model with several KV groups (kv_groups.py: layers of different windows) has per layer the
+blocks of its group (`split_blocks` shares the budget), and the copies and swaps it is handed
+are in one id space: a group's ids offset by the blocks of the groups before it."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import logging
 import torch
 
 from wsllm.config import EngineConfig
+from wsllm.engine.kv_groups import KVGroup
 from wsllm.kernels import cpu_ops
 from wsllm.models.build import DTYPES
 from wsllm.models.config import ModelConfig
@@ -37,6 +42,14 @@ def kv_cache_dtype(asked: str, model_dtype: torch.dtype, device: torch.device) -
 def bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+
+def group_block_bytes(
+    c: ModelConfig, groups: list[KVGroup], block_size: int, dtype: torch.dtype
+) -> list[int]:
+    """Per KV group, the bytes of one of its blocks (its layers' K and V)."""
+    per_layer = bytes_per_block(c, block_size, dtype) // c.num_layers
+    return [per_layer * len(g.layers) for g in groups]
 
 
 def num_blocks_for_budget(c: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
@@ -72,38 +85,55 @@ class CacheEngine:
     def __init__(
         self,
         c: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | list[int],  # per KV group when a list
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        num_cpu_blocks: int = 0,
+        num_cpu_blocks: int | list[int] = 0,
+        groups: list[KVGroup] | None = None,  # None: one group of every layer
     ) -> None:
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
-        ]
-        cpu_shape = (num_cpu_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.groups = groups or [KVGroup(0, tuple(range(c.num_layers)))]
+        self.sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        cpu = [num_cpu_blocks] if isinstance(num_cpu_blocks, int) else list(num_cpu_blocks)
+        self.cpu_sizes = cpu if any(cpu) else [0] * len(self.groups)
+        self.offsets = [sum(self.sizes[:g]) for g in range(len(self.sizes))]
+        self.cpu_offsets = [sum(self.cpu_sizes[:g]) for g in range(len(self.cpu_sizes))]
+        group_of = {i: g for g, group in enumerate(self.groups) for i in group.layers}
+        self.layer_group = [group_of[i] for i in range(c.num_layers)]
         pin = device.type == "cuda"
-        self.cpu_caches = (
-            [
-                (
-                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                )
-                for _ in range(c.num_layers)
-            ]
-            if num_cpu_blocks
-            else []
-        )
+
+        def shape(n: int) -> tuple[int, int, int, int]:
+            return (n, block_size, c.num_kv_heads, c.head_dim)
+
+        self.kv_caches = [
+            (
+                torch.zeros(shape(self.sizes[g]), dtype=dtype, device=device),
+                torch.zeros(shape(self.sizes[g]), dtype=dtype, device=device),
+            )
+            for g in self.layer_group
+        ]
+        self.cpu_caches = [
+            (
+                torch.zeros(shape(self.cpu_sizes[g]), dtype=dtype, pin_memory=pin),
+                torch.zeros(shape(self.cpu_sizes[g]), dtype=dtype, pin_memory=pin),
+            )
+            for g in self.layer_group
+            if any(self.cpu_sizes)
+        ]
+        self.block_bytes = group_block_bytes(c, self.groups, block_size, dtype)
         log.info(
-            "KV cache: %d blocks of %d tokens, %s, %.0f MiB (%d CPU swap blocks)",
-            num_blocks,
+            "KV cache: %s blocks of %d tokens, %s, %.0f MiB (%s CPU swap blocks)",
+            "+".join(map(str, self.sizes)),
             block_size,
             str(dtype).removeprefix("torch."),
-            bytes_per_block(c, block_size, dtype) * num_blocks / 2**20,
-            num_cpu_blocks,
+            sum(n * b for n, b in zip(self.sizes, self.block_bytes, strict=True)) / 2**20,
+            "+".join(map(str, self.cpu_sizes)),
         )
+
+    @property
+    def kv_bytes(self) -> int:
+        """The device KV cache's bytes, every group's."""
+        return sum(n * b for n, b in zip(self.sizes, self.block_bytes, strict=True))
 
     def apply(
         self,
@@ -120,31 +150,56 @@ class CacheEngine:
         if copies:
             self.copy(copies)
 
+    def _by_group(self, pairs: list[tuple[int, int]], second: list[int]) -> list[list[tuple[int, int]]]:
+        """The pairs of each group in its own ids (by the first id's range; the second id is
+        offset by `second`, the device's or the CPU's offsets)."""
+        out: list[list[tuple[int, int]]] = [[] for _ in self.groups]
+        for a, b in pairs:
+            g = len(self.offsets) - 1
+            while a < self.offsets[g]:
+                g -= 1
+            out[g].append((a - self.offsets[g], b - second[g]))
+        return out
+
+    def _layers(self, g: int) -> list[int]:
+        return [i for i, lg in enumerate(self.layer_group) if lg == g]
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv_caches[0][0].device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=src.device)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        device = self.kv_caches[0][0].device
+        for g, mine in enumerate(self._by_group(pairs, self.offsets)):
+            if not mine:
+                continue
+            src = self._index([s for s, _ in mine], device)
+            dst = self._index([d for _, d in mine], device)
+            for i in self._layers(g):
+                k, v = self.kv_caches[i]
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device_block, cpu_block): device -> CPU, one gather per layer."""
-        dev = self._index([d for d, _ in pairs], self.kv_caches[0][0].device)
-        cpu = self._index([c for _, c in pairs], torch.device("cpu"))
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
-            ck.index_copy_(0, cpu, k.index_select(0, dev).cpu())
-            cv.index_copy_(0, cpu, v.index_select(0, dev).cpu())
+        for g, mine in enumerate(self._by_group(pairs, self.cpu_offsets)):
+            if not mine:
+                continue
+            dev = self._index([d for d, _ in mine], self.kv_caches[0][0].device)
+            cpu = self._index([c for _, c in mine], torch.device("cpu"))
+            for i in self._layers(g):
+                (k, v), (ck, cv) = self.kv_caches[i], self.cpu_caches[i]
+                ck.index_copy_(0, cpu, k.index_select(0, dev).cpu())
+                cv.index_copy_(0, cpu, v.index_select(0, dev).cpu())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(device_block, cpu_block): CPU -> device, one scatter per layer."""
         device = self.kv_caches[0][0].device
-        dev = self._index([d for d, _ in pairs], device)
-        cpu = self._index([c for _, c in pairs], torch.device("cpu"))
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
-            k.index_copy_(0, dev, ck.index_select(0, cpu).to(device, non_blocking=True))
-            v.index_copy_(0, dev, cv.index_select(0, cpu).to(device, non_blocking=True))
+        for g, mine in enumerate(self._by_group(pairs, self.cpu_offsets)):
+            if not mine:
+                continue
+            dev = self._index([d for d, _ in mine], device)
+            cpu = self._index([c for _, c in mine], torch.device("cpu"))
+            for i in self._layers(g):
+                (k, v), (ck, cv) = self.kv_caches[i], self.cpu_caches[i]
+                k.index_copy_(0, dev, ck.index_select(0, cpu).to(device, non_blocking=True))
+                v.index_copy_(0, dev, cv.index_select(0, cpu).to(device, non_blocking=True))
 
     @staticmethod
     def _index(blocks: list[int], device: torch.device) -> torch.Tensor:

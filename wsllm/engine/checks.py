@@ -6,7 +6,7 @@ worker; this one checks what only the engine knows: its vocabulary, context, blo
 from __future__ import annotations
 
 from wsllm.config import EngineConfig
-from wsllm.engine.block_manager import BlockManager
+from wsllm.engine.kv_groups import KVManager
 from wsllm.types import EngineBusy, GenerateRequest, SamplingParams
 
 
@@ -18,7 +18,7 @@ def check_admissible(
     held: int,  # requests the engine holds
     vocab_size: int,
     max_model_len: int,
-    bm: BlockManager,
+    bm: KVManager,
     config: EngineConfig,
 ) -> None:
     request_id, prompt = request.request_id, request.prompt_token_ids
@@ -45,7 +45,7 @@ def check_admissible(
             f"prompt ({len(prompt)} tokens) plus max_tokens ({most}) is {total}, "
             f"beyond the model's context of {max_model_len} tokens"
         )
-    if bm.blocks_for(total) > bm.num_blocks - bm.watermark_blocks:
+    if not bm.fits(total, config.max_num_batched_tokens):  # a windowed group holds its window only
         raise ValueError(
             f"prompt plus max_tokens ({total} tokens) needs more KV blocks than the cache has "
             f"({bm.num_blocks} blocks of {bm.block_size})"

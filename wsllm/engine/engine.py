@@ -21,9 +21,9 @@ from pathlib import Path
 
 from wsllm.config import EngineConfig
 from wsllm.engine.adapters import Adapters, adapter_root
-from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
 from wsllm.engine.checks import check_admissible
+from wsllm.engine.kv_groups import kv_bytes_used, kv_groups, make_kv_manager, runner_tables, split_blocks
 from wsllm.engine.model_output import ModelOutput
 from wsllm.engine.model_runner import ModelRunner
 from wsllm.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -74,10 +74,16 @@ class LLMEngine:
         log.info("KV cache dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         bs = config.block_size
         draft = load_draft(config, mc.vocab_size) if config.speculative == "draft" else None  # weights first
-        static = make_static_step(config, model, self.max_model_len, device)  # its memory before the KV's
+        groups = kv_groups(mc)  # layers by window: a block table per group (kv_groups.py)
+        static = make_static_step(config, model, self.max_model_len, device, len(groups))  # before the KV
         num_blocks, num_cpu = num_kv_blocks(config, mc, dtype, device, static.reserved_bytes if static else 0)
-        self.cache = CacheEngine(mc, num_blocks, bs, dtype, device, num_cpu)
-        self.block_manager = BlockManager(num_blocks, bs, config.watermark, config.enable_prefix_caching)
+        split = (bs, config.max_num_seqs, config.max_num_batched_tokens)
+        sizes = split_blocks(groups, num_blocks, *split)
+        cpu_sizes = split_blocks(groups, num_cpu, *split) if num_cpu else [0] * len(groups)
+        self.cache = CacheEngine(mc, sizes, bs, dtype, device, cpu_sizes, groups)
+        self.block_manager = make_kv_manager(
+            groups, sizes, bs, config.watermark, config.enable_prefix_caching
+        )
         # the one step-cost model: the scheduler's pacing and the speculator's policy read it
         self.cost = StepCost(
             config.prefill_ms_while_decoding,
@@ -86,10 +92,10 @@ class LLMEngine:
             config.prompt_logprob_cost,
         )
         self.scheduler = Scheduler.from_config(
-            self.block_manager, config, num_cpu, self.cost, eos_token_ids, self.max_model_len
+            self.block_manager, config, cpu_sizes, self.cost, eos_token_ids, self.max_model_len
         )
         self.spec = build_speculator(
-            config, self.cost, eos_token_ids, self.max_model_len, draft, num_blocks * bs
+            config, self.cost, eos_token_ids, self.max_model_len, draft, sizes[0] * bs
         )
         self.matchers = Matchers(model_dir, mc.vocab_size, eos_token_ids, config.structured_index_at_start)
         self.compiling = PendingCompiles(config.structured_compile_timeout_s)  # their sequences wait here
@@ -178,7 +184,7 @@ class LLMEngine:
         if sched.scheduled:
             self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
             want, pool = self._want(sched.scheduled)
-            output = self.runner.run(sched.scheduled, self.block_manager.block_tables, want, pool)
+            output = self.runner.run(sched.scheduled, runner_tables(self.block_manager), want, pool)
             self._keep(output)  # prompt logprobs and pooled vectors, before the blocks move
             update = self.scheduler.update_from_output(sched, output)
             self.spec.record(update, [seq for seq, _ in sched.scheduled if seq.finished])
@@ -213,6 +219,8 @@ class LLMEngine:
             spec_draft_tokens=self.spec.stats.drafted,
             spec_accepted_tokens=self.spec.stats.accepted,
             spec_verifications=self.spec.stats.verifications,
+            kv_bytes_used=kv_bytes_used(bm, self.cache.block_bytes),
+            kv_bytes_total=self.cache.kv_bytes,
         )
 
     # -- around the step's three calls -------------------------------------------

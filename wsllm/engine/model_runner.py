@@ -16,6 +16,10 @@ sample (a prompt chunk that has not caught up needs none).
 
 Prompt logprobs (prompt_logprobs.py) come back as [rows, 1 + N] values and [rows, N] ids.
 
+A model of several KV groups (kv_groups.py: layers of different windows) hands one block-table
+dict per group: each group gets its own slots, block tables and CPU plan, and each layer reads
+its group's (AttentionMetadata.groups).
+
 Pooling (embedding requests): their rows never reach the LM head. A chunk hands back the
 fp32 sum of its hidden states (`mean`, summed over chunks by the request) or, in the step
 where the sequence catches up, its last row (`last`).
@@ -41,6 +45,9 @@ from wsllm.models.layers.attention import AttentionMetadata
 from wsllm.models.lora import LoraBatch
 
 log = logging.getLogger(__name__)
+
+#: the block tables a step reads: seq_id -> table, or one such dict per KV group (kv_groups.py)
+Tables = dict[int, list[int]] | list[dict[int, list[int]]]
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -71,40 +78,70 @@ class ModelRunner:
             static.bind(kv_caches)  # on CUDA: captures its graphs now
 
     def _prepare(
-        self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]
+        self, scheduled: list[tuple[Sequence, int]], block_tables: Tables
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[list[int]]]:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
         rows: list[int] = []  # scheduled rows that caught up with their tokens: they sample
         sample_at: list[list[int]] = []  # per such row, the packed rows it samples at
-        tables: list[list[int]] = []
         for i, (seq, n) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + n
-            table = block_tables[seq.seq_id]
             drafts = end - seq.num_tokens  # > 0: the last token and this many drafts to verify
             caught_up = drafts >= 0
             if n == 1:  # decode: one token, usually the last one
                 input_ids.append(seq.last_token_id if caught_up else seq.token_ids[start:end][0])
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
             else:
                 if drafts > 0:
                     input_ids.extend(seq.token_ids[start:] + seq.draft_token_ids[:drafts])
                 else:
                     input_ids.extend(seq.token_ids[start:end])
-                pos = np.arange(start, end)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                positions.extend(range(start, end))
             seq_lens.append(end)
             starts.append(starts[-1] + n)
             if caught_up:  # a verifying row samples at its last token and at every draft
                 rows.append(i)
                 sample_at.append(list(range(starts[-1] - 1 - drafts, starts[-1])))
+        dev = self.device
+        q_lens = [n for _, n in scheduled]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        common = (
+            torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            torch.tensor(starts, dtype=torch.int32, device=dev),
+            LoraBatch.build([seq.lora for seq, _ in scheduled], q_lens, dev),
+        )
+        groups = block_tables if isinstance(block_tables, list) else [block_tables]
+        metas = [self._group_meta(scheduled, tables, seq_lens, q_lens, pos_t, common) for tables in groups]
+        meta = metas[0]
+        if len(metas) > 1:  # a model of several KV groups: each layer reads its group's
+            meta.groups = tuple(metas)
+        return ids, pos_t, meta, rows, sample_at
+
+    def _group_meta(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        block_tables: dict[int, list[int]],
+        seq_lens: list[int],
+        q_lens: list[int],
+        pos_t: torch.Tensor,
+        common: tuple[torch.Tensor, torch.Tensor, LoraBatch | None],
+    ) -> AttentionMetadata:
+        """One KV group's attention metadata: its slots, its block tables, its CPU plan."""
+        bs = self.block_size
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            table = block_tables[seq.seq_id]
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, start + n)
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             tables.append(table)
         # Only the blocks this step reads: ceil(longest context / block size) columns.
         width = (max(seq_lens) + bs - 1) // bs
@@ -113,10 +150,6 @@ class ModelRunner:
             row = t[:width]
             bt[i, : len(row)] = row
         dev = self.device
-        q_lens = [n for _, n in scheduled]
-        max_q = max(q_lens)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         plan = None
         if dev.type == "cpu" and kernels.backend() == "auto":
@@ -131,24 +164,24 @@ class ModelRunner:
                 slot_t,
                 self.kv_dtype,
             )
-        meta = AttentionMetadata(
+        max_q = max(q_lens)
+        return AttentionMetadata(
             slot_mapping=slot_t,
             block_tables=torch.from_numpy(bt).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=common[0],
+            query_start_loc=common[1],
             max_query_len=max_q,
             is_decode=max_q == 1,
             max_seq_len=max(seq_lens),
             cpu_plan=plan,
-            lora=LoraBatch.build([seq.lora for seq, _ in scheduled], q_lens, dev),
+            lora=common[2],
         )
-        return ids, pos_t, meta, rows, sample_at
 
     @torch.inference_mode()
     def run(
         self,
         scheduled: list[tuple[Sequence, int]],
-        block_tables: dict[int, list[int]],
+        block_tables: Tables,
         prompt_logprobs: dict[int, int] | None = None,  # seq_id -> top N, for those that want them
         pooling: dict[int, str] | None = None,  # seq_id -> "last" | "mean": embedding requests
     ) -> ModelOutput:
@@ -163,7 +196,7 @@ class ModelRunner:
     def forward(
         self,
         scheduled: list[tuple[Sequence, int]],
-        block_tables: dict[int, list[int]],
+        block_tables: Tables,
         prompt_logprobs: dict[int, int] | None = None,
         pooling: dict[int, str] | None = None,
     ) -> DeviceStep:
@@ -177,7 +210,7 @@ class ModelRunner:
     def model_pass(
         self,
         scheduled: list[tuple[Sequence, int]],
-        block_tables: dict[int, list[int]],
+        block_tables: Tables,
         pooling: dict[int, str] | None = None,
     ) -> tuple[torch.Tensor, list[Sequence], list[list[int]]]:
         """The forward pass over every scheduled token: hidden states [num_tokens, hidden] (on

@@ -66,6 +66,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    # KV bytes the sequences hold now (each KV group's used blocks at its block's bytes: a
+    # windowed group's given-back blocks not counted) and the device KV cache's bytes in all
+    kv_bytes_used: int = 0
+    kv_bytes_total: int = 0
 
 
 __all__ = ["CompletionOutput", "EngineStats", "RequestOutput"]

@@ -25,7 +25,8 @@ as the step-cost model estimates it from the steps before (step_cost.py: it pric
 its tokens and the context its attention reads): `prefill_ms_while_decoding` beside decodes,
 `prefill_ms_alone` for prompts alone (so that a lone 8,000-token prompt's steps stay short).
 
-The budget itself is budget.py.
+The budget itself is budget.py. The KV manager is one block manager, or one per KV group
+(kv_groups.py: a model with sliding-window layers) behind the same calls, each all or nothing.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from dataclasses import dataclass, field
 
 from wsllm.config import EngineConfig
 from wsllm.engine.beam import advance
-from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.budget import StepBudget
 from wsllm.engine.fairness import Fairness
+from wsllm.engine.kv_groups import KVManager
 from wsllm.engine.model_output import ModelOutput, Sampled
 from wsllm.engine.sequence import SeqStatus, Sequence
 from wsllm.engine.step_cost import StepCost, StepWork
-from wsllm.engine.swap import CpuSwapSpace
+from wsllm.engine.swap import CpuSwapSpace, swap_space
 from wsllm.types import ERR_INTERNAL
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class StepUpdate:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: KVManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
@@ -124,11 +125,12 @@ class Scheduler:
 
     @classmethod
     def from_config(
-        cls, bm: BlockManager, config: EngineConfig, num_cpu_blocks: int, cost: StepCost,
+        cls, bm: KVManager, config: EngineConfig, num_cpu_blocks: list[int], cost: StepCost,
         eos_token_ids: list[int], max_model_len: int,
     ) -> Scheduler:  # fmt: skip
-        """An engine's scheduler, as its config says, with CPU swap space when it has blocks."""
-        swapper = CpuSwapSpace(num_cpu_blocks) if num_cpu_blocks else None
+        """An engine's scheduler, as its config says, with CPU swap space when it has blocks
+        (`num_cpu_blocks`: per KV group)."""
+        swapper = swap_space(bm, num_cpu_blocks)
         c = config
         return cls(bm, c.max_num_seqs, c.max_num_batched_tokens, c.preemption_mode, swapper,
                    c.prompt_logprob_cost, c.prefill_tokens_while_decoding, cost, eos_token_ids, max_model_len)  # fmt: skip
@@ -265,11 +267,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Blocks for n more tokens, plus private copies of shared blocks it writes."""
-        cow = self.bm.cow_blocks_needed(seq.seq_id, seq.num_computed_tokens)
-        grow = self.bm.blocks_for(seq.num_computed_tokens + n) - len(self.bm.block_tables[seq.seq_id])
-        if cow and self.bm.num_free_blocks < cow + max(0, grow):
-            return False
-        return self.bm.ensure_slots(seq.seq_id, seq.num_computed_tokens + n)
+        return self.bm.reserve(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
         sw = self.swapper
@@ -357,6 +355,7 @@ class Scheduler:
             if seq.finished:
                 continue
             seq.num_computed_tokens += computed[seq.seq_id]
+            # keys for its full blocks; a windowed group gives back what its window left behind
             self.bm.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if drafted:
                 self.bm.trim(seq.seq_id, seq.num_tokens)  # the blocks of rejected drafts only

@@ -56,9 +56,10 @@ def static_mode(config: EngineConfig, device: torch.device) -> str | None:
 
 class StaticInputs:
     """The step's inputs at the largest bucket's size: host staging (pinned on CUDA, so
-    the copies are asynchronous) and the device buffers the forward reads."""
+    the copies are asynchronous) and the device buffers the forward reads. A model of several
+    KV groups (kv_groups.py) has a slot mapping and block tables per group."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, num_groups: int = 1) -> None:
         pin = device.type == "cuda"
 
         def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,68 +69,87 @@ class StaticInputs:
 
         self.ids = pair((max_batch,), torch.long)  # [B] the token each row computes
         self.positions = pair((max_batch,), torch.long)  # [B]
-        self.slots = pair((max_batch,), torch.int64)  # [B] cache slot of that token; -1: none
         self.lens = pair((max_batch,), torch.int32)  # [B] context length, the token included
-        self.tables = pair((max_batch, max_blocks), torch.int32)  # [B, max_blocks]
+        # per KV group: [B] the cache slot of each row's token (-1: none), [B, max_blocks] tables
+        self.slots = [pair((max_batch,), torch.int64) for _ in range(num_groups)]
+        self.tables = [pair((max_batch, max_blocks), torch.int32) for _ in range(num_groups)]
         # [B + 1] one query a row: the same for every step, never copied again
         self.starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self._all = (self.ids, self.positions, self.slots, self.lens, self.tables)
+        self._all = (self.ids, self.positions, self.lens, *self.slots, *self.tables)
         # numpy views of the staging tensors: per-row writes without a torch call each
-        self.np = [host.numpy() for host, _ in self._all]
+        self.np_ids, self.np_pos, self.np_lens = (host.numpy() for host, _ in self._all[:3])
+        self.np_slots = [host.numpy() for host, _ in self.slots]
+        self.np_tables = [host.numpy() for host, _ in self.tables]
 
     def fill(
         self,
         scheduled: list[tuple[Sequence, int]],
-        tables: dict[int, list[int]],
+        tables: dict[int, list[int]] | list[dict[int, list[int]]],  # one dict per KV group
         bucket: int,
         block_size: int,
     ) -> None:
         """Write this step's rows, pad the rest of the bucket, and copy both to the device.
         The copies are queued on the current stream; the staging is written again only
         after the step's one copy back (its sampled ids), which waits for them."""
-        ids, pos, slots, lens, bt = self.np
+        ids, pos, lens = self.np_ids, self.np_pos, self.np_lens
         bs = block_size
+        groups = tables if isinstance(tables, list) else [tables]
         for i, (seq, _) in enumerate(scheduled):
             p = seq.num_computed_tokens  # the position of the token this step computes
-            table = tables[seq.seq_id]
             ids[i] = seq.last_token_id
             pos[i] = p
-            slots[i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             w = p // bs + 1
-            bt[i, :w] = table[:w]
+            for group, slots, bt in zip(groups, self.np_slots, self.np_tables, strict=True):
+                table = group[seq.seq_id]
+                slots[i] = table[p // bs] * bs + p % bs
+                bt[i, :w] = table[:w]
         n = len(scheduled)
         ids[n:bucket] = 0
         pos[n:bucket] = 0
-        slots[n:bucket] = -1
         lens[n:bucket] = 1
+        for slots in self.np_slots:
+            slots[n:bucket] = -1
         for host, dev in self._all:
             dev[:bucket].copy_(host[:bucket], non_blocking=True)
 
     def pad_all(self, bucket: int) -> None:
         """Every row padding: what warm-up and capture run over (they write no KV)."""
-        ids, pos, slots, lens, _ = self.np
-        ids[:bucket], pos[:bucket], slots[:bucket], lens[:bucket] = 0, 0, -1, 1
+        self.np_ids[:bucket], self.np_pos[:bucket], self.np_lens[:bucket] = 0, 0, 1
+        for slots in self.np_slots:
+            slots[:bucket] = -1
         for host, dev in self._all:
             dev[:bucket].copy_(host[:bucket])
 
     def meta(self, bucket: int, max_model_len: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[1][:bucket],
-            block_tables=self.tables[1][:bucket],
-            seq_lens=self.lens[1][:bucket],
-            query_start_loc=self.starts[: bucket + 1],
-            max_query_len=1,
-            is_decode=True,
-            max_seq_len=max_model_len,
-        )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=slots[1][:bucket],
+                block_tables=tables[1][:bucket],
+                seq_lens=self.lens[1][:bucket],
+                query_start_loc=self.starts[: bucket + 1],
+                max_query_len=1,
+                is_decode=True,
+                max_seq_len=max_model_len,
+            )
+            for slots, tables in zip(self.slots, self.tables, strict=True)
+        ]
+        if len(metas) > 1:  # each layer reads its KV group's (AttentionMetadata.groups)
+            metas[0].groups = tuple(metas)
+        return metas[0]
 
 
 class StaticStep:
     """Runs decode-only steps over StaticInputs: a plain call, or a CUDA graph's replay."""
 
     def __init__(
-        self, model: CausalLM, mode: str, max_num_seqs: int, max_model_len: int, block_size: int
+        self,
+        model: CausalLM,
+        mode: str,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_groups: int = 1,  # the model's KV groups (kv_groups.py)
     ) -> None:
         self.model = model
         self.mode = mode  # "graphs" | "plain"
@@ -138,7 +158,7 @@ class StaticStep:
         self.max_model_len = max_model_len
         self.buckets = batch_buckets(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticInputs(self.buckets[-1], max_blocks, self.device)
+        self.inputs = StaticInputs(self.buckets[-1], max_blocks, self.device, num_groups)
         # [B, vocab] fp32, made by the first forward (a packed or quantized head may pad the
         # vocabulary): every bucket's logits land here, so no graph owns an output
         self.logits: torch.Tensor | None = None
@@ -180,7 +200,9 @@ class StaticStep:
         out.copy_(logits)
         return out
 
-    def run(self, scheduled: list[tuple[Sequence, int]], tables: dict[int, list[int]]) -> torch.Tensor:
+    def run(
+        self, scheduled: list[tuple[Sequence, int]], tables: dict[int, list[int]] | list[dict[int, list[int]]]
+    ) -> torch.Tensor:
         """One decode-only step -> its rows' logits [n, vocab] fp32 on the device: a view of the
         static output, read by this step's token stage before the next step writes it (the
         step's one copy back is of the sampled ids, never of the logits)."""
@@ -227,14 +249,14 @@ class StaticStep:
 
 
 def make_static_step(
-    config: EngineConfig, model: CausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig, model: CausalLM, max_model_len: int, device: torch.device, num_groups: int = 1
 ) -> StaticStep | None:
     """The engine's static decode step, or None where decode steps run eagerly. Made before
     the KV cache: on CUDA it measures what its graphs will take (`reserved_bytes`)."""
     mode = static_mode(config, device)
     if mode is None:
         return None
-    return StaticStep(model, mode, config.max_num_seqs, max_model_len, config.block_size)
+    return StaticStep(model, mode, config.max_num_seqs, max_model_len, config.block_size, num_groups)
 
 
 __all__ = ["StaticStep", "StaticInputs", "batch_buckets", "make_static_step", "static_mode"]

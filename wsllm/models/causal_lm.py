@@ -64,14 +64,19 @@ class CausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         plan = meta.cpu_plan
-        if self.fused_decode and plan is not None and not plan.prefills and plan.decode_tables is not None:
+        plans = [m.cpu_plan for m in meta.groups] if meta.groups else [plan]  # one per KV group
+        if self.fused_decode and all(
+            p is not None and not p.prefills and p.decode_tables is not None for p in plans
+        ):
             stack = self._decode_stack(kv_caches, x.dtype)
             lora = meta.lora  # its adapters' native weights and rows go in with the layers
             handles = [] if lora is None else lora.native_handles()
             if stack is not None and handles is not None:
+                assert plan is not None
                 cos, sin = _stack_rotary(plan)
+                slots, tables = _stack_inputs(plans)
                 x, residual = stack.forward(
-                    x, cos, sin, plan.slot_mapping, plan.decode_tables, plan.decode_lens,
+                    x, cos, sin, slots, tables, plan.decode_lens,
                     kernels.cpu_ops.native_isa(), handles, [] if lora is None else lora.native_rows(),
                 )  # fmt: skip
                 x, _ = self.norm.forward(x, residual)
@@ -198,3 +203,11 @@ def _fused_target(
             half = params[target].shape[0] // 2 if target in params else 0
             return target, 0 if p == "gate_proj" else half, half
     return name, None, 0
+
+
+def _stack_inputs(plans: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode stack's slots and block tables: one KV group's ([n], [n, w]), or every group's
+    stacked ([G, n], [G, n, w]; engine/kv_groups.py)."""
+    if len(plans) == 1:
+        return plans[0].slot_mapping, plans[0].decode_tables
+    return torch.stack([p.slot_mapping for p in plans]), torch.stack([p.decode_tables for p in plans])

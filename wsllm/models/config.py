@@ -155,6 +155,11 @@ class ModelConfig:
         rope = "none" if i in self.nope_layers else "local" if local else "global"
         return LayerSpec(moe=moe, window=window, softcap=self.attn_softcap, sinks=self.attn_sinks, rope=rope)
 
+    def windows(self) -> tuple[int, ...]:
+        """The layers' distinct attention windows, ascending (0, full attention, first): a KV
+        group each, numbered in this order (engine/kv_groups.py)."""
+        return tuple(sorted({self.layer(i).window for i in range(self.num_layers)}))
+
 
 def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, scaling or None) from an HF config: transformers 4's `rope_theta` and
@@ -168,9 +173,8 @@ def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def hf_base(cfg: dict[str, Any], family: str, **knobs: Any) -> ModelConfig:
     """The fields every family's HF config spells the same way, and the family's `knobs`
     (ModelConfig's other fields) on top. Refuses what no layer here runs."""
-    if cfg.get("use_sliding_window"):  # Qwen2/3 configs carry it, off in every released model
-        raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
     theta, scaling = hf_rope(cfg)
+    window, layer_types = hf_window(cfg)
     heads = cfg["num_attention_heads"]
     fields: dict[str, Any] = dict(
         vocab_size=cfg["vocab_size"],
@@ -188,9 +192,34 @@ def hf_base(cfg: dict[str, Any], family: str, **knobs: Any) -> ModelConfig:
         qkv_bias=bool(cfg.get("attention_bias", False)),
         family=family,
         hidden_act=_activation(cfg.get("hidden_act", "silu")),
+        sliding_window=window,
+        layer_types=layer_types,
     )
     fields.update(knobs)
     return ModelConfig(**fields)
+
+
+def hf_window(cfg: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """(sliding window, layer types) from an HF config, as transformers reads them: Mistral's
+    `sliding_window` on every layer (null: none); Qwen2/3's only with `use_sliding_window`, on
+    the layers `layer_types` names "sliding_attention" (transformers 5 writes them; else the
+    layers from `max_window_layers` on). A query at p sees p - W + 1 .. p (transformers'
+    sliding_window_overlay: kv_idx > q_idx - W), as kernels/paged_attention.py's `window`."""
+    window = int(cfg.get("sliding_window") or 0)
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        window = 0  # Qwen's switch, off in every released model (their sliding_window is unused)
+    if window <= 0:
+        return 0, ()
+    types = tuple(cfg.get("layer_types") or ())
+    if not types and "max_window_layers" in cfg:
+        first = int(cfg["max_window_layers"])
+        types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])
+        )
+    n = cfg["num_hidden_layers"]
+    if types and (len(types) != n or set(types) - {"sliding_attention", "full_attention"}):
+        raise ValueError(f"layer_types must name each of the {n} layers sliding_attention or full_attention")
+    return window, types
 
 
 def _activation(name: str) -> str:

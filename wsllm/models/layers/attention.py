@@ -36,6 +36,9 @@ class AttentionMetadata:
     cpu_plan: kernels.CpuAttentionPlan | None = None
     # The step's LoRA adapters and their rows (models/lora.py: LoraBatch); None: no row has one
     lora: Any = None
+    # A model of several KV groups (engine/kv_groups.py: layers of different windows): each
+    # group's metadata (its slots, block tables and plan), in ModelConfig.windows' order
+    groups: tuple[AttentionMetadata, ...] = ()
 
 
 def lora_key(layer: int, slot: int) -> int:
@@ -56,6 +59,7 @@ class Attention(nn.Module):
         spec = c.layer(layer)  # its attention variant: window, soft-cap, sinks (off by default)
         self.window, self.softcap = spec.window, spec.softcap
         self.rope = layer_rope(c, layer)  # its rotary table's index (wsllm/models/rope.py)
+        self.kv_group = c.windows().index(spec.window)  # whose blocks it reads (engine/kv_groups.py)
         self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if spec.sinks else None
         self.qk_norm = c.qk_norm
         if c.qk_norm != "none":  # per head: over head_dim; full: over all of q's (k's) width
@@ -71,6 +75,8 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if meta.groups:  # its KV group's blocks (engine/kv_groups.py)
+            meta = meta.groups[self.kv_group]
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [num_tokens, (H + 2 Hk) * D]
         if meta.lora is not None:  # the adapters' deltas on their rows (slots: kernels/lora.py)
@@ -146,6 +152,14 @@ class Attention(nn.Module):
             return False
         v = self._variant()
         prog.attention(
-            kv[0], kv[1], self.num_heads, self.scale, v["window"], v["softcap"], v["sinks"], self.rope
+            kv[0],
+            kv[1],
+            self.num_heads,
+            self.scale,
+            v["window"],
+            v["softcap"],
+            v["sinks"],
+            self.rope,
+            self.kv_group,
         )
         return prog.linear(self.o_proj, lora_key(self.layer, O_SLOT))
