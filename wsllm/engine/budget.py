@@ -74,14 +74,25 @@ class StepBudget:
         low = self._fit_tokens(seq, int(min(self.tokens, max(0.0, self.floor))))[0]
         if self.time == math.inf or n <= low:
             return n, cost
-        c, rows, hi = seq.num_computed_tokens, self.logprob_rows, n  # the most whose price fits
+        hi = n  # the most whose price fits
         while low < hi:
             mid = (low + hi + 1) // 2
-            if self.cost.price(mid, c, rows(seq, mid)) <= self.time:
+            if self._units(seq, mid) <= self.time:
                 low = mid
             else:
                 hi = mid - 1
-        return low, math.ceil(low + rows(seq, low) * self.extra)
+        return low, self._cost(seq, low)
+
+    def _cost(self, seq: Sequence, n: int) -> int:
+        """Budget tokens of n prompt tokens of `seq`: a prompt-logprob row's extra, rounded up."""
+        return math.ceil(n + self.logprob_rows(seq, n) * self.extra)
+
+    def _units(self, seq: Sequence, n: int) -> float:
+        """Prompt time of n tokens of `seq`: their price, never below the budget tokens they are
+        charged (a logprob row's extra rounds up there), so a step's prompt work in budget tokens
+        stays within its time."""
+        rows = self.logprob_rows(seq, n)
+        return max(self.cost.price(n, seq.num_computed_tokens, rows), float(self._cost(seq, n)))
 
     def _fit_tokens(self, seq: Sequence, budget: int) -> tuple[int, int]:
         left = seq.num_uncomputed
@@ -103,7 +114,7 @@ class StepBudget:
         self.tokens -= cost
         if not self.prompt_work(seq):
             return 0.0
-        units = self.cost.price(n, seq.num_computed_tokens, self.logprob_rows(seq, n))
+        units = max(self._units(seq, n), float(cost))
         self.time -= units
         self.floor -= cost
         return units
