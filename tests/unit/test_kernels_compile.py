@@ -103,6 +103,7 @@ def _launch_everything() -> None:
     cs = rotary.compute_cos_sin_cache(128, 1e4, 16)
     rotary.rotary_embedding_triton(torch.arange(3), qkv[:, :8], qkv[:, 8:12], cs)
     activation.silu_and_mul_triton(torch.randn(3, 2 * 8192).to(dt))
+    activation.gelu_tanh_and_mul_triton(torch.randn(3, 2 * 8192).to(dt))  # GeGLU (Gemma)
     cache = torch.zeros(4, 16, 4, 128, dtype=dt)
     kv_store.store_kv_triton(qkv[:, 8:12], qkv[:, 12:], cache, cache.clone(), torch.arange(3))
     for dtype in (torch.bfloat16, torch.float32):  # the experts' grouped GEMMs (8 experts, top-2)
