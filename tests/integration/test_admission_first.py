@@ -141,7 +141,7 @@ async def _exchange(srv: Any, key: str, *msgs: dict[str, Any], until: int) -> li
     """Send `msgs` on one socket; the messages received until `until` errors came."""
     out: list[dict[str, Any]] = []
     url, headers = srv.ws_url, {"authorization": f"Bearer {key}"}
-    async with websockets.connect(url, additional_headers=headers) as ws:
+    async with websockets.connect(url, additional_headers=headers, close_timeout=1) as ws:
         assert orjson.loads(await ws.recv())["type"] == "hello"
         for m in msgs:
             await ws.send(orjson.dumps(m).decode())

@@ -243,7 +243,7 @@ def test_another_keys_resume_with_a_streams_token_is_a_404_like_an_unknown_token
     async def ws_resume(key: str) -> dict[str, Any]:
         ws_base = two.replace("http", "ws", 1)
         async with websockets.connect(
-            f"{ws_base}/v1/ws", additional_headers={"authorization": f"Bearer {key}"}
+            f"{ws_base}/v1/ws", additional_headers={"authorization": f"Bearer {key}"}, close_timeout=1
         ) as ws:
             await ws.recv()  # hello
             msg = {"type": "resume", "id": "r", "resume_token": token, "after_seq": -1}

@@ -23,6 +23,7 @@ def srv(live_server: Any, tiny_engine: Any) -> Iterator[Any]:
 
 def connect(srv: Any, **kw: Any) -> Any:
     kw.setdefault("additional_headers", {"authorization": f"Bearer {KEY}"})
+    kw.setdefault("close_timeout", 1)  # a socket left mid-stream: not websockets' 10 s for the reply
     return websockets.connect(srv.ws_url, **kw)
 
 
