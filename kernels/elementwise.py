@@ -8,6 +8,8 @@ ulps and in half types they differ by at most one ulp of the output.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -281,8 +283,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, d, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * s_o + c, (a * u).to(dtype), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+def _gated_triton(kernel: Any, x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]: act(gate) * up by `kernel`."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -290,16 +292,14 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     o2 = out.view(-1, d)
     block = min(1024, next_pow2(d))
     if x2.shape[0] and d:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2,
-            o2,
-            x2.stride(0),
-            o2.stride(0),
-            d,
-            BLOCK=block,
-            num_warps=4,
+        kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, o2, x2.stride(0), o2.stride(0), d, BLOCK=block, num_warps=4
         )
     return out
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    return _gated_triton(_silu_and_mul_kernel, x)
 
 
 # ----------------------------------------------------------- gelu_tanh_and_mul
@@ -322,15 +322,4 @@ def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, d, BLOCK: tl.constexpr):
 
 
 def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate] (GeGLU: Gemma's MLP)
-    d = x.shape[-1] // 2
-    x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    o2 = out.view(-1, d)
-    block = min(1024, next_pow2(d))
-    if x2.shape[0] and d:
-        _gelu_tanh_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, o2, x2.stride(0), o2.stride(0), d, BLOCK=block, num_warps=4
-        )
-    return out
+    return _gated_triton(_gelu_tanh_and_mul_kernel, x)  # GeGLU: Gemma's MLP
