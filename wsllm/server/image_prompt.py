@@ -1,8 +1,9 @@
 """The prompt of a chat for a model that sees (its tokenizer's directory has an image
 processor: `TextCodec.tiling`): the messages as HF's processors give them to the chat
-template (each content a list of text and image parts), each `<image>` the template
-writes replaced by that image's placeholder tokens, which follow from its size alone
-(image_tiles.py), so the prompt's ids are those of HF's processor for the same images
+template (each content a list of text and image parts), each image the template writes
+(SmolVLM's `<image>`, Qwen3-VL's `<|image_pad|>`: `tiling.marker`) replaced by that image's
+placeholder tokens, which follow from its size alone (image_tiles.py, image_grid.py), so
+the prompt's ids are those of HF's processor for the same images
 and text; and where each image's placeholders lie in the final prompt (`placed`), for
 the engine and the prefix cache's image keys (docs/vision.md)."""
 
