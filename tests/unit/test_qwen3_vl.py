@@ -160,7 +160,9 @@ def _grids_of(ids: list[int], grids: list[tuple[int, int, int]]) -> list[ImageGr
 
 
 @pytest.mark.parametrize("n_images", [1, 2])
-def test_the_3d_positions_are_hfs_rope_index(models: tuple[Any, Qwen3VLVision, CausalLM], n_images: int) -> None:
+def test_the_3d_positions_are_hfs_rope_index(
+    models: tuple[Any, Qwen3VLVision, CausalLM], n_images: int
+) -> None:
     """The prompt's [3, n] positions and its delta equal HF's `get_rope_index`; a text row
     (t = h = w) is the 1-D table's row at that position bit for bit."""
     hf, _, text = models
@@ -228,7 +230,9 @@ class _Seq:
         )
 
 
-def test_an_image_prompt_gives_hfs_logits_and_greedy_tokens(models: tuple[Any, Qwen3VLVision, CausalLM]) -> None:
+def test_an_image_prompt_gives_hfs_logits_and_greedy_tokens(
+    models: tuple[Any, Qwen3VLVision, CausalLM],
+) -> None:
     """The pieces composed as the engine will run them: the tower's rows at the placeholders,
     the text model over two prefill chunks (the cut inside the first image) with 3-D rotary
     rows and deepstack added after its first layers: HF's logits; then decode steps at
@@ -259,9 +263,16 @@ def test_an_image_prompt_gives_hfs_logits_and_greedy_tokens(models: tuple[Any, Q
     tokens = [int(got[-1].argmax())]
     with torch.no_grad():
         for i in range(len(ids), len(ids) + 5):  # decode: the 1-D table at index + delta
-            step = text.forward(torch.tensor(tokens[-1:]), torch.tensor([i + delta]), seq.kv, seq.meta(i, i + 1))
+            step = text.forward(
+                torch.tensor(tokens[-1:]), torch.tensor([i + delta]), seq.kv, seq.meta(i, i + 1)
+            )
             tokens.append(int(text.compute_logits(step)[-1].argmax()))
         out = hf.generate(
-            input_ids=t, mm_token_type_ids=(t == IMAGE).int(), **pixels, max_new_tokens=6, do_sample=False, eos_token_id=None
+            input_ids=t,
+            mm_token_type_ids=(t == IMAGE).int(),
+            **pixels,
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
         )
     assert tokens == out[0, len(ids) :].tolist()

@@ -35,7 +35,9 @@ QWEN2_VL = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge
 
 @pytest.mark.parametrize("pre", [QWEN3_VL, QWEN2_VL], ids=["qwen3-vl", "qwen2-vl"])
 @pytest.mark.parametrize("size", [(512, 512), (1000, 333), (7, 900), (5000, 4000)])
-def test_the_token_count_is_hfs_for_the_checkpoints_settings(pre: dict[str, Any], size: tuple[int, int]) -> None:
+def test_the_token_count_is_hfs_for_the_checkpoints_settings(
+    pre: dict[str, Any], size: tuple[int, int]
+) -> None:
     """Square, wide, tall and past max_pixels: HF's patches for that size / merge**2."""
     kw = {k: v for k, v in pre.items() if k != "image_processor_type"}
     hf = Qwen2VLImageProcessorPil(**kw)
@@ -69,7 +71,9 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
     the chat template and the image processor's config."""
     out = tmp_path_factory.mktemp("qwen-vl")
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(smollm_dir))
-    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, "<|video_pad|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, "<|video_pad|>"]}
+    )
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(out))
     (out / "preprocessor_config.json").write_text(json.dumps(PRE))
@@ -110,7 +114,9 @@ def test_the_gateways_prompt_of_images_is_qwen3vl_processors(
         ]
         body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]}
         cfg = GatewayConfig()
-        return asyncio.run(prepare(validate_http(ChatRequest, orjson.dumps(body), cfg), Api.CHAT, model, 4096, cfg))
+        return asyncio.run(
+            prepare(validate_http(ChatRequest, orjson.dumps(body), cfg), Api.CHAT, model, 4096, cfg)
+        )
 
     got = ours(" and here?")
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(vlm_dir))
@@ -126,7 +132,7 @@ def test_the_gateways_prompt_of_images_is_qwen3vl_processors(
     text = tok.apply_chat_template(hf_msgs, tokenize=False, add_generation_prompt=True)
     assert got.prompt_ids == hf(text=[text], images=[wide, tall])["input_ids"][0]
     pad, start, end = (model.codec.token_id(t) for t in (IMAGE_PAD, VISION_START, VISION_END))
-    for (im, span), n in zip(got.images, (8 * 12 // 4, 8 * 4 // 4), strict=True):  # grids 8x12, 8x4
+    for (_, span), n in zip(got.images, (8 * 12 // 4, 8 * 4 // 4), strict=True):  # grids 8x12, 8x4
         assert span.length == n and got.prompt_ids[span.start : span.start + n] == [pad] * n
         assert (got.prompt_ids[span.start - 1], got.prompt_ids[span.start + n]) == (start, end)
     typed = ours(f" and {IMAGE_PAD} here?")  # a special token's text typed by the client

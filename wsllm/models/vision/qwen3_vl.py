@@ -48,7 +48,9 @@ class VisionConfig:
         """From an HF Qwen3-VL `vision_config`."""
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"vision_config.hidden_act {act!r} is not served (Qwen3-VL's is gelu_pytorch_tanh)")
+            raise ValueError(
+                f"vision_config.hidden_act {act!r} is not served (Qwen3-VL's is gelu_pytorch_tanh)"
+            )
         rope = vision.get("rope_parameters") or {}
         return cls(
             hidden_size=vision["hidden_size"],
@@ -143,7 +145,9 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [patches, hidden] -> [patches / merge**2, out hidden]
-        x = self.norm.forward(x.reshape(-1, self.width) if self.norm_after_fold else x).reshape(-1, self.width)
+        x = self.norm.forward(x.reshape(-1, self.width) if self.norm_after_fold else x).reshape(
+            -1, self.width
+        )
         return self.linear_fc2.forward(F.gelu(self.linear_fc1.forward(x)))
 
 
@@ -189,7 +193,9 @@ class Qwen3VLVision(nn.Module):
         c = self.cfg
         counts = [t * h * w for t, h, w in grids]
         if pixels.shape != (sum(counts), c.patch_dim):
-            raise ValueError(f"patches {tuple(pixels.shape)} for grids {list(grids)}: [{sum(counts)}, {c.patch_dim}]")
+            raise ValueError(
+                f"patches {tuple(pixels.shape)} for grids {list(grids)}: [{sum(counts)}, {c.patch_dim}]"
+            )
         x = self.patch_embed.forward(pixels)
         x = x + torch.cat([self._positions(g) for g in grids]).to(x.dtype)
         rope = torch.cat([self._rotary(g, x.device) for g in grids])

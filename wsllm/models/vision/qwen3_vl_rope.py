@@ -40,7 +40,9 @@ def axes(head_dim: int, sections: Sequence[int]) -> torch.Tensor:
     """Which position (0 t, 1 h, 2 w) each of a head's head_dim / 2 frequencies turns by."""
     half = head_dim // 2
     if len(sections) != 3 or sum(sections) != half:
-        raise ValueError(f"mrope_section {list(sections)} must be three numbers summing to head_dim / 2 = {half}")
+        raise ValueError(
+            f"mrope_section {list(sections)} must be three numbers summing to head_dim / 2 = {half}"
+        )
     i = torch.arange(half)
     out = torch.zeros(half, dtype=torch.long)
     out[(i % 3 == 1) & (i < 3 * sections[1])] = 1
@@ -57,7 +59,9 @@ def positions(num_tokens: int, images: Sequence[ImageGrid]) -> tuple[torch.Tenso
     at, pos = 0, 0  # the next token's index, and its position
     for im in images:
         if im.start < at or im.start + im.length > num_tokens or im.rows < 1 or im.cols < 1:
-            raise ValueError(f"an image of {im.rows}x{im.cols} tokens at {im.start} does not fit after {at} in {num_tokens}")
+            raise ValueError(
+                f"an image of {im.rows}x{im.cols} tokens at {im.start} does not fit after {at} in {num_tokens}"
+            )
         out[:, at : im.start] = torch.arange(pos, pos + im.start - at)
         pos += im.start - at
         end = im.start + im.length
