@@ -8,6 +8,7 @@ HF's greedy tokens for a prompt with two images."""
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import transformers
 from PIL import Image as PILImage
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from wsllm import kernels
 from wsllm.broker.base import TOKENIZER_FILES
 from wsllm.image_grid import VisionGrid
 from wsllm.models import qwen3_vl, qwen3_vl_text
@@ -113,6 +115,12 @@ def test_the_patches_are_hfs_image_processors(size: tuple[int, int], grid: tuple
 def test_a_too_long_image_is_refused_as_hf_does() -> None:
     with pytest.raises(ValueError, match="aspect ratio"):
         VisionGrid.from_hf(PRE).resized(1, 201)
+
+
+def _png(img: PILImage.Image) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _two_images() -> tuple[list[PILImage.Image], Any]:
@@ -217,35 +225,56 @@ class _Seq:
         self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
         self.tables = torch.arange(n, dtype=torch.int32)[None]
 
-    def meta(self, first: int, end: int) -> AttentionMetadata:
+    def meta(
+        self, first: int, end: int, rope: torch.Tensor | None = None, at: Any = None
+    ) -> AttentionMetadata:
+        """The step [first, end)'s metadata; with `rope`, its CPU plan (the engine's CPU path)
+        reading that table at `at` (the model runner's positions)."""
         q = end - first
+        slots = torch.arange(first, end)
+        plan = None
+        if rope is not None:
+            tables = [self.tables[0].tolist()]
+            plan = kernels.plan_cpu_attention(tables, [end], [q], self.block, torch.float32, at, rope, slots)
         return AttentionMetadata(
-            slot_mapping=torch.arange(first, end),
+            slot_mapping=slots,
             block_tables=self.tables,
             seq_lens=torch.tensor([end], dtype=torch.int32),
             query_start_loc=torch.tensor([0, q], dtype=torch.int32),
             max_query_len=q,
             is_decode=q == 1,
             max_seq_len=end,
+            cpu_plan=plan,
         )
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["kernels", "cpu-plan"])
 def test_an_image_prompt_gives_hfs_logits_and_greedy_tokens(
-    models: tuple[Any, Qwen3VLVision, CausalLM],
+    models: tuple[Any, Qwen3VLVision, CausalLM], planned: bool
 ) -> None:
-    """The pieces composed as the engine will run them: the tower's rows at the placeholders,
+    """The pieces composed as the engine will run them: the images' files prepared and
+    encoded in one batch, their grids read from the files' headers, the rows at the placeholders,
     the text model over two prefill chunks (the cut inside the first image) with 3-D rotary
     rows and deepstack added after its first layers: HF's logits; then decode steps at
-    index + delta through `CausalLM.forward` unchanged: HF's greedy tokens."""
+    index + delta through `CausalLM.forward` unchanged: HF's greedy tokens. The same through
+    the CPU attention plan, built as the model runner builds it (from the chunk's rotary
+    rows at arange for a prefill, from the model's table at index + delta for a decode)."""
     hf, vision, text = models
-    _, pixels = _two_images()
+    images, pixels = _two_images()
     grids = [tuple(g) for g in pixels["image_grid_thw"].tolist()]
     ids = _prompt(grids)
     t = torch.tensor([ids])
+    spec = PixelSpec.from_hf(PRE)
+    files = [_png(im) for im in images]
     with torch.no_grad():
         want = hf(input_ids=t, mm_token_type_ids=(t == IMAGE).int(), **pixels).logits[0]
-        rows = vision(pixels["pixel_values"], grids)
-    pos3, delta = qwen3_vl_rope.positions(len(ids), _grids_of(ids, grids))
+    rows = torch.cat(vision.encode([qwen3_vl_pixels.prepare(f, spec) for f in files]))
+    placed = [
+        qwen3_vl_pixels.prompt_grid(f, spec, g.start)
+        for f, g in zip(files, _grids_of(ids, grids), strict=True)
+    ]
+    assert placed == _grids_of(ids, grids)
+    pos3, delta = qwen3_vl_rope.positions(len(ids), placed)
     rope = qwen3_vl_rope.rope_rows(text.cos_sin_cache, pos3, qwen3_vl_rope.axes(16, [4, 2, 2]))
     holes = (t[0] == IMAGE).nonzero().flatten()
     seq = _Seq(text, len(ids) + 8)
@@ -254,9 +283,9 @@ def test_an_image_prompt_gives_hfs_logits_and_greedy_tokens(
         for first, end in ((0, 12), (12, len(ids))):  # token 12: inside the first image
             inside = (holes >= first) & (holes < end)
             images = qwen3_vl_text.ImageRows(holes[inside] - first, rows[inside])
-            part = qwen3_vl_text.forward(
-                text, t[0, first:end], rope[first:end], seq.kv, seq.meta(first, end), images
-            )
+            chunk = rope[first:end]
+            meta = seq.meta(first, end, chunk, torch.arange(end - first)) if planned else seq.meta(first, end)
+            part = qwen3_vl_text.forward(text, t[0, first:end], chunk, seq.kv, meta, images)
             hidden.append(part)
         got = text.compute_logits(torch.cat(hidden))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -208,6 +208,14 @@ class Qwen3VLVision(nn.Module):
                 stacked.append(merger.forward(x))
         return torch.cat([self.merger.forward(x), *stacked], dim=-1)
 
+    def encode(self, images: Sequence[tuple[torch.Tensor, Grid]]) -> list[torch.Tensor]:
+        """Several images' (patches, grid) (qwen3_vl_pixels.prepare) in one batch -> each
+        image's packed rows [tokens, (1 + levels) * H]: what the encoder step caches."""
+        grids = [g for _, g in images]
+        with torch.no_grad():
+            rows = self.forward(torch.cat([p for p, _ in images]), grids)
+        return list(rows.split([self.tokens(g) for g in grids]))
+
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Packed rows [n, (1 + levels) * H] -> the input embeddings [n, H] and each
         deepstack level's rows [n, H], in layer order."""

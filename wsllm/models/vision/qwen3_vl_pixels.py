@@ -6,6 +6,7 @@ normalized in float32, then cut into patches in the order the patch merger folds
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 from PIL import Image as PILImage
 
 from wsllm.image_grid import VisionGrid
+from wsllm.models.vision.idefics3_pixels import rgb
+from wsllm.models.vision.qwen3_vl_rope import ImageGrid
 
 # transformers' OPENAI_CLIP_MEAN and _STD: Qwen2-VL's defaults (Qwen3-VL's files say 0.5)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -61,3 +64,18 @@ def patches(image: PILImage.Image, spec: PixelSpec) -> tuple[torch.Tensor, tuple
     x = x.reshape(3, rows // m, m, p, cols // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))  # the frames: one image
     return torch.from_numpy(np.ascontiguousarray(x).reshape(rows * cols, 3 * t * p * p)), (1, rows, cols)
+
+
+def prepare(data: bytes, spec: PixelSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An image file (checked by the gateway) as the tower's patches and grid."""
+    return patches(rgb(data), spec)
+
+
+def prompt_grid(data: bytes, spec: PixelSpec, start: int) -> ImageGrid:
+    """Where an image's tokens lie in its prompt and their merged grid, for the 3-D rotary
+    positions (qwen3_vl_rope.positions), from its file's header alone: a prefill whose
+    image rows come from the encoder cache needs its grid without decoding it."""
+    with PILImage.open(io.BytesIO(data)) as img:
+        _, rows, cols = spec.grid.grid(img.height, img.width)
+    m = spec.grid.merge_size
+    return ImageGrid(start, rows // m, cols // m)
