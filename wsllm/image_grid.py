@@ -86,7 +86,7 @@ class VisionGrid:
         if max(height, width) / min(height, width) > MAX_ASPECT:
             raise ValueError(f"the image's aspect ratio {width}x{height} is over {MAX_ASPECT}:1")
         f = self.factor
-        h, w = _round(height / f) * f, _round(width / f) * f
+        h, w = round(height / f) * f, round(width / f) * f  # half to even, as transformers rounds
         if h * w > self.max_pixels:
             beta = math.sqrt(height * width / self.max_pixels)
             h = max(f, math.floor(height / beta / f) * f)
@@ -110,8 +110,3 @@ class VisionGrid:
         """The prompt text that replaces the template's `marker` for one image of this size
         (each `<|image_pad|>` one token; the template writes the vision start and end)."""
         return IMAGE_PAD * self.num_tokens(height, width)
-
-
-def _round(x: float) -> int:
-    """Python's round (half to even), as transformers' smart_resize rounds."""
-    return int(round(x))

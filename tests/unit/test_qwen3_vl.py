@@ -213,6 +213,10 @@ def test_a_qwen3_vl_checkpoint_serves_its_text_as_hf_generates(
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert got.token_ids == want[0, len(prompt) :].tolist()
+    bad = hf.config.to_dict()
+    bad["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 1]
+    with pytest.raises(ValueError, match=r"mrope_section \[4, 2, 1\] must sum to head_dim / 2 = 8"):
+        qwen3_vl.config(bad)
 
 
 class _Seq:

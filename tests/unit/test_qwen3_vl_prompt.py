@@ -91,8 +91,10 @@ def test_the_gateways_prompt_of_images_is_qwen3vl_processors(
 ) -> None:
     """Two images with text around them and a system turn: the prompt ids are
     Qwen3VLProcessor's for the same images and text, each image's span its pads between
-    the template's vision start and end; a pad typed in a text part stays text."""
+    the template's vision start and end; a pad typed in a text part stays text; an image
+    the processor refuses (over 200:1) is a 400 naming its part."""
     from wsllm.config_gateway import GatewayConfig
+    from wsllm.server.errors import APIError
     from wsllm.server.models import ServedModel
     from wsllm.server.prepare import prepare
     from wsllm.server.resume import Api
@@ -104,11 +106,11 @@ def test_the_gateways_prompt_of_images_is_qwen3vl_processors(
     model = ServedModel("qwen-vl", TextCodec(str(vlm_dir)), svc=None)  # type: ignore[arg-type]
     assert model.sees_images and model.codec.tiling == VisionGrid(8, 2, 2, 1024, 8192)
 
-    def ours(between: str) -> Any:
+    def ours(between: str, first: PILImage.Image = wide) -> Any:
         url = lambda im: "data:image/png;base64," + base64.b64encode(_png(im)).decode()  # noqa: E731
         parts = [
             {"type": "text", "text": "What is in"},
-            {"type": "image_url", "image_url": {"url": url(wide)}},
+            {"type": "image_url", "image_url": {"url": url(first)}},
             {"type": "text", "text": between},
             {"type": "image_url", "image_url": {"url": url(tall)}},
         ]
@@ -138,3 +140,6 @@ def test_the_gateways_prompt_of_images_is_qwen3vl_processors(
     typed = ours(f" and {IMAGE_PAD} here?")  # a special token's text typed by the client
     assert typed.prompt_ids.count(pad) == got.prompt_ids.count(pad)
     assert [s.length for _, s in typed.images] == [s.length for _, s in got.images]
+    with pytest.raises(APIError, match=r"messages.1.content.1: the image's aspect ratio 402x2") as e:
+        ours(" and here?", PILImage.new("RGB", (402, 2)))
+    assert e.value.status == 400 and e.value.param == "messages.1.content.1"

@@ -21,7 +21,12 @@ def config(cfg: dict[str, Any]) -> ModelConfig:
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if rope.get("mrope_interleaved") is False:
         raise ValueError("text_config: a non-interleaved mrope (Qwen2-VL's) is not served")
-    return hf_base(text, "qwen3_vl", qk_norm="head")
+    out = hf_base(text, "qwen3_vl", qk_norm="head")
+    if sum(sections := mrope_section(cfg)) != out.head_dim // 2:
+        raise ValueError(
+            f"text_config: mrope_section {list(sections)} must sum to head_dim / 2 = {out.head_dim // 2}"
+        )
+    return out
 
 
 def mrope_section(cfg: dict[str, Any]) -> tuple[int, int, int]:
