@@ -31,6 +31,11 @@ class Tiling:
     tokens_per_tile: int
     splitting: bool = True
 
+    @property
+    def marker(self) -> str:
+        """The text the chat template writes for one image, which `placeholder` replaces."""
+        return IMAGE
+
     @classmethod
     def from_hf(cls, preprocessor: dict[str, Any], tokens_per_tile: int) -> Tiling:
         """From a checkpoint's preprocessor_config.json and its image tokens per tile

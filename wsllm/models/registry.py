@@ -22,6 +22,7 @@ from wsllm.models import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_vl,
     smollm3,
 )
 from wsllm.models.config import ModelConfig
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     granite_moe.FAMILY,
     idefics3.FAMILY,
+    qwen3_vl.FAMILY,
     gpt_oss.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,

@@ -1,8 +1,9 @@
 """The prompt of a chat for a model that sees (its tokenizer's directory has an image
 processor: `TextCodec.tiling`): the messages as HF's processors give them to the chat
-template (each content a list of text and image parts), each `<image>` the template
-writes replaced by that image's placeholder tokens, which follow from its size alone
-(image_tiles.py), so the prompt's ids are those of HF's processor for the same images
+template (each content a list of text and image parts), each image the template writes
+(SmolVLM's `<image>`, Qwen3-VL's `<|image_pad|>`: `tiling.marker`) replaced by that image's
+placeholder tokens, which follow from its size alone (image_tiles.py, image_grid.py), so
+the prompt's ids are those of HF's processor for the same images
 and text; and where each image's placeholders lie in the final prompt (`placed`), for
 the engine and the prefix cache's image keys (docs/vision.md)."""
 
@@ -44,8 +45,21 @@ def encode_chat(codec: TextCodec, messages: list[ChatMessage], template: dict[st
     """A chat's prompt ids with its images' placeholders (`template`: the chat plan's)."""
     # The vision families' templates take tools themselves: no chat style writes them in.
     kw = {k: v for k, v in template.items() if k != "tool_prompt"}
-    holders = [list(placeholder_ids(codec, im.height, im.width)) for im in images_of(messages)]
-    return codec.encode_chat_images(template_messages(messages), holders, **kw)[0]
+    return codec.encode_chat_images(template_messages(messages), _holders(codec, messages), **kw)[0]
+
+
+def _holders(codec: TextCodec, messages: list[ChatMessage]) -> list[list[int]]:
+    """Each image's placeholder ids, in order; an image the model's processor refuses (a
+    Qwen3-VL image more than 200 times as long as it is wide) is a 400 naming its part."""
+    out = []
+    for i, m in enumerate(messages):
+        for j, part in m.image_parts:
+            try:
+                out.append(list(placeholder_ids(codec, part.image.height, part.image.width)))
+            except ValueError as e:
+                where = f"messages.{i}.content.{j}"
+                raise APIError(400, "invalid_request", f"{where}: {e}", param=where) from None
+    return out
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from wsllm.image_grid import VisionGrid
 from wsllm.image_tiles import IMAGE, Tiling
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ class TextCodec:
         self._specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False)})
         self._literal = Tokenizer.from_str(backend.to_str())
         self._literal.encode_special_tokens = True
-        #: how the model's processor cuts an image into placeholder tokens; None: it
-        #: reads text only (image_tiles.py; docs/vision.md)
-        self.tiling: Tiling | None = Tiling.from_dir(tokenizer_dir)
+        #: how the model's processor turns an image into placeholder tokens: SmolVLM's
+        #: tiles or Qwen3-VL's grid; None: it reads text only (docs/vision.md)
+        self.tiling: Tiling | VisionGrid | None = Tiling.from_dir(tokenizer_dir) or VisionGrid.from_dir(
+            tokenizer_dir
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt, with the special tokens the model expects (e.g. BOS)."""
@@ -180,8 +183,8 @@ class TextCodec:
         continue_final_message: bool = False,
     ) -> tuple[list[int], list[int]]:
         """The token ids of a chat whose contents are lists of parts (`{"type": "text",
-        "text": ...}`, `{"type": "image"}`: HF's processors' input), each `<image>` the
-        template writes replaced by the next image's placeholder ids (`images`); and
+        "text": ...}`, `{"type": "image"}`: HF's processors' input), each image the template
+        writes (`tiling.marker`) replaced by the next image's placeholder ids (`images`); and
         where each image's placeholders start. A text part is read as plain text (a
         special token typed in it stays text); with none, the text between images is
         tokenized as HF's processor does, whole, for the same ids."""
@@ -192,7 +195,7 @@ class TextCodec:
             messages = [m | {"content": [_marked(p, marks) for p in m["content"]]} for m in messages]
         pieces = self.render_chat(
             messages, tools, template_kwargs, add_generation_prompt, continue_final_message
-        ).split(IMAGE)
+        ).split(IMAGE if self.tiling is None else self.tiling.marker)
         if len(pieces) != len(images) + 1:
             raise TemplateError(f"the chat template wrote {len(pieces) - 1} images for {len(images)}")
         literals = [p["text"] for p in texts]
