@@ -216,3 +216,43 @@ def test_an_answer_about_an_image_streams_from_a_model_that_sees(ui_vlm) -> None
     expect(answer).to_have_attribute("data-status", "done")
     assert answer.locator(".msg-body").inner_text().strip()  # words streamed
     ui.assert_no_errors(page)
+
+
+FILL_STORAGE_AND_SEND = """async ([b64, room]) => {
+  // Fill this origin's localStorage but for `room` characters: the image's file will not fit.
+  let n = 1 << 22;
+  for (let step = 1 << 21; step >= 1024; step >>= 1) {
+    try { localStorage.setItem('junk', 'x'.repeat(n + step)); n += step; } catch { /* full */ }
+  }
+  localStorage.setItem('junk', 'x'.repeat(Math.max(0, n - room)));
+  const { readImageFile, IMAGE_LIMITS } = await import('/images.js');
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const { image } = await readImageFile(new File([bytes], 'noise.png', { type: 'image/png' }), IMAGE_LIMITS);
+  const { chat, store } = window.wsllm;
+  chat.send(store.activeId, 'Look.', [], [image]);
+  return image.url.length;
+}"""
+
+
+def test_an_image_the_storage_cannot_hold_is_kept_as_a_thumbnail_and_said(ui) -> None:
+    """A conversation whose image file does not fit the browser's storage is stored with its
+    thumbnail only: a toast says so, and after a reload the image is shown as not kept and
+    the next request no longer carries it."""
+    page = ui.page()
+    noise = base64.b64encode(png((360, 360), noise=True)).decode()
+    chars = page.evaluate(FILL_STORAGE_AND_SEND, [noise, 100_000])
+    assert chars > 400_000  # far more than the room left
+    expect(page.locator(".toast.error")).to_contain_text("saved with small previews of its images only")
+    image = ui.stored_conv(page)["messages"][0]["images"][0]
+    assert image["dropped"] is True and "url" not in image and image["thumb"].startswith("data:image/jpeg")
+    page.evaluate("() => localStorage.removeItem('junk')")
+    page.reload()
+    expect(page.locator(".msg.user .image-note")).to_have_text(
+        "Not kept (browser storage was full): no longer sent to the model"
+    )
+    sent = page.evaluate("""async () => {
+      const { chatMessages } = await import('/wire-messages.js');
+      const { chat, store } = window.wsllm;
+      return chatMessages(chat.get(store.activeId))[0].content;
+    }""")
+    assert sent == "Look."
