@@ -1,7 +1,7 @@
 // Entry point: builds the socket, the stored conversations and the views, and wires them
 // together (the chrome, the composer and the model list are modules of their own).
 
-import { AttachControl } from "./attachments.js";
+import { AttachControl } from "./attach-control.js";
 import { Chat, describeError } from "./chat.js";
 import { applyTheme, ConnStatus, Drawer, nextTheme } from "./chrome.js";
 import { Composer } from "./composer.js";
@@ -28,6 +28,8 @@ class App {
   constructor() {
     const store = (this.store = new Store());
     store.onError = () => toast("Could not save to this browser's storage (full or disabled).", "error");
+    store.onImagesLeftOut = (conv) =>
+      toast(`This browser's storage is full: “${conv.title}” is saved with small previews of its images only. They are sent while this page stays open; after a reload the model no longer sees them.`, "error");
     this.apiKey = store.loadSettings().api_key;
     const ws = (this.ws = new WsClient(defaultWsUrl(this.apiKey)));
     this.conn = new ConnStatus(ws);
@@ -42,6 +44,7 @@ class App {
       chat.setModel(this.activeId, id);
       settings.set({ model: id }); // the one picked last: new chats start with it
       this.renderMeter();
+      this.attach.show(); // whether the new model sees the waiting images
     });
     this.meter = new ContextMeter($("ctx"));
     this.data = new DataDialog($("data-dialog"), chat, store, {
@@ -63,7 +66,14 @@ class App {
     const refusal = new Refusal(); // "Not sent: …" when the format or the tools need fixing
     this.format = new OutputFormatControl(chat, active, refusal); // the answer format, per conversation
     this.tools = new ToolsControl(chat, active, refusal); // the tools editor, per conversation
-    this.attach = new AttachControl(() => settings.get().attach_kb, active); // files to send
+    this.attach = new AttachControl(() => settings.get().attach_kb, active, {
+      hello: () => ws.hello, // its limits
+      conv: () => chat.get(this.activeId),
+      model: () => {
+        const id = this.modelOf(chat.get(this.activeId));
+        return { name: id || this.picker.serverDefault, sees: this.picker.seesImages(id) };
+      },
+    }); // files and images to send
     this.sidebar = new Sidebar($("conv-list"), {
       select: (id) => {
         this.select(id);
@@ -191,6 +201,7 @@ class App {
     this.picker.setModels(models, this.ws.hello?.model);
     this.checkModel(this.chat.get(this.activeId));
     this.renderMeter();
+    this.attach.show(); // whether the model sees the waiting images, now that the list says
   }
 
   modelsFailed(err, quiet, refused) {

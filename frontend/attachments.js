@@ -1,4 +1,5 @@
-// Text-file attachments: read in the browser, capped in size, shown as chips, sent as text.
+// Attachments: text files (read in the browser, capped in size, shown as chips, sent as text)
+// and images (images.js: checked against the server's limits, sent as image parts).
 //
 // A user message keeps its files in `msg.attachments` ([{name, size, text}]) beside what the
 // person typed (`msg.content`), so the message shows the typed text and a chip per file, and an
@@ -7,6 +8,7 @@
 // goes to the server by itself, and nothing of it is run or rendered as markup.
 
 import { icon } from "./icons.js";
+import { imageGallery, imagesKey } from "./image-view.js";
 
 export const MAX_FILES = 8; // per message
 export const DEFAULT_KB = 100; // the largest file, a setting (settings.attach_kb)
@@ -89,101 +91,15 @@ export function chipList(list, onRemove = null) {
   return ul;
 }
 
-/** A sent message's chips (none when it has no files), drawn again only when they change. */
+/** A sent message's images and file chips (none when it has neither), drawn again only when
+ * they change. */
 export function renderChips(box, msg) {
   const list = attachmentsOf(msg);
-  const key = list.map((a) => `${a.name}\u0000${a.size}`).join("\u0000");
+  const key = `${list.map((a) => `${a.name}\u0000${a.size}`).join("\u0000")}\u0001${imagesKey(msg)}`;
   if (box.dataset.key === key) return;
   box.dataset.key = key;
-  box.replaceChildren(...(list.length ? [chipList(list)] : []));
-  box.hidden = !list.length;
+  const parts = [imageGallery(msg), list.length ? chipList(list) : null].filter(Boolean);
+  box.replaceChildren(...parts);
+  box.hidden = !parts.length;
 }
 
-/** The paperclip by the message box, the chips of the files waiting to be sent, and the line
- * that says why a file was refused. Files wait per conversation, in this page only.
- * `maxKb()`: the size cap now; `activeId()`: the conversation on screen. */
-export class AttachControl {
-  constructor(maxKb, activeId) {
-    this.maxKb = maxKb;
-    this.activeId = activeId;
-    this.pending = new Map(); // conversation id -> [{name, size, text}]
-    const prompt = document.getElementById("prompt");
-    this.input = Object.assign(document.createElement("input"), { type: "file", id: "attach-file", multiple: true, accept: ACCEPT, hidden: true });
-    this.input.setAttribute("aria-hidden", "true");
-    this.input.tabIndex = -1;
-    this.button = document.createElement("button");
-    this.button.type = "button";
-    this.button.id = "attach";
-    this.button.className = "btn attach-btn";
-    this.button.setAttribute("aria-label", "Attach a text file");
-    this.button.title = "Attach a text file";
-    this.button.appendChild(icon("clip"));
-    prompt.before(this.button, this.input);
-    this.chips = document.createElement("div");
-    this.chips.id = "attach-chips";
-    this.chips.className = "attach-chips";
-    this.error = document.createElement("p");
-    this.error.id = "attach-error";
-    this.error.className = "attach-error";
-    this.error.setAttribute("role", "alert");
-    this.error.hidden = true;
-    document.getElementById("composer").before(this.chips, this.error);
-    this.button.addEventListener("click", () => this.input.click());
-    this.input.addEventListener("change", async () => {
-      const files = [...(this.input.files || [])];
-      this.input.value = ""; // the same file can be picked again
-      await this.add(files);
-    });
-  }
-
-  /** Read files into the conversation on screen; a refused one is named in the error line. */
-  async add(files) {
-    const id = this.activeId();
-    const list = this.pending.get(id) || [];
-    const errors = [];
-    for (const file of files) {
-      if (list.length >= MAX_FILES) {
-        errors.push(`At most ${MAX_FILES} files go with one message.`);
-        break;
-      }
-      const { attachment, error } = await readTextFile(file, this.maxKb());
-      if (error) errors.push(error);
-      else list.push(attachment);
-    }
-    this.pending.set(id, list);
-    this.error.textContent = errors.join(" ");
-    this.error.hidden = !errors.length;
-    this.show();
-  }
-
-  /** The files waiting in the conversation on screen. */
-  get(id = this.activeId()) {
-    return this.pending.get(id) || [];
-  }
-
-  /** They were sent: the composer is empty again. */
-  clear(id = this.activeId()) {
-    this.pending.delete(id);
-    this.show();
-  }
-
-  show() {
-    const id = this.activeId();
-    const list = this.get(id);
-    const remove = (k) => {
-      list.splice(k, 1);
-      this.show();
-      document.getElementById("prompt").focus();
-    };
-    this.chips.replaceChildren(...(list.length ? [chipList(list, remove)] : []));
-    this.chips.hidden = !list.length;
-    this.error.hidden = this.error.hidden || !this.error.textContent;
-  }
-
-  /** Another conversation is on screen: its own files, no old message. */
-  switchTo() {
-    this.error.textContent = "";
-    this.error.hidden = true;
-    this.show();
-  }
-}

@@ -120,16 +120,19 @@ export class Chat extends EventTarget {
     return !!conv && conv.messages.some(isLive);
   }
 
-  /** Ask `text` with `attachments` ([{name, size, text}], attachments.js): false when
-   * nothing was sent (nothing to send, an answer still coming, or a refusal). */
-  send(id, text, attachments = []) {
+  /** Ask `text` with `attachments` ([{name, size, text}], attachments.js) and `images`
+   * (images.js): false when nothing was sent (nothing to send, an answer still coming, or a
+   * refusal). */
+  send(id, text, attachments = [], images = []) {
     const conv = this.get(id);
-    if (!conv || !(text.trim() || attachments.length) || this.generating(id) || this._refused(conv)) return false;
+    const some = text.trim() || attachments.length || images.length;
+    if (!conv || !some || this.generating(id) || this._refused(conv)) return false;
     const msg = newMessage("user", text);
     if (attachments.length) msg.attachments = attachments.map((a) => ({ name: a.name, size: a.size, text: a.text }));
+    if (images.length) msg.images = images.map((im) => ({ ...im }));
     conv.messages.push(msg);
     if (!conv.renamed && conv.messages.filter((m) => m.role === "user").length === 1) {
-      const t = (text.trim() || attachments.map((a) => a.name).join(", ")).replace(/\s+/g, " ");
+      const t = (text.trim() || [...images, ...attachments].map((a) => a.name).join(", ")).replace(/\s+/g, " ");
       conv.title = t.length > TITLE_LEN ? `${t.slice(0, TITLE_LEN - 1)}…` : t;
     }
     this._answer(conv);

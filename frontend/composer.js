@@ -5,7 +5,7 @@ import { icon } from "./icons.js";
 const $ = (id) => document.getElementById(id);
 
 export class Composer {
-  /** `chat` sends into the conversation `activeId()` names, with the files of `attach`. */
+  /** `chat` sends into the conversation `activeId()` names, with the files and images of `attach`. */
   constructor(chat, attach, activeId) {
     this.chat = chat;
     this.attach = attach;
@@ -44,8 +44,13 @@ export class Composer {
     const id = this.activeId();
     const text = this.prompt.value;
     const files = this.attach.get();
-    if (!(text.trim() || files.length) || this.chat.generating(id)) return;
-    if (this.chat.send(id, text, files)) {
+    const images = this.attach.images();
+    if (!(text.trim() || files.length || images.length) || this.chat.generating(id)) return;
+    if (this.attach.blocked()) {
+      this.attach.show(); // says why: the model cannot see them
+      return;
+    }
+    if (this.chat.send(id, text, files, images)) {
       this.prompt.value = "";
       this.attach.clear();
       this.autosize();

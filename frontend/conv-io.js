@@ -7,9 +7,12 @@
 // file that is not JSON, or not conversations, or has one bad conversation, gets a
 // message and changes nothing. It never overwrites: a conversation already stored (same
 // id, same content) is skipped, and one whose id is taken by a different conversation
-// comes in as a copy with a new id.
+// comes in as a copy with a new id. A message's images travel whole (their data: URLs, or the
+// thumbnail of one that was not kept); an image's `url` and `thumb` must be data: URLs of an
+// image (images.js), so an imported conversation can make the page fetch nothing.
 
 import { MAX_FILES, messageText } from "./attachments.js";
+import { imagesOf, isImageDataUrl } from "./images.js";
 import { uid } from "./store.js";
 import { toolsShapeProblem } from "./tools.js";
 import { callsOf } from "./wire-messages.js";
@@ -19,6 +22,7 @@ export const VERSION = 1;
 export const MAX_FILE_BYTES = 20 * 1024 * 1024;
 const MAX_ID = 128;
 const LIVE = new Set(["waiting", "queued", "streaming"]);
+const MAX_IMAGES = 64; // a message's: the most the server's wire takes (MAX_WIRE_IMAGES)
 const SECRETS = ["requestId", "lastSeq", "resumeToken"]; // a streaming answer's, to resume it
 
 export class ImportError extends Error {}
@@ -50,6 +54,9 @@ function messageMarkdown(m) {
   const text = m.role === "user" ? messageText(m) : m.content;
   const calls = m.role === "assistant" ? callsOf(m) : [];
   const lines = [`## ${who}`, ""];
+  for (const im of m.role === "user" ? imagesOf(m) : []) {
+    lines.push(`*Image “${im.name}”${im.width ? ` (${im.width}×${im.height})` : ""}: in the JSON export*`, "");
+  }
   if (text || !calls.length) lines.push(text || "*(no text)*", "");
   for (const c of calls) lines.push(`**Tool call** \`${c.name}\` (${c.id}):`, "", "```json", String(c.arguments ?? ""), "```", "");
   return lines;
@@ -120,6 +127,17 @@ function checkList(m, where, key, most, keys) {
   }
 }
 
+// A message's images: each named, with a data: URL of an image for its file or its thumbnail.
+function checkImages(m, where) {
+  checkList(m, where, "images", MAX_IMAGES, ["name"]);
+  for (const [k, im] of (m.images || []).entries()) {
+    const bad = ["url", "thumb"].filter((f) => im[f] != null && !isImageDataUrl(im[f]));
+    if (bad.length || !(im.url || im.thumb)) {
+      fail(where, `image ${k + 1} needs a "url" or "thumb" that is a data: URL of a PNG, JPEG, WebP or GIF image`);
+    }
+  }
+}
+
 function checkMessage(m, where) {
   if (!isObj(m)) fail(where, "is not an object");
   checkId(m.id, where);
@@ -133,6 +151,7 @@ function checkMessage(m, where) {
   for (const key of ["status", "model", "finishReason", "name"]) checkOptional(m, where, key, "string");
   for (const key of ["stats", "usage", "error"]) checkOptional(m, where, key, "object");
   checkList(m, where, "attachments", MAX_FILES, ["name", "text"]);
+  checkImages(m, where);
   checkList(m, where, "toolCalls", 128, ["name", "arguments"]);
 }
 

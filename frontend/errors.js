@@ -14,6 +14,7 @@ export function describeError(code, message, param, extra = {}) {
   const detail = message ? ` (${message})` : "";
   const retry = Number(extra.retryAfterS) > 0 ? retryWhen(extra.retryAfterS) : "in a moment";
   const model = extra.model ? `“${extra.model}”` : "this model";
+  const Model = extra.model ? model : "This model";
   switch (code) {
     case "rate_limited":
       return `You have reached the request limit of this API key. Try again ${retry}.${detail}`;
@@ -35,6 +36,10 @@ export function describeError(code, message, param, extra = {}) {
     case "context_length_exceeded":
       return `This conversation no longer fits the model's context. Start a new chat, delete some messages, or lower "Max tokens".${detail}`;
     case "invalid_request":
+      if (/cannot see images/.test(message)) {
+        return `${Model} cannot see images: it reads text only. Pick a model that sees images next to the message box, or start a new chat without them.${detail}`;
+      }
+      if (/does not read images yet/.test(message)) return `This server cannot read images yet.${detail}`;
       return `The server rejected the request${param ? `: check "${param}"` : ""}.${detail}`;
     case "slow_consumer":
       return `This answer fell too far behind (the page was not reading it) and the server stopped it.${detail}`;

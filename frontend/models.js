@@ -8,8 +8,9 @@
 
 export class AuthError extends Error {}
 
-/** [{id, contextLength, parent, lora}] from GET /v1/models (the default model first; a LoRA
- * adapter's card has `lora: true` and its base model as `parent`). */
+/** [{id, contextLength, parent, lora, sees}] from GET /v1/models (the default model first; a LoRA
+ * adapter's card has `lora: true` and its base model as `parent`; `sees`: whether it reads
+ * images, from the card's `input_modalities`, null where the card does not say). */
 export async function fetchModels(apiKey = "") {
   const headers = { Accept: "application/json" };
   if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
@@ -33,6 +34,7 @@ export async function fetchModels(apiKey = "") {
       contextLength: Number.isInteger(m.max_model_len) && m.max_model_len > 0 ? m.max_model_len : null,
       parent: typeof m.parent === "string" ? m.parent : null,
       lora: m.lora === true,
+      sees: Array.isArray(m.input_modalities) ? m.input_modalities.includes("image") : null,
     }));
 }
 
@@ -110,6 +112,13 @@ export class ModelPicker {
   contextOf(id) {
     const m = (this.models || []).find((x) => x.id === (id || this.serverDefault));
     return m?.contextLength ?? null;
+  }
+
+  /** Whether a model reads images ("" or unknown: the server default's): true, false, or
+   * null while the list has not said. */
+  seesImages(id) {
+    const m = (this.models || []).find((x) => x.id === (id || this.serverDefault));
+    return m?.sees ?? null;
   }
 
   say(text) {

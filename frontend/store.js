@@ -5,8 +5,11 @@
 //   wsllm.v1.active      the id of the conversation on screen
 //   wsllm.v1.settings    the settings panel's values and the theme
 // One key per conversation, so a streaming answer rewrites only its own conversation.
+// A conversation with images is stored with their files while the storage takes it, else with
+// their thumbnails only (images.js, `storedForm`; `onImagesLeftOut(conv)` says so, once).
 
 import { DEFAULT_KB, MAX_KB } from "./attachments.js";
+import { storedForm } from "./images.js";
 import { normalizeSampling, SAMPLING_DEFAULTS } from "./sampling.js";
 
 const PREFIX = "wsllm.v1.";
@@ -34,7 +37,7 @@ export function newConversation() {
 /** role: "user" | "assistant" | "tool". Assistant messages also carry `status` (streaming, done,
  * stopped, error, interrupted, waiting), `stats` ({ttftMs, tokens, tps}), `error`
  * ({code, message}), and while streaming `requestId`, `lastSeq` and `resumeToken` for resume.
- * User messages may carry `attachments` ([{name, size, text}]); a tool message (a result the
+ * User messages may carry `attachments` ([{name, size, text}]) and `images` (images.js); a tool message (a result the
  * person typed for a call) carries `toolCallId` and the function's `name`. */
 export function newMessage(role, content = "") {
   return { id: uid("m"), role, content, createdAt: Date.now() };
@@ -65,6 +68,8 @@ export class Store {
   constructor(storage = window.localStorage) {
     this.storage = storage;
     this.onError = () => {};
+    this.onImagesLeftOut = () => {};
+    this._leftOut = new Set(); // conversations stored without their images' files (said once)
     this._pending = new Map(); // conversation id -> {timer, conv} of a throttled save
   }
 
@@ -77,14 +82,26 @@ export class Store {
     }
   }
 
-  _set(key, value) {
+  _set(key, value, quiet = false) {
     try {
       this.storage.setItem(key, JSON.stringify(value));
       return true;
     } catch (err) {
-      this.onError(err);
+      if (!quiet) this.onError(err);
       return false;
     }
+  }
+
+  /** A conversation whole, or (the storage refused it) without its images' files. */
+  _setConv(conv) {
+    const light = storedForm(conv);
+    if (this._set(CONV + conv.id, conv, light !== null)) {
+      this._leftOut.delete(conv.id);
+      return;
+    }
+    if (!this._set(CONV + conv.id, light)) return;
+    if (!this._leftOut.has(conv.id)) this.onImagesLeftOut(conv);
+    this._leftOut.add(conv.id);
   }
 
   /** All stored conversations, most recently updated first. */
@@ -112,7 +129,7 @@ export class Store {
       if (pending) return;
       const timer = setTimeout(() => {
         this._pending.delete(conv.id);
-        this._set(CONV + conv.id, conv);
+        this._setConv(conv);
       }, throttleMs);
       this._pending.set(conv.id, { timer, conv });
       return;
@@ -121,7 +138,7 @@ export class Store {
       clearTimeout(pending.timer);
       this._pending.delete(conv.id);
     }
-    this._set(CONV + conv.id, conv);
+    this._setConv(conv);
   }
 
   // Write every throttled save now: the page is going away (a reload within the

@@ -1,13 +1,16 @@
 // A conversation as the `messages` of a chat request (docs/protocol.md): what the model reads.
 //
 //   system     the conversation's system prompt, when it has one
-//   user       what was typed, then each attached file as a fenced block (attachments.js)
+//   user       what was typed, then each attached file as a fenced block (attachments.js); with
+//              images, a list of content parts: each image (an `image_url` part with its data:
+//              URL, images.js), then that text as a `text` part when there is any
 //   assistant  the answer's text and its tool calls (OpenAI's shape: content null when only
 //              calls); failed answers and empty ones are left out, and so is the Thinking text
 //   tool       a result the person typed for a call: {role: "tool", tool_call_id, content}; a
 //              call with no result is simply followed by the next turn
 
 import { messageText } from "./attachments.js";
+import { imageParts } from "./images.js";
 
 /** The calls of an answer that can be sent back: those with an id and a name. */
 export function callsOf(msg) {
@@ -25,12 +28,19 @@ function assistantTurn(m) {
   return turn;
 }
 
+function userTurn(m) {
+  const text = messageText(m);
+  const images = imageParts(m);
+  if (!images.length) return { role: "user", content: text };
+  return { role: "user", content: [...images, ...(text ? [{ type: "text", text }] : [])] };
+}
+
 export function chatMessages(conv) {
   const out = [];
   if (conv.system.trim()) out.push({ role: "system", content: conv.system });
   const sentCalls = new Set(); // a result is sent only after the call it answers
   for (const m of conv.messages) {
-    if (m.role === "user") out.push({ role: "user", content: messageText(m) });
+    if (m.role === "user") out.push(userTurn(m));
     else if (m.role === "assistant") {
       const turn = assistantTurn(m);
       if (!turn) continue;

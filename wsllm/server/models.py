@@ -116,7 +116,9 @@ class ServedModels:
         """`/v1/models`: every model a live engine serves (and `tenant` may use), the
         default first, each with the context length its engines allow. An alias is a
         card of its own (`parent`: the model it names), as vLLM lists served names;
-        `root` (vLLM's) names the weights a card serves: the model's, or the adapter's."""
+        `root` (vLLM's) names the weights a card serves: the model's, or the adapter's.
+        `input_modalities` (OpenRouter's name) says what it reads: `["text", "image"]` for a
+        model that sees, `["text"]` else; left out while its tokenizer cannot be had."""
         data: list[dict[str, Any]] = []
         for name, engines in (await self.live()).items():
             card: dict[str, Any] = {
@@ -126,7 +128,7 @@ class ServedModels:
                 "owned_by": "wsllm",
                 "root": name,
                 "max_model_len": min(e.max_model_len for e in engines),
-            }
+            } | await self._modalities(name)
             if tenant.may_use(name):
                 data.append(card)
                 aliases = sorted({a for e in engines for a in e.aliases} - {name})
@@ -139,6 +141,15 @@ class ServedModels:
                 if tenant.may_use(a)
             ]
         return data
+
+    async def _modalities(self, name: str) -> dict[str, Any]:
+        """`{"input_modalities": [...]}` from the model's tokenizer (loaded here on first
+        sight, as its first request would); `{}` while no tokenizer has been published."""
+        try:
+            model = await self.served(name)
+        except APIError:
+            return {}
+        return {"input_modalities": ["text", "image"] if model.sees_images else ["text"]}
 
     async def resolve(self, requested: str | None, tenant: Tenant = ANONYMOUS) -> tuple[ServedModel, int]:
         """The model a request names (its name or an alias; none: the default model)
