@@ -185,7 +185,7 @@ def rows_text(
     per_token = weight_bytes_per_token(shape)
     lines = []
     for r in rows:
-        tps = [serving_report.tokens_per_s(r["runs"][c]) for c in levels]
+        tps = [serving_report.tokens_per_s(r["runs"]["greedy"][c]) for c in levels]
         bw = per_token * tps[0] / 1e9 if levels[0] == 1 else float("nan")
         cells = [f"{shape.name} ({shape.layers} layers)", str(r["name"]), f"{file_gib:.2f} GiB",
                  f"{per_token / 1e9:.2f} GB", *(f"{t:.1f}" for t in tps), f"{r['peak_mb'] / 1024:.1f} GB",

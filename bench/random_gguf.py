@@ -7,11 +7,12 @@ memory of its largest tensor. Formats: Q4_0 (random nibbles, an fp16 scale putti
 N(0, 0.02)), MXFP4 (GGML type 39: random E2M1 nibbles under one E8M0 exponent, near N(0, 0.02)
 too), F32 (norms, routers, biases, sinks: whatever the caller's `fill` gives). The tokenizer is
 the bundled SmolLM2's, padded with unused tokens to the shape's vocabulary (`add_tokenizer`), so
-both servers read the prompts alike.
+both servers read the prompts alike; a check that only loads a tiny file takes the 256 bytes and
+ChatML's markers instead (`add_byte_tokenizer`: parsing SmolLM2's 49k tokens takes seconds).
 
-Each server is started alone on the file, measured at each concurrency level with `wsllm bench`
-(chat prompts, greedy, `ignore_eos`) and stopped, its process tree's peak resident memory sampled
-all the while (`measure`)."""
+Each server is started alone on the file, measured at each concurrency level under each sampling
+setting of serving_report.SAMPLINGS with `wsllm bench` (chat prompts, `ignore_eos`) and stopped,
+its process tree's peak resident memory sampled all the while (`measure`)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,42 @@ def add_tokenizer(w: Any, vocab: int, tokenizer_gguf: Path | None = None) -> Non
     w.add_chat_template(f["tokenizer.chat_template"].contents())
 
 
+def _byte_units() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte 0..255."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_byte_tokenizer(w: Any, vocab: int) -> None:
+    """A byte-level BPE of the 256 bytes, one merge and ChatML's markers, padded to `vocab`: it
+    reads in milliseconds (for a check that loads a tiny file, not for a measurement)."""
+    import gguf
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*specials, *_byte_units(), "Ġt"]
+    pad = vocab - len(tokens)
+    if pad < 0:
+        raise ValueError(f"a vocabulary of {vocab} is smaller than the byte tokenizer's {len(tokens)} tokens")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens + [f"[unused{i}]" for i in range(pad)])
+    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials))
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(_CHATML)
+
+
 def write_gguf(
     path: Path,
     arch: str,
@@ -166,11 +203,15 @@ def server(name: str, argv: list[str]) -> serving_peers.Server:
     return serving_peers.Server(name, name, argv, "/ready" if name == "wsllm" else "/health", 1800)
 
 
-def measure(name: str, gguf_path: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """`name` alone on the file: `wsllm bench` at each of `args.levels` (prompts-{i}.jsonl in
-    `work`), its ready time and its process tree's peak resident MB."""
+def measure(
+    name: str, gguf_path: Path, args: argparse.Namespace, work: Path, settings: Sequence[str] = ("greedy",)
+) -> dict[str, Any]:
+    """`name` alone on the file: `wsllm bench` at each of `args.levels` under each sampling setting
+    (serving_report.SAMPLINGS; setting j at level i reads prompts-{j * levels + i}.jsonl in `work`,
+    as serving_peers.write_prompts writes them), its ready time and its process tree's peak
+    resident MB. `runs[setting][level]` is the run's JSON."""
     port = serving_peers.free_port()
-    runs = {}
+    runs: dict[str, dict[int, Any]] = {s: {} for s in settings}
     with serving_peers.running(server(name, server_argv(name, gguf_path, port, args)), port,
                                work / f"{name}-{gguf_path.stem}.log") as (ready_s, pid):  # fmt: skip
         with procmem.PeakSampler(pid) as sampler:
@@ -178,23 +219,31 @@ def measure(name: str, gguf_path: Path, args: argparse.Namespace, work: Path) ->
                 serving_peers.probe(
                     port, work / "prompts-0.jsonl", work / f"{name}-{gguf_path.stem}-probe.json"
                 )
-            for i, level in enumerate(args.levels):
-                print(f"  {name}: concurrency {level}, {args.num_requests} requests", file=sys.stderr)
-                out = work / f"{name}-{gguf_path.stem}-c{level}.json"
-                runs[level] = serving_peers.bench_level(port, level, work / f"prompts-{i}.jsonl", args, out)
+            for j, setting in enumerate(settings):
+                for i, level in enumerate(args.levels):
+                    print(
+                        f"  {name}: {setting}, concurrency {level}, {args.num_requests} requests",
+                        file=sys.stderr,
+                    )
+                    prompts = work / f"prompts-{j * len(args.levels) + i}.jsonl"
+                    out = work / f"{name}-{gguf_path.stem}-{setting}-c{level}.json"
+                    runs[setting][level] = serving_peers.bench_level(port, level, prompts, args, out, setting)
         peak = max(sampler.peak_mb, procmem.tree_hwm_mb(pid))
     return {"name": name, "ready_s": ready_s, "runs": runs, "peak_mb": peak}
 
 
-def ratios(rows: list[dict[str, Any]], levels: list[int]) -> tuple[list[float], float] | None:
-    """wsllm's tokens/s over llama-server's at each level, and its peak resident memory over
-    llama-server's; None unless both were measured."""
+def ratios(
+    rows: list[dict[str, Any]], levels: list[int], setting: str = "greedy"
+) -> tuple[list[float], float] | None:
+    """wsllm's tokens/s over llama-server's at each level under `setting`, and its peak resident
+    memory over llama-server's; None unless both were measured."""
     by = {r["name"]: r for r in rows}
     if not {"wsllm", "llamacpp"} <= set(by):
         return None
     ws, lc = by["wsllm"], by["llamacpp"]
     tps = [
-        serving_report.tokens_per_s(ws["runs"][c]) / serving_report.tokens_per_s(lc["runs"][c])
+        serving_report.tokens_per_s(ws["runs"][setting][c])
+        / serving_report.tokens_per_s(lc["runs"][setting][c])
         for c in levels
     ]
     return tps, ws["peak_mb"] / lc["peak_mb"]

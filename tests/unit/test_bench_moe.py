@@ -84,8 +84,16 @@ def test_the_docs_section_carries_the_table_the_goals_and_the_flags() -> None:
         return {"output_throughput": tok_s}
 
     rows = [
-        {"name": "wsllm", "runs": {1: run(40.0), 8: run(90.0), 32: run(150.0)}, "peak_mb": 4000.0},
-        {"name": "llamacpp", "runs": {1: run(30.0), 8: run(40.0), 32: run(42.0)}, "peak_mb": 9700.0},
+        {
+            "name": "wsllm",
+            "runs": {"greedy": {1: run(40.0), 8: run(90.0), 32: run(150.0)}},
+            "peak_mb": 4000.0,
+        },
+        {
+            "name": "llamacpp",
+            "runs": {"greedy": {1: run(30.0), 8: run(40.0), 32: run(42.0)}},
+            "peak_mb": 9700.0,
+        },
     ]
     table = moe.rows_text(shape, 3.6, rows, args.levels, 31.0)
     assert "**1.33x** | **2.25x** | **3.57x**" in table
