@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,14 +39,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers_setup  # noqa: E402  (sibling scripts, not a package)
-import procmem  # noqa: E402
+import random_gguf  # noqa: E402  (sibling scripts, not a package)
 import serving_peers  # noqa: E402
 import serving_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Mixtures of experts: OLMoE and Qwen3-30B-A3B shapes, Q4_0 GGUF (CPU)"
-Q4_0_BLOCK = (32, 18)  # values, bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,55 +88,48 @@ SHAPES = {
 
 
 def q4_0_bytes(rows: int, cols: int) -> int:
-    return rows * cols // Q4_0_BLOCK[0] * Q4_0_BLOCK[1]
+    return random_gguf.nbytes("Q4_0", (rows, cols))
 
 
-def tensors(s: MoeShape) -> list[tuple[str, bool, tuple[int, ...]]]:
-    """(GGUF name, Q4_0 or F32, shape in row order) in llama.cpp's order."""
+def tensors(s: MoeShape) -> list[random_gguf.Spec]:
+    """(GGUF name, format, shape in row order) in llama.cpp's order."""
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
     norms = (q, kv) if s.qk_norm == "full" else (s.head_dim, s.head_dim)
-    out: list[tuple[str, bool, tuple[int, ...]]] = [("token_embd.weight", True, (s.vocab, h))]
+    out: list[random_gguf.Spec] = [("token_embd.weight", "Q4_0", (s.vocab, h))]
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [
-            (b + "attn_norm.weight", False, (h,)),
-            (b + "attn_q.weight", True, (q, h)),
-            (b + "attn_k.weight", True, (kv, h)),
-            (b + "attn_v.weight", True, (kv, h)),
-            (b + "attn_output.weight", True, (h, q)),
-            (b + "attn_q_norm.weight", False, (norms[0],)),
-            (b + "attn_k_norm.weight", False, (norms[1],)),
-            (b + "ffn_norm.weight", False, (h,)),
-            (b + "ffn_gate_inp.weight", False, (s.experts, h)),
-            (b + "ffn_gate_exps.weight", True, (s.experts, s.expert_ff, h)),
-            (b + "ffn_up_exps.weight", True, (s.experts, s.expert_ff, h)),
-            (b + "ffn_down_exps.weight", True, (s.experts, h, s.expert_ff)),
+            (b + "attn_norm.weight", "F32", (h,)),
+            (b + "attn_q.weight", "Q4_0", (q, h)),
+            (b + "attn_k.weight", "Q4_0", (kv, h)),
+            (b + "attn_v.weight", "Q4_0", (kv, h)),
+            (b + "attn_output.weight", "Q4_0", (h, q)),
+            (b + "attn_q_norm.weight", "F32", (norms[0],)),
+            (b + "attn_k_norm.weight", "F32", (norms[1],)),
+            (b + "ffn_norm.weight", "F32", (h,)),
+            (b + "ffn_gate_inp.weight", "F32", (s.experts, h)),
+            (b + "ffn_gate_exps.weight", "Q4_0", (s.experts, s.expert_ff, h)),
+            (b + "ffn_up_exps.weight", "Q4_0", (s.experts, s.expert_ff, h)),
+            (b + "ffn_down_exps.weight", "Q4_0", (s.experts, h, s.expert_ff)),
         ]
-    return out + [("output_norm.weight", False, (h,)), ("output.weight", True, (s.vocab, h))]
+    return out + [("output_norm.weight", "F32", (h,)), ("output.weight", "Q4_0", (s.vocab, h))]
 
 
 def weight_bytes_per_token(s: MoeShape) -> int:
     """Bytes of weights one token reads at batch 1: every layer's attention, norms and router, its
     top-k experts' three projections; the output layer and one embedding row."""
     total = q4_0_bytes(1, s.hidden)  # its embedding row
-    for name, quantized, shape in tensors(s):
+    for name, qtype, shape in tensors(s):
         if name == "token_embd.weight":
             continue
         n = int(np.prod(shape))
         if "_exps" in name:
             n = n // s.experts * s.top_k
-        total += q4_0_bytes(1, n) if quantized else 4 * n
+        total += random_gguf.nbytes(qtype, (n,))
     return total
 
 
-def _random_q4_0(rng: np.random.Generator, n_values: int) -> np.ndarray:
-    """Random Q4_0 blocks whose values lie near N(0, 0.02): w = d * (q - 8), q uniform in 0..15."""
-    raw = rng.integers(0, 256, size=(n_values // 32, 18), dtype=np.uint8)
-    raw[:, 0:2] = np.frombuffer(np.float16(0.02 / 4.6).tobytes(), np.uint8)
-    return raw.reshape(-1)
-
-
-def _add_metadata(w: Any, s: MoeShape, tokenizer_gguf: Path) -> None:
+def _add_metadata(w: Any, s: MoeShape) -> None:
     import gguf
 
     w.add_block_count(s.layers)
@@ -159,60 +149,20 @@ def _add_metadata(w: Any, s: MoeShape, tokenizer_gguf: Path) -> None:
     w.add_expert_feed_forward_length(s.expert_ff)
     w.add_expert_weights_norm(s.norm_topk)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    f = gguf.GGUFReader(str(tokenizer_gguf)).fields
-    tokens = list(f["tokenizer.ggml.tokens"].contents())
-    pad = s.vocab - len(tokens)
-    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
-    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens + [f"[unused{i}]" for i in range(pad)])
-    w.add_token_types(list(f["tokenizer.ggml.token_type"].contents()) + [gguf.TokenType.UNUSED] * pad)
-    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
-    for key, add in (
-        ("bos", "add_bos_token_id"),
-        ("eos", "add_eos_token_id"),
-        ("padding", "add_pad_token_id"),
-    ):
-        getattr(w, add)(int(f[f"tokenizer.ggml.{key}_token_id"].contents()))
-    w.add_add_bos_token(False)
-    w.add_chat_template(f["tokenizer.chat_template"].contents())
+    random_gguf.add_tokenizer(w, s.vocab)
+
+
+def _fill(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name.endswith("ffn_gate_inp.weight"):  # a router that spreads the tokens over the experts
+        return rng.normal(0, 0.05, size=shape).astype(np.float32)
+    return rng.uniform(0.8, 1.2, size=shape).astype(np.float32)
 
 
 def write_gguf(path: Path, s: MoeShape, seed: int = 0) -> Path:
     """The shape's random-weight Q4_0 GGUF at `path`, written once, tensor by tensor."""
-    import gguf
-    from tqdm import tqdm
-
-    from wsllm.models.loader import default_gguf_path
-
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), s.arch)
-    w.add_name(f"random {s.name} Q4_0")
-    _add_metadata(w, s, default_gguf_path())
-    specs = tensors(s)
-    for name, quantized, shape in specs:
-        if quantized:
-            nbytes = q4_0_bytes(int(np.prod(shape[:-1])), shape[-1])
-            byte_shape = (*shape[:-1], shape[-1] // 32 * 18)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType.Q4_0)
-        else:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, quantized, shape in tqdm(specs, desc=f"writing {path.name}"):
-        if quantized:
-            w.write_tensor_data(_random_q4_0(rng, int(np.prod(shape))))
-        elif name.endswith("ffn_gate_inp.weight"):  # a router that spreads the tokens over the experts
-            w.write_tensor_data(rng.normal(0, 0.05, size=shape).astype(np.float32))
-        else:
-            w.write_tensor_data(rng.uniform(0.8, 1.2, size=shape).astype(np.float32))
-    w.close()
-    tmp.rename(path)
-    return path
+    return random_gguf.write_gguf(
+        path, s.arch, f"random {s.name} Q4_0", lambda w: _add_metadata(w, s), tensors(s), _fill, seed
+    )
 
 
 def stream_gbps(gib: float = 2.0, repeats: int = 5) -> float:
@@ -229,60 +179,23 @@ def stream_gbps(gib: float = 2.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def server_argv(name: str, gguf_path: Path, port: int, args: argparse.Namespace) -> list[str]:
-    host = ["--host", "127.0.0.1", "--port", str(port)]
-    if name == "wsllm":
-        return [str(Path(sys.executable).parent / "wsllm"), "serve", "--model", str(gguf_path), *host,
-                "--no-frontend", "--num-kv-blocks", str(args.ctx // 16), "--max-num-seqs", str(max(args.levels)),
-                *shlex.split(args.wsllm_args)]  # fmt: skip
-    binary = peers_setup.llama_server_path(args.peers_dir)
-    if not binary.exists():
-        raise SystemExit(f"llama-server is not built: {binary} is missing; run python bench/peers_setup.py")
-    return [str(binary), "-m", str(gguf_path), *host, "-np", str(max(args.levels)), "-c", str(args.ctx),
-            "-t", str(args.threads), "--alias", gguf_path.stem, *shlex.split(args.llama_args)]  # fmt: skip
-
-
-def measure(name: str, gguf_path: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    port = serving_peers.free_port()
-    ready_path = "/ready" if name == "wsllm" else "/health"
-    server = serving_peers.Server(name, name, server_argv(name, gguf_path, port, args), ready_path, 1800)
-    runs = {}
-    with serving_peers.running(server, port, work / f"{name}.log") as (ready_s, pid):
-        with procmem.PeakSampler(pid) as sampler:
-            for i, level in enumerate(args.levels):
-                print(f"  {name}: concurrency {level}, {args.num_requests} requests", file=sys.stderr)
-                runs[level] = serving_peers.bench_level(
-                    port,
-                    level,
-                    work / f"prompts-{i}.jsonl",
-                    args,
-                    work / f"{name}-{gguf_path.stem}-c{level}.json",
-                )
-        peak = max(sampler.peak_mb, procmem.tree_hwm_mb(pid))
-    return {"name": name, "ready_s": ready_s, "runs": runs, "peak_mb": peak}
-
-
 def rows_text(
     shape: MoeShape, file_gib: float, rows: list[dict[str, Any]], levels: list[int], gbps: float
 ) -> str:
     per_token = weight_bytes_per_token(shape)
     lines = []
     for r in rows:
-        tps = [serving_report.tokens_per_s(r["runs"][c]) for c in levels]
+        tps = [serving_report.tokens_per_s(r["runs"]["greedy"][c]) for c in levels]
         bw = per_token * tps[0] / 1e9 if levels[0] == 1 else float("nan")
         cells = [f"{shape.name} ({shape.layers} layers)", str(r["name"]), f"{file_gib:.2f} GiB",
                  f"{per_token / 1e9:.2f} GB", *(f"{t:.1f}" for t in tps), f"{r['peak_mb'] / 1024:.1f} GB",
                  f"{bw:.1f} GB/s ({bw / gbps:.0%})"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    by = {r["name"]: r for r in rows}
-    if {"wsllm", "llamacpp"} <= set(by):
-        ws, lc = by["wsllm"], by["llamacpp"]
-        ratio = [
-            serving_report.tokens_per_s(ws["runs"][c]) / serving_report.tokens_per_s(lc["runs"][c])
-            for c in levels
-        ]
+    both = random_gguf.ratios(rows, levels)
+    if both is not None:
+        ratio, rss = both
         cells = [shape.name, "**wsllm / llama-server**", "", "", *(f"**{x:.2f}x**" for x in ratio),
-                 f"**{ws['peak_mb'] / lc['peak_mb']:.2f}x**", ""]  # fmt: skip
+                 f"**{rss:.2f}x**", ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -340,13 +253,6 @@ def shape_of(name: str, args: argparse.Namespace) -> MoeShape:
     return replace(SHAPES[name], layers=args.layers) if name == "qwen3moe" else SHAPES[name]
 
 
-def warm(gguf_path: Path) -> None:
-    """wsllm's one-time config, tokenizer and repack of the file (cached), not counted as its start."""
-    code = ("from wsllm.config import EngineConfig; from wsllm.models.build import build_model; "
-            f"build_model(EngineConfig(model={str(gguf_path)!r}, num_kv_blocks=16))")  # fmt: skip
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = shlex.join(["python", "bench/moe.py", *(sys.argv[1:] if argv is None else argv)])
@@ -360,15 +266,13 @@ def main(argv: list[str] | None = None) -> None:
             shape = shape_of(name, args)
             path = write_gguf(args.gguf_dir / f"{name}-{shape.layers}l.Q4_0.gguf", shape, args.seed)
             if "wsllm" in args.servers:
-                warm(path)
-            rows = [measure(server, path, args, work) for server in args.servers]
+                random_gguf.warm(path)
+            rows = [random_gguf.measure(server, path, args, work) for server in args.servers]
             tables.append(rows_text(shape, path.stat().st_size / 2**30, rows, args.levels, gbps))
     text = section(tables, args, command, gbps)
     print(text)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        doc.write_text(serving_report.replace_section(doc.read_text(), TITLE, text))
-        print(f"wrote the '{TITLE}' section of {doc.relative_to(ROOT)}", file=sys.stderr)
+        random_gguf.write_docs_section(TITLE, text)
 
 
 if __name__ == "__main__":

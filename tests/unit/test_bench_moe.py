@@ -1,7 +1,8 @@
 """bench/moe.py's pieces, without measuring anything: a tiny shape's random Q4_0 GGUF (written as the
 bench writes OLMoE's and Qwen3-30B-A3B's) loads in wsllm with its experts in their blocks and produces
-tokens; the bytes a token reads follow from the shapes; llama-server's command line is the one that
-bench/peers_setup.py builds; the docs section carries the table, the goals and the CPU's flags."""
+tokens; the bytes a token reads follow from the shapes; llama-server's command line (bench/random_gguf.py
+makes it) is the one that bench/peers_setup.py builds; the docs section carries the table, the goals and
+the CPU's flags."""
 
 from __future__ import annotations
 
@@ -60,18 +61,18 @@ def test_the_bytes_a_token_reads_follow_from_the_shapes() -> None:
 
 
 def test_llama_server_runs_the_peer_build_on_the_same_file(tmp_path: Path) -> None:
-    peers = sys.modules["peers_setup"]
+    peers, shared = sys.modules["peers_setup"], sys.modules["random_gguf"]
     args = argparse.Namespace(levels=[1, 8, 32], ctx=8192, threads=2, llama_args="-lm none", wsllm_args="",
                               peers_dir=tmp_path)  # fmt: skip
     with pytest.raises(SystemExit, match="peers_setup.py"):  # not built in tmp_path
-        moe.server_argv("llamacpp", tmp_path / "x.gguf", 8080, args)
+        shared.server_argv("llamacpp", tmp_path / "x.gguf", 8080, args)
     binary = peers.llama_server_path(tmp_path)
     binary.parent.mkdir(parents=True)
     binary.touch()
-    argv = moe.server_argv("llamacpp", tmp_path / "x.gguf", 8080, args)
+    argv = shared.server_argv("llamacpp", tmp_path / "x.gguf", 8080, args)
     assert argv[:3] == [str(binary), "-m", str(tmp_path / "x.gguf")] and argv[-2:] == ["-lm", "none"]
     assert "-np" in argv and argv[argv.index("-np") + 1] == "32"
-    ws = moe.server_argv("wsllm", tmp_path / "x.gguf", 8080, args)
+    ws = shared.server_argv("wsllm", tmp_path / "x.gguf", 8080, args)
     assert ws[1:4] == ["serve", "--model", str(tmp_path / "x.gguf")]
 
 
@@ -83,8 +84,16 @@ def test_the_docs_section_carries_the_table_the_goals_and_the_flags() -> None:
         return {"output_throughput": tok_s}
 
     rows = [
-        {"name": "wsllm", "runs": {1: run(40.0), 8: run(90.0), 32: run(150.0)}, "peak_mb": 4000.0},
-        {"name": "llamacpp", "runs": {1: run(30.0), 8: run(40.0), 32: run(42.0)}, "peak_mb": 9700.0},
+        {
+            "name": "wsllm",
+            "runs": {"greedy": {1: run(40.0), 8: run(90.0), 32: run(150.0)}},
+            "peak_mb": 4000.0,
+        },
+        {
+            "name": "llamacpp",
+            "runs": {"greedy": {1: run(30.0), 8: run(40.0), 32: run(42.0)}},
+            "peak_mb": 9700.0,
+        },
     ]
     table = moe.rows_text(shape, 3.6, rows, args.levels, 31.0)
     assert "**1.33x** | **2.25x** | **3.57x**" in table
