@@ -1,9 +1,13 @@
 """A tiny random-weight SmolVLM for the tests of a model that sees (the `tiny_smolvlm_dir`
-fixture of tests/conftest.py builds it once a session)."""
+fixture of tests/conftest.py builds it once a session), and HF's side of their comparisons:
+transformers' Idefics3Processor's prompt of a conversation with images, and HF generate's
+greedy tokens for it."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import Any
 
 #: SmolVLM's chat template: each content a list of parts, an image written as <image>
 SMOLVLM_TEMPLATE = (
@@ -53,3 +57,63 @@ def make_tiny_smolvlm(out: Path, smollm_dir: Path) -> Path:
     )
     (out / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
     return out
+
+
+#: a conversation: turns of (role, parts), each part text or an image's file
+Turns = list[tuple[str, list[Any]]]
+
+
+def png(img: Any) -> bytes:
+    """A PIL image's PNG file."""
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+def hf_processor(model_dir: Path) -> Any:
+    """transformers' Idefics3Processor for the tiny SmolVLM."""
+    import transformers
+
+    return transformers.Idefics3Processor(
+        transformers.Idefics3ImageProcessor(**SMOLVLM_PRE),
+        transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir)),
+        image_seq_len=4,
+        chat_template=SMOLVLM_TEMPLATE,
+    )
+
+
+def hf_prompt(processor: Any, turns: Turns) -> tuple[list[int], list[bytes]]:
+    """The conversation's prompt as transformers' Idefics3Processor writes it, and its images."""
+    from PIL import Image
+
+    msgs = [
+        {
+            "role": r,
+            "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in ps],
+        }
+        for r, ps in turns
+    ]
+    files = [p for _, ps in turns for p in ps if isinstance(p, bytes)]
+    text = processor.apply_chat_template(msgs, add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    return processor(text=text, images=[images])["input_ids"][0], files
+
+
+def hf_tokens(hf: Any, ids: list[int], files: list[bytes], max_tokens: int) -> list[int]:
+    """HF generate's greedy tokens (fp32, no end) for the prompt `ids` with these images."""
+    import torch
+    from PIL import Image
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    pixels = Idefics3ImageProcessorPil(**SMOLVLM_PRE)([images], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor([ids]),
+            pixel_values=pixels["pixel_values"],
+            pixel_attention_mask=pixels["pixel_attention_mask"],
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    return out[0, len(ids) :].tolist()

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import transformers
 from PIL import Image as PILImage
-from tiny_vlm import SMOLVLM_PRE, SMOLVLM_TEMPLATE
+from tiny_vlm import SMOLVLM_PRE, hf_processor, hf_prompt, hf_tokens, png
 
 from wsllm.config import EngineConfig
 from wsllm.engine.engine import LLMEngine
@@ -25,15 +24,9 @@ from wsllm.types import GenerateRequest, PromptImage, SamplingParams
 MAX_TOKENS = 6
 
 
-def _png(img: PILImage.Image) -> bytes:
-    out = io.BytesIO()
-    img.save(out, format="PNG")
-    return out.getvalue()
-
-
-WIDE = _png(PILImage.effect_noise((100, 70), 60).convert("RGB"))  # 3 x 3 tiles and a global view
-TALL = _png(PILImage.effect_noise((20, 50), 40).convert("RGB"))  # 3 x 2 tiles and a global view
-OTHER = _png(PILImage.effect_noise((100, 70), 90).convert("RGB"))  # WIDE's size, other pixels
+WIDE = png(PILImage.effect_noise((100, 70), 60).convert("RGB"))  # 3 x 3 tiles and a global view
+TALL = png(PILImage.effect_noise((20, 50), 40).convert("RGB"))  # 3 x 2 tiles and a global view
+OTHER = png(PILImage.effect_noise((100, 70), 90).convert("RGB"))  # WIDE's size, other pixels
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +36,7 @@ def hf(tiny_smolvlm_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def processor(tiny_smolvlm_dir: Path) -> Any:
-    return transformers.Idefics3Processor(
-        transformers.Idefics3ImageProcessor(**SMOLVLM_PRE),
-        transformers.PreTrainedTokenizerFast.from_pretrained(str(tiny_smolvlm_dir)),
-        image_seq_len=4,
-        chat_template=SMOLVLM_TEMPLATE,
-    )
+    return hf_processor(tiny_smolvlm_dir)
 
 
 def engine(model_dir: Path, **overrides: Any) -> LLMEngine:
@@ -78,21 +66,6 @@ LONG = [
     ("user", ["What is in", WIDE, "? Tell me in a few short words, please, and kindly."])
 ]  # past its blocks
 EARLIER = [("user", [WIDE, "Describe it."]), ("assistant", ["A field."]), ("user", ["And", TALL, "this?"])]
-
-
-def prompt(processor: Any, turns: list[tuple[str, list[Any]]]) -> tuple[list[int], list[bytes]]:
-    """The conversation's prompt as transformers' Idefics3Processor writes it, and its images."""
-    msgs = [
-        {
-            "role": r,
-            "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in ps],
-        }
-        for r, ps in turns
-    ]
-    files = [p for _, ps in turns for p in ps if isinstance(p, bytes)]
-    text = processor.apply_chat_template(msgs, add_generation_prompt=True)
-    images = [PILImage.open(io.BytesIO(f)).convert("RGB") for f in files]
-    return processor(text=text, images=[images])["input_ids"][0], files
 
 
 def image_request(
@@ -125,23 +98,6 @@ def run(eng: LLMEngine, *reqs: GenerateRequest) -> dict[str, Any]:
     return done
 
 
-def hf_tokens(hf: Any, ids: list[int], files: list[bytes]) -> list[int]:
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
-    images = [PILImage.open(io.BytesIO(f)).convert("RGB") for f in files]
-    pixels = Idefics3ImageProcessorPil(**SMOLVLM_PRE)([images], return_tensors="pt")
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=torch.tensor([ids]),
-            pixel_values=pixels["pixel_values"],
-            pixel_attention_mask=pixels["pixel_attention_mask"],
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 def assert_nothing_held(eng: LLMEngine) -> None:
     assert eng.images is not None and eng.images.held == 0 and eng.images.cache.num_held == 0
     s = eng.stats()
@@ -155,13 +111,13 @@ def test_greedy_tokens_are_hfs(
     request: pytest.FixtureRequest, hf: Any, processor: Any, turns: Any, which: str
 ) -> None:
     eng = request.getfixturevalue(which)
-    ids, files = prompt(processor, turns)
+    ids, files = hf_prompt(processor, turns)
     image_id = hf.config.image_token_id
     req = image_request(f"{which}-{len(files)}", ids, files, image_id, salt=f"greedy-{which}")
     if which == "chunked":  # the first image's placeholders span several 16-token chunks
         assert req.images[0].start // 16 < (req.images[0].start + req.images[0].length) // 16 - 1
     got = run(eng, req)[req.request_id]
-    assert got.error is None and got.outputs[0].token_ids == hf_tokens(hf, ids, files)
+    assert got.error is None and got.outputs[0].token_ids == hf_tokens(hf, ids, files, MAX_TOKENS)
     assert_nothing_held(eng)
 
 
@@ -169,7 +125,7 @@ def test_the_same_image_again_is_a_prefix_hit_and_no_encoder_run(
     whole: LLMEngine, processor: Any, hf: Any
 ) -> None:
     image_id = hf.config.image_token_id
-    ids, files = prompt(processor, LONG)
+    ids, files = hf_prompt(processor, LONG)
     enc = whole.images
     assert enc is not None
 
@@ -192,7 +148,7 @@ def test_the_same_image_again_is_a_prefix_hit_and_no_encoder_run(
     assert other.num_cached_tokens <= span.start and runs == 1
     tenant, runs, _ = once("other tenant", files, salt="tenant-b")
     assert tenant.num_cached_tokens == 0 and runs == 1
-    moved, more = prompt(processor, [("user", ["Look at", *LONG[0][1][1:]])])  # other text before it
+    moved, more = hf_prompt(processor, [("user", ["Look at", *LONG[0][1][1:]])])  # other text before it
     shifted, runs, hits = once("shifted", more, ids=moved)
     assert shifted.num_cached_tokens < span.start and (runs, hits) == (0, 1)  # the encoder cache's
     s = whole.stats()
@@ -201,7 +157,7 @@ def test_the_same_image_again_is_a_prefix_hit_and_no_encoder_run(
 
 
 def test_nothing_stays_held_after_an_abort(chunked: LLMEngine, processor: Any, hf: Any) -> None:
-    ids, files = prompt(processor, ONE)
+    ids, files = hf_prompt(processor, ONE)
     chunked.add_request(image_request("aborted", ids, files, hf.config.image_token_id))
     for _ in range(3):  # into the image's placeholders, not through them
         chunked.step()
@@ -217,7 +173,7 @@ def test_a_preempted_request_reencodes_and_nothing_stays_held(
     """Two image requests in KV for about one and a half: the newer one is preempted by
     recompute in the middle of its prompt, encoded again later, and both equal HF."""
     image_id = hf.config.image_token_id
-    (a, fa), (b, fb) = prompt(processor, ONE), prompt(processor, [("user", ["Here", TALL, "."])])
+    (a, fa), (b, fb) = hf_prompt(processor, ONE), hf_prompt(processor, [("user", ["Here", TALL, "."])])
     blocks = (len(a) + MAX_TOKENS) // 16 + (len(b) + MAX_TOKENS) // 16
     eng = engine(
         tiny_smolvlm_dir, num_kv_blocks=blocks, max_num_batched_tokens=16,
@@ -226,6 +182,6 @@ def test_a_preempted_request_reencodes_and_nothing_stays_held(
     got = run(eng, image_request("a", a, fa, image_id), image_request("b", b, fb, image_id))
     s = eng.stats()
     assert s.num_preemptions >= 1 and s.encoder_runs + s.encoder_hits >= 3  # its image read again
-    assert got["a"].outputs[0].token_ids == hf_tokens(hf, a, fa)
-    assert got["b"].outputs[0].token_ids == hf_tokens(hf, b, fb)
+    assert got["a"].outputs[0].token_ids == hf_tokens(hf, a, fa, MAX_TOKENS)
+    assert got["b"].outputs[0].token_ids == hf_tokens(hf, b, fb, MAX_TOKENS)
     assert_nothing_held(eng)
