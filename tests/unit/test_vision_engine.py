@@ -2,7 +2,8 @@
 (`tiny_smolvlm_dir`) gives HF `generate`'s greedy tokens in fp32 for images and text (one
 image; two, the first in an earlier turn), also through chunked prefills that split an
 image's placeholders; the same image again is a prefix hit and the encoder does not run, a
-different image or another tenant misses; nothing stays held after an abort or a preemption."""
+different image or another tenant misses, a hit ending inside an image reads the rest from
+the encoder cache; nothing stays held after an abort or a preemption."""
 
 from __future__ import annotations
 
@@ -153,6 +154,24 @@ def test_the_same_image_again_is_a_prefix_hit_and_no_encoder_run(
     assert shifted.num_cached_tokens < span.start and (runs, hits) == (0, 1)  # the encoder cache's
     s = whole.stats()
     assert s.encoder_runs == enc.cache.stats.runs and s.encoder_hits == enc.cache.stats.hits > 0
+    assert_nothing_held(whole)
+
+
+def test_a_hit_that_ends_inside_an_image_takes_the_rest_of_its_rows_from_the_encoder_cache(
+    whole: LLMEngine, processor: Any, hf: Any
+) -> None:
+    """ONE's blocks end inside its image; LONG (its text continued) hits them, computes the
+    image's last placeholders from the encoder cache's rows, and equals HF."""
+    image_id, enc = hf.config.image_token_id, whole.images
+    assert enc is not None
+    (a, fa), (b, fb) = hf_prompt(processor, ONE), hf_prompt(processor, LONG)
+    run(whole, image_request("partial-a", a, fa, image_id, salt="partial"))
+    runs, hits = enc.cache.stats.runs, enc.cache.stats.hits
+    got = run(whole, image_request("partial-b", b, fb, image_id, salt="partial"))["partial-b"]
+    span = image_request("x", b, fb, image_id).images[0]
+    assert span.start < got.num_cached_tokens < span.start + span.length
+    assert (enc.cache.stats.runs - runs, enc.cache.stats.hits - hits) == (0, 1)
+    assert got.outputs[0].token_ids == hf_tokens(hf, b, fb, MAX_TOKENS)
     assert_nothing_held(whole)
 
 
