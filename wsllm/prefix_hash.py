@@ -83,6 +83,12 @@ def request_root(request: GenerateRequest) -> bytes | None:
     return cache_root(request.cache_salt)
 
 
+def request_images(request: GenerateRequest) -> tuple[ImageSpan, ...]:
+    """Where a request's images' placeholders are in its prompt, as its blocks' keys name
+    them: for the engine worker and for routing alike (see `request_root`)."""
+    return tuple(ImageSpan(im.start, im.length, im.digest) for im in request.images or ())
+
+
 def prompt_keys(
     token_ids: Sequence[int],
     block_size: int,

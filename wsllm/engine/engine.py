@@ -39,7 +39,7 @@ from wsllm.engine.static_step import make_static_step
 from wsllm.engine.step_cost import StepCost, attention_span
 from wsllm.models.build import build_model
 from wsllm.models.causal_lm import CausalLM
-from wsllm.prefix_hash import ImageSpan, request_root
+from wsllm.prefix_hash import request_images, request_root
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
     ERR_INVALID_REQUEST,
@@ -141,7 +141,7 @@ class LLMEngine:
         )
         root = adapter_root(request_root(request), adapter)
         images = tuple(request.images or ())
-        spans = tuple(ImageSpan(im.start, im.length, im.digest) for im in images)
+        spans = request_images(request)
         for seq in req.seqs:
             seq.cache_root, seq.lora = root, adapter
             seq.images, seq.image_spans = images, spans
