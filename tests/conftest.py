@@ -964,3 +964,11 @@ def gguf_tokenizer() -> Any:
     from wsllm.models.loader import default_gguf_path
 
     return lambda w, vocab: _add_tokenizer(w, default_gguf_path(), vocab)
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """A tiny random-weight SmolVLM that sees (tests/tiny_vlm.py)."""
+    from tiny_vlm import make_tiny_smolvlm
+
+    return make_tiny_smolvlm(tmp_path_factory.mktemp("tiny-smolvlm"), smollm_dir)

@@ -90,6 +90,13 @@ class EngineConfig:
     preemption_mode: str = field(default="recompute", metadata={"help": "recompute | swap"})
     swap_space_gb: float = field(default=0.5, metadata={"help": "CPU swap space for preempted KV, in GiB"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    encoder_cache_mb: float = field(
+        default=256.0,
+        metadata={
+            "help": "a model that sees: MiB of image encoder outputs kept (on the model's device) so that an image "
+            "seen again is not encoded again; 0: none kept beyond the requests reading them"
+        },
+    )
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
     cpu_gemm: str = field(
         default="auto",
@@ -253,6 +260,8 @@ class EngineConfig:
             raise ValueError(f"gil_switch_ms must be within 0 and 1000, got {self.gil_switch_ms}")
         if not self.prompt_logprob_cost >= 0:
             raise ValueError(f"prompt_logprob_cost must be >= 0, got {self.prompt_logprob_cost}")
+        if not self.encoder_cache_mb >= 0:
+            raise ValueError(f"encoder_cache_mb must be >= 0, got {self.encoder_cache_mb}")
         if not self.stall_factor >= 1:
             raise ValueError(f"stall_factor must be >= 1, got {self.stall_factor}")
         for name in ("structured_compile_timeout_s", "fake_step_ms", "stall_timeout_s"):

@@ -46,10 +46,20 @@ def block_key(parent: bytes | None, token_ids: Sequence[int], extras: Sequence[s
     return h.digest()
 
 
+def nth_key(
+    parent: bytes | None, token_ids: Sequence[int], i: int, block_size: int, images: Sequence[ImageSpan] = ()
+) -> bytes:
+    """The key of a prompt's block `i` (its tokens, its images' parts) after its parent's."""
+    first, end = i * block_size, (i + 1) * block_size
+    return block_key(parent, token_ids[first:end], image_extras(images, first, end))
+
+
 def image_extras(images: Sequence[ImageSpan], first: int, end: int) -> tuple[str, ...]:
     """What the block of positions [first, end) adds to its key: each image whose
     placeholders it holds, as `digest@offset` (the offset into the image at which the
     block's part of it starts)."""
+    if not images:
+        return ()
     return tuple(
         f"{im.digest}@{max(first, im.start) - im.start}"
         for im in images
@@ -73,6 +83,12 @@ def request_root(request: GenerateRequest) -> bytes | None:
     return cache_root(request.cache_salt)
 
 
+def request_images(request: GenerateRequest) -> tuple[ImageSpan, ...]:
+    """Where a request's images' placeholders are in its prompt, as its blocks' keys name
+    them: for the engine worker and for routing alike (see `request_root`)."""
+    return tuple(ImageSpan(im.start, im.length, im.digest) for im in request.images or ())
+
+
 def prompt_keys(
     token_ids: Sequence[int],
     block_size: int,
@@ -85,7 +101,6 @@ def prompt_keys(
     keys: list[bytes] = []
     parent = root
     for i in range((len(token_ids) - 1) // block_size):
-        first, end = i * block_size, (i + 1) * block_size
-        parent = block_key(parent, token_ids[first:end], image_extras(images, first, end))
+        parent = nth_key(parent, token_ids, i, block_size, images)
         keys.append(parent)
     return keys

@@ -176,7 +176,7 @@ def test_sampling_params_reject_nonsense(kwargs: dict[str, object], field: str) 
         ("x", [1, -1], SamplingParams(), "token ids"),
         ("x", [1] * 10, SamplingParams(max_tokens=5000), "context"),
         ("dup", [1, 2], SamplingParams(), "already in use"),
-        ("img", [1, 2, 3], SamplingParams(), "does not read images"),  # until the encoder step
+        ("img", [1, 2, 3], SamplingParams(), "cannot see images"),  # a text model
     ],
 )
 def test_bad_requests_leave_engine_unchanged(

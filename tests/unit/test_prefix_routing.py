@@ -21,8 +21,8 @@ from wsllm.config import EngineConfig
 from wsllm.config_redis import RedisConfig
 from wsllm.engine.block_manager import BlockManager
 from wsllm.engine.worker import EngineWorker
-from wsllm.prefix_hash import SUMMARY_BYTES, prompt_keys
-from wsllm.types import GenerateRequest, SamplingParams, TokenEvent
+from wsllm.prefix_hash import SUMMARY_BYTES, prompt_keys, request_images, request_root
+from wsllm.types import GenerateRequest, PromptImage, SamplingParams, TokenEvent
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +132,18 @@ def test_the_summary_is_the_block_managers_own_chain() -> None:
     bm.register_computed(1, tokens, len(tokens))
     size, held = unpack(pack(4, bm.cached_keys(100)))
     assert size == 4 and [k[:SUMMARY_BYTES] in held for k in prompt_keys(tokens + [99], 4)] == [True] * 3
+
+
+def test_routing_keys_a_prompt_with_an_image_as_the_block_manager_does() -> None:
+    """The gateway's keys of a prompt with an image (`request_images`) are the block
+    manager's; without the image's span they would be other blocks' keys."""
+    image = PromptImage.of(b"a picture", "c" * 64, 2, 6)
+    tokens = list(range(1, 14))
+    request = GenerateRequest("r", [*tokens, 99], SamplingParams(), images=[image])
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    bm.allocate(1, tokens, images=request_images(request))
+    bm.register_computed(1, tokens, len(tokens))
+    _, held = unpack(pack(4, bm.cached_keys(100)))
+    keys = prompt_keys(request.prompt_token_ids, 4, request_root(request), request_images(request))
+    assert [k[:SUMMARY_BYTES] in held for k in keys] == [True] * 3
+    assert not any(k[:SUMMARY_BYTES] in held for k in prompt_keys(request.prompt_token_ids, 4))

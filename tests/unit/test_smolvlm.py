@@ -20,7 +20,7 @@ from PIL import Image as PILImage
 from wsllm.broker.base import TOKENIZER_FILES
 from wsllm.image_tiles import AROUND, GLOBAL, IMAGE, Tiling
 from wsllm.models.vision import idefics3_pixels
-from wsllm.models.vision.idefics3 import Idefics3Vision
+from wsllm.models.vision.idefics3 import Idefics3ImageSide, Idefics3Vision
 from wsllm.models.vision.idefics3_pixels import PixelSpec
 
 TINY = {
@@ -250,7 +250,7 @@ def test_the_gateways_prompt_of_images_is_hfs_processors(vlm_dir: Path) -> None:
 
 
 def test_the_encoder_steps_rows_are_hfs_merged_inputs(models: tuple[Any, Idefics3Vision]) -> None:
-    """The engine's encoder step (not wired yet): two images' files -> tiles -> encoder,
+    """The engine's encoder step: two images' files -> tiles -> encoder,
     scattered at their `<image>` tokens over two prefill chunks that split the first
     image, equal transformers' `inputs_merger` of `get_image_features`; the same image
     again (another request, same root) is a cache hit and the encoder does not run;
@@ -275,7 +275,7 @@ def test_the_encoder_steps_rows_are_hfs_merged_inputs(models: tuple[Any, Idefics
         holder = [11, 12, *([299] * 4)] * n + [11]
         images.append(PromptImage.of(_png(im), decode(_png(im), "x", limits).digest, len(ids), len(holder)))
         ids += holder + [9]
-    step = EncoderStep(vision, spec, 299, EncoderCache(1 << 20))
+    step = EncoderStep(Idefics3ImageSide(vision, spec), EncoderCache(1 << 20))
     work = ImageWork("r1", b"tenant-a", ids, images)
     rows = step.encode([work])[0]["r1"]
     assert step.cache.stats.runs == 2 and step.cache.stats.hits == 0

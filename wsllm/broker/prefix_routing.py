@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from wsllm.prefix_hash import SUMMARY_BYTES, prompt_keys
+from wsllm.prefix_hash import SUMMARY_BYTES, ImageSpan, prompt_keys
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +86,17 @@ class PrefixRouter:
         self._cache: dict[str, dict[str, _Summary]] = {}  # queue -> engine -> its summary
 
     async def target(
-        self, client: Any, queue: str, token_ids: Sequence[int], root: bytes | None = None
+        self,
+        client: Any,
+        queue: str,
+        token_ids: Sequence[int],
+        root: bytes | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> str:
         """The engine holding the longest cached prefix of `token_ids` in the namespace
         whose chains start at `root` (`prefix_hash.request_root`: the engine files the
-        request's blocks under the same); '' when none holds any (any engine may take it)."""
+        request's blocks under the same), its images' placeholders at `images`
+        (`prefix_hash.request_images`: the keys of the blocks holding them name them); '' when none holds any (any engine may take it)."""
         engines = await self._summaries(client, queue)
         if len(engines) < 2:
             return ""
@@ -101,7 +107,7 @@ class PrefixRouter:
             keys = by_size.get(block_size)
             if keys is None:
                 keys = by_size[block_size] = [
-                    k[:SUMMARY_BYTES] for k in prompt_keys(token_ids, block_size, root)
+                    k[:SUMMARY_BYTES] for k in prompt_keys(token_ids, block_size, root, images)
                 ]
             n = 0
             while n < len(keys) and keys[n] in held:

@@ -45,7 +45,7 @@ from wsllm.broker.redis_retention import retire
 from wsllm.broker.redis_scripts import ABORT, SUBMIT
 from wsllm.broker.response_store import ResponseStore
 from wsllm.config_redis import RedisConfig
-from wsllm.prefix_hash import request_root
+from wsllm.prefix_hash import request_images, request_root
 from wsllm.types import AdapterCommand, AdapterReply, EngineInfo, GenerateRequest, TokenEvent
 from wsllm.wire import encode
 
@@ -128,7 +128,11 @@ class RedisGateway(GatewayBroker):
         if not target and self.router is not None and self.registry.routable(model, self.model):
             try:
                 target = await self.router.target(
-                    self.client(), keys[0], request.prompt_token_ids, request_root(request)
+                    self.client(),
+                    keys[0],
+                    request.prompt_token_ids,
+                    request_root(request),
+                    request_images(request),
                 )
             except UNAVAILABLE as e:
                 raise self._unavailable(e) from None

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from wsllm.prefix_hash import block_key  # the one hash chain: routing computes it too
+from wsllm.prefix_hash import ImageSpan, nth_key  # the one hash chain: routing computes it too
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -58,8 +58,9 @@ class BlockManager:
         # them (None when it has to be rebuilt), so a newly full block costs one hash.
         self._hashed: dict[int, tuple[int, bytes | None]] = {}
         # Per table: the root its chain starts from (prefix_hash.cache_root: a namespace of its
-        # own, such as a tenant's salt; absent: the common root)
-        self._roots: dict[int, bytes] = {}
+        # own, such as a tenant's salt; None: the common root) and where its prompt's images'
+        # placeholders are (the keys of the blocks holding them name them)
+        self._chains: dict[int, tuple[bytes | None, Sequence[ImageSpan]]] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.num_cow = 0
@@ -111,7 +112,9 @@ class BlockManager:
                 self._free.append(b)
 
     # -- prefix cache -------------------------------------------------------
-    def _match_prefix(self, token_ids: Sequence[int], root: bytes | None) -> tuple[list[int], bytes | None]:
+    def _match_prefix(
+        self, token_ids: Sequence[int], root: bytes | None, images: Sequence[ImageSpan] = ()
+    ) -> tuple[list[int], bytes | None]:
         """Cached blocks that hold a prefix of `token_ids` in the chain from `root`, and the
         chain key of the last of them (`root` when none). At least one token is left to
         compute so the model produces logits for the last one."""
@@ -122,7 +125,7 @@ class BlockManager:
         parent = root
         hits: list[int] = []
         for i in range(max_full):
-            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            key = nth_key(parent, token_ids, i, bs, images)
             b = self._cached.get(key)
             if b is None:
                 break
@@ -145,12 +148,13 @@ class BlockManager:
         full = min(num_computed // bs, len(table))
         if full <= done:
             return
+        root, images = self._chains.get(seq_id, (None, ()))
         if parent is None:  # (re)build the chain from its root: a block may hold no key of its own
-            parent = self._roots.get(seq_id)
+            parent = root
             for i in range(done):
-                parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+                parent = nth_key(parent, token_ids, i, bs, images)
         for i in range(done, full):
-            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            key = nth_key(parent, token_ids, i, bs, images)
             b = table[i]
             if b != self.null and key not in self._cached and b not in self._key_of:
                 self._cached[key] = b
@@ -203,11 +207,12 @@ class BlockManager:
         num_tokens: int | None = None,
         use_cache: bool = True,
         root: bytes | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> bool:
         """Can a new sequence get blocks for its first `num_tokens` tokens (default all)?
         Keeps the watermark free for running decodes."""
         n = len(token_ids) if num_tokens is None else num_tokens
-        hits, _ = self._match_prefix(token_ids, root) if use_cache else ([], None)
+        hits, _ = self._match_prefix(token_ids, root, images) if use_cache else ([], None)
         return self.can_adopt(hits, max(n, len(hits) * self.block_size + 1))
 
     def can_adopt(self, hits: Sequence[int], total_tokens: int) -> bool:
@@ -223,23 +228,26 @@ class BlockManager:
         num_tokens: int | None = None,
         use_cache: bool = True,
         root: bytes | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> int:
         """Create the block table of a new sequence, its chain from `root` (None: the common
-        one). Returns how many leading tokens are already in the cache (prefix hits), which
-        the engine need not compute. `use_cache=False`: no hits, every token is computed
-        (its blocks are still offered to the cache once full)."""
-        hits, last_key = self._match_prefix(token_ids, root) if use_cache else ([], root)
+        one; `images`: its images' placeholders, in its blocks' keys). Returns how many
+        leading tokens are already in the cache (prefix hits), which the engine need not
+        compute. `use_cache=False`: no hits, every token is computed (its blocks are still
+        offered to the cache once full)."""
+        hits, last_key = self._match_prefix(token_ids, root, images) if use_cache else ([], root)
         cached = len(hits) * self.block_size
         if use_cache:  # the hit rate is over the prompts that looked
             self.queried_tokens += len(token_ids)
             self.hit_tokens += cached
         n = len(token_ids) if num_tokens is None else num_tokens
-        self.adopt(seq_id, hits, last_key, root, max(n, cached + 1))
+        self.adopt(seq_id, hits, last_key, root, max(n, cached + 1), images)
         return cached
 
     def adopt(
-        self, seq_id: int, hits: Sequence[int], last_key: bytes | None, root: bytes | None, total_tokens: int
-    ) -> None:
+        self, seq_id: int, hits: Sequence[int], last_key: bytes | None, root: bytes | None, total_tokens: int,
+        images: Sequence[ImageSpan] = (),
+    ) -> None:  # fmt: skip
         """A new sequence's table: `hits` first (cached blocks of its prefix, whose last chain
         key is `last_key`; a windowed group's: the null block before its window), then new
         blocks up to `total_tokens`. All or nothing: NoFreeBlocksError leaves nothing."""
@@ -254,8 +262,7 @@ class BlockManager:
         self.block_tables[seq_id] = list(hits)
         self._count_left(seq_id)
         self._hashed[seq_id] = (len(hits), last_key)
-        if root is not None:
-            self._roots[seq_id] = root
+        self._chains[seq_id] = (root, images)
         if not self.ensure_slots(seq_id, total_tokens):
             self.free(seq_id)
             raise NoFreeBlocksError("not enough free KV blocks for the prompt")
@@ -333,14 +340,14 @@ class BlockManager:
         if parent_id in self._left:
             self._left[child_id] = self._left[parent_id]
         self._hashed[child_id] = self._hashed.get(parent_id, (0, None))
-        if parent_id in self._roots:
-            self._roots[child_id] = self._roots[parent_id]
+        if parent_id in self._chains:
+            self._chains[child_id] = self._chains[parent_id]
 
     def free(self, seq_id: int) -> None:
         table = self.block_tables.pop(seq_id, None)
         self._hashed.pop(seq_id, None)
         self._left.pop(seq_id, None)
-        self._roots.pop(seq_id, None)
+        self._chains.pop(seq_id, None)
         if table is None:
             return
         # Release tail first so the LRU evicts a chain's leaves before its root.
@@ -353,13 +360,14 @@ class BlockManager:
             raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         return [self._take() for _ in range(n)]
 
-    def set_table(self, seq_id: int, table: list[int], root: bytes | None = None) -> None:
-        """The table of a sequence swapped back in (its chain from `root`)."""
+    def set_table(
+        self, seq_id: int, table: list[int], root: bytes | None = None, images: Sequence[ImageSpan] = ()
+    ) -> None:
+        """The table of a sequence swapped back in (its chain from `root`, its images')."""
         self.block_tables[seq_id] = table
         self._count_left(seq_id)
         self._hashed[seq_id] = (0, root)
-        if root is not None:
-            self._roots[seq_id] = root
+        self._chains[seq_id] = (root, images)
 
     def check_invariants(self) -> None:
         """Reference counts equal the number of tables holding each block; every

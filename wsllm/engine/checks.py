@@ -20,6 +20,7 @@ def check_admissible(
     max_model_len: int,
     bm: KVManager,
     config: EngineConfig,
+    sees: bool = False,  # the model has an image side (models/vision/)
 ) -> None:
     request_id, prompt = request.request_id, request.prompt_token_ids
     if not isinstance(request_id, str) or not request_id:
@@ -30,8 +31,8 @@ def check_admissible(
         raise ValueError("params must be a SamplingParams")
     if not prompt:
         raise ValueError("prompt must not be empty")
-    if request.images:  # until the encoder step is wired (docs/vision.md): never read as text
-        raise ValueError("this engine does not read images yet; send text")
+    if request.images and not sees:  # the gateway says so first; placeholders are never read as text
+        raise ValueError("this model cannot see images (it reads text only)")
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size for t in prompt):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     if any(t >= vocab_size for t in params.stop_token_ids):

@@ -9,7 +9,7 @@ bounded in bytes; the least recently used entry goes first, except an entry a re
 still holds (`hold` .. `release`: its prompt's placeholders are not all computed yet,
 as a chunked prefill may split them), so what is in use is never dropped: a held entry
 is kept even past the bound until it is released. Hits and encoder runs are counted
-(`stats`). Not wired yet: the engine's encoder step takes it with the images' path."""
+(`stats`, the engine's stats). Its size is `--encoder-cache-mb`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ class EncoderCache:
         self.stats = EncoderCacheStats()
         self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()  # least recently used first
         self._holders: dict[str, set[str]] = {}  # entry -> the requests holding it
+
+    def counts(self) -> dict[str, int]:
+        """EngineStats' encoder fields."""
+        s = self.stats
+        return {"encoder_runs": s.runs, "encoder_hits": s.hits, "encoder_cache_bytes": s.bytes}
+
+    @property
+    def num_held(self) -> int:
+        """Entries some request holds now."""
+        return len(self._holders)
 
     def __contains__(self, k: str) -> bool:
         return k in self._rows

@@ -23,6 +23,8 @@ from wsllm.config import EngineConfig
 from wsllm.engine.adapters import Adapters, adapter_root
 from wsllm.engine.cache_engine import CacheEngine, kv_cache_dtype, num_kv_blocks
 from wsllm.engine.checks import check_admissible
+from wsllm.engine.encoder_cache import EncoderCache
+from wsllm.engine.encoder_step import EncoderStep
 from wsllm.engine.kv_groups import kv_bytes_used, kv_groups, make_kv_manager, runner_tables, split_blocks
 from wsllm.engine.model_output import ModelOutput
 from wsllm.engine.model_runner import ModelRunner
@@ -37,7 +39,7 @@ from wsllm.engine.static_step import make_static_step
 from wsllm.engine.step_cost import StepCost, attention_span
 from wsllm.models.build import build_model
 from wsllm.models.causal_lm import CausalLM
-from wsllm.prefix_hash import request_root
+from wsllm.prefix_hash import request_images, request_root
 from wsllm.structured import Matchers, PendingCompiles
 from wsllm.types import (
     ERR_INVALID_REQUEST,
@@ -102,6 +104,9 @@ class LLMEngine:
         sampler = Sampler(mc.vocab_size, eos_token_ids, config.seed, device)
         self.runner = ModelRunner(model, self.cache.kv_caches, bs, device, static, sampler)
         self.adapters = Adapters(config, mc, model_name, device, self.runner.dtype)  # LoRA (docs/lora.md)
+        side = model.image_side  # a model that sees: its images' rows at their placeholders
+        cache = EncoderCache(int(config.encoder_cache_mb * (1 << 20)))
+        self.images = EncoderStep(side, cache) if side is not None else None
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_aborted_total = 0
@@ -127,6 +132,7 @@ class LLMEngine:
         check_admissible(
             request, params, in_use=rid in self._requests, held=len(self._requests),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, bm=self.block_manager, config=self.config,
+            sees=self.images is not None,
         )  # fmt: skip
         adapter = self.adapters.get(request.lora) if request.lora else None
         now = request.arrival_time or time.time()  # the gateway's: queue time counts the broker's
@@ -134,8 +140,11 @@ class LLMEngine:
             rid, request.prompt_token_ids, params, now, request.priority, request.tenant, self.eos_token_ids
         )
         root = adapter_root(request_root(request), adapter)
+        images = tuple(request.images or ())
+        spans = request_images(request)
         for seq in req.seqs:
             seq.cache_root, seq.lora = root, adapter
+            seq.images, seq.image_spans = images, spans
         self._requests[rid] = req
         if params.structured is not None:  # compiled off this thread; step() schedules it when done
             self.compiling.add(rid, self.matchers.start(params.structured))
@@ -183,10 +192,17 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.scheduled:
             self.cache.apply(sched.swap_out, sched.swap_in, sched.copies)
+        rows = None
+        if self.images is not None:  # a model that sees: its placeholders' rows (encoder_step.py)
+            sched.scheduled, rows, failed = self.images.step_rows(sched.scheduled, sched.preempted)
+            outputs += self._fail_each([(seq, ERR_INVALID_REQUEST, why) for seq, why in failed])
+        if sched.scheduled:
             want, pool = self._want(sched.scheduled)
-            output = self.runner.run(sched.scheduled, runner_tables(self.block_manager), want, pool)
+            output = self.runner.run(sched.scheduled, runner_tables(self.block_manager), want, pool, rows)
             self._keep(output)  # prompt logprobs and pooled vectors, before the blocks move
             update = self.scheduler.update_from_output(sched, output)
+            if self.images is not None:
+                self.images.settle(sched.scheduled)  # prompts whose images are computed release them
             self.spec.record(update, [seq for seq, _ in sched.scheduled if seq.finished])
             self.cost.observe(sched.work, time.perf_counter() - started)
             outputs += self._report(sched.scheduled, output, update)
@@ -221,6 +237,7 @@ class LLMEngine:
             spec_verifications=self.spec.stats.verifications,
             kv_bytes_used=kv_bytes_used(bm, self.cache.block_bytes),
             kv_bytes_total=self.cache.kv_bytes,
+            **(self.images.cache.counts() if self.images is not None else {}),
         )
 
     # -- around the step's three calls -------------------------------------------
@@ -268,7 +285,9 @@ class LLMEngine:
         return req.beam_output()
 
     def _end(self, req: Request, reason: str) -> None:
-        """Finish every choice of `req` now, freeing its blocks."""
+        """Finish every choice of `req` now, freeing its blocks (and its images' rows)."""
+        if self.images is not None:
+            self.images.release(req.request_id)
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.remove(seq)

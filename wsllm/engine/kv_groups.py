@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from wsllm.engine.block_manager import BlockManager, NoFreeBlocksError
 from wsllm.models.config import ModelConfig
-from wsllm.prefix_hash import block_key
+from wsllm.prefix_hash import ImageSpan, nth_key
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,7 +138,9 @@ class HybridBlockManager:
             g.check_invariants()
 
     # -- prefix hits across the groups -----------------------------------------------
-    def _match(self, token_ids: Sequence[int], root: bytes | None) -> tuple[list[list[int]], bytes | None]:
+    def _match(
+        self, token_ids: Sequence[int], root: bytes | None, images: Sequence[ImageSpan] = ()
+    ) -> tuple[list[list[int]], bytes | None]:
         """Per group, the table entries of the longest hit every group holds (see above),
         and its last chain key."""
         if not self.enable_prefix_caching:
@@ -149,7 +151,7 @@ class HybridBlockManager:
         keys: list[bytes] = []
         parent = root
         for i in range(max_full):  # a full group's hit ends at its first miss
-            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = nth_key(parent, token_ids, i, bs, images)
             if full is not None and full.lookup(parent) is None:
                 break
             keys.append(parent)
@@ -174,9 +176,10 @@ class HybridBlockManager:
         num_tokens: int | None = None,
         use_cache: bool = True,
         root: bytes | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> bool:
         n = len(token_ids) if num_tokens is None else num_tokens
-        tables, _ = self._match(token_ids, root) if use_cache else ([[] for _ in self.groups], root)
+        tables, _ = self._match(token_ids, root, images) if use_cache else ([[] for _ in self.groups], root)
         total = max(n, len(tables[0]) * self.block_size + 1)
         return all(g.can_adopt(t, total) for g, t in zip(self.groups, tables, strict=True))
 
@@ -187,9 +190,12 @@ class HybridBlockManager:
         num_tokens: int | None = None,
         use_cache: bool = True,
         root: bytes | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> int:
         """A new sequence's tables in every group; the tokens its prefix hit covers."""
-        tables, last = self._match(token_ids, root) if use_cache else ([[] for _ in self.groups], root)
+        tables, last = (
+            self._match(token_ids, root, images) if use_cache else ([[] for _ in self.groups], root)
+        )
         cached = len(tables[0]) * self.block_size
         if use_cache:
             self.queried_tokens += len(token_ids)
@@ -198,7 +204,7 @@ class HybridBlockManager:
         done: list[BlockManager] = []
         try:
             for g, t in zip(self.groups, tables, strict=True):
-                g.adopt(seq_id, t, last, root, max(n, cached + 1))
+                g.adopt(seq_id, t, last, root, max(n, cached + 1), images)
                 done.append(g)
         except NoFreeBlocksError:
             for g in done:

@@ -20,6 +20,10 @@ A model of several KV groups (kv_groups.py: layers of different windows) hands o
 dict per group: each group gets its own slots, block tables and CPU plan, and each layer reads
 its group's (AttentionMetadata.groups).
 
+Images (a model that sees): the engine's encoder step hands the rows image placeholders take and
+their positions in the packed step (engine/encoder_step.py); they take those tokens' embeddings
+(`CausalLM.forward`'s `image_rows`). Such a step is never a static or fused decode step.
+
 Pooling (embedding requests): their rows never reach the LM head. A chunk hands back the
 fp32 sum of its hidden states (`mean`, summed over chunks by the request) or, in the step
 where the sequence catches up, its last row (`last`).
@@ -48,6 +52,8 @@ log = logging.getLogger(__name__)
 
 #: the block tables a step reads: seq_id -> table, or one such dict per KV group (kv_groups.py)
 Tables = dict[int, list[int]] | list[dict[int, list[int]]]
+#: a step's image rows: (their positions in the packed step [k], rows [k, hidden]; encoder_step.py)
+ImageRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -184,13 +190,14 @@ class ModelRunner:
         block_tables: Tables,
         prompt_logprobs: dict[int, int] | None = None,  # seq_id -> top N, for those that want them
         pooling: dict[int, str] | None = None,  # seq_id -> "last" | "mean": embedding requests
+        images: ImageRows | None = None,  # the rows image placeholders take (engine/encoder_step.py)
     ) -> ModelOutput:
         """Forward every scheduled token and sample every sequence that caught up with its
         tokens (embedding requests aside: a sequence that verifies k drafts samples k + 1 rows,
         in order; an n > 1 choice forking from it samples its first row too), the prompt
         logprobs of the sequences in `prompt_logprobs` and the pooled chunks of those in
         `pooling`: all on the device, then one copy back."""
-        step = self.forward(scheduled, block_tables, prompt_logprobs, pooling)
+        step = self.forward(scheduled, block_tables, prompt_logprobs, pooling, images)
         return self.finish(step, to_host(step.parts, self.device))
 
     def forward(
@@ -199,12 +206,14 @@ class ModelRunner:
         block_tables: Tables,
         prompt_logprobs: dict[int, int] | None = None,
         pooling: dict[int, str] | None = None,
+        images: ImageRows | None = None,
     ) -> DeviceStep:
         """The step's device part: inputs to every result it copies back, reading none."""
-        if self.static is not None and not prompt_logprobs and not pooling and self.static.takes(scheduled):
+        plain = not prompt_logprobs and not pooling and images is None
+        if self.static is not None and plain and self.static.takes(scheduled):
             logits = self.static.run(scheduled, block_tables)  # queued; the host prepares meanwhile
             return self._tokens(DeviceStep(*self._token_rows([seq for seq, _ in scheduled])), logits)
-        hidden, sampling, sample_at = self.model_pass(scheduled, block_tables, pooling)
+        hidden, sampling, sample_at = self.model_pass(scheduled, block_tables, pooling, images)
         return self.after_forward(hidden, scheduled, sampling, sample_at, prompt_logprobs, pooling)
 
     def model_pass(
@@ -212,11 +221,14 @@ class ModelRunner:
         scheduled: list[tuple[Sequence, int]],
         block_tables: Tables,
         pooling: dict[int, str] | None = None,
+        images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, list[Sequence], list[list[int]]]:
         """The forward pass over every scheduled token: hidden states [num_tokens, hidden] (on
         CUDA still being computed), the sequences that sample and, for each, its packed rows."""
         ids, pos, meta, rows, sample_at = self._prepare(scheduled, block_tables)
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        if images is not None:
+            images = images[0].to(self.device), images[1].to(self.device, self.dtype)
+        hidden = self.model(ids, pos, self.kv_caches, meta, images)  # [num_tokens, hidden]
         if pooling:
             keep = [k for k, i in enumerate(rows) if scheduled[i][0].seq_id not in pooling]
             rows, sample_at = [rows[k] for k in keep], [sample_at[k] for k in keep]

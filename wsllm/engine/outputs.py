@@ -70,6 +70,11 @@ class EngineStats:
     # windowed group's given-back blocks not counted) and the device KV cache's bytes in all
     kv_bytes_used: int = 0
     kv_bytes_total: int = 0
+    # A model that sees (engine/encoder_cache.py): images the encoder ran for, images served by
+    # the encoder cache, its bytes now (an image whose placeholders hit the prefix cache is neither)
+    encoder_runs: int = 0
+    encoder_hits: int = 0
+    encoder_cache_bytes: int = 0
 
 
 __all__ = ["CompletionOutput", "EngineStats", "RequestOutput"]

@@ -184,6 +184,7 @@ class Scheduler:
         child.first_scheduled_time = parent.first_scheduled_time
         child.priority, child.tenant = parent.priority, parent.tenant
         child.cache_root, child.lora = parent.cache_root, parent.lora  # a recompute keeps both
+        child.images, child.image_spans = parent.images, parent.image_spans  # and its images
         child.status = SeqStatus.RUNNING
         self.running.append(child)
 
@@ -291,9 +292,11 @@ class Scheduler:
             tokens = seq.token_ids
             first = budget.fit(seq)[0]  # no cache hit: the most it computes now
             use_cache = not seq.params.needs_every_position  # prompt logprobs, mean pooling
-            if first == 0 or not self.bm.can_allocate(tokens, first, use_cache, seq.cache_root):
+            if first == 0 or not self.bm.can_allocate(
+                tokens, first, use_cache, seq.cache_root, seq.image_spans
+            ):
                 break
-            cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache, seq.cache_root)
+            cached = self.bm.allocate(seq.seq_id, tokens, first, use_cache, seq.cache_root, seq.image_spans)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from wsllm.prefix_hash import ImageSpan
+from wsllm.prompt_image import PromptImage
 from wsllm.types import ERR_INTERNAL, ERR_INVALID_REQUEST, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 _ids = itertools.count()
@@ -72,6 +74,10 @@ class Sequence:
     # The prefix cache's namespace: its chains start here (prefix_hash.cache_root; None: the
     # common root). Sequences of different roots never share a cached block.
     cache_root: bytes | None = None
+    # Its prompt's images (a model that sees: engine/encoder_step.py reads their files) and
+    # their spans as the prefix cache keys the blocks holding their placeholders
+    images: tuple[PromptImage, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
     # The LoRA adapter its rows run under (models/lora.py: LoraAdapter; None: the base)
     lora: Any = None
     # Structured output: an llguidance LLMatcher that has consumed exactly output_token_ids

@@ -51,7 +51,7 @@ class GroupSwap:
         cpu = self._tables.pop(seq.seq_id)
         dev = iter(bm.take_blocks(sum(c >= 0 for c in cpu)))
         table = [next(dev) if c >= 0 else bm.null for c in cpu]
-        bm.set_table(seq.seq_id, table, seq.cache_root)
+        bm.set_table(seq.seq_id, table, seq.cache_root, seq.image_spans)
         self._free.extend(c for c in reversed(cpu) if c >= 0)
         return [(d + self.dev_offset, c + self.cpu_offset) for d, c in zip(table, cpu, strict=True) if c >= 0]
 

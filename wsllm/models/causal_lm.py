@@ -52,6 +52,9 @@ class CausalLM(nn.Module):
         # (tests compare the two; bench/profile_step.py --fused off).
         self.fused_decode = True
         self._stack: tuple[Any, ...] | None = None  # (kv_caches, their first tensor, stack or None)
+        # A model that sees: its family's image side (models/vision/__init__.py, `ImageSide`), which
+        # the loader builds; not a submodule (the text model's passes, quantization, LoRA skip it)
+        self.image_side: Any = None
 
     def forward(
         self,
@@ -59,14 +62,21 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        # a step's image rows: (packed positions [k], rows [k, hidden]) that take the place of
+        # those tokens' embeddings (the encoder's output at its placeholders: engine/encoder_step.py)
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # hidden states [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
+        if image_rows is not None:
+            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         plan = meta.cpu_plan
         plans = [m.cpu_plan for m in meta.groups] if meta.groups else [plan]  # one per KV group
-        if self.fused_decode and all(
-            p is not None and not p.prefills and p.decode_tables is not None for p in plans
+        if (
+            image_rows is None
+            and self.fused_decode
+            and all(p is not None and not p.prefills and p.decode_tables is not None for p in plans)
         ):
             stack = self._decode_stack(kv_caches, x.dtype)
             lora = meta.lora  # its adapters' native weights and rows go in with the layers

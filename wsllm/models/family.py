@@ -39,6 +39,10 @@ class Family:
     # a vision family's image-side tensors, by the prefix of their names once "model." goes
     # (vision_model., connector.): not the text model's (wsllm/models/vision/)
     image_side: tuple[str, ...] = ()
+    # a vision family's image side, built from (its config.json, its directory, its image-side
+    # tensors, the text model's device and dtype): the engine's hook (models/vision/__init__.py,
+    # `ImageSide`); None from it: this checkpoint cannot see (no image processor's config)
+    vision: Callable[..., Any] | None = None
     # the checkpoint's tensors (renamed) -> the shared layers' tensors, where the family stores them
     # otherwise (gpt-oss's transposed, interleaved experts; its MXFP4 blocks and scales)
     hf_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]] | None = (

@@ -1,12 +1,15 @@
 """SmolVLM (Idefics3): a Llama text model behind a SigLIP image side. The family reads its
 `text_config` as a Llama's and renames `text_model.*` to the shared layers' names; the
 image side's tensors (`vision_model.*`, `connector.*`) are not the text model's and are
-left to the image side (wsllm/models/vision/idefics3.py). Until the engine's image path
-is wired, a SmolVLM checkpoint serves text (docs/vision.md)."""
+the image side's (wsllm/models/vision/idefics3.py: `image_side`, the family's `vision`
+hook), which the loader builds beside the text model (docs/vision.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from wsllm.models.config import ModelConfig, hf_base
 from wsllm.models.family import Family
@@ -18,6 +21,18 @@ def config(cfg: dict[str, Any]) -> ModelConfig:
     return hf_base(text, "idefics3")
 
 
+def vision(
+    cfg: dict[str, Any],
+    model_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Any:
+    from wsllm.models.vision.idefics3 import image_side  # Pillow and the encoder: only for a model that sees
+
+    return image_side(cfg, model_dir, tensors, device, dtype)
+
+
 FAMILY = Family(
     name="idefics3",
     config=config,
@@ -25,4 +40,5 @@ FAMILY = Family(
     model_types=("idefics3",),
     hf_renames=((r"^text_model\.", ""),),
     image_side=("vision_model.", "connector."),
+    vision=vision,
 )

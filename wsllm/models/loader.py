@@ -259,8 +259,18 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Cau
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    text = ((n, t) for n, t in _iter_weights(model_dir) if not family.is_image_side(n))
-    model.load_weights(family.weights(text))
+    image: dict[str, torch.Tensor] = {}  # the image side's tensors, set aside for it
+
+    def text() -> Iterator[tuple[str, torch.Tensor]]:
+        for n, t in _iter_weights(model_dir):
+            if family.is_image_side(n):
+                image[n] = t
+            else:
+                yield n, t
+
+    model.load_weights(family.weights(text()))
+    if family.vision is not None:  # a model that sees: its encoder on the text model's device and dtype
+        model.image_side = family.vision(hf, model_dir, image, device, dtype)
     from wsllm.models.rope import rotary_cache
 
     model.cos_sin_cache = rotary_cache(cfg).to(device)  # stays fp32

@@ -11,12 +11,16 @@ named as HF's `model.vision_model.*` and `model.connector.*` without the `model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from wsllm.models.vision import idefics3_pixels
+from wsllm.models.vision.idefics3_pixels import PixelSpec
 from wsllm.models.vision.siglip import SiglipConfig, VisionTransformer
 
 #: a checkpoint tensor's prefix -> the module's (the text model's tensors are not ours)
@@ -93,3 +97,41 @@ class Idefics3Vision(nn.Module):
             raise ValueError(f"a tile is {side}x{side} pixels, got {tuple(pixels.shape[-2:])}")
         out = self.connector(self.vision_model(pixels))
         return out.reshape(-1, out.shape[-1])
+
+
+class Idefics3ImageSide:
+    """SmolVLM's `ImageSide` (wsllm/models/vision/__init__.py): tiles from a file, the
+    encoder over every tile of the step at once."""
+
+    def __init__(self, vision: Idefics3Vision, spec: PixelSpec) -> None:
+        self.vision, self.spec = vision, spec
+        self.image_token_id = vision.cfg.image_token_id
+
+    def prepare(self, file: bytes) -> torch.Tensor:  # -> [tiles, 3, tile, tile] fp32
+        return idefics3_pixels.tiles(idefics3_pixels.rgb(file), self.spec)
+
+    def encode(self, prepared: list[torch.Tensor]) -> list[torch.Tensor]:
+        p = next(self.vision.parameters())
+        with torch.no_grad():
+            rows = self.vision(torch.cat(prepared).to(p.device, p.dtype))  # [all tiles * per tile, hidden]
+        per_tile = self.vision.cfg.tokens_per_tile
+        return list(rows.split([t.shape[0] * per_tile for t in prepared]))
+
+
+def image_side(
+    cfg: dict[str, Any],
+    model_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Idefics3ImageSide | None:
+    """A SmolVLM checkpoint's image side on the text model's device and dtype; None when its
+    directory has no image processor's config (the gateway then says it cannot see)."""
+    pre = model_dir / "preprocessor_config.json"
+    if not pre.exists() or not tensors:
+        return None
+    vision = Idefics3Vision.from_hf(cfg)
+    vision.load_hf({k if k.startswith("model.") else "model." + k: v for k, v in tensors.items()})
+    vision = vision.to(device, dtype).eval()
+    spec = PixelSpec.from_hf(json.loads(pre.read_text()), vision.cfg.tokens_per_tile)
+    return Idefics3ImageSide(vision, spec)
