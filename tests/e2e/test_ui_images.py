@@ -194,8 +194,7 @@ def test_chips_and_thumbnails_fit_and_pass_axe(ui, size: tuple[int, int], scheme
 
 def test_an_answer_about_an_image_streams_from_a_model_that_sees(ui_vlm) -> None:
     """The tiny SmolVLM's card says it sees: no warning; the image goes with the question, the
-    message shows its thumbnail, and an answer streams. Until the engine reads images it refuses
-    the request ("this engine does not read images yet"): then this test is an expected failure."""
+    message shows its thumbnail, and an answer streams."""
     ui = ui_vlm
     page = ui.page()
     frames = ui.record_frames(page)
@@ -211,8 +210,6 @@ def test_an_answer_about_an_image_streams_from_a_model_that_sees(ui_vlm) -> None
     }
     answer = ui.last_answer(page)
     expect(answer).to_have_attribute("data-status", re.compile("done|stopped|error"), timeout=30_000)
-    if "cannot read images yet" in answer.locator(".msg-error").inner_text():
-        pytest.xfail("the engine does not read images yet (issue 48: the encoder step's wiring)")
     expect(answer).to_have_attribute("data-status", "done")
     assert answer.locator(".msg-body").inner_text().strip()  # words streamed
     ui.assert_no_errors(page)
