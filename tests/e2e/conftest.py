@@ -392,54 +392,10 @@ def ui_narrow(browser: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
         srv.stop()
 
 
-# SmolVLM's chat template: each content a list of parts, an image written as <image>.
-VLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="session")
-def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
-    """A random-weight SmolVLM (Idefics3, built by transformers from its config) with SmolLM2's
-    tokenizer and Idefics3's tokens, its chat template and processor configs: 32-pixel tiles of
-    4 `<image>` tokens, an image resized to a longest edge of 64 (at most 2 x 2 tiles)."""
-    import torch
-    import transformers
-
-    from wsllm.image_tiles import AROUND, GLOBAL, IMAGE
-
-    out = tmp_path_factory.mktemp("tiny-vlm")
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(smollm_dir))
-    grid = [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
-    tok.add_special_tokens(
-        {"additional_special_tokens": [AROUND, IMAGE, GLOBAL, "<end_of_utterance>", *grid]}
-    )
-    tok.chat_template = VLM_TEMPLATE
-    tok.save_pretrained(str(out))
-    pre = {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 64}, "resample": 1}
-    (out / "preprocessor_config.json").write_text(json.dumps(pre | {"max_image_size": {"longest_edge": 32}}))
-    (out / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
-    text = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 1}
-    cfg = transformers.Idefics3Config(
-        vision_config=vision | {"image_size": 32, "patch_size": 8},
-        text_config=text | {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok)},
-        scale_factor=2,
-        image_token_id=tok.convert_tokens_to_ids(IMAGE),
-    )
-    torch.manual_seed(0)
-    transformers.Idefics3ForConditionalGeneration(cfg).save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture
-def ui_vlm(browser: Any, tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ui]:
-    """`ui` on a `wsllm serve` of the tiny SmolVLM (started for the test that asks for it)."""
-    srv = ServerProcess(tiny_vlm_dir, free_port(), tmp_path_factory.mktemp("ui-vlm") / "server.log")
+def ui_vlm(browser: Any, tiny_smolvlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ui]:
+    """`ui` on a `wsllm serve` of the tiny SmolVLM (tests/tiny_vlm.py; started for the test that asks for it)."""
+    srv = ServerProcess(tiny_smolvlm_dir, free_port(), tmp_path_factory.mktemp("ui-vlm") / "server.log")
     srv.start()
     try:
         yield from _ui_on(browser, srv)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image as PILImage
+from tiny_vlm import SMOLVLM_TEMPLATE as TEMPLATE
 
 from wsllm.broker.base import TOKENIZER_FILES
 from wsllm.image_tiles import AROUND, GLOBAL, IMAGE, Tiling
@@ -132,16 +133,6 @@ def test_a_smolvlm_checkpoint_serves_its_text_as_hf_generates(tmp_path: Path, sm
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert got.token_ids == want[0, len(prompt) :].tolist()
-
-
-# SmolVLM's chat template: each content a list of parts, an image written as <image>
-TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
